@@ -1,0 +1,440 @@
+"""build-index: stream a corpus into a sharded suffix-array index, resumably.
+
+Phases (each with a progress bar):
+  1. tokenizer  copy --tokenizer, or train one on a bounded sample of the corpus
+  2. tokenize   documents in input order, encoded by a pool of workers, packed into shards of
+                at most --shard-tokens positions; each full shard is written and indexed
+                (suffix array, block maxima) and marked done with the input cursor after it
+  3. finalize   LMDB document metadata and manifest, written from scratch
+
+Output depends only on the inputs and the options that shape it (tokenizer, vocab size, shard
+size), never on --workers or on interruptions: a build killed at any point and rerun with the
+same command resumes after the last contiguous completed shard and ends byte-identical to an
+uninterrupted one (build-report.json, which holds timings, is the one file that differs).
+Memory stays bounded by one shard plus the in-flight encoding window.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import resource
+import shutil
+import time
+from collections import Counter, deque
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from index import format as fmt
+from index import meta as meta_store
+from index.errors import BuildError
+
+from . import readers
+from . import sa as sa_mod
+from . import tokenizer as tok_mod
+
+_EXAMPLES = 5  # example paths kept per skip reason in the report
+_STATE = "build-state.json"
+_REPORT = "build-report.json"
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    inputs: tuple[str, ...]
+    out: str
+    tokenizer: str | None = None
+    vocab_size: int = 32000
+    shard_tokens: int = 1 << 30
+    workers: int = field(default_factory=lambda: os.cpu_count() or 1)
+    tokenizer_sample_bytes: int = 64 << 20
+    executor: str = "local"
+    ray_address: str | None = None
+    progress: bool = True
+
+    def identity(self) -> dict:
+        """The options that determine the bytes of the index (not workers, not executor)."""
+        tok = None
+        if self.tokenizer:
+            try:
+                tok = hashlib.blake2b(Path(self.tokenizer).read_bytes(), digest_size=16).hexdigest()
+            except OSError as e:
+                raise BuildError(f"cannot read tokenizer model {self.tokenizer}: {e.strerror}") from None
+        return {
+            "format_version": fmt.FORMAT_VERSION,
+            "inputs": list(self.inputs),
+            "tokenizer_digest": tok,
+            "vocab_size": None if tok else self.vocab_size,
+            "shard_tokens": self.shard_tokens,
+            "tokenizer_sample_bytes": None if tok else self.tokenizer_sample_bytes,
+        }
+
+
+@dataclass
+class Cursor:
+    """Position in the input stream: next file, next record in it, next part of that record."""
+
+    file: int = 0
+    record: int = 0
+    part: int = 0
+
+    def key(self) -> tuple[int, int, int]:
+        return (self.file, self.record, self.part)
+
+
+@dataclass
+class SkipStats:
+    counts: Counter = field(default_factory=Counter)
+    examples: dict = field(default_factory=dict)
+
+    def add(self, s: readers.Skip) -> None:
+        reason = s.reason.split(":")[0]
+        self.counts[reason] += 1
+        ex = self.examples.setdefault(reason, [])
+        if len(ex) < _EXAMPLES:
+            ex.append(s.source if s.record <= 0 else f"{s.source}#{s.record}")
+
+    def to_json(self) -> dict:
+        return {"counts": dict(sorted(self.counts.items())), "examples": dict(sorted(self.examples.items()))}
+
+    @classmethod
+    def from_json(cls, d: dict) -> SkipStats:
+        return cls(Counter(d["counts"]), {k: list(v) for k, v in d["examples"].items()})
+
+
+# ---- encoding workers ------------------------------------------------------------------------
+
+_SP = None  # the worker's tokenizer, set by _init_worker from the model bytes it is given
+
+
+def _init_worker(model: bytes) -> None:
+    global _SP
+    import sentencepiece as spm
+
+    _SP = spm.SentencePieceProcessor()
+    _SP.LoadFromSerializedProto(model)
+
+
+def _encode(texts: list[str]) -> list[np.ndarray]:
+    return [np.asarray(ids, dtype=np.uint32) for ids in _SP.encode(texts)]  # type: ignore[union-attr]
+
+
+class _Encoder:
+    """Encodes batches of texts in order with a bounded number of batches in flight."""
+
+    def __init__(self, model: bytes, workers: int):
+        self.workers = workers
+        if workers > 1:
+            self.pool = mp.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=(model,))
+        else:
+            _init_worker(model)
+            self.pool = None
+
+    def map(self, batches: Iterator[tuple[object, list[str]]]) -> Iterator[tuple[object, list[np.ndarray]]]:
+        if self.pool is None:
+            for tag, texts in batches:
+                yield tag, _encode(texts)
+            return
+        window: deque = deque()
+        for tag, texts in batches:
+            window.append((tag, self.pool.apply_async(_encode, (texts,))))
+            if len(window) >= 4 * self.workers:
+                t, r = window.popleft()
+                yield t, r.get()
+        while window:
+            t, r = window.popleft()
+            yield t, r.get()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
+
+
+# ---- the build -------------------------------------------------------------------------------
+
+
+def _peak_rss_mb() -> float:
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return max(own, kids) / 1024
+
+
+def _prepare_out(cfg: BuildConfig) -> Path:
+    out = Path(cfg.out)
+    ident = cfg.identity()
+    state = out / _STATE
+    if out.exists() and any(out.iterdir()):
+        if not state.exists():
+            if (out / "manifest.json").exists():
+                raise BuildError(f"output directory {out} holds a different teragram index (no build state); choose another --out")
+            raise BuildError(f"output directory {out} is not empty and holds no teragram build; choose another --out")
+        old = fmt.read_json(state)
+        if old != ident:
+            raise BuildError(f"output directory {out} holds a different index (built with other inputs or options); choose another --out")
+        for tmp in out.rglob(".*.tmp-*"):
+            tmp.unlink()
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        fmt.write_json(state, ident)
+    (out / "shards").mkdir(exist_ok=True)
+    return out
+
+
+def _doc_stream(files: list[Path], start: Cursor) -> Iterator[tuple[Cursor, readers.Doc | readers.Skip]]:
+    """Documents and skips from the cursor on, in input order (records before it are read past)."""
+    for fi in range(start.file, len(files)):
+        for item in readers.read_file(files[fi]):
+            if fi == start.file and 0 <= item.record < start.record:
+                continue
+            yield Cursor(fi, item.record, 0), item
+
+
+def _train_tokenizer(cfg: BuildConfig, files: list[Path], dst: Path) -> None:
+    if cfg.tokenizer:
+        tok_mod.load(cfg.tokenizer)  # validates
+        shutil.copyfile(cfg.tokenizer, dst.with_name(".tokenizer.model.tmp"))
+        os.replace(dst.with_name(".tokenizer.model.tmp"), dst)
+        return
+    total = min(cfg.tokenizer_sample_bytes, sum(f.stat().st_size for f in files))
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenizer sample", disable=not cfg.progress)
+
+    def texts() -> Iterator[str]:
+        for _, doc in _doc_stream(files, Cursor()):
+            if isinstance(doc, readers.Doc):
+                bar.update(len(doc.text))
+                yield doc.text
+
+    model = tok_mod.train(texts(), cfg.vocab_size, sample_bytes=cfg.tokenizer_sample_bytes, threads=max(1, cfg.workers))
+    bar.close()
+    tmp = dst.with_name(".tokenizer.model.tmp")
+    tmp.write_bytes(model)
+    os.replace(tmp, dst)
+
+
+def _completed_shards(out: Path) -> list[dict]:
+    """Markers of shards 0..k-1, the longest contiguous run of completed shards."""
+    done = []
+    while True:
+        m = fmt.shard_marker(out, len(done))
+        if not m.exists():
+            return done
+        rec = fmt.read_json(m)
+        ok = all((out / f["path"]).exists() and (out / f["path"]).stat().st_size == f["size"] for f in rec["files"])
+        if not ok:
+            return done
+        done.append(rec)
+
+
+class _ShardWriter:
+    """Collects encoded documents into shards; writes, indexes and marks each one."""
+
+    def __init__(self, out: Path, shard: int, dtype: np.dtype, vocab: int, shard_tokens: int, skips: SkipStats):
+        self.out, self.shard, self.dtype, self.vocab, self.cap = out, shard, dtype, vocab, shard_tokens
+        self.sep = fmt.separator(dtype)
+        self.skips = skips
+        self.parts: list[np.ndarray] = []
+        self.metas: list[dict] = []
+        self.used = 0
+        self.written: list[dict] = []
+
+    def add(self, cur: Cursor, doc: readers.Doc, ids: np.ndarray) -> None:
+        """Add one document (split into parts if it alone exceeds a shard)."""
+        room = self.cap - 1  # a part plus its separator must fit an empty shard
+        pieces = [ids[i : i + room] for i in range(0, len(ids), room)] or [ids]
+        for k, piece in enumerate(pieces):
+            if k < cur.part:
+                continue
+            if self.used + len(piece) + 1 > self.cap and self.parts:
+                self.flush(Cursor(cur.file, cur.record, k))
+            self.metas.append({"source": doc.source, "record": doc.record, "part": k, "start": self.used, "length": len(piece)})
+            self.parts.append(piece)
+            self.used += len(piece) + 1
+
+    def flush(self, cursor: Cursor) -> None:
+        if not self.parts:
+            return
+        d = fmt.shard_dir(self.out, self.shard)
+        d.mkdir(parents=True, exist_ok=True)
+        tokens = np.empty(self.used, dtype=self.dtype)
+        starts = np.empty(len(self.parts) + 1, dtype=np.uint64)
+        pos = 0
+        for i, p in enumerate(self.parts):
+            starts[i] = pos
+            tokens[pos : pos + len(p)] = p
+            tokens[pos + len(p)] = self.sep
+            pos += len(p) + 1
+        starts[-1] = pos
+        fmt.write_array(d / "tokens.bin", "tokens", tokens)
+        fmt.write_array(d / "docs.bin", "docs", starts)
+        meta_path = d / "docs.jsonl"
+        tmp = meta_path.with_name(".docs.jsonl.tmp")
+        with open(tmp, "w") as f:
+            for m in self.metas:
+                f.write(json.dumps(m, sort_keys=True) + "\n")
+        os.replace(tmp, meta_path)
+        stats = sa_mod.write_shard_arrays(d, tokens, self.sep, self.vocab)
+        files = [asdict(fmt.file_record(self.out, d / n)) for n in fmt.SHARD_FILES]
+        marker = {
+            "shard": self.shard,
+            "n_docs": len(self.parts),
+            "n_tokens": int(pos - len(self.parts)),
+            "n_positions": int(pos),
+            **stats,
+            "files": files,
+            "cursor": asdict(cursor),
+            "skips": self.skips.to_json(),
+        }
+        fmt.write_json(fmt.shard_marker(self.out, self.shard), marker)
+        self.written.append(marker)
+        self.shard += 1
+        self.parts, self.metas, self.used = [], [], 0
+
+
+def _batches(stream: Iterator[tuple[Cursor, readers.Doc | readers.Skip]], batch_chars: int = 1 << 20) -> Iterator[tuple[list, list[str]]]:
+    """Groups of (cursor, item) with the texts of their documents, about batch_chars each."""
+    tags: list = []
+    texts: list[str] = []
+    size = 0
+    for cur, item in stream:
+        tags.append((cur, item))
+        if isinstance(item, readers.Doc):
+            texts.append(item.text)
+            size += len(item.text)
+        if size >= batch_chars:
+            yield tags, texts
+            tags, texts, size = [], [], 0
+    if tags:
+        yield tags, texts
+
+
+def build(cfg: BuildConfig) -> dict:
+    """Run (or resume) a build; returns the build report."""
+    if cfg.shard_tokens < 2:
+        raise BuildError("--shard-tokens must be at least 2")
+    t0 = time.time()
+    files = readers.walk(list(cfg.inputs))
+    if not files:
+        raise BuildError("no input files found")
+    out = _prepare_out(cfg)
+    timings: dict[str, float] = {}
+
+    tok_path = out / "tokenizer.model"
+    if not tok_path.exists():
+        _train_tokenizer(cfg, files, tok_path)
+    timings["tokenizer_s"] = time.time() - t0
+    sp = tok_mod.load(tok_path)
+    vocab = sp.get_piece_size()
+    dtype = fmt.token_dtype(vocab)
+
+    # phase 2: resume after the last contiguous completed shard
+    done = _completed_shards(out)
+    start = Cursor(**done[-1]["cursor"]) if done else Cursor()
+    skips = SkipStats.from_json(done[-1]["skips"]) if done else SkipStats()
+    t1 = time.time()
+    writer = _ShardWriter(out, len(done), dtype, vocab, cfg.shard_tokens, skips)
+    total_bytes = sum(f.stat().st_size for f in files)
+    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenize+index", disable=not cfg.progress)
+    bar.update(sum(f.stat().st_size for f in files[: start.file]))
+    enc = _Encoder(tok_path.read_bytes(), cfg.workers)
+    last_file = start.file
+    try:
+        for tags, encoded in enc.map(_batches(_doc_stream(files, start))):
+            it = iter(encoded)
+            for cur, item in tags:
+                if cur.file != last_file:
+                    bar.update(sum(f.stat().st_size for f in files[last_file : cur.file]))
+                    last_file = cur.file
+                if isinstance(item, readers.Skip):
+                    skips.add(item)  # counted in stream order, so a marker's counts match its cursor
+                    continue
+                if (cur.file, cur.record) == (start.file, start.record):
+                    cur = Cursor(cur.file, cur.record, start.part)
+                writer.add(cur, item, next(it))
+        writer.flush(Cursor(len(files), 0, 0))
+    finally:
+        enc.close()
+    bar.update(total_bytes - bar.n)
+    bar.close()
+    timings["tokenize_index_s"] = time.time() - t1
+
+    # phase 3: metadata and manifest, from scratch
+    t2 = time.time()
+    markers = _completed_shards(out)
+    manifest = _finalize(cfg, out, sp, dtype, markers, skips)
+    timings["finalize_s"] = time.time() - t2
+    timings["total_s"] = time.time() - t0
+    report = {
+        "timings": timings,
+        "peak_rss_mb": _peak_rss_mb(),
+        "workers": cfg.workers,
+        "resumed_from_shard": len(done),
+        "counts": manifest["counts"],
+        "skipped": manifest["skipped"],
+    }
+    fmt.write_json(out / _REPORT, report)
+    return report
+
+
+def _finalize(cfg: BuildConfig, out: Path, sp, dtype: np.dtype, markers: list[dict], skips: SkipStats) -> dict:
+    shards = []
+    first_doc = 0
+    for m in markers:
+        shards.append(
+            {k: m[k] for k in ("shard", "n_docs", "n_tokens", "n_positions", "sa_entries", "sa_width", "files")} | {"first_doc": first_doc}
+        )
+        first_doc += m["n_docs"]
+    tok_rec = asdict(fmt.file_record(out, out / "tokenizer.model"))
+    manifest = {
+        "format_version": fmt.FORMAT_VERSION,
+        "tokenizer": {"file": tok_rec, "vocab_size": sp.get_piece_size(), "eos_id": tok_mod.eos_id(sp)},
+        "token_dtype": dtype.name,
+        "separator": fmt.separator(dtype),
+        "counts": {
+            "shards": len(shards),
+            "docs": first_doc,
+            "tokens": sum(s["n_tokens"] for s in shards),
+            "positions": sum(s["n_positions"] for s in shards),
+        },
+        "shards": shards,
+        "build": cfg.identity(),
+        "skipped": skips.to_json(),
+    }
+    bar = tqdm(total=first_doc, unit="doc", desc="metadata", disable=not cfg.progress)
+    meta_store.write(out, markers, manifest, progress=bar.update)
+    bar.close()
+    fmt.write_json(out / "manifest.json", manifest)
+    return manifest
+
+
+def build_from_ids(docs: list[np.ndarray], out: str | Path, tokenizer_model: str | Path, *, shard_tokens: int = 1 << 30) -> dict:
+    """Index already-tokenized documents (ids in the tokenizer's vocabulary) into a fresh `out`.
+
+    For tests and benchmarks that need an index of exact token sequences (random texts with a
+    small alphabet, or the same ids given to infini-gram's indexer). Not resumable.
+    """
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise BuildError(f"output directory {out} is not empty")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "shards").mkdir()
+    shutil.copyfile(tokenizer_model, out / "tokenizer.model")
+    sp = tok_mod.load(out / "tokenizer.model")
+    vocab = sp.get_piece_size()
+    dtype = fmt.token_dtype(vocab)
+    cfg = BuildConfig(inputs=("<ids>",), out=str(out), tokenizer=str(tokenizer_model), shard_tokens=shard_tokens, progress=False)
+    fmt.write_json(out / _STATE, cfg.identity())
+    skips = SkipStats()
+    writer = _ShardWriter(out, 0, dtype, vocab, shard_tokens, skips)
+    for i, ids in enumerate(docs):
+        ids = np.asarray(ids)
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+            raise BuildError(f"document {i}: ids outside the vocabulary [0, {vocab})")
+        writer.add(Cursor(0, i, 0), readers.Doc("<ids>", i, ""), ids)
+    writer.flush(Cursor(1, 0, 0))
+    return _finalize(cfg, out, sp, dtype, _completed_shards(out), skips)

@@ -1,0 +1,67 @@
+"""`build-index CORPUS... --out IDX` (also `teragram build`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from index.errors import TeragramError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("corpus", nargs="+", help="files or directories (recursive): txt, jsonl, parquet, optionally .gz/.zst")
+    p.add_argument("--out", required=True, help="index directory to create (or resume)")
+    p.add_argument("--tokenizer", help="existing sentencepiece .model to use instead of training one")
+    p.add_argument("--vocab-size", type=int, default=32000, help="vocabulary of the trained tokenizer (default 32000)")
+    p.add_argument("--shard-tokens", type=int, default=1 << 30, help="max token positions per shard (default 2^30)")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizer processes (default: all cores)")
+    p.add_argument("--tokenizer-sample-mb", type=int, default=64, help="text sampled to train the tokenizer (MB)")
+    p.add_argument("--executor", choices=["local", "ray"], default="local")
+    p.add_argument("--ray-address", help="Ray cluster address (default: start a local one)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .build import BuildConfig, build
+
+    cfg = BuildConfig(
+        inputs=tuple(args.corpus),
+        out=args.out,
+        tokenizer=args.tokenizer,
+        vocab_size=args.vocab_size,
+        shard_tokens=args.shard_tokens,
+        workers=max(1, args.workers),
+        tokenizer_sample_bytes=args.tokenizer_sample_mb << 20,
+        executor=args.executor,
+        ray_address=args.ray_address,
+        progress=not args.quiet,
+    )
+    report = build(cfg)
+    c = report["counts"]
+    t = report["timings"]
+    print(
+        f"built {args.out}: {c['docs']} documents, {c['tokens']} tokens in {c['shards']} shard(s); "
+        f"{t['total_s']:.1f}s, peak RSS {report['peak_rss_mb']:.0f} MB"
+    )
+    sk = report["skipped"]
+    if sk["counts"]:
+        print("skipped: " + ", ".join(f"{k}={v}" for k, v in sk["counts"].items()))
+        for reason, ex in sk["examples"].items():
+            print(f"  {reason}: {', '.join(ex)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="build-index", description="Build a teragram suffix-array index from a corpus.")
+    add_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        return run(args)
+    except TeragramError as e:
+        print(f"build-index: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

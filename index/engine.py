@@ -1,0 +1,469 @@
+"""The query engine: infini-gram's operations over a sharded teragram index, exactly.
+
+Open an index once (everything is memory-mapped; nothing is loaded), then ask:
+
+    idx = Index("idx/")
+    idx.count([5, 17])                 -> CountResult(count, approx=False)
+    idx.prob([5], 17)                  -> ProbResult(prompt_cnt, cont_cnt, prob)
+    idx.ntd([5])                       -> NtdResult(prompt_cnt, result_by_token_id, approx=False)
+    idx.infgram_prob([3, 5], 17)       -> InfgramProbResult(..., suffix_len)
+    idx.infgram_ntd([3, 5])            -> InfgramNtdResult(..., suffix_len)
+    idx.longest_match([3, 5])          -> LongestMatch(length, cont, count)
+    idx.docs([3, 5], max=10)           -> DocsResult(count, docs=[...])
+    idx.score(ids)                     -> ScoreResult: per-position features in one pass
+
+Semantics are infini-gram's (its package is the test oracle) on the same token stream:
+  * count(ids): occurrences of the n-gram; no occurrence spans two documents. The empty
+    n-gram counts every position including one per document end: tokens + documents.
+  * prob = count(prompt + [cont]) / count(prompt), -1.0 when the prompt does not occur.
+  * ntd(prompt): count of each token following the prompt; a document end is reported as
+    the tokenizer's EOS id (infini-gram reports its eos_token_id there).
+  * infgram_*: the same on the longest suffix of the prompt that occurs (suffix_len).
+Where infini-gram approximates (ntd of prompts occurring more than max_support = 1000
+times, by sampling the suffix array), teragram is exact: in a suffix array the occurrences
+of a prompt are sorted by the token that follows, so each distinct next token is one
+contiguous block whose end a galloping search finds; ntd costs O(k log count) for k distinct
+next tokens, never O(count). ``approx`` is therefore always False.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+
+from . import format as fmt
+from . import kernels as K
+from .errors import IndexFormatError, QueryError
+
+
+@dataclass(frozen=True)
+class CountResult:
+    count: int
+    approx: bool = False
+
+    def to_json(self) -> dict:
+        return {"count": self.count, "approx": self.approx}
+
+
+@dataclass(frozen=True)
+class ProbResult:
+    prompt_cnt: int
+    cont_cnt: int
+    prob: float
+
+    def to_json(self) -> dict:
+        return {"prompt_cnt": self.prompt_cnt, "cont_cnt": self.cont_cnt, "prob": self.prob}
+
+
+@dataclass(frozen=True)
+class NtdResult:
+    prompt_cnt: int
+    result_by_token_id: dict[int, tuple[int, float]]  # token -> (cont_cnt, prob)
+    approx: bool = False
+
+    def to_json(self) -> dict:
+        return {
+            "prompt_cnt": self.prompt_cnt,
+            "result_by_token_id": {t: {"cont_cnt": c, "prob": p} for t, (c, p) in self.result_by_token_id.items()},
+            "approx": self.approx,
+        }
+
+
+@dataclass(frozen=True)
+class InfgramProbResult(ProbResult):
+    suffix_len: int = 0
+
+    def to_json(self) -> dict:
+        return super().to_json() | {"suffix_len": self.suffix_len}
+
+
+@dataclass(frozen=True)
+class InfgramNtdResult(NtdResult):
+    suffix_len: int = 0
+
+    def to_json(self) -> dict:
+        return super().to_json() | {"suffix_len": self.suffix_len}
+
+
+@dataclass(frozen=True)
+class LongestMatch:
+    length: int  # longest suffix of the ids that occurs
+    cont: int  # token after its most recent occurrence (EOS at a document end; -1 if length 0)
+    count: int  # occurrences of that suffix
+
+    def to_json(self) -> dict:
+        return {"suffix_len": self.length, "cont": self.cont, "count": self.count}
+
+
+@dataclass(frozen=True)
+class DocHit:
+    doc_id: int
+    shard: int
+    offset: int  # token offset of the match inside the document
+    metadata: dict
+    snippet: str
+
+    def to_json(self) -> dict:
+        return {
+            "doc_ix": self.doc_id,
+            "shard": self.shard,
+            "needle_offset": self.offset,
+            "metadata": self.metadata,
+            "snippet": self.snippet,
+        }
+
+
+@dataclass(frozen=True)
+class DocsResult:
+    count: int
+    docs: list[DocHit]
+    approx: bool = False  # True when only the first DOCS_SCAN occurrences were looked at
+
+    def to_json(self) -> dict:
+        return {"cnt": self.count, "approx": self.approx, "documents": [d.to_json() for d in self.docs]}
+
+
+@dataclass(frozen=True)
+class ScoreResult:
+    """Per-position index features of a token sequence; position t predicts token t+1.
+
+    length   (T,) int32  longest l <= max_len with ids[t-l+1..t] in the index
+    cont     (T,) int32  token after the most recent occurrence of that suffix (EOS at a
+                         document end; -1 when length is 0)
+    count    (T,) int64  occurrences of that suffix (tokens + documents when length is 0)
+    topk_ids (T, k) int32 most frequent next tokens after the suffix (-1 padding), ties by id
+    topk_cnt (T, k) int64 their counts
+    """
+
+    length: np.ndarray
+    cont: np.ndarray
+    count: np.ndarray
+    topk_ids: np.ndarray
+    topk_cnt: np.ndarray
+
+    def to_json(self) -> dict:
+        return {k: getattr(self, k).tolist() for k in ("length", "cont", "count", "topk_ids", "topk_cnt")}
+
+
+OPS = ("count", "prob", "ntd", "infgram-prob", "infgram-ntd", "longest-match", "docs")
+DOCS_SCAN = 100_000  # occurrences examined to list matching documents
+
+
+@dataclass
+class Shard:
+    id: int
+    first_doc: int
+    tok: np.ndarray
+    starts: np.ndarray  # (n_docs + 1,) uint64
+    sa: fmt.PackedArray
+    samax: np.ndarray
+    unigram: np.ndarray
+    off2: int = field(init=False)
+    off3: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        n = self.sa.count
+        self.off2 = -(-n // fmt.SAMAX_BLOCKS[0])
+        self.off3 = self.off2 + -(-n // fmt.SAMAX_BLOCKS[1])
+
+    @property
+    def n(self) -> int:
+        return self.sa.count
+
+    def find(self, q: np.ndarray) -> tuple[int, int]:
+        return K.find(self.tok, self.sa.words, self.sa.width, self.n, q, len(q))
+
+    def blocks(self, lo: int, hi: int, d: int) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens, counts) following the interval's common prefix of length d."""
+        cap = min(hi - lo, 1 << 17)
+        while True:
+            out_t = np.empty(cap, dtype=np.int64)
+            out_c = np.empty(cap, dtype=np.int64)
+            k = K.next_token_blocks(self.tok, self.sa.words, self.sa.width, lo, hi, d, out_t, out_c) if cap >= hi - lo else -1
+            if k >= 0:
+                return out_t[:k], out_c[:k]
+            cap = hi - lo
+
+    def most_recent(self, lo: int, hi: int) -> int:
+        return int(K.range_max(self.sa.words, self.sa.width, self.samax, self.off2, self.off3, lo, hi))
+
+    def doc_of(self, pos: int) -> int:
+        return int(np.searchsorted(self.starts, pos, side="right")) - 1
+
+
+class Index:
+    """A teragram index opened for queries. Cheap to open: every array is memory-mapped."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not (self.path / "manifest.json").exists():
+            raise IndexFormatError(f"{self.path}: not a teragram index (no manifest.json)")
+        self.manifest = fmt.read_json(self.path / "manifest.json")
+        if self.manifest.get("format_version") != fmt.FORMAT_VERSION:
+            raise IndexFormatError(f"{self.path}: format version {self.manifest.get('format_version')}, expected {fmt.FORMAT_VERSION}")
+        tk = self.manifest["tokenizer"]
+        self.vocab_size: int = tk["vocab_size"]
+        self.eos_id: int = tk["eos_id"]
+        self.sep: int = self.manifest["separator"]
+        c = self.manifest["counts"]
+        self.n_tokens: int = c["tokens"]
+        self.n_docs: int = c["docs"]
+        self.n_positions: int = c["positions"]
+        self.shards = [self._open_shard(s) for s in self.manifest["shards"]]
+        self._dist_cache: dict[tuple[int, int, int, int], tuple[np.ndarray, np.ndarray]] = {}
+
+    def _open_shard(self, s: dict) -> Shard:
+        d = fmt.shard_dir(self.path, s["shard"])
+        tok = fmt.open_array(d / "tokens.bin", "tokens")
+        if tok.dtype.name != self.manifest["token_dtype"] or len(tok) != s["n_positions"]:
+            raise IndexFormatError(f"{d / 'tokens.bin'}: does not match the manifest")
+        return Shard(
+            s["shard"],
+            s["first_doc"],
+            tok,
+            fmt.open_array(d / "docs.bin", "docs"),
+            fmt.open_packed(d / "sa.bin", "sa"),
+            fmt.open_array(d / "samax.bin", "samax"),
+            fmt.open_array(d / "unigram.bin", "unigram"),
+        )
+
+    # ---- tokenizer ---------------------------------------------------------------------------
+
+    @cached_property
+    def tokenizer(self):
+        from builder import tokenizer  # the index depends on sentencepiece, not on the builder's logic
+
+        return tokenizer.load(self.path / "tokenizer.model")
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text))
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size])
+
+    @cached_property
+    def meta(self):
+        from .meta import MetaStore
+
+        return MetaStore(self.path)
+
+    # ---- validation --------------------------------------------------------------------------
+
+    def _ids(self, ids, *, allow_empty: bool, what: str = "ids") -> np.ndarray:
+        try:
+            arr = np.asarray(list(ids), dtype=np.int64)
+        except (TypeError, ValueError, OverflowError):
+            raise QueryError(f"{what} must be a list of integers") from None
+        if arr.ndim != 1:
+            raise QueryError(f"{what} must be a flat list of integers")
+        if not allow_empty and arr.size == 0:
+            raise QueryError(f"{what} must not be empty")
+        if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
+            bad = int(arr[(arr < 0) | (arr >= self.vocab_size)][0])
+            raise QueryError(f"token id {bad} outside the vocabulary [0, {self.vocab_size})")
+        return arr
+
+    def _token(self, cont, what: str = "cont") -> int:
+        if isinstance(cont, bool) or not isinstance(cont, (int, np.integer)):
+            raise QueryError(f"{what} must be an integer token id")
+        if not 0 <= int(cont) < self.vocab_size:
+            raise QueryError(f"{what} {cont} outside the vocabulary [0, {self.vocab_size})")
+        return int(cont)
+
+    # ---- operations --------------------------------------------------------------------------
+
+    def _count(self, q: np.ndarray) -> tuple[int, list[tuple[int, int]]]:
+        if q.size == 0:
+            return self.n_positions, [(0, s.n) for s in self.shards]
+        segs = [s.find(q) for s in self.shards]
+        return sum(b - a for a, b in segs), segs
+
+    def count(self, ids) -> CountResult:
+        return CountResult(self._count(self._ids(ids, allow_empty=True))[0])
+
+    def prob(self, prompt, cont) -> ProbResult:
+        q = self._ids(prompt, allow_empty=True, what="prompt")
+        return self._prob(q, self._token(cont))
+
+    def _prob(self, q: np.ndarray, cont: int) -> ProbResult:
+        prompt_cnt, _ = self._count(q)
+        if prompt_cnt == 0:
+            return ProbResult(0, 0, -1.0)
+        cont_cnt, _ = self._count(np.append(q, cont))
+        return ProbResult(prompt_cnt, cont_cnt, cont_cnt / prompt_cnt)
+
+    def _unigram(self) -> np.ndarray:
+        total = np.zeros(max(self.vocab_size, self.eos_id + 1), dtype=np.int64)
+        for s in self.shards:
+            total[: len(s.unigram)] += s.unigram.astype(np.int64)
+        total[self.eos_id] += self.n_docs
+        return total
+
+    @cached_property
+    def unigram(self) -> np.ndarray:
+        """Count of every id over all positions, document ends counted as EOS (ntd([]))."""
+        return self._unigram()
+
+    def _shard_dist(self, s: Shard, lo: int, hi: int, d: int) -> tuple[np.ndarray, np.ndarray]:
+        """Next-token histogram of one shard's interval, SEP mapped to EOS; cached when large."""
+        key = (s.id, lo, hi, d)
+        hit = self._dist_cache.get(key)
+        if hit is not None:
+            return hit
+        t, c = s.blocks(lo, hi, d)
+        if len(t) and t[-1] == self.sep:  # SEP sorts last; EOS never occurs in the stream
+            t = t.copy()
+            t[-1] = self.eos_id
+            order = np.argsort(t, kind="stable")
+            t, c = t[order], c[order]
+        if hi - lo > 256:
+            if len(self._dist_cache) > 50_000:
+                self._dist_cache.clear()
+            self._dist_cache[key] = (t, c)
+        return t, c
+
+    def _dist(self, q: np.ndarray, segs: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        if q.size == 0:
+            u = self.unigram
+            nz = np.nonzero(u)[0]
+            return nz, u[nz]
+        parts = [self._shard_dist(s, a, b, len(q)) for s, (a, b) in zip(self.shards, segs) if b > a]
+        if not parts:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        if len(parts) == 1:
+            return parts[0]
+        toks = np.concatenate([p[0] for p in parts])
+        cnts = np.concatenate([p[1] for p in parts])
+        u, inv = np.unique(toks, return_inverse=True)
+        return u, np.bincount(inv, weights=cnts).astype(np.int64)
+
+    def _ntd(self, q: np.ndarray) -> NtdResult:
+        prompt_cnt, segs = self._count(q)
+        if prompt_cnt == 0:
+            return NtdResult(0, {})
+        toks, cnts = self._dist(q, segs)
+        return NtdResult(prompt_cnt, {int(t): (int(c), int(c) / prompt_cnt) for t, c in zip(toks, cnts)})
+
+    def ntd(self, prompt) -> NtdResult:
+        return self._ntd(self._ids(prompt, allow_empty=True, what="prompt"))
+
+    def _suffix_len(self, q: np.ndarray) -> int:
+        best = 0
+        for s in self.shards:
+            if best == len(q):
+                break
+            n, _, _ = K.longest_suffix(s.tok, s.sa.words, s.sa.width, s.n, q, len(q))
+            best = max(best, int(n))
+        return best
+
+    def infgram_prob(self, prompt, cont) -> InfgramProbResult:
+        q = self._ids(prompt, allow_empty=True, what="prompt")
+        c = self._token(cont)
+        sl = self._suffix_len(q)
+        r = self._prob(q[len(q) - sl :], c)
+        return InfgramProbResult(r.prompt_cnt, r.cont_cnt, r.prob, suffix_len=sl)
+
+    def infgram_ntd(self, prompt) -> InfgramNtdResult:
+        q = self._ids(prompt, allow_empty=True, what="prompt")
+        sl = self._suffix_len(q)
+        r = self._ntd(q[len(q) - sl :])
+        return InfgramNtdResult(r.prompt_cnt, r.result_by_token_id, r.approx, suffix_len=sl)
+
+    def _cont(self, segs: list[tuple[int, int]], length: int) -> int:
+        """Token after the most recent occurrence (latest shard, largest position)."""
+        for s, (a, b) in reversed(list(zip(self.shards, segs))):
+            if b > a:
+                p = s.most_recent(a, b)
+                t = int(s.tok[p + length])
+                return self.eos_id if t == self.sep else t
+        return -1
+
+    def longest_match(self, ids) -> LongestMatch:
+        q = self._ids(ids, allow_empty=False)
+        sl = self._suffix_len(q)
+        if sl == 0:
+            return LongestMatch(0, -1, self.n_positions)
+        suf = q[len(q) - sl :]
+        cnt, segs = self._count(suf)
+        return LongestMatch(sl, self._cont(segs, sl), cnt)
+
+    def docs(self, ids, *, max: int = 10, context: int = 20) -> DocsResult:
+        q = self._ids(ids, allow_empty=False)
+        if max < 1:
+            raise QueryError("max must be a positive integer")
+        cnt, segs = self._count(q)
+        hits: list[DocHit] = []
+        approx = False
+        for s, (a, b) in zip(self.shards, segs):
+            if b <= a or len(hits) >= max:
+                continue
+            if b - a > DOCS_SCAN:
+                approx = True
+                b = a + DOCS_SCAN
+            pos = np.sort(s.sa.to_numpy(a, b))
+            docs = np.searchsorted(s.starts, pos, side="right") - 1
+            _, first = np.unique(docs, return_index=True)
+            for j in np.sort(first)[: max - len(hits)]:
+                p, d = int(pos[j]), int(docs[j])
+                ds, de = int(s.starts[d]), int(s.starts[d + 1]) - 1
+                lo, hi = max_(ds, p - context), min(de, p + len(q) + context)
+                snippet = self.decode(s.tok[lo:hi])
+                hits.append(DocHit(s.first_doc + d, s.id, p - ds, self.meta.doc(s.first_doc + d), snippet))
+        return DocsResult(cnt, hits, approx)
+
+    # ---- per-position features ---------------------------------------------------------------
+
+    def score(self, ids, *, top_k: int = 4, max_len: int = 64) -> ScoreResult:
+        """Index features for every position of a token sequence (one document), in one pass.
+
+        The same features the builder computes in bulk for held-out text (against the whole
+        index); see ScoreResult for the fields. max_len caps the match length (<= 0: uncapped).
+        """
+        q = self._ids(ids, allow_empty=True)
+        T = len(q)
+        cap = max_len if max_len > 0 else T + 1
+        per = []
+        for s in self.shards:
+            L = np.zeros(T, np.int64)
+            lo = np.zeros(T, np.int64)
+            hi = np.zeros(T, np.int64)
+            K.match_lengths(s.tok, s.sa.words, s.sa.width, s.n, q, cap, L, lo, hi)
+            per.append((L, lo, hi))
+        Ls = np.stack([p[0] for p in per]) if per else np.zeros((0, T), np.int64)
+        length = Ls.max(axis=0) if len(per) else np.zeros(T, np.int64)
+        cont = np.full(T, -1, np.int32)
+        count = np.zeros(T, np.int64)
+        topk_ids = np.full((T, top_k), -1, np.int32)
+        topk_cnt = np.zeros((T, top_k), np.int64)
+        uni = None
+        for t in range(T):
+            L = int(length[t])
+            if L == 0:
+                if uni is None:
+                    uni = _topk(*self._dist(np.zeros(0, np.int64), []), top_k)
+                count[t] = self.n_positions
+                topk_ids[t], topk_cnt[t] = uni
+                continue
+            segs = [(int(p[1][t]), int(p[2][t])) if p[0][t] == L else (0, 0) for p in per]
+            count[t] = sum(b - a for a, b in segs)
+            cont[t] = self._cont(segs, L)
+            topk_ids[t], topk_cnt[t] = _topk(*self._dist(q[t - L + 1 : t + 1], segs), top_k)
+        return ScoreResult(length.astype(np.int32), cont, count, topk_ids, topk_cnt)
+
+
+def max_(a: int, b: int) -> int:
+    return a if a > b else b
+
+
+def _topk(toks: np.ndarray, cnts: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """k most frequent (ties: smaller id first), -1/0 padded."""
+    ids = np.full(k, -1, np.int32)
+    cs = np.zeros(k, np.int64)
+    if len(toks):
+        order = np.lexsort((toks, -cnts))[:k]
+        ids[: len(order)] = toks[order]
+        cs[: len(order)] = cnts[order]
+    return ids, cs

@@ -1,0 +1,25 @@
+"""Exceptions raised by teragram's library code.
+
+The CLI prints any of these as one line (``teragram: error: ...``) and exits non-zero;
+``serve/`` maps them to 4xx responses. Anything else escaping is a bug.
+"""
+
+
+class TeragramError(Exception):
+    """Base class: an error the user can act on, with a one-line message."""
+
+
+class IndexFormatError(TeragramError):
+    """A file of the index is missing, truncated, corrupt or of another format version."""
+
+
+class QueryError(TeragramError):
+    """A query is malformed: unknown op, ids outside the vocabulary, empty where not allowed."""
+
+
+class TokenizerMismatch(TeragramError):
+    """The tokenizer given does not match the one the index was built with."""
+
+
+class BuildError(TeragramError):
+    """The build cannot proceed (missing input, output holds another index, bad tokenizer)."""

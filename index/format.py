@@ -1,0 +1,259 @@
+"""The on-disk format of a teragram index. This module alone reads and writes its files.
+
+Every binary file is a 64-byte header followed by a flat little-endian array:
+
+    offset  size  field
+    0       8     magic b"TERAGRAM"
+    8       16    kind, ASCII, NUL-padded ("tokens", "docs", "sa", "samax", "feat.len", ...)
+    24      4     format version (uint32)
+    28      8     dtype, ASCII, NUL-padded ("uint16", ..., or "packed" for bit-packed pointers)
+    36      4     element width in bits
+    40      8     element count (uint64)
+    48      12    reserved, zero
+    60      4     CRC-32 of bytes 0..59
+
+The body starts at byte 64 and is opened with ``np.memmap``; a "packed" body is a stream of
+uint64 words (see ``index/packed.py``). Opening checks magic, version, header CRC, kind, and
+that the file size is exactly header + body, so a truncated file is refused by name.
+
+Writes go to a temporary name in the same directory, are fsynced, then renamed into place;
+callers then write a completion marker (``write_json`` is atomic too). Resume trusts markers
+and recorded sizes, never the mere existence of a file.
+
+Index directory layout (FORMAT_VERSION 1):
+
+    IDX/manifest.json              build manifest (mirrors the LMDB copy), for humans
+    IDX/tokenizer.model            sentencepiece model
+    IDX/meta.lmdb/                 LMDB: per-document metadata + manifest
+    IDX/shards/NNNNNN/tokens.bin   token stream: doc0 SEP doc1 SEP ... (SEP = dtype max)
+    IDX/shards/NNNNNN/docs.bin     uint64 start offset of each document, then total length
+    IDX/shards/NNNNNN/sa.bin       packed suffix array over the non-SEP positions
+    IDX/shards/NNNNNN/samax.bin    uint32 block maxima of the suffix array (range-max queries)
+    IDX/shards/NNNNNN/unigram.bin  uint64 count of each vocabulary id in the shard
+    IDX/shards/NNNNNN/docs.jsonl   per-document metadata, the source of the LMDB store
+    IDX/shards/NNNNNN.done         completion marker: file sizes, digests, input cursor
+    IDX/features/MODE/NNNNNN/*.bin per-token features, aligned with tokens.bin
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import packed
+from .errors import IndexFormatError
+
+FORMAT_VERSION = 1
+MAGIC = b"TERAGRAM"
+HEADER_SIZE = 64
+_HEADER = struct.Struct("<8s16sI8sIQ12s")  # 60 bytes, then the CRC
+_DTYPES = {
+    "uint8": np.uint8,
+    "uint16": np.uint16,
+    "uint32": np.uint32,
+    "uint64": np.uint64,
+    "int32": np.int32,
+    "int64": np.int64,
+    "float32": np.float32,
+}
+SHARD_FILES = ("tokens.bin", "docs.bin", "docs.jsonl", "sa.bin", "samax.bin", "unigram.bin")
+# Block sizes (in suffix-array ranks) of the three levels of samax.bin.
+SAMAX_BLOCKS = (64, 4096, 262144)
+
+
+@dataclass(frozen=True)
+class Header:
+    kind: str
+    dtype: str
+    width: int
+    count: int
+
+    @property
+    def body_size(self) -> int:
+        if self.dtype == "packed":
+            return packed.n_words(self.count, self.width) * 8
+        return self.count * np.dtype(_DTYPES[self.dtype]).itemsize
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """What the manifest records of each file: checked by ``teragram verify``."""
+
+    path: str  # relative to the index directory
+    size: int
+    blake2b: str
+
+
+def encode_header(h: Header) -> bytes:
+    body = _HEADER.pack(MAGIC, h.kind.encode(), FORMAT_VERSION, h.dtype.encode(), h.width, h.count, bytes(12))
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+def decode_header(raw: bytes, name: str) -> Header:
+    if len(raw) < HEADER_SIZE:
+        raise IndexFormatError(f"{name}: truncated header ({len(raw)} bytes)")
+    magic, kind, version, dtype, width, count, _ = _HEADER.unpack(raw[:60])
+    if magic != MAGIC:
+        raise IndexFormatError(f"{name}: not a teragram file (bad magic)")
+    (crc,) = struct.unpack("<I", raw[60:64])
+    if crc != zlib.crc32(raw[:60]):
+        raise IndexFormatError(f"{name}: header checksum mismatch")
+    if version != FORMAT_VERSION:
+        raise IndexFormatError(f"{name}: format version {version}, this teragram reads {FORMAT_VERSION}")
+    dt = dtype.rstrip(b"\0").decode()
+    if dt != "packed" and dt not in _DTYPES:
+        raise IndexFormatError(f"{name}: unknown dtype {dt!r}")
+    return Header(kind.rstrip(b"\0").decode(), dt, width, count)
+
+
+def read_header(path: Path) -> Header:
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(HEADER_SIZE)
+    except FileNotFoundError:
+        raise IndexFormatError(f"{path}: missing") from None
+    h = decode_header(raw, str(path))
+    size = path.stat().st_size
+    if size != HEADER_SIZE + h.body_size:
+        raise IndexFormatError(f"{path}: size {size} != {HEADER_SIZE + h.body_size} expected from its header (truncated?)")
+    return h
+
+
+def _tmp_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def _finish(tmp: Path, path: Path) -> None:
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_array(path: Path, kind: str, arr: np.ndarray) -> None:
+    """Atomically write a flat array with its header."""
+    path = Path(path)
+    arr = np.ascontiguousarray(arr)
+    dtype = arr.dtype.name
+    if dtype not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype}")
+    h = Header(kind, dtype, arr.dtype.itemsize * 8, arr.size)
+    tmp = _tmp_name(path)
+    with open(tmp, "wb") as f:
+        f.write(encode_header(h))
+        arr.astype(arr.dtype.newbyteorder("<"), copy=False).tofile(f)
+    _finish(tmp, path)
+
+
+def write_packed(path: Path, kind: str, words: np.ndarray, width: int, count: int) -> None:
+    """Atomically write a bit-packed array (words from ``packed.pack``)."""
+    path = Path(path)
+    if words.size != packed.n_words(count, width):
+        raise ValueError("word count does not match count and width")
+    tmp = _tmp_name(path)
+    with open(tmp, "wb") as f:
+        f.write(encode_header(Header(kind, "packed", width, count)))
+        words.astype("<u8", copy=False).tofile(f)
+    _finish(tmp, path)
+
+
+def open_array(path: Path, kind: str) -> np.ndarray:
+    """Memory-map a flat array after checking its header and size."""
+    h = read_header(path)
+    if h.kind != kind:
+        raise IndexFormatError(f"{path}: holds {h.kind!r}, expected {kind!r}")
+    if h.dtype == "packed":
+        raise IndexFormatError(f"{path}: packed file opened as a flat array")
+    if h.count == 0:
+        return np.zeros(0, dtype=_DTYPES[h.dtype])
+    return np.memmap(path, dtype=np.dtype(_DTYPES[h.dtype]).newbyteorder("<"), mode="r", offset=HEADER_SIZE, shape=(h.count,))
+
+
+@dataclass(frozen=True)
+class PackedArray:
+    words: np.ndarray  # (n_words,) uint64
+    width: int
+    count: int
+
+    def __len__(self) -> int:
+        return self.count
+
+    def to_numpy(self, lo: int = 0, hi: int | None = None) -> np.ndarray:
+        return packed.unpack(self.words, self.width, self.count, lo, hi)
+
+
+def open_packed(path: Path, kind: str) -> PackedArray:
+    h = read_header(path)
+    if h.kind != kind or h.dtype != "packed":
+        raise IndexFormatError(f"{path}: holds {h.kind!r}/{h.dtype}, expected packed {kind!r}")
+    n = packed.n_words(h.count, h.width)
+    words = np.memmap(path, dtype="<u8", mode="r", offset=HEADER_SIZE, shape=(n,))
+    return PackedArray(words, h.width, h.count)
+
+
+def file_digest(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(chunk)
+            if not b:
+                break
+            h.update(b)
+    return h.hexdigest()
+
+
+def file_record(root: Path, path: Path) -> FileRecord:
+    return FileRecord(str(Path(path).relative_to(root)), Path(path).stat().st_size, file_digest(path))
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Atomically write JSON (sorted keys, so identical content gives identical bytes)."""
+    path = Path(path)
+    tmp = _tmp_name(path)
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.write("\n")
+    _finish(tmp, path)
+
+
+def read_json(path: Path) -> Any:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise IndexFormatError(f"{path}: missing") from None
+    except json.JSONDecodeError as e:
+        raise IndexFormatError(f"{path}: corrupt JSON ({e})") from None
+
+
+# ---- layout -------------------------------------------------------------------------------
+
+
+def shard_dir(root: Path, shard: int) -> Path:
+    return Path(root) / "shards" / f"{shard:06d}"
+
+
+def shard_marker(root: Path, shard: int) -> Path:
+    return Path(root) / "shards" / f"{shard:06d}.done"
+
+
+def features_dir(root: Path, mode: str, shard: int) -> Path:
+    return Path(root) / "features" / mode / f"{shard:06d}"
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """u16 when every id and the separator (dtype max) fit, else u32."""
+    return np.dtype(np.uint16) if vocab_size < 0xFFFF else np.dtype(np.uint32)
+
+
+def separator(dtype: np.dtype) -> int:
+    """The document separator: the largest value of the token dtype, never a vocabulary id."""
+    return int(np.iinfo(dtype).max)

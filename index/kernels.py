@@ -1,0 +1,252 @@
+"""Numba kernels of the query engine, over one shard's memory-mapped arrays.
+
+Arguments shared by most kernels:
+  tok    (n_positions,) uint16/uint32  token stream doc0 SEP doc1 SEP ...
+  words  (n_words,) uint64             bit-packed suffix array (width w, n entries)
+  q      (m,) int64                    pattern; never contains SEP, so comparisons stop at a
+                                       document end and never read past the stream's last SEP
+An interval [lo, hi) is a range of suffix-array ranks whose suffixes share a known prefix.
+"""
+
+import numba as nb
+import numpy as np
+
+from .packed import get
+
+_NB = dict(cache=True, nogil=True)
+
+
+@nb.njit(**_NB)
+def bound(tok, words, w, lo, hi, q, m, d, upper):
+    """First rank in [lo, hi) whose suffix's first m tokens are >= q (> q if upper).
+
+    All suffixes in [lo, hi) are known to share q[:d]; comparisons start at offset
+    min(lcp with the left boundary, lcp with the right boundary) (Manber-Myers).
+    """
+    L = lo
+    R = hi
+    llcp = d
+    rlcp = d
+    while L < R:
+        mid = (L + R) >> 1
+        p = get(words, w, mid)
+        k = llcp if llcp < rlcp else rlcp
+        while k < m and tok[p + k] == q[k]:
+            k += 1
+        if k == m:
+            less = upper
+        else:
+            less = tok[p + k] < q[k]
+        if less:
+            L = mid + 1
+            llcp = k
+        else:
+            R = mid
+            rlcp = k
+    return L
+
+
+@nb.njit(**_NB)
+def find(tok, words, w, n, q, m):
+    """Suffix-array interval of pattern q[:m] in the whole shard."""
+    if m == 0:
+        return 0, n
+    lo = bound(tok, words, w, 0, n, q, m, 0, False)
+    hi = bound(tok, words, w, lo, n, q, m, 0, True)
+    return lo, hi
+
+
+@nb.njit(**_NB)
+def narrow(tok, words, w, lo, hi, d, c):
+    """Sub-interval of [lo, hi) (all sharing a prefix of length d) whose token at offset d is c."""
+    L = lo
+    R = hi
+    while L < R:
+        mid = (L + R) >> 1
+        if tok[get(words, w, mid) + d] < c:
+            L = mid + 1
+        else:
+            R = mid
+    start = L
+    R = hi
+    while L < R:
+        mid = (L + R) >> 1
+        if tok[get(words, w, mid) + d] <= c:
+            L = mid + 1
+        else:
+            R = mid
+    return start, L
+
+
+@nb.njit(**_NB)
+def next_token_blocks(tok, words, w, lo, hi, d, out_tok, out_cnt):
+    """Exact next-token histogram of the interval [lo, hi) (prefix length d).
+
+    In a suffix array the suffixes of an interval are sorted by their token at offset d, so
+    each distinct next token is one contiguous block: a galloping search finds each block's
+    end in O(log block) steps. Cost O(k log(count)) for k distinct tokens, not O(count).
+    Returns k; out_tok[:k] ascending (SEP, meaning end of document, last), out_cnt[:k].
+    """
+    k = 0
+    r = lo
+    while r < hi:
+        c = tok[get(words, w, r) + d]
+        # gallop: find step with tok at r+step != c (or past hi)
+        step = 1
+        while r + step < hi and tok[get(words, w, r + step) + d] == c:
+            step <<= 1
+        L = r + (step >> 1) + 1 if step > 1 else r + 1
+        R = r + step if r + step < hi else hi
+        while L < R:
+            mid = (L + R) >> 1
+            if tok[get(words, w, mid) + d] == c:
+                L = mid + 1
+            else:
+                R = mid
+        out_tok[k] = c
+        out_cnt[k] = L - r
+        k += 1
+        r = L
+    return k
+
+
+@nb.njit(**_NB)
+def range_max(words, w, samax, off2, off3, lo, hi):
+    """Largest suffix-array value (most recent position) over ranks [lo, hi); -1 if empty.
+
+    samax holds block maxima for blocks of 64 ranks, then 4096, then 262144 (level offsets
+    off2, off3). Cost: at most ~63 entries per level edge plus n/262144 top-level blocks.
+    """
+    best = -1
+    r = lo
+    # level 0: single ranks up to a 64-boundary
+    while r < hi and (r & 63) != 0:
+        v = get(words, w, r)
+        if v > best:
+            best = v
+        r += 1
+    # level 1: 64-blocks up to a 4096-boundary
+    while r + 64 <= hi and (r & 4095) != 0:
+        v = np.int64(samax[r >> 6])
+        if v > best:
+            best = v
+        r += 64
+    # level 2: 4096-blocks up to a 262144-boundary
+    while r + 4096 <= hi and (r & 262143) != 0:
+        v = np.int64(samax[off2 + (r >> 12)])
+        if v > best:
+            best = v
+        r += 4096
+    # level 3: 262144-blocks
+    while r + 262144 <= hi:
+        v = np.int64(samax[off3 + (r >> 18)])
+        if v > best:
+            best = v
+        r += 262144
+    # back down on the right side
+    while r + 4096 <= hi:
+        v = np.int64(samax[off2 + (r >> 12)])
+        if v > best:
+            best = v
+        r += 4096
+    while r + 64 <= hi:
+        v = np.int64(samax[r >> 6])
+        if v > best:
+            best = v
+        r += 64
+    while r < hi:
+        v = get(words, w, r)
+        if v > best:
+            best = v
+        r += 1
+    return best
+
+
+@nb.njit(**_NB)
+def longest_suffix(tok, words, w, n, q, m):
+    """Longest l such that q[m-l:] occurs; returns (l, lo, hi) with its interval.
+
+    Occurrence is monotone in l (a suffix of an occurring string occurs), so a binary search
+    over l with one find per probe suffices.
+    """
+    lo_l = 0
+    hi_l = m  # answer in [lo_l, hi_l]
+    best_lo = 0
+    best_hi = n
+    while lo_l < hi_l:
+        mid = (lo_l + hi_l + 1) >> 1
+        a, b = find(tok, words, w, n, q[m - mid :], mid)
+        if b > a:
+            lo_l = mid
+            best_lo = a
+            best_hi = b
+        else:
+            hi_l = mid - 1
+    if lo_l == 0:
+        return 0, 0, n
+    return lo_l, best_lo, best_hi
+
+
+@nb.njit(**_NB)
+def match_lengths(tok, words, w, n, ids, max_len, out_len, out_lo, out_hi):
+    """For every position t of ids: the longest l <= max_len such that ids[t-l+1..t] occurs in
+    the shard, and its interval. One pass with two pointers: the match start i only moves
+    right; extending by ids[t] narrows the current interval by one token; when that fails the
+    start advances and the interval of the shorter pattern is found again from scratch.
+    """
+    T = ids.shape[0]
+    i = 0
+    lo = 0
+    hi = n
+    for t in range(T):
+        while True:
+            if t - i + 1 > max_len:
+                i += 1
+                lo, hi = find(tok, words, w, n, ids[i:t], t - i)
+            a, b = narrow(tok, words, w, lo, hi, t - i, ids[t])
+            if b > a:
+                lo = a
+                hi = b
+                break
+            i += 1
+            if i > t:
+                lo = 0
+                hi = n
+                break
+            lo, hi = find(tok, words, w, n, ids[i:t], t - i)
+        out_len[t] = t - i + 1
+        out_lo[t] = lo
+        out_hi[t] = hi
+        if i > t:  # nothing matched, not even ids[t]: restart empty after t
+            out_len[t] = 0
+            i = t + 1
+            lo = 0
+            hi = n
+
+
+@nb.njit(**_NB)
+def first_unordered(tok, words, w, ranks, sep):
+    """First rank r in `ranks` with suffix(SA[r]) > suffix(SA[r+1]) or a bad pointer; -1 if none.
+
+    Suffixes compare token by token; two suffixes reaching a separator together are equal as
+    far as any query can tell and count as ordered.
+    """
+    n_tok = tok.shape[0]
+    for i in range(ranks.shape[0]):
+        r = ranks[i]
+        a = get(words, w, r)
+        b = get(words, w, r + 1)
+        if a >= n_tok or b >= n_tok or tok[a] == sep or tok[b] == sep:
+            return r
+        k = 0
+        while a + k < n_tok and b + k < n_tok:
+            x = tok[a + k]
+            y = tok[b + k]
+            if x != y:
+                if x > y:
+                    return r
+                break
+            if x == sep:
+                break
+            k += 1
+    return -1

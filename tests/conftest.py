@@ -1,0 +1,74 @@
+"""Shared fixtures: real text from the embedded corpus, small tokenizers, indexes built once."""
+
+from __future__ import annotations
+
+import gzip
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT = REPO / "data" / "default"
+
+
+def real_texts(n_docs: int = 30, max_chars: int = 20000) -> list[tuple[str, str]]:
+    """(relative path, text) of real documents from the embedded corpus, deterministic."""
+    out = []
+    for p in sorted((DEFAULT / "linux-doc").rglob("*.gz")):
+        text = gzip.open(p, "rt", encoding="utf-8").read()[:max_chars]
+        out.append((str(p.relative_to(DEFAULT)), text))
+        if len(out) >= n_docs:
+            break
+    jargon = gzip.open(DEFAULT / "jargon" / "jargon.txt.gz", "rt", encoding="utf-8").read()
+    out.append(("jargon/jargon.txt", jargon[200000 : 200000 + max_chars]))
+    return out
+
+
+@pytest.fixture(scope="session")
+def corpus_dir(tmp_path_factory) -> Path:
+    """A small real corpus as plain files, plus one file of each kind the builder must skip."""
+    d = tmp_path_factory.mktemp("corpus")
+    for rel, text in real_texts():
+        p = d / rel.replace("/", "__").removesuffix(".gz")
+        p.write_text(text)
+    (d / "zz_binary.dat").write_bytes(b"\x00\x01\x02 binary")
+    (d / "zz_bad.txt").write_bytes(b"\xff\xfe not utf-8")
+    (d / "zz_empty.txt").write_text("  \n")
+    return d
+
+
+@pytest.fixture(scope="session")
+def tokenizer_model(tmp_path_factory) -> Path:
+    """A 1000-piece tokenizer trained on real text (shared by index tests)."""
+    from builder import tokenizer
+
+    d = tmp_path_factory.mktemp("tok")
+    model = tokenizer.train((t for _, t in real_texts(60)), 1000, threads=1)
+    p = d / "tok.model"
+    p.write_bytes(model)
+    return p
+
+
+@pytest.fixture(scope="session")
+def real_index(tmp_path_factory, corpus_dir, tokenizer_model) -> Path:
+    """The small real corpus indexed in several shards."""
+    from builder.build import BuildConfig, build
+
+    out = tmp_path_factory.mktemp("idx") / "real"
+    build(
+        BuildConfig(inputs=(str(corpus_dir),), out=str(out), tokenizer=str(tokenizer_model), shard_tokens=40000, workers=1, progress=False)
+    )
+    return out
+
+
+def random_docs(rng: np.random.Generator, n_docs: int, alphabet: int, max_len: int, vocab: int) -> list[np.ndarray]:
+    """Random documents over a small alphabet of real ids (so n-grams repeat a lot)."""
+    ids = rng.choice(np.arange(3, vocab), size=alphabet, replace=False)
+    return [ids[rng.integers(0, alphabet, size=int(rng.integers(1, max_len)))] for _ in range(n_docs)]
+
+
+def copytree(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst

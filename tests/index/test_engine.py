@@ -1,0 +1,125 @@
+import numpy as np
+import pytest
+
+from builder.build import build_from_ids
+from index.engine import Index
+from index.errors import QueryError
+from tests.conftest import random_docs
+from tests.oracle import Oracle
+
+
+@pytest.fixture(scope="module")
+def random_index(tmp_path_factory, tokenizer_model):
+    docs = random_docs(np.random.default_rng(7), 120, 6, 60, 1000)
+    out = tmp_path_factory.mktemp("rnd") / "idx"
+    build_from_ids(docs, out, tokenizer_model, shard_tokens=900)
+    idx = Index(out)
+    assert len(idx.shards) >= 3
+    return idx, Oracle(docs, idx.eos_id)
+
+
+def _docs(idx):
+    out = []
+    for s in idx.shards:
+        tok, st = np.asarray(s.tok), np.asarray(s.starts)
+        out += [tok[st[k] : st[k + 1] - 1].astype(np.int64) for k in range(len(st) - 1)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def real(real_index):
+    idx = Index(real_index)
+    return idx, Oracle(_docs(idx), idx.eos_id)
+
+
+def _queries(rng, oracle, n, vocab, max_len=12):
+    """n-grams sampled from the corpus, perturbed ones, and absent ones."""
+    qs = []
+    for i in range(n):
+        d = oracle.docs[rng.integers(len(oracle.docs))]
+        m = int(rng.integers(1, max_len))
+        p = int(rng.integers(0, max(1, len(d) - m + 1)))
+        q = d[p : p + m].copy()
+        if i % 4 == 1 and len(q):
+            q[rng.integers(len(q))] = rng.integers(3, vocab)
+        elif i % 4 == 2:
+            q = rng.integers(3, vocab, size=m)
+        qs.append([int(x) for x in q])
+    return qs + [[]]
+
+
+def _ntd_counts(r):
+    return {t: c for t, (c, _) in r.result_by_token_id.items()}
+
+
+@pytest.mark.parametrize("which", ["random_index", "real"])
+def test_ops_against_brute_force(which, request):
+    idx, orc = request.getfixturevalue(which)
+    rng = np.random.default_rng(3)
+    for q in _queries(rng, orc, 150, idx.vocab_size):
+        assert idx.count(q).count == orc.count(q), q
+        c = int(rng.integers(3, idx.vocab_size)) if rng.random() < 0.3 else int(orc.docs[0][0])
+        r = idx.prob(q, c)
+        assert (r.prompt_cnt, r.cont_cnt, r.prob) == pytest.approx(orc.prob(q, c)), q
+        n = idx.ntd(q)
+        assert _ntd_counts(n) == orc.next_tokens(q) and n.prompt_cnt == orc.count(q) and not n.approx
+        if n.prompt_cnt:
+            assert sum(p for _, p in n.result_by_token_id.values()) == pytest.approx(1.0)
+        sl = orc.suffix_len(q)
+        ip = idx.infgram_prob(q, c)
+        assert ip.suffix_len == sl and (ip.prompt_cnt, ip.cont_cnt) == orc.prob(q[len(q) - sl :], c)[:2]
+        inn = idx.infgram_ntd(q)
+        assert inn.suffix_len == sl and _ntd_counts(inn) == orc.next_tokens(q[len(q) - sl :])
+        if q:
+            lm = idx.longest_match(q)
+            (L, cont, cnt, _) = orc.features(q, len(q), 1)[-1]
+            assert (lm.length, lm.cont, lm.count) == (L, cont, cnt if L else orc.n_positions)
+
+
+@pytest.mark.parametrize("which", ["random_index", "real"])
+def test_score_against_brute_force(which, request):
+    idx, orc = request.getfixturevalue(which)
+    rng = np.random.default_rng(5)
+    # a document from the index, a perturbed copy, and random ids: held-out-like text
+    d = orc.docs[3][:80].copy()
+    e = d.copy()
+    e[::7] = rng.integers(3, idx.vocab_size, size=len(e[::7]))
+    f = rng.integers(3, idx.vocab_size, size=40)
+    for ids in (d, e, f):
+        for max_len in (64, 5):
+            r = idx.score(ids, top_k=3, max_len=max_len)
+            for t, (L, cont, cnt, top) in enumerate(orc.features(ids, max_len, 3)):
+                assert r.length[t] == L, (t, max_len)
+                if L == 0:
+                    assert r.cont[t] == -1 and r.count[t] == orc.n_positions
+                    top = sorted(orc.next_tokens([]).items(), key=lambda kv: (-kv[1], kv[0]))[:3]
+                else:
+                    assert (r.cont[t], r.count[t]) == (cont, cnt), t
+                assert [(int(a), int(b)) for a, b in zip(r.topk_ids[t], r.topk_cnt[t]) if a >= 0] == top, t
+
+
+def test_docs_returns_matching_documents(real):
+    idx, orc = real
+    q = [int(x) for x in orc.docs[2][5:9]]
+    r = idx.docs(q, max=5)
+    assert r.count == orc.count(q)
+    occ_docs = sorted({d for d, _ in orc.occurrences(q)})
+    assert [h.doc_id for h in r.docs] == occ_docs[:5]
+    for h in r.docs:
+        assert h.metadata["source"] and idx.decode(q) in h.snippet
+
+
+def test_query_errors(random_index):
+    idx, _ = random_index
+    with pytest.raises(QueryError, match="outside the vocabulary"):
+        idx.count([1, idx.vocab_size])
+    with pytest.raises(QueryError, match="outside the vocabulary"):
+        idx.count([-1])
+    with pytest.raises(QueryError, match="must not be empty"):
+        idx.longest_match([])
+    with pytest.raises(QueryError, match="must not be empty"):
+        idx.docs([])
+    with pytest.raises(QueryError, match="integer"):
+        idx.prob([1], "x")
+    with pytest.raises(QueryError, match="list of integers"):
+        idx.count(["a"])

@@ -1,0 +1,89 @@
+"""Brute-force answers to every index query, straight from the document token lists."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class Oracle:
+    def __init__(self, docs: list[np.ndarray], eos: int):
+        self.docs = [np.asarray(d, dtype=np.int64) for d in docs]
+        self.eos = eos
+        self.n_positions = sum(len(d) + 1 for d in self.docs)
+        # all documents concatenated, each followed by -1 (matches no query token)
+        self.flat = np.concatenate([np.append(d, -1) for d in self.docs]) if self.docs else np.zeros(0, np.int64)
+        self.doc_of = np.concatenate([np.full(len(d) + 1, k) for k, d in enumerate(self.docs)]) if self.docs else self.flat
+        self.start_of = np.cumsum([0] + [len(d) + 1 for d in self.docs])
+
+    def occurrences(self, q) -> list[tuple[int, int]]:
+        """(doc, start) of every occurrence, in corpus order (plain elementwise comparison)."""
+        q = np.asarray(q, dtype=np.int64)
+        m = len(q)
+        if m == 0:
+            return [(k, p) for k, d in enumerate(self.docs) for p in range(len(d) + 1)]
+        n = len(self.flat) - m + 1
+        if n <= 0:
+            return []
+        mask = self.flat[:n] == q[0]
+        for j in range(1, m):
+            mask &= self.flat[j : n + j] == q[j]
+        pos = np.nonzero(mask)[0]
+        return [(int(self.doc_of[p]), int(p - self.start_of[self.doc_of[p]])) for p in pos]
+
+    def count(self, q) -> int:
+        return self.n_positions if len(q) == 0 else len(self.occurrences(q))
+
+    def next_tokens(self, q) -> dict[int, int]:
+        m = len(q)
+        if m == 0:
+            nxt = self.flat
+        else:
+            pos = np.array([self.start_of[k] + p for k, p in self.occurrences(q)], dtype=np.int64)
+            nxt = self.flat[pos + m] if len(pos) else np.zeros(0, np.int64)
+        nxt = np.where(nxt < 0, self.eos, nxt)
+        u, c = np.unique(nxt, return_counts=True)
+        return {int(a): int(b) for a, b in zip(u, c)}
+
+    def prob(self, q, c) -> tuple[int, int, float]:
+        pc = self.count(q)
+        if pc == 0:
+            return 0, 0, -1.0
+        cc = self.count(list(q) + [c])
+        return pc, cc, cc / pc
+
+    def suffix_len(self, q) -> int:
+        for n in range(len(q), 0, -1):
+            if self.count(q[len(q) - n :]):
+                return n
+        return 0
+
+    def features(self, ids, max_len: int, k: int, allowed=None):
+        """Per-position (L, cont, count, topk) by brute force.
+
+        allowed(doc, start, length) -> bool filters occurrences (None: all). "Most recent" is
+        the allowed occurrence with the largest (doc, start).
+        """
+        ids = np.asarray(ids, dtype=np.int64)
+        res = []
+        for t in range(len(ids)):
+            best = None
+            for L in range(min(max_len, t + 1), 0, -1):
+                occ = [(dd, p) for dd, p in self.occurrences(ids[t - L + 1 : t + 1]) if allowed is None or allowed(dd, p, L)]
+                if occ:
+                    best = (L, occ)
+                    break
+            if best is None:
+                res.append((0, -1, None, None))
+                continue
+            L, occ = best
+            hist: dict[int, int] = {}
+            for dd, p in occ:
+                d = self.docs[dd]
+                nt = int(d[p + L]) if p + L < len(d) else self.eos
+                hist[nt] = hist.get(nt, 0) + 1
+            dd, p = max(occ)
+            d = self.docs[dd]
+            cont = int(d[p + L]) if p + L < len(d) else self.eos
+            top = sorted(hist.items(), key=lambda kv: (-kv[1], kv[0]))[:k]
+            res.append((L, cont, len(occ), top))
+        return res

@@ -1,0 +1,88 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from index.engine import Index
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _teragram(*args, stdin=None):
+    return subprocess.run([sys.executable, "-m", "serve.cli", *args], capture_output=True, text=True, cwd=REPO, input=stdin)
+
+
+def test_tokenize_and_query_json(real_index):
+    idx = Index(real_index)
+    r = _teragram("tokenize", str(real_index), "the kernel", "--json")
+    ids = json.loads(r.stdout)["ids"]
+    assert ids == idx.tokenize("the kernel")
+    r = _teragram("query", str(real_index), "count", "the kernel", "--json")
+    assert json.loads(r.stdout) == {"count": idx.count(ids).count, "approx": False}
+    r = _teragram("query", str(real_index), "infgram-prob", "--ids", ",".join(map(str, ids)), "--cont", str(ids[0]), "--json")
+    assert json.loads(r.stdout) == idx.infgram_prob(ids, ids[0]).to_json()
+    r = _teragram("query", str(real_index), "ntd", "the", "--json")
+    got = json.loads(r.stdout)
+    assert got["prompt_cnt"] == idx.count(idx.tokenize("the")).count
+    assert {int(k): v["cont_cnt"] for k, v in got["result_by_token_id"].items()} == {
+        t: c for t, (c, _) in idx.ntd(idx.tokenize("the")).result_by_token_id.items()
+    }
+
+
+def test_batch_in_order_with_errors(real_index, tmp_path):
+    idx = Index(real_index)
+    rng = np.random.default_rng(0)
+    lines, expect = [], []
+    for i in range(40):
+        ids = [int(x) for x in rng.integers(3, 200, size=int(rng.integers(1, 4)))]
+        op = ["count", "prob", "ntd", "infgram_prob", "infgram-ntd", "longest-match"][i % 6]
+        lines.append(json.dumps({"op": op, "ids": ids, "cont": 7}))
+        fn = {
+            "count": idx.count,
+            "prob": lambda q: idx.prob(q, 7),
+            "ntd": idx.ntd,
+            "infgram_prob": lambda q: idx.infgram_prob(q, 7),
+            "infgram-ntd": idx.infgram_ntd,
+            "longest-match": idx.longest_match,
+        }[op]
+        expect.append(json.loads(json.dumps(fn(ids).to_json())))
+    lines.insert(5, "{oops")
+    expect.insert(5, None)
+    lines.insert(9, json.dumps({"op": "frobnicate", "ids": [1]}))
+    expect.insert(9, None)
+    lines.insert(12, json.dumps({"op": "count", "ids": [10**9]}))
+    expect.insert(12, None)
+    f = tmp_path / "q.jsonl"
+    f.write_text("\n".join(lines) + "\n")
+    r = _teragram("query", str(real_index), "--batch", str(f))
+    got = [json.loads(x) for x in r.stdout.splitlines()]
+    assert len(got) == len(expect)
+    for g, e in zip(got, expect):
+        if e is None:
+            assert set(g) == {"error"}
+        else:
+            assert g == e
+
+
+def test_one_line_errors(real_index, tmp_path):
+    for args, msg in [
+        (("query", str(real_index), "bogus", "x"), "unknown op 'bogus'"),
+        (("query", str(real_index), "count", "--ids", "1,99999999"), "outside the vocabulary"),
+        (("query", str(real_index), "prob", "--ids", "1,2"), "needs a continuation token"),
+        (("query", str(real_index), "count", "--ids", "1,x"), "comma-separated integers"),
+        (("stats", str(tmp_path)), "manifest.json: missing"),
+        (("query", str(tmp_path), "count", "x"), "not a teragram index"),
+    ]:
+        r = _teragram(*args)
+        assert r.returncode == 2, args
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("teragram: error:") and msg in lines[0], (args, r.stderr)
+
+
+def test_stats(real_index):
+    r = _teragram("stats", str(real_index), "--json")
+    s = json.loads(r.stdout)
+    assert s["counts"]["tokens"] == Index(real_index).n_tokens
+    assert 2.0 < s["bytes_per_token"]["tokens+sa"] < 6.0
