@@ -141,14 +141,16 @@ def split_of(path: str, heldout_percent: int = 5, salt: str = "teragram-split-v1
     return "heldout" if h % 100 < heldout_percent else "train"
 
 
-def export(names: list[str], out: Path, *, max_bytes: int | None = None, split: str | None = None, heldout_percent: int = 5) -> dict:
+def export(
+    names: list[str], out: Path, *, max_bytes: int | None = None, split: str | None = None, heldout_percent: int = 5, level: int = 19
+) -> dict:
     """Write documents as JSON lines {"text", "path", "corpus"} (zstd-compressed if out ends in .zst)."""
     import zstandard
 
     out.parent.mkdir(parents=True, exist_ok=True)
     n_docs = n_bytes = 0
     raw = open(out, "wb")
-    f = zstandard.ZstdCompressor(level=19, threads=-1).stream_writer(raw) if out.suffix == ".zst" else raw
+    f = zstandard.ZstdCompressor(level=level, threads=-1).stream_writer(raw) if out.suffix == ".zst" else raw
     with io.TextIOWrapper(f, encoding="utf-8") as w:
         for name in names:
             for path, text in documents(name):

@@ -38,6 +38,7 @@ from index.errors import BuildError
 from . import readers
 from . import sa as sa_mod
 from . import tokenizer as tok_mod
+from .executors import LocalExecutor, make_executor, sa_parallelism
 
 _EXAMPLES = 5  # example paths kept per skip reason in the report
 _STATE = "build-state.json"
@@ -154,6 +155,7 @@ class _Encoder:
         if self.pool is not None:
             self.pool.terminate()
             self.pool.join()
+            self.pool = None
 
 
 # ---- the build -------------------------------------------------------------------------------
@@ -231,17 +233,32 @@ def _completed_shards(out: Path) -> list[dict]:
         done.append(rec)
 
 
-class _ShardWriter:
-    """Collects encoded documents into shards; writes, indexes and marks each one."""
+def finish_shard(out: str, shard: int, sep: int, vocab: int, marker: dict) -> dict:
+    """Index one shard whose tokens.bin/docs.bin/docs.jsonl are written: suffix array, block
+    maxima, unigram counts, then the completion marker. The unit of work an executor runs."""
+    t = time.time()
+    root = Path(out)
+    d = fmt.shard_dir(root, shard)
+    tokens = np.asarray(fmt.open_array(d / "tokens.bin", "tokens"))
+    stats = sa_mod.write_shard_arrays(d, tokens, sep, vocab)
+    files = [asdict(fmt.file_record(root, d / n)) for n in fmt.SHARD_FILES]
+    marker = marker | stats | {"files": files}
+    fmt.write_json(fmt.shard_marker(root, shard), marker)
+    return {"shard": shard, "index_s": time.time() - t}
 
-    def __init__(self, out: Path, shard: int, dtype: np.dtype, vocab: int, shard_tokens: int, skips: SkipStats):
+
+class _ShardWriter:
+    """Collects encoded documents into shards; writes each full shard's tokens and hands its
+    indexing (finish_shard) to the executor."""
+
+    def __init__(self, out: Path, shard: int, dtype: np.dtype, vocab: int, shard_tokens: int, skips: SkipStats, executor):
         self.out, self.shard, self.dtype, self.vocab, self.cap = out, shard, dtype, vocab, shard_tokens
         self.sep = fmt.separator(dtype)
         self.skips = skips
+        self.executor = executor
         self.parts: list[np.ndarray] = []
         self.metas: list[dict] = []
         self.used = 0
-        self.written: list[dict] = []
 
     def add(self, cur: Cursor, doc: readers.Doc, ids: np.ndarray) -> None:
         """Add one document (split into parts if it alone exceeds a shard)."""
@@ -278,20 +295,15 @@ class _ShardWriter:
             for m in self.metas:
                 f.write(json.dumps(m, sort_keys=True) + "\n")
         os.replace(tmp, meta_path)
-        stats = sa_mod.write_shard_arrays(d, tokens, self.sep, self.vocab)
-        files = [asdict(fmt.file_record(self.out, d / n)) for n in fmt.SHARD_FILES]
         marker = {
             "shard": self.shard,
             "n_docs": len(self.parts),
             "n_tokens": int(pos - len(self.parts)),
             "n_positions": int(pos),
-            **stats,
-            "files": files,
             "cursor": asdict(cursor),
             "skips": self.skips.to_json(),
         }
-        fmt.write_json(fmt.shard_marker(self.out, self.shard), marker)
-        self.written.append(marker)
+        self.executor.submit(finish_shard, str(self.out), self.shard, self.sep, self.vocab, marker)
         self.shard += 1
         self.parts, self.metas, self.used = [], [], 0
 
@@ -337,7 +349,8 @@ def build(cfg: BuildConfig) -> dict:
     start = Cursor(**done[-1]["cursor"]) if done else Cursor()
     skips = SkipStats.from_json(done[-1]["skips"]) if done else SkipStats()
     t1 = time.time()
-    writer = _ShardWriter(out, len(done), dtype, vocab, cfg.shard_tokens, skips)
+    executor = make_executor(cfg.executor, sa_parallelism(cfg.workers, cfg.shard_tokens), cfg.ray_address)
+    writer = _ShardWriter(out, len(done), dtype, vocab, cfg.shard_tokens, skips, executor)
     total_bytes = sum(f.stat().st_size for f in files)
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenize+index", disable=not cfg.progress)
     bar.update(sum(f.stat().st_size for f in files[: start.file]))
@@ -357,11 +370,15 @@ def build(cfg: BuildConfig) -> dict:
                     cur = Cursor(cur.file, cur.record, start.part)
                 writer.add(cur, item, next(it))
         writer.flush(Cursor(len(files), 0, 0))
+        enc.close()
+        indexed = executor.results()
     finally:
         enc.close()
+        executor.close()
     bar.update(total_bytes - bar.n)
     bar.close()
     timings["tokenize_index_s"] = time.time() - t1
+    timings["index_task_s"] = sum(r["index_s"] for r in indexed)
 
     # phase 3: metadata and manifest, from scratch
     t2 = time.time()
@@ -412,7 +429,9 @@ def _finalize(cfg: BuildConfig, out: Path, sp, dtype: np.dtype, markers: list[di
     return manifest
 
 
-def build_from_ids(docs: list[np.ndarray], out: str | Path, tokenizer_model: str | Path, *, shard_tokens: int = 1 << 30) -> dict:
+def build_from_ids(
+    docs: list[np.ndarray], out: str | Path, tokenizer_model: str | Path, *, shard_tokens: int = 1 << 30, workers: int = 1
+) -> dict:
     """Index already-tokenized documents (ids in the tokenizer's vocabulary) into a fresh `out`.
 
     For tests and benchmarks that need an index of exact token sequences (random texts with a
@@ -430,11 +449,16 @@ def build_from_ids(docs: list[np.ndarray], out: str | Path, tokenizer_model: str
     cfg = BuildConfig(inputs=("<ids>",), out=str(out), tokenizer=str(tokenizer_model), shard_tokens=shard_tokens, progress=False)
     fmt.write_json(out / _STATE, cfg.identity())
     skips = SkipStats()
-    writer = _ShardWriter(out, 0, dtype, vocab, shard_tokens, skips)
-    for i, ids in enumerate(docs):
-        ids = np.asarray(ids)
-        if ids.size and (ids.min() < 0 or ids.max() >= vocab):
-            raise BuildError(f"document {i}: ids outside the vocabulary [0, {vocab})")
-        writer.add(Cursor(0, i, 0), readers.Doc("<ids>", i, ""), ids)
-    writer.flush(Cursor(1, 0, 0))
+    executor = LocalExecutor(workers)
+    try:
+        writer = _ShardWriter(out, 0, dtype, vocab, shard_tokens, skips, executor)
+        for i, ids in enumerate(docs):
+            ids = np.asarray(ids)
+            if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+                raise BuildError(f"document {i}: ids outside the vocabulary [0, {vocab})")
+            writer.add(Cursor(0, i, 0), readers.Doc("<ids>", i, ""), ids)
+        writer.flush(Cursor(1, 0, 0))
+        executor.results()
+    finally:
+        executor.close()
     return _finalize(cfg, out, sp, dtype, _completed_shards(out), skips)

@@ -70,7 +70,8 @@ def _open_bytes(path: Path, comp: str | None) -> io.BufferedIOBase:
     if comp == "zst":
         import zstandard
 
-        return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)  # type: ignore[return-value]
+        raw = zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
+        return io.BufferedReader(raw)  # type: ignore[arg-type]  # adds readline/iteration
     return open(path, "rb")
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -157,6 +158,16 @@ def cmd_query(args) -> int:
     return 0
 
 
+def cmd_features(args) -> int:
+    from builder.features import FeatureConfig, compute_features
+
+    cfg = FeatureConfig(mode=args.mode, max_len=args.max_len, top_k=args.top_k)
+    r = compute_features(args.index, args.out, cfg, workers=args.workers, corpus=args.corpus, progress=not args.quiet)
+    n = r.get("positions") or sum(s["positions"] for s in r["shards"])
+    print(f"features ({'held-out' if args.corpus else args.mode}) of {n:,} positions in {r['total_s']:.1f}s -> {args.out}")
+    return 0
+
+
 # ---- parser ----------------------------------------------------------------------------------
 
 
@@ -190,10 +201,20 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--cont", type=int, help="continuation token id for prob / infgram-prob")
     q.add_argument("--json", action="store_true", help="infini-gram's field names, as JSON")
     q.add_argument("--batch", help="JSONL file of queries {op, ids, cont}; one JSON answer per line")
+
+    f = sub.add_parser("features", help="per-token index features of the indexed corpus, or of --corpus text")
+    f.add_argument("index")
+    f.add_argument("--out", required=True, help="features directory (aligned with the index shards)")
+    f.add_argument("--mode", choices=["causal", "exclude-doc"], default="exclude-doc", help="leakage rule for the indexed corpus")
+    f.add_argument("--corpus", nargs="+", help="held-out text (files/directories): features against the whole index")
+    f.add_argument("--max-len", type=int, default=64, help="match length cap (default 64)")
+    f.add_argument("--top-k", type=int, default=4, help="next tokens kept per position (0: length and continuation only)")
+    f.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    f.add_argument("--quiet", action="store_true")
     return p
 
 
-COMMANDS = {"verify": cmd_verify, "stats": cmd_stats, "tokenize": cmd_tokenize, "query": cmd_query}
+COMMANDS = {"verify": cmd_verify, "stats": cmd_stats, "tokenize": cmd_tokenize, "query": cmd_query, "features": cmd_features}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -58,32 +58,34 @@ class Oracle:
         return 0
 
     def features(self, ids, max_len: int, k: int, allowed=None):
-        """Per-position (L, cont, count, topk) by brute force.
+        """Per-position (L, cont, count, topk) of every position of ids; see feature_at."""
+        return [self.feature_at(ids, t, max_len, k, allowed) for t in range(len(ids))]
+
+    def feature_at(self, ids, t: int, max_len: int, k: int, allowed=None):
+        """(L, cont, count, topk) of position t of ids, by brute force.
 
         allowed(doc, start, length) -> bool filters occurrences (None: all). "Most recent" is
-        the allowed occurrence with the largest (doc, start).
+        the allowed occurrence with the largest (doc, start). With no match (L = 0) the empty
+        suffix occurs at every allowed position (start = offset, length 0; offset len(doc) is
+        the document end), followed by the token there.
         """
         ids = np.asarray(ids, dtype=np.int64)
-        res = []
-        for t in range(len(ids)):
-            best = None
-            for L in range(min(max_len, t + 1), 0, -1):
-                occ = [(dd, p) for dd, p in self.occurrences(ids[t - L + 1 : t + 1]) if allowed is None or allowed(dd, p, L)]
-                if occ:
-                    best = (L, occ)
-                    break
-            if best is None:
-                res.append((0, -1, None, None))
-                continue
-            L, occ = best
-            hist: dict[int, int] = {}
-            for dd, p in occ:
-                d = self.docs[dd]
-                nt = int(d[p + L]) if p + L < len(d) else self.eos
-                hist[nt] = hist.get(nt, 0) + 1
-            dd, p = max(occ)
+        for L in range(min(max_len, t + 1), 0, -1):
+            occ = [(dd, p) for dd, p in self.occurrences(ids[t - L + 1 : t + 1]) if allowed is None or allowed(dd, p, L)]
+            if occ:
+                break
+        else:
+            L = 0
+            occ = [(dd, p) for dd, d in enumerate(self.docs) for p in range(len(d) + 1) if allowed is None or allowed(dd, p, 0)]
+        hist: dict[int, int] = {}
+        for dd, p in occ:
             d = self.docs[dd]
-            cont = int(d[p + L]) if p + L < len(d) else self.eos
-            top = sorted(hist.items(), key=lambda kv: (-kv[1], kv[0]))[:k]
-            res.append((L, cont, len(occ), top))
-        return res
+            nt = int(d[p + L]) if p + L < len(d) else self.eos
+            hist[nt] = hist.get(nt, 0) + 1
+        top = sorted(hist.items(), key=lambda kv: (-kv[1], kv[0]))[:k]
+        if L == 0:
+            return 0, -1, len(occ), top
+        dd, p = max(occ)
+        d = self.docs[dd]
+        cont = int(d[p + L]) if p + L < len(d) else self.eos
+        return L, cont, len(occ), top

@@ -40,6 +40,12 @@ def test_jsonl_records_and_bad_lines(tmp_path):
     assert [i.record for i in items] == [0, 1, 2, 4, 5]
 
 
+def test_jsonl_zst(tmp_path):
+    p = tmp_path / "x.jsonl.zst"
+    p.write_bytes(zstandard.ZstdCompressor().compress(b'{"text": "a"}\n{"text": "b"}\n'))
+    assert [i.text for i in _items(p)] == ["a", "b"]
+
+
 def test_parquet_and_corrupt_parquet(tmp_path):
     p = tmp_path / "t.parquet"
     pq.write_table(pa.table({"text": ["alpha", "beta", None], "id": [1, 2, 3]}), p)

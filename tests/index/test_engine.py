@@ -72,8 +72,8 @@ def test_ops_against_brute_force(which, request):
         assert inn.suffix_len == sl and _ntd_counts(inn) == orc.next_tokens(q[len(q) - sl :])
         if q:
             lm = idx.longest_match(q)
-            (L, cont, cnt, _) = orc.features(q, len(q), 1)[-1]
-            assert (lm.length, lm.cont, lm.count) == (L, cont, cnt if L else orc.n_positions)
+            (L, cont, cnt, _) = orc.feature_at(q, len(q) - 1, len(q), 1)
+            assert (lm.length, lm.cont, lm.count) == (L, cont, cnt)
 
 
 @pytest.mark.parametrize("which", ["random_index", "real"])
@@ -89,12 +89,7 @@ def test_score_against_brute_force(which, request):
         for max_len in (64, 5):
             r = idx.score(ids, top_k=3, max_len=max_len)
             for t, (L, cont, cnt, top) in enumerate(orc.features(ids, max_len, 3)):
-                assert r.length[t] == L, (t, max_len)
-                if L == 0:
-                    assert r.cont[t] == -1 and r.count[t] == orc.n_positions
-                    top = sorted(orc.next_tokens([]).items(), key=lambda kv: (-kv[1], kv[0]))[:3]
-                else:
-                    assert (r.cont[t], r.count[t]) == (cont, cnt), t
+                assert (r.length[t], r.cont[t], r.count[t]) == (L, cont, cnt), (t, max_len)
                 assert [(int(a), int(b)) for a, b in zip(r.topk_ids[t], r.topk_cnt[t]) if a >= 0] == top, t
 
 

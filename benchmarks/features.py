@@ -1,0 +1,193 @@
+"""Feature benchmark: bulk per-token features on the ~50M-token linux-source index.
+
+    python benchmarks/features.py [--workdir W] [--heldout-mb 4]
+
+Needs the index of benchmarks/build.py (WORKDIR/tg; built here if missing). Measures, in a
+fresh single-process run per configuration, tokens/s per core and peak RSS for
+  * length + continuation only (--top-k 0), causal and exclude-doc;
+  * the full features with the top-4 distribution;
+  * held-out text (the held-out split of linux-source-6.1) against the whole index;
+then, on held-out text, the fraction of positions with L >= 1, 4, 16, 32 and how often the
+continuation token is the actual next token, by L bucket.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import default_workdir, linux_corpus, run_measured, save, table  # noqa: E402
+
+BUCKETS = [(0, 0), (1, 3), (4, 7), (8, 15), (16, 31), (32, 63), (64, 64)]
+
+
+def l_stats(tokens: np.ndarray, starts: np.ndarray, length: np.ndarray, cont: np.ndarray, sep: int) -> dict:
+    """Match-length fractions and continuation accuracy (cont == next token) by L bucket."""
+    nxt = np.append(tokens[1:], sep)
+    real = (tokens != sep) & (nxt != sep)  # positions whose next token is in the same document
+    L, c, y = length[real].astype(int), cont[real].astype(int), nxt[real].astype(int)
+    out = {"positions": int(real.sum()), "frac_L_ge": {str(k): float((L >= k).mean()) for k in (1, 4, 16, 32)}}
+    out["cont_accuracy_overall"] = float((c[L > 0] == y[L > 0]).mean()) if (L > 0).any() else 0.0
+    out["by_bucket"] = []
+    for lo, hi in BUCKETS:
+        m = (L >= lo) & (L <= hi)
+        out["by_bucket"].append(
+            {
+                "L": f"{lo}-{hi}" if lo != hi else str(lo),
+                "share": float(m.mean()),
+                "cont_accuracy": float((c[m] == y[m]).mean()) if m.any() and lo > 0 else None,
+            }
+        )
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workdir", default=str(default_workdir()))
+    ap.add_argument("--heldout-mb", type=float, default=4)
+    args = ap.parse_args()
+    repo = str(Path(__file__).resolve().parents[1])
+    w = Path(args.workdir)
+    idx_dir = w / "tg"
+    if not (idx_dir / "manifest.json").exists():
+        run_measured([sys.executable, "benchmarks/build.py", "--workdir", str(w)], cwd=repo)
+    man = json.loads((idx_dir / "manifest.json").read_text())
+    n_pos = man["counts"]["positions"]
+    rows, data = [], {"index": {"dir": str(idx_dir), "tokens": man["counts"]["tokens"], "shards": man["counts"]["shards"]}}
+    for mode in ("causal", "exclude-doc"):
+        for k in (0, 4):
+            out = w / f"feat-{mode}-k{k}"
+            run_measured(["rm", "-rf", str(out)])
+            m = run_measured(
+                [
+                    sys.executable,
+                    "-m",
+                    "serve.cli",
+                    "features",
+                    str(idx_dir),
+                    "--out",
+                    str(out),
+                    "--mode",
+                    mode,
+                    "--top-k",
+                    str(k),
+                    "--workers",
+                    "1",
+                    "--quiet",
+                ],
+                cwd=repo,
+            )
+            rep = json.loads((out / "features-report.json").read_text())
+            secs = sum(s["total_s"] for s in rep["shards"])
+            what = "length + continuation" if k == 0 else "all, top-4"
+            data[f"{mode}_k{k}"] = m | {"compute_s": secs, "tokens_per_s_per_core": n_pos / secs}
+            rows.append(
+                {"features": what, "mode": mode, "compute s": secs, "M tokens/s/core": n_pos / secs / 1e6, "peak RSS MB": m["peak_rss_mb"]}
+            )
+    held = linux_corpus(w, args.heldout_mb, "heldout")
+    out = w / "feat-heldout"
+    run_measured(["rm", "-rf", str(out)])
+    m = run_measured(
+        [
+            sys.executable,
+            "-m",
+            "serve.cli",
+            "features",
+            str(idx_dir),
+            "--out",
+            str(out),
+            "--corpus",
+            str(held),
+            "--workers",
+            "1",
+            "--quiet",
+        ],
+        cwd=repo,
+    )
+    rep = json.loads((out / "features-report.json").read_text())
+    data["heldout"] = m | rep
+    rows.append(
+        {
+            "features": "all, top-4",
+            "mode": "held-out (live score path)",
+            "compute s": rep["features_s"],
+            "M tokens/s/core": rep["positions"] / rep["features_s"] / 1e6,
+            "peak RSS MB": m["peak_rss_mb"],
+        }
+    )
+
+    from index import format as fmt
+
+    sep = man["separator"]
+    d = out / "000000"
+    tok = np.asarray(fmt.open_array(d / "tokens.bin", "tokens"))
+    st = np.asarray(fmt.open_array(d / "docs.bin", "docs"))
+    stats = {
+        "heldout": l_stats(
+            tok,
+            st,
+            np.asarray(fmt.open_array(d / "length.bin", "feat.length")),
+            np.asarray(fmt.open_array(d / "cont.bin", "feat.cont")),
+            sep,
+        )
+    }
+    for mode in ("causal", "exclude-doc"):
+        fd = w / f"feat-{mode}-k0" / "000000"
+        itok = np.asarray(fmt.open_array(idx_dir / "shards/000000/tokens.bin", "tokens"))
+        ist = np.asarray(fmt.open_array(idx_dir / "shards/000000/docs.bin", "docs"))
+        stats[f"train_{mode}"] = l_stats(
+            itok,
+            ist,
+            np.asarray(fmt.open_array(fd / "length.bin", "feat.length")),
+            np.asarray(fmt.open_array(fd / "cont.bin", "feat.cont")),
+            sep,
+        )
+    data["match_stats"] = stats
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(11, 3.6))
+    labels = [b["L"] for b in stats["heldout"]["by_bucket"]]
+    x = np.arange(len(labels))
+    for j, (name, st_) in enumerate(stats.items()):
+        ax[0].bar(x + (j - 1) * 0.27, [b["share"] for b in st_["by_bucket"]], 0.27, label=name)
+        ax[1].bar(x + (j - 1) * 0.27, [b["cont_accuracy"] or 0 for b in st_["by_bucket"]], 0.27, label=name)
+    for a, t in zip(ax, ("share of positions", "continuation = next token")):
+        a.set_xticks(x, labels)
+        a.set_xlabel("match length L")
+        a.set_title(t)
+    ax[0].legend(fontsize=8)
+    md = table(rows, ["features", "mode", "compute s", "M tokens/s/core", "peak RSS MB"])
+    h = stats["heldout"]
+    md += (
+        "\n\nHeld-out linux-source ("
+        + f"{h['positions']:,} positions): "
+        + ", ".join(f"L>={k}: {v:.1%}" for k, v in h["frac_L_ge"].items())
+    )
+    md += f"; continuation accuracy {h['cont_accuracy_overall']:.1%} where L>0.\n\n"
+    md += table(
+        [
+            {
+                "L": b["L"],
+                **{f"{n} share": s["by_bucket"][i]["share"] for n, s in stats.items()},
+                **{f"{n} cont acc": s["by_bucket"][i]["cont_accuracy"] for n, s in stats.items()},
+            }
+            for i, b in enumerate(h["by_bucket"])
+        ],
+        ["L"] + [f"{n} share" for n in stats] + [f"{n} cont acc" for n in stats],
+    )
+    save("features", data, md, fig)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
