@@ -15,12 +15,14 @@ $(VENV)/.installed: pyproject.toml
 
 demo: $(VENV)/.installed
 	rm -rf $(RUN)
-	$(BIN)/build-index data/default --out $(RUN)/idx
-	$(BIN)/teragram verify $(RUN)/idx
+	$(BIN)/build-index data/default/train --out $(RUN)/idx --vocab-size 8000 --quiet
 	$(BIN)/teragram stats $(RUN)/idx
-	$(BIN)/teragram query $(RUN)/idx count "the kernel" --json
 	$(BIN)/teragram query $(RUN)/idx infgram-ntd "A hacker is a person who" --json
-	$(BIN)/teragram query $(RUN)/idx longest-match "Linux kernel development in the early 1990's was" --json
+	$(BIN)/teragram features $(RUN)/idx --out $(RUN)/feats --mode exclude-doc --quiet
+	$(BIN)/teragram features $(RUN)/idx --corpus data/default/heldout --out $(RUN)/heldout --quiet
+	$(BIN)/teragram train --config model/configs/demo.toml --out=$(RUN)/baseline --use_index=false --progress=false
+	$(BIN)/teragram train --config model/configs/demo.toml --out=$(RUN)/index-model --progress=false
+	$(BIN)/teragram sample --checkpoint $(RUN)/index-model --index $(RUN)/idx "The kernel" --max-tokens 40 --verbose
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q

@@ -171,23 +171,25 @@ _DEFAULT_DOC_DIRS = ("process", "admin-guide", "core-api", "filesystems", "RCU",
 
 
 def make_default(dst: Path) -> None:
+    """data/default/{train,heldout}/...: files go to held-out by a hash of their path (5%)."""
     shutil.rmtree(dst, ignore_errors=True)
     jroot = fetch("jargon-text")
-    (dst / "jargon").mkdir(parents=True)
-    shutil.copy(jroot / "usr/share/doc/jargon-text/jargon.txt.gz", dst / "jargon" / "jargon.txt.gz")
     droot = fetch("linux-doc-6.1")
     base = droot / "usr/share/doc/linux-doc-6.1/Documentation"
+    files = [(jroot / "usr/share/doc/jargon-text/jargon.txt.gz", Path("jargon") / "jargon.txt.gz")]
     for d in _DEFAULT_DOC_DIRS:
-        for p in sorted((base / d).rglob("*.gz")):
-            q = dst / "linux-doc" / p.relative_to(base)
-            q.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(p, q)
+        files += [(p, Path("linux-doc") / p.relative_to(base)) for p in sorted((base / d).rglob("*.gz"))]
+    for src, rel in files:
+        q = dst / split_of(str(rel)) / rel
+        q.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(src, q)
     lic = dst / "LICENSES"
     lic.mkdir()
     shutil.copy(jroot / "usr/share/doc/jargon-text/copyright", lic / "jargon-text.copyright")
     shutil.copy(droot / "usr/share/doc/linux-doc-6.1/copyright", lic / "linux-doc-6.1.copyright")
     size = sum(p.stat().st_size for p in dst.rglob("*") if p.is_file())
-    print(f"{dst}: {size / 1e6:.1f} MB")
+    n_held = sum(1 for p in (dst / "heldout").rglob("*") if p.is_file())
+    print(f"{dst}: {size / 1e6:.1f} MB, {len(files)} files ({n_held} held out)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -456,5 +456,8 @@ def _held_out(idx: Index, out: Path, cfg: FeatureConfig, corpus: list[str], prog
     dt = time.time() - t
     files = write_features(d, f, dtype, idx.sep, cfg.top_k)
     files += [asdict(fmt.file_record(out, d / n)) for n in ("tokens.bin", "docs.bin")]
+    import shutil
+
+    shutil.copyfile(idx.path / "tokenizer.model", out / "tokenizer.model")  # held-out features decode on their own
     fmt.write_json(out / "000000.done", {"shard": 0, "files": files, "docs": metas})
     return {"docs": len(docs), "positions": int(len(stream)), "skipped": skipped, "features_s": dt}

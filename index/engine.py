@@ -214,6 +214,7 @@ class Index:
         self.n_positions: int = c["positions"]
         self.shards = [self._open_shard(s) for s in self.manifest["shards"]]
         self._dist_cache: dict[tuple[int, int, int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self._uni_top: tuple[np.ndarray, np.ndarray] | None = None
 
     def _open_shard(self, s: dict) -> Shard:
         d = fmt.shard_dir(self.path, s["shard"])
@@ -432,26 +433,58 @@ class Index:
             hi = np.zeros(T, np.int64)
             K.match_lengths(s.tok, s.sa.words, s.sa.width, s.n, q, cap, L, lo, hi)
             per.append((L, lo, hi))
-        Ls = np.stack([p[0] for p in per]) if per else np.zeros((0, T), np.int64)
-        length = Ls.max(axis=0) if len(per) else np.zeros(T, np.int64)
-        cont = np.full(T, -1, np.int32)
-        count = np.zeros(T, np.int64)
-        topk_ids = np.full((T, top_k), -1, np.int32)
-        topk_cnt = np.zeros((T, top_k), np.int64)
-        uni = None
+        out = _empty_score(T, top_k)
         for t in range(T):
-            L = int(length[t])
-            if L == 0:
-                if uni is None:
-                    uni = _topk(*self._dist(np.zeros(0, np.int64), []), top_k)
-                count[t] = self.n_positions
-                topk_ids[t], topk_cnt[t] = uni
-                continue
-            segs = [(int(p[1][t]), int(p[2][t])) if p[0][t] == L else (0, 0) for p in per]
-            count[t] = sum(b - a for a, b in segs)
-            cont[t] = self._cont(segs, L)
-            topk_ids[t], topk_cnt[t] = _topk(*self._dist(q[t - L + 1 : t + 1], segs), top_k)
-        return ScoreResult(length.astype(np.int32), cont, count, topk_ids, topk_cnt)
+            self._position(q, t, [(p[0][t], p[1][t], p[2][t]) for p in per], top_k, out, t)
+        return out
+
+    def _position(self, q: np.ndarray, t: int, per: list[tuple[int, int, int]], top_k: int, out: ScoreResult, row: int) -> None:
+        """Merge the shards' (match length, interval) at position t into out's row."""
+        L = max((int(x[0]) for x in per), default=0)
+        if L == 0:
+            if self._uni_top is None or len(self._uni_top[0]) != top_k:
+                self._uni_top = _topk(*self._dist(np.zeros(0, np.int64), []), top_k)
+            out.length[row], out.cont[row], out.count[row] = 0, -1, self.n_positions
+            out.topk_ids[row], out.topk_cnt[row] = self._uni_top
+            return
+        segs = [(int(a), int(b)) if int(x) == L else (0, 0) for x, a, b in per]
+        out.length[row] = L
+        out.count[row] = sum(b - a for a, b in segs)
+        out.cont[row] = self._cont(segs, L)
+        out.topk_ids[row], out.topk_cnt[row] = _topk(*self._dist(q[t - L + 1 : t + 1], segs), top_k)
+
+    def scorer(self, *, top_k: int = 4, max_len: int = 64) -> Scorer:
+        """An incremental scorer: append tokens one at a time (generation), get each new
+        position's features; they equal score() of the whole sequence, position by position."""
+        return Scorer(self, top_k, max_len)
+
+
+class Scorer:
+    def __init__(self, idx: Index, top_k: int, max_len: int):
+        self.idx, self.top_k, self.max_len = idx, top_k, max_len
+        self.ids = np.zeros(256, np.int64)
+        self.n = 0
+        self.state = [np.array([0, 0, s.n], np.int64) for s in idx.shards]
+
+    def append(self, token: int) -> ScoreResult:
+        """Features of the new last position (a one-row ScoreResult)."""
+        tok = self.idx._token(token, "token")
+        if self.n == len(self.ids):
+            self.ids = np.concatenate([self.ids, np.zeros(len(self.ids), np.int64)])
+        self.ids[self.n] = tok
+        t = self.n
+        self.n += 1
+        cap = self.max_len if self.max_len > 0 else 1 << 62
+        per = [K.match_step(s.tok, s.sa.words, s.sa.width, s.n, self.ids, t, cap, st) for s, st in zip(self.idx.shards, self.state)]
+        out = _empty_score(1, self.top_k)
+        self.idx._position(self.ids[: self.n], t, per, self.top_k, out, 0)
+        return out
+
+
+def _empty_score(T: int, k: int) -> ScoreResult:
+    return ScoreResult(
+        np.zeros(T, np.int32), np.full(T, -1, np.int32), np.zeros(T, np.int64), np.full((T, k), -1, np.int32), np.zeros((T, k), np.int64)
+    )
 
 
 def max_(a: int, b: int) -> int:

@@ -250,3 +250,37 @@ def first_unordered(tok, words, w, ranks, sep):
                 break
             k += 1
     return -1
+
+
+@nb.njit(**_NB)
+def match_step(tok, words, w, n, ids, t, max_len, state):
+    """One step of match_lengths for position t of ids (ids[:t+1] known), with the two-pointer
+    state [i, lo, hi] carried between calls: the live, incremental path of generation."""
+    i = state[0]
+    lo = state[1]
+    hi = state[2]
+    while True:
+        if t - i + 1 > max_len:
+            i += 1
+            lo, hi = find(tok, words, w, n, ids[i:t], t - i)
+        a, b = narrow(tok, words, w, lo, hi, t - i, ids[t])
+        if b > a:
+            lo = a
+            hi = b
+            break
+        i += 1
+        if i > t:
+            lo = 0
+            hi = n
+            break
+        lo, hi = find(tok, words, w, n, ids[i:t], t - i)
+    L = t - i + 1
+    if i > t:
+        L = 0
+        i = t + 1
+        lo = 0
+        hi = n
+    state[0] = i
+    state[1] = lo
+    state[2] = hi
+    return L, lo, hi

@@ -168,6 +168,79 @@ def cmd_features(args) -> int:
     return 0
 
 
+def cmd_train(args, overrides: list[str]) -> int:
+    from model.config import load
+    from model.train import TrainConfig, train
+
+    cfg = load(TrainConfig, args.config, overrides)
+    r = train(cfg)
+    if int(__import__("os").environ.get("RANK", "0")) == 0:
+        msg = f"trained {cfg.out}: step {r['step']}, loss {r.get('loss', float('nan')):.4f}"
+        if "eval" in r:
+            msg += f", held-out perplexity {r['eval']['perplexity']:.3f} ({r['eval']['bits_per_byte']:.4f} bits/byte)"
+        print(msg)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    import tempfile
+
+    from builder.features import FeatureConfig, compute_features
+    from index.engine import Index
+    from model.train import evaluate, load_model
+
+    model, meta = load_model(args.checkpoint, args.device)
+    idx = Index(args.index)
+    if model.cfg.vocab_size != idx.vocab_size:
+        from index.errors import TokenizerMismatch
+
+        raise TokenizerMismatch(f"checkpoint vocabulary {model.cfg.vocab_size} != index vocabulary {idx.vocab_size}")
+    with tempfile.TemporaryDirectory() as tmp:
+        feats = args.features_out or tmp
+        cfg = FeatureConfig("held-out", model.cfg.max_match, max(model.cfg.top_k, 1))
+        compute_features(args.index, feats, cfg, corpus=args.corpus, progress=not args.quiet)
+        r = evaluate(model, feats, idx.eos_id, idx.sep, args.device)
+    if args.json:
+        _print_json(r)
+    else:
+        print(
+            f"{args.checkpoint}: perplexity {r['perplexity']:.3f}, {r['bits_per_byte']:.4f} bits/byte over {r['tokens']:,} tokens ({r['bytes']:,} bytes)"
+        )
+    return 0
+
+
+def cmd_sample(args) -> int:
+    from index.engine import Index
+    from model.sample import generate
+    from model.train import load_model
+
+    model, _ = load_model(args.checkpoint, args.device)
+    idx = Index(args.index)
+    g = generate(
+        model,
+        idx,
+        idx.tokenize(args.prompt),
+        max_new_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+    print(idx.decode(g.ids))
+    if args.verbose:
+        print(f"[{len(g.new_ids)} tokens, {g.long_matches()} with an index match of >= 16 tokens; stopped: {g.stopped}]", file=sys.stderr)
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from .app import ServeConfig, serve
+
+    serve(
+        ServeConfig(index=args.index, checkpoint=args.checkpoint, host=args.host, port=args.port, api_key=args.api_key, device=args.device)
+    )
+    return 0
+
+
 # ---- parser ----------------------------------------------------------------------------------
 
 
@@ -211,15 +284,60 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--top-k", type=int, default=4, help="next tokens kept per position (0: length and continuation only)")
     f.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     f.add_argument("--quiet", action="store_true")
+
+    tr = sub.add_parser("train", help="train a GPT (with or without index inputs); extra --key=value override the config")
+    tr.add_argument("--config", help="TOML file with TrainConfig fields")
+
+    ev = sub.add_parser("eval", help="held-out perplexity and bits per byte of a checkpoint")
+    ev.add_argument("--checkpoint", required=True, help="run directory or checkpoint directory")
+    ev.add_argument("--index", required=True)
+    ev.add_argument("--corpus", nargs="+", required=True, help="held-out text")
+    ev.add_argument("--features-out", help="keep the held-out features here")
+    ev.add_argument("--device", default="cpu")
+    ev.add_argument("--json", action="store_true")
+    ev.add_argument("--quiet", action="store_true")
+
+    sa = sub.add_parser("sample", help="generate text with live index lookups")
+    sa.add_argument("--checkpoint", required=True)
+    sa.add_argument("--index", required=True)
+    sa.add_argument("prompt")
+    sa.add_argument("--max-tokens", type=int, default=100)
+    sa.add_argument("--temperature", type=float, default=0.8)
+    sa.add_argument("--top-k", type=int, default=0)
+    sa.add_argument("--top-p", type=float, default=0.95)
+    sa.add_argument("--seed", type=int, default=0)
+    sa.add_argument("--device", default="cpu")
+    sa.add_argument("--verbose", action="store_true")
+
+    se = sub.add_parser("serve", help="HTTP server: index queries, completions, scoring")
+    se.add_argument("--index", required=True)
+    se.add_argument("--checkpoint", help="model run or checkpoint (without: index queries only)")
+    se.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    se.add_argument("--port", type=int, default=8080)
+    se.add_argument("--api-key", help="require Authorization: Bearer KEY on every request")
+    se.add_argument("--device", default="cpu")
     return p
 
 
-COMMANDS = {"verify": cmd_verify, "stats": cmd_stats, "tokenize": cmd_tokenize, "query": cmd_query, "features": cmd_features}
+COMMANDS = {
+    "verify": cmd_verify,
+    "stats": cmd_stats,
+    "tokenize": cmd_tokenize,
+    "query": cmd_query,
+    "features": cmd_features,
+    "eval": cmd_eval,
+    "sample": cmd_sample,
+    "serve": cmd_serve,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args, extra = build_parser().parse_known_args(argv)
+    if extra and args.cmd != "train":
+        build_parser().parse_args(argv)  # reports the unknown arguments and exits
     try:
+        if args.cmd == "train":
+            return cmd_train(args, extra)
         if args.cmd == "build":
             from builder.cli import run
 

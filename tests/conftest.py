@@ -16,12 +16,12 @@ DEFAULT = REPO / "data" / "default"
 def real_texts(n_docs: int = 30, max_chars: int = 20000) -> list[tuple[str, str]]:
     """(relative path, text) of real documents from the embedded corpus, deterministic."""
     out = []
-    for p in sorted((DEFAULT / "linux-doc").rglob("*.gz")):
+    for p in sorted((DEFAULT / "train" / "linux-doc").rglob("*.gz")):
         text = gzip.open(p, "rt", encoding="utf-8").read()[:max_chars]
         out.append((str(p.relative_to(DEFAULT)), text))
         if len(out) >= n_docs:
             break
-    jargon = gzip.open(DEFAULT / "jargon" / "jargon.txt.gz", "rt", encoding="utf-8").read()
+    jargon = gzip.open(DEFAULT / "train" / "jargon" / "jargon.txt.gz", "rt", encoding="utf-8").read()
     out.append(("jargon/jargon.txt", jargon[200000 : 200000 + max_chars]))
     return out
 

@@ -1,0 +1,242 @@
+"""A GPT that reads the index: nanoGPT's model, plus index-feature inputs and a mixture head.
+
+For each position t the index supplies (see builder/features.py): the longest match length
+L, the continuation token of its most recent occurrence, the match's occurrence count, and
+the top-k next tokens after it with their counts. The model adds to the token embedding
+
+    wte(cont) + wlen(L) + wcnt(log2 count) + sum_i (cnt_i / sum cnt) * wte(topk_i)
+
+(the continuation and top-k share the token table) and, with `mixture`, predicts
+
+    p(y) = (1 - g) p_model(y) + g p_index(y),   g = sigmoid(w . h_t + b_len[L] + b_cnt[c])
+
+where p_index puts cnt_i / count on each top-k token and its remaining mass
+(1 - sum cnt_i / count) on p_model. use_index=False is the plain GPT baseline.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+N_CNT_BUCKETS = 33  # floor(log2(count + 1)) for counts below 2^32
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 32000
+    block_size: int = 1024
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = False
+    use_index: bool = True
+    index_inputs: tuple[str, ...] = field(default=("cont", "len", "cnt", "topk"))  # ("cont",) = TScale
+    mixture: bool = True
+    top_k: int = 4
+    max_match: int = 64
+
+    @classmethod
+    def preset(cls, name: str, **kw) -> GPTConfig:
+        shapes = {
+            "125m": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024),
+            "small": dict(n_layer=6, n_head=6, n_embd=384, block_size=256),
+            "tiny": dict(n_layer=4, n_head=4, n_embd=128, block_size=128),
+        }
+        if name not in shapes:
+            raise ValueError(f"unknown preset {name!r}; known: {', '.join(shapes)}")
+        return replace(cls(**shapes[name]), **kw)
+
+
+@dataclass
+class IndexBatch:
+    """Index features of a batch, aligned with the input tokens. All (B, T) or (B, T, k)."""
+
+    length: torch.Tensor  # int64 match length, 0..max_match
+    cont: torch.Tensor  # int64 continuation token, -1 none
+    count: torch.Tensor  # int64 occurrences of the match (of the suffix)
+    topk_ids: torch.Tensor  # (B, T, k) int64, -1 none
+    topk_cnt: torch.Tensor  # (B, T, k) int64
+
+    def to(self, device, non_blocking: bool = False) -> IndexBatch:
+        return IndexBatch(
+            *(getattr(self, f).to(device, non_blocking=non_blocking) for f in ("length", "cont", "count", "topk_ids", "topk_cnt"))
+        )
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.n_head = cfg.n_head
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor] | None = None):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        if kv is not None:  # incremental decoding: attend to the cached keys/values too
+            k = torch.cat([kv[0], k], dim=2)
+            v = torch.cat([kv[1], v], dim=2)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=kv is None or T > 1)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        return self.c_proj(y), (k, v)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, kv=None):
+        a, kv = self.attn(self.ln_1(x), kv)
+        x = x + a
+        return x + self.mlp(self.ln_2(x)), kv
+
+
+def count_bucket(count: torch.Tensor) -> torch.Tensor:
+    """floor(log2(count + 1)), clamped to the table: 0 for no occurrence."""
+    return torch.clamp(torch.floor(torch.log2(count.float() + 1)).long(), 0, N_CNT_BUCKETS - 1)
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
+                wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
+                drop=nn.Dropout(cfg.dropout),
+                h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
+                ln_f=nn.LayerNorm(cfg.n_embd, bias=cfg.bias),
+            )
+        )
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # weight tying
+        if cfg.use_index:
+            self.wlen = nn.Embedding(cfg.max_match + 1, cfg.n_embd)
+            self.wcnt = nn.Embedding(N_CNT_BUCKETS, cfg.n_embd)
+            if cfg.mixture:
+                self.gate = nn.Linear(cfg.n_embd, 1)
+                self.gate_len = nn.Embedding(cfg.max_match + 1, 1)
+                self.gate_cnt = nn.Embedding(N_CNT_BUCKETS, 1)
+        self.apply(self._init_weights)
+        for pn, p in self.named_parameters():
+            if pn.endswith("c_proj.weight"):
+                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        if cfg.use_index:
+            for e in (self.wlen, self.wcnt):
+                torch.nn.init.zeros_(e.weight)  # index inputs start as no-ops
+            if cfg.mixture:
+                torch.nn.init.zeros_(self.gate.weight)
+                torch.nn.init.constant_(self.gate.bias, -2.0)  # start mostly on the model
+                torch.nn.init.zeros_(self.gate_len.weight)
+                torch.nn.init.zeros_(self.gate_cnt.weight)
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            torch.nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            if m.bias is not None:
+                torch.nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            torch.nn.init.normal_(m.weight, mean=0.0, std=0.02)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters()) - self.transformer.wpe.weight.numel()
+
+    def _index_embedding(self, f: IndexBatch) -> torch.Tensor:
+        wte = self.transformer.wte
+        inputs = self.cfg.index_inputs
+        e = 0
+        if "cont" in inputs:
+            has = (f.cont >= 0).unsqueeze(-1)
+            e = e + wte(f.cont.clamp_min(0)) * has  # (B, T, C)
+        if "len" in inputs:
+            e = e + self.wlen(f.length.clamp(0, self.cfg.max_match))
+        if "cnt" in inputs:
+            e = e + self.wcnt(count_bucket(f.count))
+        if "topk" in inputs:
+            w = f.topk_cnt.float() * (f.topk_ids >= 0)
+            w = w / w.sum(-1, keepdim=True).clamp_min(1.0)  # (B, T, k)
+            e = e + torch.einsum("btk,btkc->btc", w, wte(f.topk_ids.clamp_min(0)))
+        return e
+
+    def hidden(self, idx: torch.Tensor, f: IndexBatch | None = None, kv=None, pos0: int = 0):
+        """Final hidden states (B, T, C) and the new key/value cache."""
+        B, T = idx.shape
+        pos = torch.arange(pos0, pos0 + T, dtype=torch.long, device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        if self.cfg.use_index:
+            x = x + self._index_embedding(f)
+        x = self.transformer.drop(x)
+        new_kv = []
+        for i, block in enumerate(self.transformer.h):
+            x, c = block(x, None if kv is None else kv[i])
+            new_kv.append(c)
+        return self.transformer.ln_f(x), new_kv
+
+    def _gate_and_index(self, h: torch.Tensor, f: IndexBatch):
+        """Mixture weight g (B, T) and the index distribution's top-k probabilities (B, T, k)."""
+        L = f.length.clamp(0, self.cfg.max_match)
+        cb = count_bucket(f.count)
+        g = torch.sigmoid(self.gate(h).squeeze(-1) + self.gate_len(L).squeeze(-1) + self.gate_cnt(cb).squeeze(-1))
+        q = (f.topk_cnt.float() * (f.topk_ids >= 0)) / f.count.float().clamp_min(1.0).unsqueeze(-1)
+        return g, q
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, f: IndexBatch | None = None):
+        """logits (B, T, V) when targets is None; else (per-token loss (B, T), None)."""
+        h, _ = self.hidden(idx, f)
+        logits = self.lm_head(h)
+        if targets is None:
+            return logits
+        logp = F.log_softmax(logits.float(), dim=-1)
+        lp_y = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, T)
+        if not (self.cfg.use_index and self.cfg.mixture):
+            return -lp_y, None
+        g, q = self._gate_and_index(h.float(), f)
+        rest = 1.0 - q.sum(-1)  # index mass left to the model distribution
+        q_y = (q * (f.topk_ids == targets.unsqueeze(-1))).sum(-1)
+        a = torch.log((1 - g + g * rest).clamp_min(1e-30)) + lp_y
+        b = torch.log((g * q_y).clamp_min(1e-30))
+        return -torch.logaddexp(a, b), None
+
+    @torch.no_grad()
+    def next_distribution(self, h_last: torch.Tensor, f_last: IndexBatch | None) -> torch.Tensor:
+        """Probabilities (B, V) of the next token from the last hidden state (mixture applied)."""
+        p = F.softmax(self.lm_head(h_last).float(), dim=-1)
+        if not (self.cfg.use_index and self.cfg.mixture):
+            return p
+        g, q = self._gate_and_index(h_last.float().unsqueeze(1), f_last)
+        g, q = g[:, 0], q[:, 0]
+        rest = 1.0 - q.sum(-1)
+        p = p * (1 - g + g * rest).unsqueeze(-1)
+        return p.scatter_add(-1, f_last.topk_ids[:, 0].clamp_min(0), g.unsqueeze(-1) * q)
+
+    def configure_optimizer(self, weight_decay: float, lr: float, betas: tuple[float, float], device_type: str):
+        params = [p for p in self.parameters() if p.requires_grad]
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device_type == "cuda")

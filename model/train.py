@@ -1,0 +1,326 @@
+"""`teragram train --config FILE.toml [--key=value ...]`: train a GPT with or without index inputs.
+
+Reads token shards and feature shards through memmaps. On CUDA: bf16 autocast, torch.compile,
+fused AdamW; on CPU: float32. Warmup + cosine schedule, gradient clipping and accumulation,
+multi-GPU with torchrun (DDP; gloo on CPU). Checkpoints hold the model (safetensors) and the
+optimizer, RNG and step (the data position: batches are a function of the step), so a resumed
+run continues the same loss curve. Logs: OUT/log.jsonl, a progress bar, OUT/loss.png.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from index import format as fmt
+
+from .data import EvalData, TrainData
+from .gpt import GPT, GPTConfig, IndexBatch
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    index: str = ""
+    features: str | None = None  # training features (None: baseline without index inputs)
+    heldout: str | None = None  # held-out features (teragram features --corpus) for evaluation
+    out: str = "runs/train"
+    preset: str = "tiny"
+    use_index: bool = True
+    index_inputs: tuple[str, ...] = ("cont", "len", "cnt", "topk")
+    mixture: bool = True
+    block_size: int = 0  # 0: the preset's
+    batch_size: int = 16  # per rank and micro-step
+    grad_accum: int = 1
+    max_steps: int = 1000
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup: int = 50
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 1337
+    log_every: int = 10
+    eval_every: int = 0  # 0: only at the end
+    ckpt_every: int = 0  # 0: only at the end
+    device: str = "auto"
+    compile: bool = True  # on CUDA
+    resume: bool = True
+    progress: bool = True
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    frac = min(1.0, (step - cfg.warmup) / max(1, cfg.max_steps - cfg.warmup))
+    return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * frac)) * (cfg.lr - cfg.min_lr)
+
+
+def model_config(cfg: TrainConfig, vocab_size: int, top_k: int) -> GPTConfig:
+    g = GPTConfig.preset(
+        cfg.preset,
+        vocab_size=vocab_size,
+        use_index=cfg.use_index and cfg.features is not None,
+        index_inputs=cfg.index_inputs,
+        mixture=cfg.mixture,
+        top_k=top_k,
+    )
+    if cfg.block_size:
+        g = replace(g, block_size=cfg.block_size)
+    if g.use_index and top_k == 0 and ({"topk", "cnt"} & set(g.index_inputs) or g.mixture):
+        g = replace(g, index_inputs=tuple(i for i in g.index_inputs if i in ("cont", "len")), mixture=False)
+    return g
+
+
+# ---- checkpoints -----------------------------------------------------------------------------
+
+
+def _commit() -> str:
+    import subprocess
+
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _save(out: Path, model: GPT, opt, step: int, cfg: TrainConfig) -> Path:
+    d = out / "checkpoints" / f"step-{step:07d}"
+    tmp = d.with_name(d.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    sd = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied to wte
+    save_file(sd, str(tmp / "model.safetensors"))
+    torch.save({"optimizer": opt.state_dict(), "step": step, "torch_rng": torch.get_rng_state()}, tmp / "state.pt")
+    (tmp / "config.json").write_text(
+        json.dumps({"model": asdict(model.cfg), "train": asdict(cfg), "step": step, "commit": _commit()}, indent=1)
+    )
+    shutil.rmtree(d, ignore_errors=True)
+    os.replace(tmp, d)
+    fmt.write_json(out / "latest.json", {"checkpoint": str(d.relative_to(out)), "step": step})
+    return d
+
+
+def load_model(checkpoint: str | Path, device: str = "cpu") -> tuple[GPT, dict]:
+    """A model from a checkpoint directory (or a run directory: its latest checkpoint)."""
+    p = Path(checkpoint)
+    if (p / "latest.json").exists():
+        p = p / fmt.read_json(p / "latest.json")["checkpoint"]
+    meta = json.loads((p / "config.json").read_text())
+    mc = meta["model"]
+    mc["index_inputs"] = tuple(mc["index_inputs"])
+    model = GPT(GPTConfig(**mc))
+    sd = load_file(str(p / "model.safetensors"))
+    sd["lm_head.weight"] = sd["transformer.wte.weight"]
+    model.load_state_dict(sd)
+    return model.to(device), meta
+
+
+# ---- training --------------------------------------------------------------------------------
+
+
+def _setup(cfg: TrainConfig) -> tuple[int, int, str]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    dev = cfg.device
+    if dev == "auto":
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if world > 1:
+        if dev == "cuda":
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local)
+            dev = f"cuda:{local}"
+        dist.init_process_group("nccl" if dev.startswith("cuda") else "gloo")
+    return rank, world, dev
+
+
+def _to(x, device):
+    return None if x is None else (x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x.to(device, non_blocking=True))
+
+
+def train(cfg: TrainConfig) -> dict:
+    rank, world, device = _setup(cfg)
+    master = rank == 0
+    torch.manual_seed(cfg.seed + rank)
+    use_index = cfg.use_index and cfg.features is not None
+    probe = TrainData(cfg.index, cfg.features if use_index else None, 8)
+    mcfg = model_config(cfg, probe.vocab_size, probe.k)
+    data = TrainData(cfg.index, cfg.features if use_index else None, mcfg.block_size)
+    out = Path(cfg.out)
+    model = GPT(mcfg).to(device)
+    opt = model.configure_optimizer(cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), "cuda" if device.startswith("cuda") else "cpu")
+    start = 0
+    if cfg.resume and (out / "latest.json").exists():
+        ck = out / fmt.read_json(out / "latest.json")["checkpoint"]
+        sd = load_file(str(ck / "model.safetensors"))
+        sd["lm_head.weight"] = sd["transformer.wte.weight"]
+        model.load_state_dict(sd)
+        st = torch.load(ck / "state.pt", map_location=device, weights_only=False)
+        opt.load_state_dict(st["optimizer"])
+        torch.set_rng_state(st["torch_rng"])
+        start = st["step"]
+    if master:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps({"model": asdict(mcfg), "train": asdict(cfg), "commit": _commit()}, indent=1))
+    cuda = device.startswith("cuda")
+    fwd = torch.compile(model) if cuda and cfg.compile else model
+    ddp = None
+    if world > 1:
+        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[torch.cuda.current_device()] if cuda else None)
+        fwd = torch.compile(ddp) if cuda and cfg.compile else ddp
+    tokens_per_step = cfg.batch_size * mcfg.block_size * cfg.grad_accum * world
+    log = open(out / "log.jsonl", "a") if master else None
+    bar = tqdm(total=cfg.max_steps, initial=start, desc="train", unit="step", disable=not (master and cfg.progress))
+    t0 = time.time()
+    last = {"step": start}
+    for step in range(start, cfg.max_steps):
+        lr = lr_at(cfg, step)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        loss_sum = 0.0
+        for micro in range(cfg.grad_accum):
+            x, y, f = data.batch(step * cfg.grad_accum + micro, cfg.batch_size, seed=cfg.seed, rank=rank)
+            x, y, f = _to(x, device), _to(y, device), _to(f, device)
+            sync = ddp is None or micro == cfg.grad_accum - 1
+            ctx = ddp.no_sync() if (ddp is not None and not sync) else _null()
+            with ctx, torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+                loss, _ = fwd(x, y, f)
+                loss = loss.mean() / cfg.grad_accum
+            loss.backward()
+            loss_sum += loss.item() if not cuda or (step + 1) % cfg.log_every == 0 else 0.0
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        bar.update(1)
+        if (step + 1) % cfg.log_every == 0 or step == start or step + 1 == cfg.max_steps:
+            el = time.time() - t0
+            tps = tokens_per_step * (step + 1 - start) / max(el, 1e-9)
+            last = {"step": step + 1, "loss": loss_sum, "lr": lr, "tokens_per_s": tps, "elapsed_s": el}
+            if master:
+                log.write(json.dumps(last) + "\n")
+                log.flush()
+                bar.set_postfix(loss=f"{loss_sum:.3f}", tok_s=f"{tps:,.0f}")
+        if master and cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.max_steps:
+            _save(out, model, opt, step + 1, cfg)
+        if master and cfg.heldout and cfg.eval_every and (step + 1) % cfg.eval_every == 0:
+            ev = evaluate(model, cfg.heldout, data.eos, data.sep, device)
+            log.write(json.dumps({"step": step + 1, "eval": ev}) + "\n")
+            log.flush()
+    bar.close()
+    result = dict(last)
+    if master:
+        if cfg.max_steps > start:
+            _save(out, model, opt, cfg.max_steps, cfg)
+        if cfg.heldout:
+            result["eval"] = evaluate(model, cfg.heldout, data.eos, data.sep, device)
+            log.write(json.dumps({"step": cfg.max_steps, "eval": result["eval"]}) + "\n")
+        log.close()
+        plot_log(out)
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    return result
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+# ---- evaluation ------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def evaluate(model: GPT, heldout: str | Path, eos: int, sep: int, device: str = "cpu", batch: int = 16) -> dict:
+    """Perplexity and bits per byte of held-out features' text (every token predicted once)."""
+    ev = EvalData(heldout, model.cfg.block_size, eos, sep)
+    was = model.training
+    model.eval()
+    nll, n = 0.0, 0
+    cuda = str(device).startswith("cuda")
+    buf = []
+
+    def flush():
+        nonlocal nll, n
+        T = max(len(b[0]) for b in buf)
+        x = torch.full((len(buf), T), eos, dtype=torch.long)
+        y = torch.full((len(buf), T), eos, dtype=torch.long)
+        mask = torch.zeros((len(buf), T), dtype=torch.bool)
+        fs = [
+            torch.zeros((len(buf), T), dtype=torch.long),
+            torch.full((len(buf), T), -1, dtype=torch.long),
+            torch.zeros((len(buf), T), dtype=torch.long),
+        ]
+        fs += [torch.full((len(buf), T, ev.k), -1, dtype=torch.long), torch.zeros((len(buf), T, ev.k), dtype=torch.long)]
+        for i, (xx, yy, ff) in enumerate(buf):
+            m = len(xx)
+            x[i, :m], y[i, :m], mask[i, :m] = torch.from_numpy(xx), torch.from_numpy(yy), True
+            for j in range(5):
+                fs[j][i, :m] = torch.from_numpy(ff[j])
+        f = IndexBatch(*fs).to(device) if model.cfg.use_index else None
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+            loss, _ = model(x.to(device), y.to(device), f)
+        nll += float(loss.float()[mask.to(device)].sum())
+        n += int(mask.sum())
+        buf.clear()
+
+    for w in ev.windows():
+        buf.append(w)
+        if len(buf) == batch:
+            flush()
+    if buf:
+        flush()
+    model.train(was)
+    nbytes = ev.text_bytes(_decoder(heldout))
+    return {
+        "tokens": n,
+        "loss": nll / max(n, 1),
+        "perplexity": math.exp(nll / max(n, 1)),
+        "bits_per_byte": nll / math.log(2) / max(nbytes, 1),
+        "bytes": nbytes,
+    }
+
+
+def _decoder(heldout: str | Path):
+    """Decoder of the tokenizer held-out features were made with (copied beside them)."""
+    from builder.tokenizer import load
+
+    sp = load(Path(heldout) / "tokenizer.model")
+    return lambda ids: sp.decode(ids)
+
+
+def plot_log(out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines() if x.strip()]
+    tr = [(r["step"], r["loss"]) for r in rows if "loss" in r and r.get("loss")]
+    ev = [(r["step"], r["eval"]["loss"]) for r in rows if "eval" in r]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    if tr:
+        ax.plot(*zip(*tr), label="train")
+    if ev:
+        ax.plot(*zip(*ev), "o-", label="held-out")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.legend()
+    fig.savefig(out / "loss.png", dpi=110, bbox_inches="tight")
+    plt.close(fig)

@@ -1,0 +1,333 @@
+"""HTTP server: index queries (infini-gram's API shape), OpenAI-style completions, scoring.
+
+    teragram serve --index IDX [--checkpoint CKPT] [--host 127.0.0.1] [--port 8080] [--api-key KEY]
+
+Endpoints: POST / (infini-gram's request/response shape), POST /v1/completions (prompt,
+max_tokens, temperature, top_p, stop, stream as server-sent events), POST /v1/score,
+GET /health, GET /stats. Every bad request gets a 4xx with {"error": "<one line>"}.
+Index queries run concurrently in the worker threads (the kernels release the GIL); model
+calls are serialized by a lock (one model, one device).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from index.engine import Index
+from index.errors import QueryError, TeragramError
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    index: str
+    checkpoint: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str | None = None
+    device: str = "cpu"
+    max_tokens: int = 512  # cap on generated tokens per request
+    max_body_bytes: int = 1 << 20
+    max_query_tokens: int = 4096  # cap on tokens of a query / scored text
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class InfinigramRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")  # infini-gram clients send index/corpus/source/timestamp too
+    query_type: str
+    query: str | None = None
+    query_ids: list[int] | None = None
+    maxnum: int = Field(default=1, ge=1, le=100)
+    max_disp_len: int = Field(default=100, ge=1, le=10000)
+
+
+class CompletionRequest(_Strict):
+    prompt: str
+    model: str | None = None
+    max_tokens: int = Field(default=16, ge=0)
+    temperature: float = Field(default=1.0, ge=0.0, le=10.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    seed: int = 0
+
+
+class ScoreRequest(_Strict):
+    text: str | None = None
+    ids: list[int] | None = None
+
+
+class _Stats:
+    def __init__(self):
+        self.start = time.time()
+        self.counts: dict[str, int] = defaultdict(int)
+        self.errors: dict[str, int] = defaultdict(int)
+        self.lat: dict[str, deque] = defaultdict(lambda: deque(maxlen=10000))
+        self.lock = threading.Lock()
+
+    def add(self, path: str, ms: float, ok: bool) -> None:
+        with self.lock:
+            self.counts[path] += 1
+            if not ok:
+                self.errors[path] += 1
+            self.lat[path].append(ms)
+
+    def summary(self) -> dict:
+        with self.lock:
+            out = {}
+            for p, n in self.counts.items():
+                a = np.asarray(self.lat[p]) if self.lat[p] else np.zeros(1)
+                out[p] = {
+                    "requests": n,
+                    "errors": self.errors[p],
+                    "p50_ms": float(np.percentile(a, 50)),
+                    "p90_ms": float(np.percentile(a, 90)),
+                    "p99_ms": float(np.percentile(a, 99)),
+                }
+            return out
+
+
+def _err(status: int, msg: str) -> JSONResponse:
+    return JSONResponse({"error": msg}, status_code=status)
+
+
+def create_app(cfg: ServeConfig) -> FastAPI:
+    idx = Index(cfg.index)
+    model = None
+    model_meta: dict = {}
+    if cfg.checkpoint:
+        from model.train import load_model
+
+        model, model_meta = load_model(cfg.checkpoint, cfg.device)
+        if model.cfg.vocab_size != idx.vocab_size:
+            raise TeragramError(f"checkpoint vocabulary {model.cfg.vocab_size} != index vocabulary {idx.vocab_size}")
+    model_lock = threading.Lock()
+    stats = _Stats()
+    app = FastAPI(title="teragram", version="0.1.0")
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        t = time.perf_counter()
+        path = request.url.path
+        if cfg.api_key and request.headers.get("authorization") != f"Bearer {cfg.api_key}":
+            resp = _err(401, "missing or wrong API key (Authorization: Bearer KEY)")
+        elif request.method == "POST" and not request.headers.get("content-type", "").split(";")[0].strip() == "application/json":
+            resp = _err(415, "content type must be application/json")
+        elif int(request.headers.get("content-length") or 0) > cfg.max_body_bytes:
+            resp = _err(413, f"request body over {cfg.max_body_bytes} bytes")
+        else:
+            resp = await call_next(request)
+        stats.add(path, (time.perf_counter() - t) * 1e3, resp.status_code < 400)
+        return resp
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        e = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+        if e.get("type") == "json_invalid":
+            return _err(400, "malformed JSON")
+        return _err(400 if where else 400, f"{where or 'body'}: {e.get('msg', 'invalid request')}")
+
+    @app.exception_handler(TeragramError)
+    async def _teragram(request: Request, exc: TeragramError):
+        return _err(400, str(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        return _err(exc.status_code, str(exc.detail))
+
+    @app.get("/health")
+    def health():
+        return {"status": "ok", "model": model is not None}
+
+    @app.get("/stats")
+    def get_stats():
+        m = None
+        if model is not None:
+            m = {
+                "checkpoint": cfg.checkpoint,
+                "params": model.num_params(),
+                "use_index": model.cfg.use_index,
+                "config": model_meta.get("model"),
+            }
+        return {
+            "index": {
+                "path": cfg.index,
+                "tokens": idx.n_tokens,
+                "documents": idx.n_docs,
+                "shards": len(idx.shards),
+                "vocab_size": idx.vocab_size,
+            },
+            "model": m,
+            "uptime_s": time.time() - stats.start,
+            "endpoints": stats.summary(),
+        }
+
+    def _query_ids(req_text: str | None, req_ids: list[int] | None) -> list[int]:
+        if (req_text is None) == (req_ids is None):
+            raise QueryError("give exactly one of query (text) and query_ids")
+        ids = idx.tokenize(req_text) if req_text is not None else list(req_ids)
+        if len(ids) > cfg.max_query_tokens:
+            raise QueryError(f"query of {len(ids)} tokens is over the cap of {cfg.max_query_tokens}")
+        return ids
+
+    @app.post("/")
+    def infinigram(req: InfinigramRequest):
+        t = time.perf_counter()
+        ids = _query_ids(req.query, req.query_ids)
+        qt = req.query_type
+        if qt == "count":
+            r = idx.count(ids).to_json()
+        elif qt in ("prob", "infgram_prob"):
+            if not ids:
+                raise QueryError(f"{qt} needs at least one token (the last is the continuation)")
+            r = (idx.prob if qt == "prob" else idx.infgram_prob)(ids[:-1], ids[-1]).to_json()
+        elif qt in ("ntd", "infgram_ntd"):
+            res = (idx.ntd if qt == "ntd" else idx.infgram_ntd)(ids)
+            r = res.to_json()
+            r["result_by_token_id"] = {
+                str(k): v | {"token": idx.tokenizer.id_to_piece(int(k)) if int(k) < idx.vocab_size else ""}
+                for k, v in r["result_by_token_id"].items()
+            }
+        elif qt == "search_docs":
+            r = idx.docs(ids, max=req.maxnum, context=req.max_disp_len // 2).to_json()
+        else:
+            raise QueryError(f"unknown query_type {qt!r}; expected count, prob, ntd, infgram_prob, infgram_ntd or search_docs")
+        return r | {
+            "token_ids": ids,
+            "tokens": [idx.tokenizer.id_to_piece(int(i)) for i in ids],
+            "latency": (time.perf_counter() - t) * 1e3,
+        }
+
+    def _need_model():
+        if model is None:
+            raise StarletteHTTPException(404, "no model loaded: start the server with --checkpoint")
+
+    def _prompt_ids(prompt: str) -> list[int]:
+        ids = idx.tokenize(prompt)
+        if len(ids) >= model.cfg.block_size:
+            raise QueryError(f"prompt of {len(ids)} tokens does not fit the context of {model.cfg.block_size}")
+        return ids
+
+    @app.post("/v1/completions")
+    def completions(req: CompletionRequest):
+        _need_model()
+        if req.max_tokens > cfg.max_tokens:
+            raise QueryError(f"max_tokens {req.max_tokens} is over the cap of {cfg.max_tokens}")
+        from model.sample import stream
+
+        ids = _prompt_ids(req.prompt)
+        stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+        stop_ids = [idx.tokenize(s) for s in stops if s]
+        kw = dict(max_new_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, stop=stop_ids, seed=req.seed)
+        created = int(time.time())
+        name = req.model or "teragram"
+
+        def run():
+            state: dict = {}
+            with model_lock:
+                yield from stream(model, idx, ids, state=state, **kw)
+            run.state = state  # type: ignore[attr-defined]
+
+        if not req.stream:
+            out = list(run())
+            new = [t for t, _ in out]
+            text = idx.decode(new)
+            for s in stops:
+                if s and s in text:
+                    text = text[: text.index(s)]
+            finish = "stop" if run.state["stopped"] in ("eos", "stop") else "length"  # type: ignore[attr-defined]
+            long = sum(int(f.length[0]) >= 16 for _, f in out[:-1]) + (
+                1 if ids and out and int(run.state["features"][len(ids) - 1].length[0]) >= 16 else 0
+            )  # type: ignore[attr-defined]
+            return {
+                "id": f"cmpl-{created}",
+                "object": "text_completion",
+                "created": created,
+                "model": name,
+                "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
+                "usage": {"prompt_tokens": len(ids), "completion_tokens": len(new), "total_tokens": len(ids) + len(new)},
+                "index_matches": {"long_match_tokens": long, "min_match": 16},
+            }
+
+        def sse():
+            prev = ""
+            new: list[int] = []
+            for tok, _ in run():
+                new.append(tok)
+                text = idx.decode(new)
+                delta, prev = text[len(prev) :], text
+                chunk = {
+                    "id": f"cmpl-{created}",
+                    "object": "text_completion",
+                    "created": created,
+                    "model": name,
+                    "choices": [{"index": 0, "text": delta, "finish_reason": None}],
+                }
+                yield f"data: {json.dumps(chunk)}\n\n"
+            finish = "stop" if run.state["stopped"] in ("eos", "stop") else "length"  # type: ignore[attr-defined]
+            yield f"data: {json.dumps({'id': f'cmpl-{created}', 'object': 'text_completion', 'choices': [{'index': 0, 'text': '', 'finish_reason': finish}]})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(sse(), media_type="text/event-stream")
+
+    @app.post("/v1/score")
+    def score(req: ScoreRequest):
+        _need_model()
+        import torch
+
+        from model.gpt import IndexBatch
+
+        ids = _query_ids(req.text, req.ids)
+        if not ids:
+            raise QueryError("nothing to score")
+        if len(ids) > model.cfg.block_size:
+            raise QueryError(f"text of {len(ids)} tokens is over the context of {model.cfg.block_size}")
+        x = [idx.eos_id] + ids[:-1]  # the text is read as a document: EOS, then its tokens
+        r = idx.score(ids, top_k=model.cfg.top_k, max_len=model.cfg.max_match)
+        # features of x's positions: none for the EOS slot, then those of ids[:-1]
+        L = np.concatenate([[0], r.length[:-1]])
+        cont = np.concatenate([[-1], r.cont[:-1]])
+        cnt = np.concatenate([[0], r.count[:-1]])
+        tk = np.concatenate([np.full((1, r.topk_ids.shape[1]), -1), r.topk_ids[:-1]])
+        tc = np.concatenate([np.zeros((1, r.topk_cnt.shape[1])), r.topk_cnt[:-1]])
+
+        def t(a):
+            return torch.as_tensor(np.asarray(a, dtype=np.int64)).unsqueeze(0).to(cfg.device)
+
+        f = IndexBatch(t(L), t(cont), t(cnt), t(tk), t(tc))
+        blind = IndexBatch(
+            t(np.zeros_like(L)), t(np.full_like(cont, -1)), t(np.zeros_like(cnt)), t(np.full_like(tk, -1)), t(np.zeros_like(tc))
+        )
+        X, Y = t(x), t(ids)
+        with model_lock, torch.no_grad():
+            with_idx, _ = model(X, Y, f if model.cfg.use_index else None)
+            without, _ = model(X, Y, blind if model.cfg.use_index else None)
+        return {
+            "tokens": [idx.tokenizer.id_to_piece(int(i)) for i in ids],
+            "token_ids": ids,
+            "logprobs_with_index": (-with_idx[0]).tolist(),
+            "logprobs_without_index": (-without[0]).tolist(),
+            "features": [{"match_length": int(L[i]), "continuation": int(cont[i]), "count": int(cnt[i])} for i in range(len(ids))],
+        }
+
+    return app
+
+
+def serve(cfg: ServeConfig) -> None:
+    import uvicorn
+
+    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="warning")

@@ -1,0 +1,185 @@
+"""The HTTP server: a real uvicorn process on a free loopback port, plus TestClient for the
+fine-grained bad-input cases."""
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from builder.features import FeatureConfig, compute_features
+from index.engine import Index
+from model.train import TrainConfig, train
+from serve.app import ServeConfig, create_app
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(real_index, tmp_path_factory):
+    d = tmp_path_factory.mktemp("srv")
+    compute_features(real_index, d / "feats", FeatureConfig("exclude-doc", 64, 4), progress=False)
+    train(
+        TrainConfig(
+            index=str(real_index),
+            features=str(d / "feats"),
+            out=str(d / "run"),
+            preset="tiny",
+            block_size=64,
+            batch_size=4,
+            max_steps=10,
+            progress=False,
+        )
+    )
+    return d / "run"
+
+
+@pytest.fixture(scope="module")
+def client(real_index, checkpoint):
+    return TestClient(create_app(ServeConfig(index=str(real_index), checkpoint=str(checkpoint), max_tokens=64)))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(real_index, checkpoint):
+    port = _free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "serve.cli",
+            "serve",
+            "--index",
+            str(real_index),
+            "--checkpoint",
+            str(checkpoint),
+            "--port",
+            str(port),
+            "--api-key",
+            "s3cret",
+        ],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            if httpx.get(url + "/health", headers={"Authorization": "Bearer s3cret"}).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    else:
+        proc.kill()
+        raise RuntimeError(proc.stderr.read().decode())
+    yield url
+    proc.terminate()
+    proc.wait(10)
+
+
+H = {"Authorization": "Bearer s3cret"}
+
+
+def test_real_server_every_endpoint(server, real_index):
+    idx = Index(real_index)
+    ids = idx.tokenize(" of the")
+    assert idx.count(ids).count >= 2
+    assert httpx.get(server + "/health", headers=H).json()["status"] == "ok"
+    r = httpx.post(server + "/", json={"index": "whatever", "query_type": "count", "query": " of the"}, headers=H).json()
+    assert r["count"] == idx.count(ids).count and r["token_ids"] == ids and "latency" in r
+    r = httpx.post(server + "/", json={"query_type": "infgram_prob", "query_ids": ids}, headers=H).json()
+    assert {k: r[k] for k in ("prompt_cnt", "cont_cnt", "prob", "suffix_len")} == idx.infgram_prob(ids[:-1], ids[-1]).to_json()
+    r = httpx.post(server + "/", json={"query_type": "ntd", "query": "the"}, headers=H).json()
+    assert {int(k): v["cont_cnt"] for k, v in r["result_by_token_id"].items()} == {
+        t: c for t, (c, _) in idx.ntd(idx.tokenize("the")).result_by_token_id.items()
+    }
+    r = httpx.post(server + "/", json={"query_type": "search_docs", "query": " of the", "maxnum": 2}, headers=H).json()
+    assert r["cnt"] == idx.count(ids).count and len(r["documents"]) == 2
+    r = httpx.post(server + "/v1/completions", json={"prompt": "The kernel", "max_tokens": 8, "temperature": 0}, headers=H).json()
+    assert r["object"] == "text_completion" and r["usage"]["completion_tokens"] <= 8 and "long_match_tokens" in r["index_matches"]
+    r = httpx.post(server + "/v1/score", json={"text": "The kernel is"}, headers=H).json()
+    n = len(idx.tokenize("The kernel is"))
+    assert len(r["logprobs_with_index"]) == len(r["logprobs_without_index"]) == len(r["features"]) == n
+    assert all(x <= 0 for x in r["logprobs_with_index"])
+    s = httpx.get(server + "/stats", headers=H).json()
+    assert s["index"]["tokens"] == idx.n_tokens and s["endpoints"]["/"]["requests"] >= 4 and s["model"]["params"] > 0
+
+
+def test_streaming(server):
+    with httpx.stream(
+        "POST", server + "/v1/completions", json={"prompt": "The", "max_tokens": 6, "stream": True, "seed": 3}, headers=H
+    ) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    streamed = "".join(c["choices"][0]["text"] for c in chunks)
+    full = httpx.post(server + "/v1/completions", json={"prompt": "The", "max_tokens": 6, "seed": 3}, headers=H).json()
+    assert streamed == full["choices"][0]["text"]
+
+
+def test_auth(server):
+    assert httpx.get(server + "/health").status_code == 401
+    r = httpx.post(server + "/", json={"query_type": "count", "query": "x"}, headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401 and "API key" in r.json()["error"]
+
+
+@pytest.mark.parametrize(
+    "path,body,status,msg",
+    [
+        ("/", b"{not json", 400, "malformed JSON"),
+        ("/", {"query_type": "frobnicate", "query": "x"}, 400, "unknown query_type"),
+        ("/", {"query_type": "count", "query_ids": [1, 10**9]}, 400, "outside the vocabulary"),
+        ("/", {"query_type": "count"}, 400, "exactly one of"),
+        ("/", {"query_type": "count", "query_ids": ["a"]}, 400, "query_ids"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 100000}, 400, "over the cap"),
+        ("/v1/completions", {"prompt": "word " * 200, "max_tokens": 1}, 400, "does not fit the context"),
+        ("/v1/completions", {"prompt": "x", "bogus": 1}, 400, "bogus"),
+        ("/v1/score", {"ids": []}, 400, "nothing to score"),
+        ("/", {"query_type": "count", "query": "x " * 5000}, 400, "over the cap"),
+    ],
+)
+def test_bad_input_is_a_4xx_with_one_line(client, path, body, status, msg):
+    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    r = client.post(path, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert msg in err and "\n" not in err
+
+
+def test_wrong_content_type_and_size(client):
+    r = client.post("/", content=b"query_type=count", headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 415
+    r = client.post("/", content=b"{" + b" " * (2 << 20) + b"}", headers={"content-type": "application/json"})
+    assert r.status_code == 413
+
+
+def test_index_only_server_has_no_model(real_index):
+    c = TestClient(create_app(ServeConfig(index=str(real_index))))
+    assert c.post("/", json={"query_type": "count", "query": "kernel"}).status_code == 200
+    r = c.post("/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 404 and "no model" in r.json()["error"]
+
+
+def test_concurrent_index_queries(client, real_index):
+    from concurrent.futures import ThreadPoolExecutor
+
+    idx = Index(real_index)
+    rng = np.random.default_rng(0)
+    qs = [[int(x) for x in rng.integers(3, 300, size=2)] for _ in range(64)]
+    with ThreadPoolExecutor(16) as ex:
+        res = list(ex.map(lambda q: client.post("/", json={"query_type": "count", "query_ids": q}).json()["count"], qs))
+    assert res == [idx.count(q).count for q in qs]
