@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
+# where results go ($TERAGRAM_RESULTS on the lent GPU machine, whose files come back via $OUT)
+RESULTS = Path(os.environ.get("TERAGRAM_RESULTS", REPO / "benchmarks" / "results"))
 
 
 def commit() -> str:

@@ -142,9 +142,17 @@ def split_of(path: str, heldout_percent: int = 5, salt: str = "teragram-split-v1
 
 
 def export(
-    names: list[str], out: Path, *, max_bytes: int | None = None, split: str | None = None, heldout_percent: int = 5, level: int = 19
+    names: list[str],
+    out: Path,
+    *,
+    max_bytes: int | None = None,
+    per_corpus: dict[str, int] | None = None,
+    split: str | None = None,
+    heldout_percent: int = 5,
+    level: int = 19,
 ) -> dict:
-    """Write documents as JSON lines {"text", "path", "corpus"} (zstd-compressed if out ends in .zst)."""
+    """Write documents as JSON lines {"text", "path", "corpus"} (zstd-compressed if out ends in
+    .zst): at most max_bytes in all, and per_corpus[name] bytes of a corpus named there."""
     import zstandard
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -153,13 +161,15 @@ def export(
     f = zstandard.ZstdCompressor(level=level, threads=-1).stream_writer(raw) if out.suffix == ".zst" else raw
     with io.TextIOWrapper(f, encoding="utf-8") as w:
         for name in names:
+            cap = (per_corpus or {}).get(name)
+            mine = 0
             for path, text in documents(name):
                 if split is not None and split_of(path, heldout_percent) != split:
                     continue
                 w.write(json.dumps({"text": text, "path": path, "corpus": name}) + "\n")
-                n_docs += 1
-                n_bytes += len(text.encode())
-                if max_bytes is not None and n_bytes >= max_bytes:
+                size = len(text.encode())
+                n_docs, n_bytes, mine = n_docs + 1, n_bytes + size, mine + size
+                if (max_bytes is not None and n_bytes >= max_bytes) or (cap is not None and mine >= cap):
                     break
             if max_bytes is not None and n_bytes >= max_bytes:
                 break

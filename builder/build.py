@@ -56,6 +56,7 @@ class BuildConfig:
     tokenizer_sample_bytes: int = 64 << 20
     executor: str = "local"
     ray_address: str | None = None
+    shard_dirs: tuple[str, ...] = ()  # shard i goes to shard_dirs[i % len] (default: OUT/shards)
     progress: bool = True
 
     def identity(self) -> dict:
@@ -73,6 +74,7 @@ class BuildConfig:
             "vocab_size": None if tok else self.vocab_size,
             "shard_tokens": self.shard_tokens,
             "tokenizer_sample_bytes": None if tok else self.tokenizer_sample_bytes,
+            "shard_dirs": [str(Path(d).resolve()) for d in self.shard_dirs],
         }
 
 
@@ -125,31 +127,59 @@ def _encode(texts: list[str]) -> list[np.ndarray]:
     return [np.asarray(ids, dtype=np.uint32) for ids in _SP.encode(texts)]  # type: ignore[union-attr]
 
 
-class _Encoder:
-    """Encodes batches of texts in order with a bounded number of batches in flight."""
+def _encode_with(model: bytes, texts: list[str]) -> list[np.ndarray]:
+    """A Ray task: encode with the given model (loaded once per worker process)."""
+    global _SP, _SP_MODEL
+    if _SP is None or _SP_MODEL != model:
+        _init_worker(model)
+        _SP_MODEL = model
+    return _encode(texts)
 
-    def __init__(self, model: bytes, workers: int):
+
+_SP_MODEL: bytes | None = None
+
+
+class _Encoder:
+    """Encodes batches of texts in order with a bounded number of batches in flight, in a
+    local process pool or as Ray tasks."""
+
+    def __init__(self, model: bytes, workers: int, ray: bool = False):
         self.workers = workers
-        if workers > 1:
+        self.pool = None
+        self.ray = None
+        if ray:
+            import ray as ray_mod
+
+            self.ray = ray_mod
+            self.model_ref = ray_mod.put(model)
+            self.task = ray_mod.remote(max_retries=3)(_encode_with)
+        elif workers > 1:
             self.pool = mp.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=(model,))
         else:
             _init_worker(model)
-            self.pool = None
+
+    def _submit(self, texts: list[str]):
+        if self.ray is not None:
+            return self.task.remote(self.model_ref, texts)
+        return self.pool.apply_async(_encode, (texts,))
+
+    def _get(self, r):
+        return self.ray.get(r) if self.ray is not None else r.get()
 
     def map(self, batches: Iterator[tuple[object, list[str]]]) -> Iterator[tuple[object, list[np.ndarray]]]:
-        if self.pool is None:
+        if self.pool is None and self.ray is None:
             for tag, texts in batches:
                 yield tag, _encode(texts)
             return
         window: deque = deque()
         for tag, texts in batches:
-            window.append((tag, self.pool.apply_async(_encode, (texts,))))
+            window.append((tag, self._submit(texts)))
             if len(window) >= 4 * self.workers:
                 t, r = window.popleft()
-                yield t, r.get()
+                yield t, self._get(r)
         while window:
             t, r = window.popleft()
-            yield t, r.get()
+            yield t, self._get(r)
 
     def close(self) -> None:
         if self.pool is not None:
@@ -238,7 +268,7 @@ def finish_shard(out: str, shard: int, sep: int, vocab: int, marker: dict) -> di
     maxima, unigram counts, then the completion marker. The unit of work an executor runs."""
     t = time.time()
     root = Path(out)
-    d = fmt.shard_dir(root, shard)
+    d = fmt.shard_dir(root, shard, marker.get("dir"))
     tokens = np.asarray(fmt.open_array(d / "tokens.bin", "tokens"))
     stats = sa_mod.write_shard_arrays(d, tokens, sep, vocab)
     files = [asdict(fmt.file_record(root, d / n)) for n in fmt.SHARD_FILES]
@@ -251,8 +281,9 @@ class _ShardWriter:
     """Collects encoded documents into shards; writes each full shard's tokens and hands its
     indexing (finish_shard) to the executor."""
 
-    def __init__(self, out: Path, shard: int, dtype: np.dtype, vocab: int, shard_tokens: int, skips: SkipStats, executor):
+    def __init__(self, out: Path, shard: int, dtype: np.dtype, vocab: int, shard_tokens: int, skips: SkipStats, executor, shard_dirs=()):
         self.out, self.shard, self.dtype, self.vocab, self.cap = out, shard, dtype, vocab, shard_tokens
+        self.shard_dirs = [str(Path(x).resolve()) for x in shard_dirs]
         self.sep = fmt.separator(dtype)
         self.skips = skips
         self.executor = executor
@@ -276,7 +307,8 @@ class _ShardWriter:
     def flush(self, cursor: Cursor) -> None:
         if not self.parts:
             return
-        d = fmt.shard_dir(self.out, self.shard)
+        where = self.shard_dirs[self.shard % len(self.shard_dirs)] if self.shard_dirs else None
+        d = fmt.shard_dir(self.out, self.shard, where)
         d.mkdir(parents=True, exist_ok=True)
         tokens = np.empty(self.used, dtype=self.dtype)
         starts = np.empty(len(self.parts) + 1, dtype=np.uint64)
@@ -297,6 +329,7 @@ class _ShardWriter:
         os.replace(tmp, meta_path)
         marker = {
             "shard": self.shard,
+            "dir": where,
             "n_docs": len(self.parts),
             "n_tokens": int(pos - len(self.parts)),
             "n_positions": int(pos),
@@ -350,11 +383,11 @@ def build(cfg: BuildConfig) -> dict:
     skips = SkipStats.from_json(done[-1]["skips"]) if done else SkipStats()
     t1 = time.time()
     executor = make_executor(cfg.executor, sa_parallelism(cfg.workers, cfg.shard_tokens), cfg.ray_address)
-    writer = _ShardWriter(out, len(done), dtype, vocab, cfg.shard_tokens, skips, executor)
+    writer = _ShardWriter(out, len(done), dtype, vocab, cfg.shard_tokens, skips, executor, cfg.shard_dirs)
     total_bytes = sum(f.stat().st_size for f in files)
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenize+index", disable=not cfg.progress)
     bar.update(sum(f.stat().st_size for f in files[: start.file]))
-    enc = _Encoder(tok_path.read_bytes(), cfg.workers)
+    enc = _Encoder(tok_path.read_bytes(), cfg.workers, ray=cfg.executor == "ray")
     last_file = start.file
     try:
         for tags, encoded in enc.map(_batches(_doc_stream(files, start))):

@@ -19,6 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer-sample-mb", type=int, default=64, help="text sampled to train the tokenizer (MB)")
     p.add_argument("--executor", choices=["local", "ray"], default="local")
     p.add_argument("--ray-address", help="Ray cluster address (default: start a local one)")
+    p.add_argument("--shard-dirs", help="comma-separated directories (one per disk or mount) to spread the shards over")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
@@ -35,6 +36,7 @@ def run(args: argparse.Namespace) -> int:
         tokenizer_sample_bytes=args.tokenizer_sample_mb << 20,
         executor=args.executor,
         ray_address=args.ray_address,
+        shard_dirs=tuple(x for x in (args.shard_dirs or "").split(",") if x),
         progress=not args.quiet,
     )
     report = build(cfg)

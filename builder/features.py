@@ -379,11 +379,20 @@ def _feature_task(index_dir: str, out: str, shard: int, cfg: FeatureConfig) -> d
 
 
 def compute_features(
-    index_dir: str | Path, out: str | Path, cfg: FeatureConfig, *, workers: int = 1, corpus: list[str] | None = None, progress: bool = True
+    index_dir: str | Path,
+    out: str | Path,
+    cfg: FeatureConfig,
+    *,
+    workers: int = 1,
+    corpus: list[str] | None = None,
+    progress: bool = True,
+    executor: str = "local",
+    ray_address: str | None = None,
 ) -> dict:
     """Write features for the indexed corpus (causal / exclude-doc) or, with `corpus`, for
-    other text against the whole index (held-out). Resumable per shard; returns a report."""
-    from .executors import LocalExecutor
+    other text against the whole index (held-out). Resumable per shard; returns a report.
+    Shards are computed in parallel, by local processes or as Ray tasks."""
+    from .executors import make_executor
 
     idx = Index(index_dir)
     out = Path(out)
@@ -406,12 +415,12 @@ def compute_features(
     fmt.write_json(state, ident)
     t0 = time.time()
     if corpus is not None:
-        report = _held_out(idx, out, cfg, corpus, progress)
+        report = _held_out(idx, out, cfg, corpus, progress, workers)
         shards = [fmt.read_json(out / "000000.done")]
         positions = report["positions"]
     else:
         todo = [s.id for s in idx.shards if not (out / f"{s.id:06d}.done").exists()]
-        ex = LocalExecutor(min(workers, max(1, len(todo))))
+        ex = make_executor(executor, min(workers, max(1, len(todo))), ray_address)
         bar = tqdm(total=len(todo), desc=f"features ({cfg.mode})", unit="shard", disable=not progress)
         try:
             for s in todo:
@@ -430,7 +439,11 @@ def compute_features(
     return report
 
 
-def _held_out(idx: Index, out: Path, cfg: FeatureConfig, corpus: list[str], progress: bool) -> dict:
+def _held_out_chunk(index_dir: str, docs: list[np.ndarray], cfg: FeatureConfig) -> Features:
+    return held_out_features(Index(index_dir), docs, cfg)
+
+
+def _held_out(idx: Index, out: Path, cfg: FeatureConfig, corpus: list[str], progress: bool, workers: int) -> dict:
     from . import readers
 
     docs, metas, skipped = [], [], 0
@@ -452,7 +465,20 @@ def _held_out(idx: Index, out: Path, cfg: FeatureConfig, corpus: list[str], prog
     fmt.write_array(d / "tokens.bin", "tokens", stream)
     fmt.write_array(d / "docs.bin", "docs", starts)
     t = time.time()
-    f = held_out_features(idx, docs, cfg, progress)
+    if workers > 1 and len(docs) > 1:
+        from .executors import LocalExecutor
+
+        ex = LocalExecutor(workers)
+        bounds = np.linspace(0, len(docs), min(len(docs), 4 * workers) + 1).astype(int)
+        try:
+            for a, b in zip(bounds[:-1], bounds[1:]):
+                ex.submit(_held_out_chunk, str(idx.path), docs[a:b], cfg)
+            parts = ex.results()
+        finally:
+            ex.close()
+        f = Features(*(np.concatenate([getattr(p, n) for p in parts]) for n in ("length", "cont", "count", "topk_ids", "topk_cnt")))
+    else:
+        f = held_out_features(idx, docs, cfg, progress)
     dt = time.time() - t
     files = write_features(d, f, dtype, idx.sep, cfg.top_k)
     files += [asdict(fmt.file_record(out, d / n)) for n in ("tokens.bin", "docs.bin")]

@@ -28,6 +28,7 @@ next tokens, never O(count). ``approx`` is therefore always False.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -136,6 +137,8 @@ class ScoreResult:
     count    (T,) int64  occurrences of that suffix (tokens + documents when length is 0)
     topk_ids (T, k) int32 most frequent next tokens after the suffix (-1 padding), ties by id
     topk_cnt (T, k) int64 their counts
+    target_cnt (T,) int64 (score(..., targets=True)) how often the actual next token (EOS after
+                         the last position) follows the suffix: the infgram_prob numerator
     """
 
     length: np.ndarray
@@ -143,6 +146,7 @@ class ScoreResult:
     count: np.ndarray
     topk_ids: np.ndarray
     topk_cnt: np.ndarray
+    target_cnt: np.ndarray | None = None  # (T,) with targets=True: occurrences of suffix + next token
 
     def to_json(self) -> dict:
         return {k: getattr(self, k).tolist() for k in ("length", "cont", "count", "topk_ids", "topk_cnt")}
@@ -217,7 +221,7 @@ class Index:
         self._uni_top: tuple[np.ndarray, np.ndarray] | None = None
 
     def _open_shard(self, s: dict) -> Shard:
-        d = fmt.shard_dir(self.path, s["shard"])
+        d = fmt.shard_dir(self.path, s["shard"], s.get("dir"))
         tok = fmt.open_array(d / "tokens.bin", "tokens")
         if tok.dtype.name != self.manifest["token_dtype"] or len(tok) != s["n_positions"]:
             raise IndexFormatError(f"{d / 'tokens.bin'}: does not match the manifest")
@@ -417,7 +421,7 @@ class Index:
 
     # ---- per-position features ---------------------------------------------------------------
 
-    def score(self, ids, *, top_k: int = 4, max_len: int = 64) -> ScoreResult:
+    def score(self, ids, *, top_k: int = 4, max_len: int = 64, targets: bool = False) -> ScoreResult:
         """Index features for every position of a token sequence (one document), in one pass.
 
         The same features the builder computes in bulk for held-out text (against the whole
@@ -436,6 +440,19 @@ class Index:
         out = _empty_score(T, top_k)
         for t in range(T):
             self._position(q, t, [(p[0][t], p[1][t], p[2][t]) for p in per], top_k, out, t)
+        if targets:
+            tc = np.zeros(T, np.int64)
+            for t in range(T):
+                nxt = int(q[t + 1]) if t + 1 < T else self.sep
+                L = int(out.length[t])
+                if L == 0:
+                    tc[t] = self.unigram[self.eos_id if nxt == self.sep else nxt]
+                    continue
+                for s, (Ls, lo, hi) in zip(self.shards, per):
+                    if Ls[t] == L:
+                        a, b = K.narrow(s.tok, s.sa.words, s.sa.width, int(lo[t]), int(hi[t]), L, nxt)
+                        tc[t] += b - a
+            out = dataclasses.replace(out, target_cnt=tc)
         return out
 
     def _position(self, q: np.ndarray, t: int, per: list[tuple[int, int, int]], top_k: int, out: ScoreResult, row: int) -> None:

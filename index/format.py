@@ -211,7 +211,10 @@ def file_digest(path: Path, chunk: int = 1 << 22) -> str:
 
 
 def file_record(root: Path, path: Path) -> FileRecord:
-    return FileRecord(str(Path(path).relative_to(root)), Path(path).stat().st_size, file_digest(path))
+    """Record a file by its path relative to the index root (absolute when it lies elsewhere)."""
+    p = Path(path)
+    rel = str(p.relative_to(root)) if p.is_relative_to(root) else str(p.resolve())
+    return FileRecord(rel, p.stat().st_size, file_digest(p))
 
 
 def write_json(path: Path, obj: Any) -> None:
@@ -237,8 +240,10 @@ def read_json(path: Path) -> Any:
 # ---- layout -------------------------------------------------------------------------------
 
 
-def shard_dir(root: Path, shard: int) -> Path:
-    return Path(root) / "shards" / f"{shard:06d}"
+def shard_dir(root: Path, shard: int, where: str | None = None) -> Path:
+    """A shard's directory: ROOT/shards/NNNNNN, or WHERE/NNNNNN for a shard placed on another
+    disk or mount (the manifest's shard entry records "dir")."""
+    return (Path(where) if where else Path(root) / "shards") / f"{shard:06d}"
 
 
 def shard_marker(root: Path, shard: int) -> Path:

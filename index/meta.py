@@ -32,12 +32,12 @@ def write(root: Path, markers: list[dict], manifest: dict, progress: Callable[[i
     tmp = Path(root) / ".meta.lmdb.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    size = sum((fmt.shard_dir(root, m["shard"]) / "docs.jsonl").stat().st_size for m in markers)
+    size = sum((fmt.shard_dir(root, m["shard"], m.get("dir")) / "docs.jsonl").stat().st_size for m in markers)
     env = lmdb.open(str(tmp), map_size=max(1 << 24, 4 * size + (1 << 22)), subdir=True, lock=False, sync=True)
     doc_id = 0
     with env.begin(write=True) as txn:
         for m in markers:
-            with open(fmt.shard_dir(root, m["shard"]) / "docs.jsonl") as f:
+            with open(fmt.shard_dir(root, m["shard"], m.get("dir")) / "docs.jsonl") as f:
                 for line in f:
                     rec = json.loads(line)
                     rec["shard"] = m["shard"]

@@ -62,7 +62,7 @@ def verify(root: str | Path, *, samples: int = 2000, seed: int = 0) -> list[str]
     rng = np.random.default_rng(seed)
     sep = manifest["separator"]
     for s in manifest["shards"]:
-        d = fmt.shard_dir(root, s["shard"])
+        d = fmt.shard_dir(root, s["shard"], s.get("dir"))
         tok = fmt.open_array(d / "tokens.bin", "tokens")
         sa = fmt.open_packed(d / "sa.bin", "sa")
         n = sa.count

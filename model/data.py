@@ -45,7 +45,7 @@ class TrainData:
             self.k = fm["top_k"]
         self.shards = []
         for s in m["shards"]:
-            tok = fmt.open_array(fmt.shard_dir(self.index_dir, s["shard"]) / "tokens.bin", "tokens")
+            tok = fmt.open_array(fmt.shard_dir(self.index_dir, s["shard"], s.get("dir")) / "tokens.bin", "tokens")
             feats = open_features(Path(features_dir) / f"{s['shard']:06d}", self.k) if features_dir is not None else None
             if len(tok) > block_size + 1:
                 self.shards.append(_Shard(tok, feats))
@@ -112,7 +112,8 @@ class EvalData:
         self.block_size, self.eos, self.sep = block_size, eos, sep
 
     def windows(self):
-        """(x, y, features) of every window, one document at a time, no window spanning two."""
+        """(document, offset, x, y, features) of every window, one document at a time, no
+        window spanning two; offset is the window's first target within the document."""
         T = self.block_size
         for d in range(len(self.starts) - 1):
             a, e = int(self.starts[d]), int(self.starts[d + 1])  # e - 1 is the separator
@@ -131,7 +132,7 @@ class EvalData:
             )
             f_all = tuple(np.concatenate([n, v]) for n, v in zip(none, f_doc))
             for s in range(0, len(x_all), T):
-                yield x_all[s : s + T], y_all[s : s + T], tuple(v[s : s + T] for v in f_all)
+                yield d, s, x_all[s : s + T], y_all[s : s + T], tuple(v[s : s + T] for v in f_all)
 
     def text_bytes(self, decode) -> int:
         """UTF-8 bytes of the held-out text (for bits per byte)."""

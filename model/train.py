@@ -24,7 +24,8 @@ from tqdm import tqdm
 
 from index import format as fmt
 
-from .data import EvalData, TrainData
+from .data import TrainData
+from .evaluate import evaluate
 from .gpt import GPT, GPTConfig, IndexBatch
 
 
@@ -185,13 +186,14 @@ def train(cfg: TrainConfig) -> dict:
     bar = tqdm(total=cfg.max_steps, initial=start, desc="train", unit="step", disable=not (master and cfg.progress))
     t0 = time.time()
     last = {"step": start}
+    batches = _prefetch(data, cfg, rank, start, pin=cuda)
     for step in range(start, cfg.max_steps):
         lr = lr_at(cfg, step)
         for g in opt.param_groups:
             g["lr"] = lr
         loss_sum = 0.0
         for micro in range(cfg.grad_accum):
-            x, y, f = data.batch(step * cfg.grad_accum + micro, cfg.batch_size, seed=cfg.seed, rank=rank)
+            x, y, f = next(batches)
             x, y, f = _to(x, device), _to(y, device), _to(f, device)
             sync = ddp is None or micro == cfg.grad_accum - 1
             ctx = ddp.no_sync() if (ddp is not None and not sync) else _null()
@@ -235,6 +237,31 @@ def train(cfg: TrainConfig) -> dict:
     return result
 
 
+def _prefetch(data: TrainData, cfg: TrainConfig, rank: int, start: int, pin: bool):
+    """Batches for steps start.. in order, prepared by a background thread (a few ahead)."""
+    import queue
+    import threading
+
+    q: queue.Queue = queue.Queue(maxsize=4)
+
+    def work():
+        for step in range(start, cfg.max_steps):
+            for micro in range(cfg.grad_accum):
+                x, y, f = data.batch(step * cfg.grad_accum + micro, cfg.batch_size, seed=cfg.seed, rank=rank)
+                if pin:
+                    x, y = x.pin_memory(), y.pin_memory()
+                    f = (
+                        None
+                        if f is None
+                        else IndexBatch(*(getattr(f, n).pin_memory() for n in ("length", "cont", "count", "topk_ids", "topk_cnt")))
+                    )
+                q.put((x, y, f))
+
+    threading.Thread(target=work, daemon=True).start()
+    while True:
+        yield q.get()
+
+
 class _null:
     def __enter__(self):
         return self
@@ -243,66 +270,7 @@ class _null:
         return False
 
 
-# ---- evaluation ------------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def evaluate(model: GPT, heldout: str | Path, eos: int, sep: int, device: str = "cpu", batch: int = 16) -> dict:
-    """Perplexity and bits per byte of held-out features' text (every token predicted once)."""
-    ev = EvalData(heldout, model.cfg.block_size, eos, sep)
-    was = model.training
-    model.eval()
-    nll, n = 0.0, 0
-    cuda = str(device).startswith("cuda")
-    buf = []
-
-    def flush():
-        nonlocal nll, n
-        T = max(len(b[0]) for b in buf)
-        x = torch.full((len(buf), T), eos, dtype=torch.long)
-        y = torch.full((len(buf), T), eos, dtype=torch.long)
-        mask = torch.zeros((len(buf), T), dtype=torch.bool)
-        fs = [
-            torch.zeros((len(buf), T), dtype=torch.long),
-            torch.full((len(buf), T), -1, dtype=torch.long),
-            torch.zeros((len(buf), T), dtype=torch.long),
-        ]
-        fs += [torch.full((len(buf), T, ev.k), -1, dtype=torch.long), torch.zeros((len(buf), T, ev.k), dtype=torch.long)]
-        for i, (xx, yy, ff) in enumerate(buf):
-            m = len(xx)
-            x[i, :m], y[i, :m], mask[i, :m] = torch.from_numpy(xx), torch.from_numpy(yy), True
-            for j in range(5):
-                fs[j][i, :m] = torch.from_numpy(ff[j])
-        f = IndexBatch(*fs).to(device) if model.cfg.use_index else None
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
-            loss, _ = model(x.to(device), y.to(device), f)
-        nll += float(loss.float()[mask.to(device)].sum())
-        n += int(mask.sum())
-        buf.clear()
-
-    for w in ev.windows():
-        buf.append(w)
-        if len(buf) == batch:
-            flush()
-    if buf:
-        flush()
-    model.train(was)
-    nbytes = ev.text_bytes(_decoder(heldout))
-    return {
-        "tokens": n,
-        "loss": nll / max(n, 1),
-        "perplexity": math.exp(nll / max(n, 1)),
-        "bits_per_byte": nll / math.log(2) / max(nbytes, 1),
-        "bytes": nbytes,
-    }
-
-
-def _decoder(heldout: str | Path):
-    """Decoder of the tokenizer held-out features were made with (copied beside them)."""
-    from builder.tokenizer import load
-
-    sp = load(Path(heldout) / "tokenizer.model")
-    return lambda ids: sp.decode(ids)
+# ---- evaluation: model/evaluate.py ----------------------------------------------------------
 
 
 def plot_log(out: Path) -> None:

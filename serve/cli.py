@@ -162,7 +162,7 @@ def cmd_features(args) -> int:
     from builder.features import FeatureConfig, compute_features
 
     cfg = FeatureConfig(mode=args.mode, max_len=args.max_len, top_k=args.top_k)
-    r = compute_features(args.index, args.out, cfg, workers=args.workers, corpus=args.corpus, progress=not args.quiet)
+    r = compute_features(args.index, args.out, cfg, workers=args.workers, corpus=args.corpus, progress=not args.quiet, executor=args.executor, ray_address=args.ray_address)
     n = r.get("positions") or sum(s["positions"] for s in r["shards"])
     print(f"features ({'held-out' if args.corpus else args.mode}) of {n:,} positions in {r['total_s']:.1f}s -> {args.out}")
     return 0
@@ -232,6 +232,18 @@ def cmd_sample(args) -> int:
     return 0
 
 
+def cmd_dense(args) -> int:
+    from model.dense import build_store
+
+    info = build_store(
+        args.index, args.checkpoint, features_dir=args.features, n_positions=args.positions, device=args.device, out=args.out
+    )
+    print(
+        f"dense store of {info['count']:,} keys ({info['dims']} dims, IVF{info['nlist']},PQ{info['m']}) -> {args.out or args.index + '/dense'}"
+    )
+    return 0
+
+
 def cmd_serve(args) -> int:
     from .app import ServeConfig, serve
 
@@ -283,6 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--max-len", type=int, default=64, help="match length cap (default 64)")
     f.add_argument("--top-k", type=int, default=4, help="next tokens kept per position (0: length and continuation only)")
     f.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    f.add_argument("--executor", choices=["local", "ray"], default="local")
+    f.add_argument("--ray-address")
     f.add_argument("--quiet", action="store_true")
 
     tr = sub.add_parser("train", help="train a GPT (with or without index inputs); extra --key=value override the config")
@@ -308,6 +322,14 @@ def build_parser() -> argparse.ArgumentParser:
     sa.add_argument("--seed", type=int, default=0)
     sa.add_argument("--device", default="cpu")
     sa.add_argument("--verbose", action="store_true")
+
+    de = sub.add_parser("dense", help="kNN-LM datastore (FAISS IVF-PQ) of a model's hidden states at training positions")
+    de.add_argument("index")
+    de.add_argument("--checkpoint", required=True)
+    de.add_argument("--features", help="training features (for a model with index inputs)")
+    de.add_argument("--positions", type=int, default=1_000_000, help="training positions stored (a sample of whole windows)")
+    de.add_argument("--out", help="default IDX/dense")
+    de.add_argument("--device", default="cpu")
 
     se = sub.add_parser("serve", help="HTTP server: index queries, completions, scoring")
     se.add_argument("--index", required=True)

@@ -87,9 +87,11 @@ def test_score_against_brute_force(which, request):
     f = rng.integers(3, idx.vocab_size, size=40)
     for ids in (d, e, f):
         for max_len in (64, 5):
-            r = idx.score(ids, top_k=3, max_len=max_len)
+            r = idx.score(ids, top_k=3, max_len=max_len, targets=True)
             for t, (L, cont, cnt, top) in enumerate(orc.features(ids, max_len, 3)):
                 assert (r.length[t], r.cont[t], r.count[t]) == (L, cont, cnt), (t, max_len)
+                nxt = int(ids[t + 1]) if t + 1 < len(ids) else orc.eos
+                assert r.target_cnt[t] == orc.next_tokens(ids[t - L + 1 : t + 1] if L else []).get(nxt, 0)
                 assert [(int(a), int(b)) for a, b in zip(r.topk_ids[t], r.topk_cnt[t]) if a >= 0] == top, t
 
 

@@ -1,0 +1,240 @@
+"""Load test of `teragram serve`: 64 concurrent clients on loopback for a bounded time.
+
+    python benchmarks/serve_load.py [--seconds 60] [--clients 64]
+
+Serves the demo index and tiny index model (runs/default, made by `make demo`; built here if
+missing) on CPU, then keeps 64 clients busy with a mix of infini-gram-style index queries
+(70%), short completions (20%) and scoring requests (10%). Reports requests/s, failures and
+p50/p99 latency per endpoint. Then measures the index-lookup share of a decode step with the
+125M model shape against the ~50M-token linux-source index (if benchmarks/build.py made it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import default_workdir, save, table  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_demo(run: Path) -> None:
+    py = sys.executable
+    if not (run / "idx" / "manifest.json").exists():
+        subprocess.run(
+            [py, "-m", "builder.cli", "data/default/train", "--out", str(run / "idx"), "--vocab-size", "8000", "--quiet"],
+            cwd=REPO,
+            check=True,
+        )
+    if not (run / "feats" / "manifest.json").exists():
+        subprocess.run([py, "-m", "serve.cli", "features", str(run / "idx"), "--out", str(run / "feats"), "--quiet"], cwd=REPO, check=True)
+    if not (run / "index-model" / "latest.json").exists():
+        subprocess.run(
+            [
+                py,
+                "-m",
+                "serve.cli",
+                "train",
+                "--config",
+                "model/configs/demo.toml",
+                f"--index={run / 'idx'}",
+                f"--features={run / 'feats'}",
+                "--heldout=",
+                f"--out={run / 'index-model'}",
+                "--max_steps=100",
+                "--progress=false",
+            ],
+            cwd=REPO,
+            check=True,
+        )
+
+
+async def client(http, url, queries, texts, deadline, stats, rng):
+    while time.time() < deadline:
+        r = rng.random()
+        if r < 0.7:
+            path, body = "/", queries[rng.randrange(len(queries))]
+        elif r < 0.9:
+            path, body = (
+                "/v1/completions",
+                {"prompt": texts[rng.randrange(len(texts))], "max_tokens": 8, "temperature": 0.8, "seed": rng.randrange(1000)},
+            )
+        else:
+            path, body = "/v1/score", {"text": texts[rng.randrange(len(texts))]}
+        t = time.perf_counter()
+        try:
+            resp = await http.post(url + path, json=body)
+            ok = resp.status_code == 200
+        except Exception:  # noqa: BLE001  (a failed request is counted, whatever the failure)
+            ok = False
+        key = path if path != "/" else f"/ ({body['query_type']})"
+        stats.setdefault(key, []).append(((time.perf_counter() - t) * 1e3, ok))
+
+
+async def load(url, queries, texts, seconds, n_clients):
+    import httpx
+
+    stats: dict = {}
+    deadline = time.time() + seconds
+    limits = httpx.Limits(max_connections=n_clients, max_keepalive_connections=n_clients)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+        await asyncio.gather(*(client(http, url, queries, texts, deadline, stats, random.Random(i)) for i in range(n_clients)))
+    return stats
+
+
+def lookup_share(index_dir: Path, steps: int = 64) -> dict:
+    """Per generated token: index lookup (incremental scorer) vs the 125M model's decode step."""
+    import torch
+
+    from index.engine import Index
+    from model.gpt import GPT, GPTConfig
+    from model.sample import _batch
+
+    idx = Index(index_dir)
+    model = GPT(GPTConfig.preset("125m", vocab_size=idx.vocab_size)).eval()
+    tok = np.asarray(idx.shards[0].tok[1000 : 1000 + 64 + steps]).astype(int).tolist()
+    sc = idx.scorer(top_k=4, max_len=64)
+    feats = [sc.append(t) for t in tok[:64]]
+    with torch.no_grad():
+        h, kv = model.hidden(torch.tensor([tok[:64]]), _batch(feats, "cpu"))
+        t_lookup = t_model = 0.0
+        for i in range(64, 64 + steps):
+            t = time.perf_counter()
+            f = sc.append(tok[i])
+            t_lookup += time.perf_counter() - t
+            t = time.perf_counter()
+            h, kv = model.hidden(torch.tensor([[tok[i]]]), _batch([f], "cpu"), kv, pos0=i)
+            model.next_distribution(h[:, -1], _batch([f], "cpu"))
+            t_model += time.perf_counter() - t
+    return {
+        "lookup_ms": t_lookup / steps * 1e3,
+        "model_step_ms": t_model / steps * 1e3,
+        "share": t_lookup / (t_lookup + t_model),
+        "index_tokens": idx.n_tokens,
+        "device": "cpu",
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seconds", type=int, default=60)
+    ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--run", default=str(REPO / "runs" / "default"))
+    args = ap.parse_args()
+    run = Path(args.run)
+    ensure_demo(run)
+    from index.engine import Index
+
+    idx = Index(run / "idx")
+    rng = np.random.default_rng(0)
+    tok = np.asarray(idx.shards[0].tok)
+    queries = []
+    for i in range(2000):
+        m = int(rng.integers(1, 8))
+        p = int(rng.integers(0, len(tok) - m))
+        ids = [int(x) for x in tok[p : p + m] if x != idx.sep] or [5]
+        qt = ["count", "prob", "ntd", "infgram_prob", "infgram_ntd", "search_docs"][i % 6]
+        queries.append({"query_type": qt, "query_ids": ids + ([int(tok[p + m])] if qt.endswith("prob") and tok[p + m] != idx.sep else [])})
+    texts = [idx.decode(tok[p : p + 12]) for p in rng.integers(0, len(tok) - 12, 200)]
+    port = _free_port()
+    srv = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "serve.cli",
+            "serve",
+            "--index",
+            str(run / "idx"),
+            "--checkpoint",
+            str(run / "index-model"),
+            "--port",
+            str(port),
+        ],
+        cwd=REPO,
+    )
+    url = f"http://127.0.0.1:{port}"
+    import httpx
+
+    for _ in range(600):
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    try:
+        t = time.time()
+        stats = asyncio.run(load(url, queries, texts, args.seconds, args.clients))
+        wall = time.time() - t
+        server_stats = httpx.get(url + "/stats").json()
+    finally:
+        srv.terminate()
+        srv.wait(10)
+    rows, data = [], {"clients": args.clients, "seconds": wall, "endpoints": {}}
+    total = failed = 0
+    for k in sorted(stats):
+        lat = np.array([x for x, _ in stats[k]])
+        fails = sum(not ok for _, ok in stats[k])
+        total += len(lat)
+        failed += fails
+        row = {
+            "endpoint": k,
+            "requests": len(lat),
+            "failed": fails,
+            "req/s": len(lat) / wall,
+            "p50 ms": float(np.percentile(lat, 50)),
+            "p99 ms": float(np.percentile(lat, 99)),
+        }
+        rows.append(row)
+        data["endpoints"][k] = row
+    data["total"] = {"requests": total, "failed": failed, "req_per_s": total / wall}
+    data["server_stats"] = server_stats
+    share = None
+    big = default_workdir() / "tg"
+    if (big / "manifest.json").exists():
+        share = lookup_share(big)
+        data["decode_lookup_share"] = share
+    md = table(rows, ["endpoint", "requests", "failed", "req/s", "p50 ms", "p99 ms"])
+    md += f"\n\n{args.clients} concurrent clients for {wall:.0f} s on loopback against the tiny demo model on CPU: {total:,} requests, {failed} failed, {total / wall:,.1f} requests/s."
+    if share:
+        md += (
+            f"\n\nIndex-lookup share of a decode step, 125M model on this CPU, {share['index_tokens'] / 1e6:.0f}M-token index: lookup {share['lookup_ms']:.3f} ms, "
+            f"model step {share['model_step_ms']:.1f} ms -> {share['share']:.2%} (bar <= 10%)."
+        )
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    ax.barh([r["endpoint"] for r in rows], [r["p50 ms"] for r in rows], label="p50")
+    ax.barh(
+        [r["endpoint"] for r in rows], [r["p99 ms"] - r["p50 ms"] for r in rows], left=[r["p50 ms"] for r in rows], label="p99", alpha=0.5
+    )
+    ax.set_xscale("log")
+    ax.set_xlabel("latency (ms)")
+    ax.legend()
+    save("serve_load", data, md, fig)
+    print(json.dumps(data["total"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
