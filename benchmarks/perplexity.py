@@ -398,7 +398,10 @@ def stage_eval(w: Path, s: dict, workers: int, scale: str) -> dict:
     return {"rows": rows, "results": results, "summary": summary}
 
 
-def plots(w: Path, out: dict):
+SHORT = {"a": "(a)", "b": "(b)", "b2": "(b')", "c": "(c)", "d": "(d)", "e": "(e)", "e+d": "(e)+(d)"}
+
+
+def plots(w: Path, out: dict, logs: dict[str, Path] | None = None):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -410,12 +413,12 @@ def plots(w: Path, out: dict):
     x = np.arange(len(rows))
     for j, sname in enumerate(sets):
         ax[0].bar(x + (j - 1.5) * 0.2, [r[f"{sname} ppl"] for r in rows], 0.2, label=sname)
-    ax[0].set_xticks(x, [r["variant"].split(")")[0] + ")" for r in rows])
+    ax[0].set_xticks(x, list(SHORT.values())[: len(rows)])
     ax[0].set_ylabel("perplexity")
     ax[0].set_yscale("log")
     ax[0].legend(fontsize=8)
     for v in VARIANTS:
-        log = w / "runs" / v / "log.jsonl"
+        log = (logs or {}).get(v, w / "runs" / v / "log.jsonl")
         rs = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
         pts = [(r["step"], r["loss"]) for r in rs if r.get("loss")]
         if pts:

@@ -46,6 +46,39 @@ def python_sources(out: Path) -> Path:
     return out
 
 
+def measure_queries(idx, ids: np.ndarray, n: int) -> dict:
+    """Median latency of count (1-7 tokens) and infgram_prob (32-token contexts), and score's
+    time per token on text beyond every index size."""
+    rng = np.random.default_rng(0)
+    tok = np.asarray(idx.shards[0].tok)
+
+    def sample(m: int) -> list[int]:
+        while True:
+            p = int(rng.integers(0, len(tok) - m))
+            q = tok[p : p + m]
+            if not (q == idx.sep).any():
+                return [int(x) for x in q]
+
+    out = {}
+    qs = [sample(int(rng.integers(1, 8))) for _ in range(n)]
+    ctx = [sample(32) for _ in range(n)]
+    for name, fn, batch in (("count", lambda q: idx.count(q), qs), ("infgram_prob", lambda q: idx.infgram_prob(q[:-1], q[-1]), ctx)):
+        for q in batch[:20]:
+            fn(q)
+        t = []
+        for q in batch:
+            t0 = time.perf_counter()
+            fn(q)
+            t.append(time.perf_counter() - t0)
+        out[f"{name}_ms"] = float(np.median(t) * 1e3)
+    doc = np.asarray(ids[len(ids) - 2000 :]).astype(np.int64)  # text beyond every size: held out
+    idx.score(doc[:100])
+    t0 = time.perf_counter()
+    idx.score(doc)
+    out["score_us_per_token"] = (time.perf_counter() - t0) / len(doc) * 1e6
+    return out
+
+
 _BUILD = """
 import sys, numpy as np, time
 sys.path.insert(0, {repo!r})
@@ -74,7 +107,22 @@ def main() -> int:
     ids_path, starts_path = w / "ids.npy", w / "starts.npy"
     if not ids_path.exists():
         corpus = [linux_corpus(default_workdir(), 1100, "train"), python_sources(w / "python.jsonl.zst")]
-        run_measured([py, "-m", "builder.cli", *map(str, corpus), "--out", str(w / "all"), "--workers", "2", "--quiet", "--shard-tokens", str(1 << 30)], cwd=REPO)
+        run_measured(
+            [
+                py,
+                "-m",
+                "builder.cli",
+                *map(str, corpus),
+                "--out",
+                str(w / "all"),
+                "--workers",
+                "2",
+                "--quiet",
+                "--shard-tokens",
+                str(1 << 30),
+            ],
+            cwd=REPO,
+        )
         from index.engine import Index
 
         idx = Index(w / "all")
@@ -97,7 +145,9 @@ def main() -> int:
             out = w / f"idx-{n // 10**6}m-{shards}"
             run_measured(["rm", "-rf", str(out)])
             shard = (n + 2 * n // 1000) // shards + 1 if shards > 1 else 1 << 31
-            code = _BUILD.format(repo=str(REPO), ids=str(ids_path), starts=str(starts_path), n=n, out=str(out), tok=tok_model, shard=shard, workers=1)
+            code = _BUILD.format(
+                repo=str(REPO), ids=str(ids_path), starts=str(starts_path), n=n, out=str(out), tok=tok_model, shard=shard, workers=1
+            )
             log = w / "build.log"
             m = run_measured([py, "-c", code], cwd=REPO, stdout=open(log, "w"))
             index_s = float(log.read_text().split("INDEX_S")[1])
@@ -107,33 +157,16 @@ def main() -> int:
                 for f in s["files"]:
                     b[Path(f["path"]).name] = b.get(Path(f["path"]).name, 0) + f["size"]
             ntok = man["counts"]["tokens"]
-            point = {"tokens": ntok, "shards": man["counts"]["shards"], "index_s": index_s, "build_peak_rss_mb": m["peak_rss_mb"], "bytes_per_token": (b["tokens.bin"] + b["sa.bin"]) / ntok, "bytes_per_token_all": sum(b.values()) / ntok}
+            point = {
+                "tokens": ntok,
+                "shards": man["counts"]["shards"],
+                "index_s": index_s,
+                "build_peak_rss_mb": m["peak_rss_mb"],
+                "bytes_per_token": (b["tokens.bin"] + b["sa.bin"]) / ntok,
+                "bytes_per_token_all": sum(b.values()) / ntok,
+            }
             idx = Index(out)
-            rng = np.random.default_rng(0)
-            tok = np.asarray(idx.shards[0].tok)
-
-            def sample(m_):
-                while True:
-                    p = int(rng.integers(0, len(tok) - m_))
-                    q = tok[p : p + m_]
-                    if not (q == idx.sep).any():
-                        return [int(x) for x in q]
-
-            qs = [sample(int(rng.integers(1, 8))) for _ in range(args.queries)]
-            ctx = [sample(32) for _ in range(args.queries)]
-            for name, fn, batch in (("count", lambda q: idx.count(q), qs), ("infgram_prob", lambda q: idx.infgram_prob(q[:-1], q[-1]), ctx)):
-                [fn(q) for q in batch[:20]]
-                t = []
-                for q in batch:
-                    t0 = time.perf_counter()
-                    fn(q)
-                    t.append(time.perf_counter() - t0)
-                point[f"{name}_ms"] = float(np.median(t) * 1e3)
-            doc = np.asarray(ids[len(ids) - 2000 :]).astype(np.int64)  # text beyond every size: held out
-            idx.score(doc[:100])
-            t0 = time.perf_counter()
-            idx.score(doc)
-            point["score_us_per_token"] = (time.perf_counter() - t0) / len(doc) * 1e6
+            point |= measure_queries(idx, ids, args.queries)
             if shards == 1:
                 from builder.features import FeatureConfig, shard_features
 
@@ -141,7 +174,19 @@ def main() -> int:
                 shard_features(idx, 0, FeatureConfig("exclude-doc", 64, 0))
                 point["features_Mtok_s"] = ntok / (time.perf_counter() - t0) / 1e6
             data["points"].append(point)
-            rows.append({"tokens (M)": ntok / 1e6, "shards": point["shards"], "index s": index_s, "peak RSS MB": m["peak_rss_mb"], "B/token": point["bytes_per_token"], "count ms": point["count_ms"], "infgram_prob ms": point["infgram_prob_ms"], "score us/token": point["score_us_per_token"], "features M tok/s": point.get("features_Mtok_s", "")})
+            rows.append(
+                {
+                    "tokens (M)": ntok / 1e6,
+                    "shards": point["shards"],
+                    "index s": index_s,
+                    "peak RSS MB": m["peak_rss_mb"],
+                    "B/token": point["bytes_per_token"],
+                    "count ms": point["count_ms"],
+                    "infgram_prob ms": point["infgram_prob_ms"],
+                    "score us/token": point["score_us_per_token"],
+                    "features M tok/s": point.get("features_Mtok_s", ""),
+                }
+            )
             print(rows[-1], flush=True)
     # fits on the one-shard points: y = a * N^b
     one = [p for p in data["points"] if p["shards"] == 1]
@@ -153,7 +198,10 @@ def main() -> int:
         fits[key] = {"exponent": float(b), "at_1T": float(np.exp(loga) * 1e12**b)}
     data["fits"] = fits
     (RESULTS / "scaling_points.json").write_text(json.dumps(data, indent=1))
-    md = table(rows, ["tokens (M)", "shards", "index s", "peak RSS MB", "B/token", "count ms", "infgram_prob ms", "score us/token", "features M tok/s"])
+    md = table(
+        rows,
+        ["tokens (M)", "shards", "index s", "peak RSS MB", "B/token", "count ms", "infgram_prob ms", "score us/token", "features M tok/s"],
+    )
     md += "\n\nPower-law fits on one-shard points (y = a N^b): " + ", ".join(f"{k} b={v['exponent']:.2f}" for k, v in fits.items())
     import matplotlib
 

@@ -436,7 +436,8 @@ def _finalize(cfg: BuildConfig, out: Path, sp, dtype: np.dtype, markers: list[di
     first_doc = 0
     for m in markers:
         shards.append(
-            {k: m[k] for k in ("shard", "n_docs", "n_tokens", "n_positions", "sa_entries", "sa_width", "files")} | {"first_doc": first_doc}
+            {k: m[k] for k in ("shard", "dir", "n_docs", "n_tokens", "n_positions", "sa_entries", "sa_width", "files")}
+            | {"first_doc": first_doc}
         )
         first_doc += m["n_docs"]
     tok_rec = asdict(fmt.file_record(out, out / "tokenizer.model"))

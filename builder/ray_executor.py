@@ -18,7 +18,13 @@ class RayExecutor:
         self.ray = ray
         self.started = not ray.is_initialized()
         if self.started:
-            ray.init(address=address, num_cpus=num_cpus if address is None else None, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+            ray.init(
+                address=address,
+                num_cpus=num_cpus if address is None else None,
+                include_dashboard=False,
+                log_to_driver=False,
+                ignore_reinit_error=True,
+            )
         self.pending: list = []
         self._remote: dict = {}
 

@@ -47,6 +47,7 @@ def build(out: str | Path, keys: np.ndarray, values: np.ndarray, cfg: DenseConfi
         m -= 1
     # IVF-PQ finds candidates; the k * k_factor best are re-ranked with fp16 copies of the keys
     index = faiss.index_factory(d, f"IVF{nlist},PQ{m}x8,Refine(SQfp16)", faiss.METRIC_L2)
+    faiss.downcast_index(faiss.extract_index_ivf(index)).do_polysemous_training = False  # unused: plain PQ search
     rng = np.random.default_rng(0)
     train = keys[rng.choice(n, size=min(n, max(cfg.train_size, 40 * nlist)), replace=False)]
     index.train(train)

@@ -162,7 +162,16 @@ def cmd_features(args) -> int:
     from builder.features import FeatureConfig, compute_features
 
     cfg = FeatureConfig(mode=args.mode, max_len=args.max_len, top_k=args.top_k)
-    r = compute_features(args.index, args.out, cfg, workers=args.workers, corpus=args.corpus, progress=not args.quiet, executor=args.executor, ray_address=args.ray_address)
+    r = compute_features(
+        args.index,
+        args.out,
+        cfg,
+        workers=args.workers,
+        corpus=args.corpus,
+        progress=not args.quiet,
+        executor=args.executor,
+        ray_address=args.ray_address,
+    )
     n = r.get("positions") or sum(s["positions"] for s in r["shards"])
     print(f"features ({'held-out' if args.corpus else args.mode}) of {n:,} positions in {r['total_s']:.1f}s -> {args.out}")
     return 0

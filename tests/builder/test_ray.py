@@ -13,7 +13,11 @@ ray = pytest.importorskip("ray")
 
 
 def _files(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and p.name not in ("build-report.json", "build-state.json")}
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name not in ("build-report.json", "build-state.json")
+    }
 
 
 def _die_once(marker: str, fn, *args):
@@ -40,13 +44,25 @@ class _FlakyRay(RayExecutor):
 @pytest.fixture(scope="module")
 def local_build(tmp_path_factory, corpus_dir, tokenizer_model):
     out = tmp_path_factory.mktemp("local") / "idx"
-    build(BuildConfig(inputs=(str(corpus_dir),), out=str(out), tokenizer=str(tokenizer_model), shard_tokens=30000, workers=2, progress=False))
+    build(
+        BuildConfig(inputs=(str(corpus_dir),), out=str(out), tokenizer=str(tokenizer_model), shard_tokens=30000, workers=2, progress=False)
+    )
     return out
 
 
 def test_ray_build_identical_and_retries_a_dead_worker(local_build, tmp_path, corpus_dir, tokenizer_model, monkeypatch):
     out = tmp_path / "ray"
-    build(BuildConfig(inputs=(str(corpus_dir),), out=str(out), tokenizer=str(tokenizer_model), shard_tokens=30000, workers=2, executor="ray", progress=False))
+    build(
+        BuildConfig(
+            inputs=(str(corpus_dir),),
+            out=str(out),
+            tokenizer=str(tokenizer_model),
+            shard_tokens=30000,
+            workers=2,
+            executor="ray",
+            progress=False,
+        )
+    )
     assert _files(out) == _files(local_build)
 
     import builder.build as B
@@ -54,7 +70,9 @@ def test_ray_build_identical_and_retries_a_dead_worker(local_build, tmp_path, co
     marker = tmp_path / "died"
     monkeypatch.setattr(B, "make_executor", lambda kind, par, addr: _FlakyRay(str(marker)))
     out2 = tmp_path / "ray-flaky"
-    build(BuildConfig(inputs=(str(corpus_dir),), out=str(out2), tokenizer=str(tokenizer_model), shard_tokens=30000, workers=2, progress=False))
+    build(
+        BuildConfig(inputs=(str(corpus_dir),), out=str(out2), tokenizer=str(tokenizer_model), shard_tokens=30000, workers=2, progress=False)
+    )
     assert marker.exists()  # a worker really died
     assert _files(out2) == _files(local_build)
 
@@ -65,7 +83,17 @@ def test_shards_spread_over_directories(local_build, tmp_path, corpus_dir, token
 
     disks = [tmp_path / "disk0", tmp_path / "disk1"]
     out = tmp_path / "spread"
-    build(BuildConfig(inputs=(str(corpus_dir),), out=str(out), tokenizer=str(tokenizer_model), shard_tokens=30000, workers=1, shard_dirs=tuple(map(str, disks)), progress=False))
+    build(
+        BuildConfig(
+            inputs=(str(corpus_dir),),
+            out=str(out),
+            tokenizer=str(tokenizer_model),
+            shard_tokens=30000,
+            workers=1,
+            shard_dirs=tuple(map(str, disks)),
+            progress=False,
+        )
+    )
     assert (disks[0] / "000000" / "sa.bin").exists() and (disks[1] / "000001" / "sa.bin").exists()
     assert not (out / "shards" / "000000").exists()
     assert verify(out) == []
