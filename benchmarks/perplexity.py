@@ -74,6 +74,10 @@ VARIANTS = {
     "e": ("teragram: all index inputs + mixture", ["--features={w}/feats-exdoc"]),
 }
 GPU_OF = {"a": 0, "b": 0, "e": 1, "b2": 1}
+# ablations (--stage train-ablation / eval-ablation): one at a time, on all GPUs with DDP
+ABLATIONS = {
+    "e_drop": ("(e) with index features blinded on half of the training sequences", ["--features={w}/feats-exdoc", "--index_dropout=0.5"]),
+}
 LAMBDAS = np.array([0.0, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99])
 
 
@@ -178,6 +182,60 @@ def train_cmd(v: str, w: Path, s: dict) -> list[str]:
         f"--block_size={s['block_size']}", f"--batch_size={s['batch_size']}", f"--max_steps={s['steps']}", f"--lr={s['lr']}",
         f"--min_lr={s['min_lr']}", f"--warmup={s['warmup']}", "--log_every=25", "--progress=false", "--seed=7", *extra,
     ]  # fmt: skip
+
+
+def stage_train_ablation(w: Path, s: dict, name: str) -> None:
+    import torch
+
+    extra = [x.format(w=w) for x in ABLATIONS[name][1]]
+    cmd = train_cmd("a", w, s)
+    cmd = [c for c in cmd if not c.startswith(("--use_index", "--out="))] + [f"--out={w / 'runs' / name}", *extra]
+    n = max(1, torch.cuda.device_count())
+    if n > 1:
+        # same global batch per step as the single-GPU variants: split it over the GPUs
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", *cmd[1:]]
+        cmd = [c if not c.startswith("--batch_size=") else f"--batch_size={s['batch_size'] // n}" for c in cmd]
+    sh(*cmd)
+
+
+def stage_eval_ablation(w: Path, s: dict, name: str) -> dict:
+    """The ablation's perplexity on the same test sets (the baseline's numbers come from the
+    main run's JSON, whose test split is the same by construction)."""
+    import torch
+
+    from builder.tokenizer import load as load_tok
+    from index import format as fmt
+    from index.engine import Index
+    from model.data import EvalData
+    from model.evaluate import doc_bytes, summarize, token_eval
+    from model.train import load_model
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    idx = Index(w / "idx")
+    sp = load_tok(w / "idx" / "tokenizer.model")
+    ht = w / "ht"
+    ev = EvalData(ht, 64, idx.eos_id, idx.sep)
+    docs = fmt.read_json(ht / "000000.done")["docs"]
+    domain = np.array(["code" if "code" in Path(d["source"]).name else "english" for d in docs])
+    nbytes = doc_bytes(ev, sp.decode)
+    L = np.asarray(ev.feats.length)
+    contam = np.array(
+        [
+            float((L[int(ev.starts[k]) : int(ev.starts[k + 1]) - 1][12:] >= 13).mean()) if ev.starts[k + 1] - ev.starts[k] > 13 else 0.0
+            for k in range(len(docs))
+        ]
+    )
+    sets = {
+        "test": np.ones(len(docs), bool),
+        "test, decontaminated": contam < 0.8,
+        "test code": domain == "code",
+        "test English": domain == "english",
+    }
+    model, _ = load_model(w / "runs" / name, device)
+    r = token_eval(model, ht, idx.eos_id, idx.sep, device, batch=s["eval_batch"])
+    doc_of = r["doc"].astype(int)
+    res = {k: summarize(r["nll"][m[doc_of]], int(nbytes[m].sum())) for k, m in sets.items()}
+    return {"variant": ABLATIONS[name][0], "results": res, "removed_docs": int((contam >= 0.8).sum())}
 
 
 def stage_train(w: Path, s: dict, variants: list[str]) -> None:
@@ -454,6 +512,19 @@ def main() -> int:
         t = time.time()
         stage_train(w, s, list(VARIANTS))
         timings["train_s"] = time.time() - t
+    for st in stages:
+        if st.startswith("train-ablation="):
+            stage_train_ablation(w, s, st.split("=", 1)[1])
+        if st.startswith("eval-ablation="):
+            name = st.split("=", 1)[1]
+            out = stage_eval_ablation(w, s, name)
+            rows = [
+                {"variant": out["variant"]}
+                | {f"{k} ppl": v["perplexity"] for k, v in out["results"].items()}
+                | {f"{k} bpb": v["bits_per_byte"] for k, v in out["results"].items()}
+            ]
+            cols = ["variant"] + [f"{n} {m}" for n in ("test", "test, decontaminated", "test code", "test English") for m in ("ppl", "bpb")]
+            save(f"perplexity_{args.scale}_{name}", out, table(rows, cols))
     if "wait" in stages:  # for a training launched in the background (setsid) by an earlier call
         deadline = time.time() + args.wait_seconds
         while time.time() < deadline:

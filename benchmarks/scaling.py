@@ -167,7 +167,7 @@ def main() -> int:
             }
             idx = Index(out)
             point |= measure_queries(idx, ids, args.queries)
-            if shards == 1:
+            if shards == 1 and n <= 120e6:  # the feature pass holds ~60 bytes per position in RAM
                 from builder.features import FeatureConfig, shard_features
 
                 t0 = time.perf_counter()

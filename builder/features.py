@@ -261,7 +261,6 @@ def _merge_others(idx: Index, shard: int, cfg: FeatureConfig, f: Features, aux: 
         touched |= (L == best) & (best > 0)
     buf_t = np.empty(HEAVY * 64, np.int64)
     buf_c = np.empty(HEAVY * 64, np.int64)
-    s = idx.shards[shard]
     for t in np.nonzero(touched)[0]:
         Lt = int(best[t])
         count = 0
@@ -298,7 +297,6 @@ def _merge_others(idx: Index, shard: int, cfg: FeatureConfig, f: Features, aux: 
         if with_topk:
             ids, cs = _topk(*_merge_hist(hists), k)
             f.topk_ids[t], f.topk_cnt[t] = ids, np.minimum(cs, np.iinfo(np.int32).max)
-    del s
 
 
 def held_out_features(idx: Index, docs: list[np.ndarray], cfg: FeatureConfig, progress: bool = False) -> Features:

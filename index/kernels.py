@@ -190,38 +190,12 @@ def longest_suffix(tok, words, w, n, q, m):
 @nb.njit(**_NB)
 def match_lengths(tok, words, w, n, ids, max_len, out_len, out_lo, out_hi):
     """For every position t of ids: the longest l <= max_len such that ids[t-l+1..t] occurs in
-    the shard, and its interval. One pass with two pointers: the match start i only moves
-    right; extending by ids[t] narrows the current interval by one token; when that fails the
-    start advances and the interval of the shorter pattern is found again from scratch.
+    the shard, and its interval. One pass with two pointers (see match_step): the match start
+    only moves right, so each position costs one narrowing, plus a fresh search when it moves.
     """
-    T = ids.shape[0]
-    i = 0
-    lo = 0
-    hi = n
-    for t in range(T):
-        while True:
-            if t - i + 1 > max_len:
-                i += 1
-                lo, hi = find(tok, words, w, n, ids[i:t], t - i)
-            a, b = narrow(tok, words, w, lo, hi, t - i, ids[t])
-            if b > a:
-                lo = a
-                hi = b
-                break
-            i += 1
-            if i > t:
-                lo = 0
-                hi = n
-                break
-            lo, hi = find(tok, words, w, n, ids[i:t], t - i)
-        out_len[t] = t - i + 1
-        out_lo[t] = lo
-        out_hi[t] = hi
-        if i > t:  # nothing matched, not even ids[t]: restart empty after t
-            out_len[t] = 0
-            i = t + 1
-            lo = 0
-            hi = n
+    state = np.array([0, 0, n], np.int64)
+    for t in range(ids.shape[0]):
+        out_len[t], out_lo[t], out_hi[t] = match_step(tok, words, w, n, ids, t, max_len, state)
 
 
 @nb.njit(**_NB)
@@ -254,8 +228,12 @@ def first_unordered(tok, words, w, ranks, sep):
 
 @nb.njit(**_NB)
 def match_step(tok, words, w, n, ids, t, max_len, state):
-    """One step of match_lengths for position t of ids (ids[:t+1] known), with the two-pointer
-    state [i, lo, hi] carried between calls: the live, incremental path of generation."""
+    """Longest match ending at position t of ids (ids[:t+1] known) and its interval, with the
+    two-pointer state [i, lo, hi] (match start, interval of ids[i:t]) carried between calls.
+
+    Extending by ids[t] narrows the interval by one token; when that fails the start advances
+    and the interval of the shorter pattern is found again from scratch. Used for every
+    position of a sequence (match_lengths) and one token at a time while generating."""
     i = state[0]
     lo = state[1]
     hi = state[2]

@@ -39,6 +39,7 @@ class TrainConfig:
     use_index: bool = True
     index_inputs: tuple[str, ...] = ("cont", "len", "cnt", "topk")
     mixture: bool = True
+    index_dropout: float = 0.0  # share of training sequences whose index features are blinded
     block_size: int = 0  # 0: the preset's
     batch_size: int = 16  # per rank and micro-step
     grad_accum: int = 1
@@ -148,7 +149,8 @@ def _setup(cfg: TrainConfig) -> tuple[int, int, str]:
 
 
 def _to(x, device):
-    return None if x is None else (x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x.to(device, non_blocking=True))
+    """A tensor or an IndexBatch to the device (None stays None)."""
+    return None if x is None else x.to(device, non_blocking=True)
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -156,8 +158,9 @@ def train(cfg: TrainConfig) -> dict:
     master = rank == 0
     torch.manual_seed(cfg.seed + rank)
     use_index = cfg.use_index and cfg.features is not None
-    probe = TrainData(cfg.index, cfg.features if use_index else None, 8)
-    mcfg = model_config(cfg, probe.vocab_size, probe.k)
+    vocab = fmt.read_json(Path(cfg.index) / "manifest.json")["tokenizer"]["vocab_size"]
+    top_k = fmt.read_json(Path(cfg.features) / "manifest.json")["top_k"] if use_index else 0
+    mcfg = model_config(cfg, vocab, top_k)
     data = TrainData(cfg.index, cfg.features if use_index else None, mcfg.block_size)
     out = Path(cfg.out)
     model = GPT(mcfg).to(device)
@@ -194,6 +197,8 @@ def train(cfg: TrainConfig) -> dict:
         loss_sum = 0.0
         for micro in range(cfg.grad_accum):
             x, y, f = next(batches)
+            if f is not None and cfg.index_dropout > 0:
+                f = blind(f, cfg.index_dropout, torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 64 + micro * 8 + rank))
             x, y, f = _to(x, device), _to(y, device), _to(f, device)
             sync = ddp is None or micro == cfg.grad_accum - 1
             ctx = ddp.no_sync() if (ddp is not None and not sync) else _null()
@@ -235,6 +240,22 @@ def train(cfg: TrainConfig) -> dict:
         dist.barrier()
         dist.destroy_process_group()
     return result
+
+
+def blind(f: IndexBatch, p: float, gen: torch.Generator) -> IndexBatch:
+    """Features with a share p of the sequences set to "no match" (L = 0, nothing found): the
+    model keeps learning to predict without the index (deterministic per step, for resume)."""
+    m = torch.rand(f.length.shape[0], generator=gen) < p  # (B,)
+    if not m.any():
+        return f
+    mm = m[:, None]
+    return IndexBatch(
+        f.length.masked_fill(mm, 0),
+        f.cont.masked_fill(mm, -1),
+        f.count.masked_fill(mm, 0),
+        f.topk_ids.masked_fill(mm[..., None], -1),
+        f.topk_cnt.masked_fill(mm[..., None], 0),
+    )
 
 
 def _prefetch(data: TrainData, cfg: TrainConfig, rank: int, start: int, pin: bool):

@@ -139,7 +139,7 @@ def create_app(cfg: ServeConfig) -> FastAPI:
         where = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
         if e.get("type") == "json_invalid":
             return _err(400, "malformed JSON")
-        return _err(400 if where else 400, f"{where or 'body'}: {e.get('msg', 'invalid request')}")
+        return _err(400, f"{where or 'body'}: {e.get('msg', 'invalid request')}")
 
     @app.exception_handler(TeragramError)
     async def _teragram(request: Request, exc: TeragramError):
