@@ -8,15 +8,23 @@ manpages-dev, jargon-text, fortunes, bible-kjv-text), split train / held-out by 
 document path; held-out is split again (by hash) into validation (for tuning the peers'
 interpolation weights) and test (reported). Index and features come from train only.
 
-Variants, same model shape, training tokens and steps:
+Trained variants, same model shape, training tokens and steps:
   a   no index
   b   TScale: continuation-token embedding, causal lookups (TScale's rule)
-  b2  continuation-token embedding, exclude-doc lookups
+  e   all index inputs (exclude-doc lookups, blinded on half of the sequences) + learned mixture
+  eo  the learned mixture only: the model reads no index inputs, its gate sees the match
+Evaluated on top of them (everything tuned or fit on validation only):
   c   (a) + infini-gram's ∞-gram interpolation: one λ for sparse, one for non-sparse estimates
   d   (a) + kNN-LM from a dense store of (a)'s hidden states, λ and temperature tuned
-  e   teragram: all index inputs + learned mixture;  e+d: with the dense fallback interpolated
+  X+g a model's distribution mixed with the index's ∞-gram and fixed-order (2..17-gram)
+      estimates by a learned softmax gate (model/interp.py; inputs: suffix lengths and
+      counts, sparsity, model confidence, agreement), fit on validation
+  e+d (e) with the dense fallback interpolated
+teragram's headline is the best of a+g, e, e+d, e+g, eo, eo+g on the decontaminated
+validation set.
 Held-out sets: test raw; test decontaminated (documents with >= 80% of their 13-grams in the
-index removed, infini-gram's criterion); code and English parts of test.
+index removed, infini-gram's criterion); code and English parts of test. The same for
+validation, where choices are made.
 Stages (--stage): build, train, eval (default all). On a 2-GPU machine the four trainings run
 two per GPU at once.
 """
@@ -37,6 +45,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import save, table  # noqa: E402
+from model import interp  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SCALES = {
@@ -70,15 +79,10 @@ SCALES = {
 VARIANTS = {
     "a": ("no index", ["--use_index=false"]),
     "b": ("TScale: continuation embedding, causal", ["--features={w}/feats-causal", "--index_inputs=cont", "--mixture=false"]),
-    "b2": ("continuation embedding, exclude-doc", ["--features={w}/feats-exdoc", "--index_inputs=cont", "--mixture=false"]),
-    "e": ("teragram: all index inputs + mixture", ["--features={w}/feats-exdoc"]),
+    "e": ("index inputs + learned mixture", ["--features={w}/feats-exdoc", "--index_dropout=0.5"]),
+    "eo": ("learned mixture, no index inputs", ["--features={w}/feats-exdoc", "--index_inputs="]),
 }
-GPU_OF = {"a": 0, "b": 0, "e": 1, "b2": 1}
-# ablations (--stage train-ablation / eval-ablation): one at a time, on all GPUs with DDP
-ABLATIONS = {
-    "e_drop": ("(e) with index features blinded on half of the training sequences", ["--features={w}/feats-exdoc", "--index_dropout=0.5"]),
-}
-LAMBDAS = np.array([0.0, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99])
+GPU_OF = {"a": 0, "b": 0, "e": 1, "eo": 1}
 
 
 def sh(*cmd, **kw):
@@ -184,60 +188,6 @@ def train_cmd(v: str, w: Path, s: dict) -> list[str]:
     ]  # fmt: skip
 
 
-def stage_train_ablation(w: Path, s: dict, name: str) -> None:
-    import torch
-
-    extra = [x.format(w=w) for x in ABLATIONS[name][1]]
-    cmd = train_cmd("a", w, s)
-    cmd = [c for c in cmd if not c.startswith(("--use_index", "--out="))] + [f"--out={w / 'runs' / name}", *extra]
-    n = max(1, torch.cuda.device_count())
-    if n > 1:
-        # same global batch per step as the single-GPU variants: split it over the GPUs
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", *cmd[1:]]
-        cmd = [c if not c.startswith("--batch_size=") else f"--batch_size={s['batch_size'] // n}" for c in cmd]
-    sh(*cmd)
-
-
-def stage_eval_ablation(w: Path, s: dict, name: str) -> dict:
-    """The ablation's perplexity on the same test sets (the baseline's numbers come from the
-    main run's JSON, whose test split is the same by construction)."""
-    import torch
-
-    from builder.tokenizer import load as load_tok
-    from index import format as fmt
-    from index.engine import Index
-    from model.data import EvalData
-    from model.evaluate import doc_bytes, summarize, token_eval
-    from model.train import load_model
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    idx = Index(w / "idx")
-    sp = load_tok(w / "idx" / "tokenizer.model")
-    ht = w / "ht"
-    ev = EvalData(ht, 64, idx.eos_id, idx.sep)
-    docs = fmt.read_json(ht / "000000.done")["docs"]
-    domain = np.array(["code" if "code" in Path(d["source"]).name else "english" for d in docs])
-    nbytes = doc_bytes(ev, sp.decode)
-    L = np.asarray(ev.feats.length)
-    contam = np.array(
-        [
-            float((L[int(ev.starts[k]) : int(ev.starts[k + 1]) - 1][12:] >= 13).mean()) if ev.starts[k + 1] - ev.starts[k] > 13 else 0.0
-            for k in range(len(docs))
-        ]
-    )
-    sets = {
-        "test": np.ones(len(docs), bool),
-        "test, decontaminated": contam < 0.8,
-        "test code": domain == "code",
-        "test English": domain == "english",
-    }
-    model, _ = load_model(w / "runs" / name, device)
-    r = token_eval(model, ht, idx.eos_id, idx.sep, device, batch=s["eval_batch"])
-    doc_of = r["doc"].astype(int)
-    res = {k: summarize(r["nll"][m[doc_of]], int(nbytes[m].sum())) for k, m in sets.items()}
-    return {"variant": ABLATIONS[name][0], "results": res, "removed_docs": int((contam >= 0.8).sum())}
-
-
 def stage_train(w: Path, s: dict, variants: list[str]) -> None:
     import torch
 
@@ -260,23 +210,32 @@ def stage_train(w: Path, s: dict, variants: list[str]) -> None:
 # ---- eval ------------------------------------------------------------------------------------
 
 
+ORDERS = (1, 2, 4, 8, 16)  # fixed-order estimates for the gate: the last k tokens' continuation counts
+
+
 def _infgram_doc(args):
     index_dir, ids = args
     from index.engine import Index
 
     idx = _infgram_doc.idx = getattr(_infgram_doc, "idx", None) or Index(index_dir)
-    r = idx.score(ids, top_k=1, max_len=0, targets=True)  # uncapped: the ∞-gram
     n = len(ids)
-    p = np.empty(n + 1)
-    sparse = np.zeros(n + 1, bool)
-    p[0] = idx.unigram[ids[0]] / idx.n_positions
-    p[1:] = r.target_cnt / np.maximum(r.count, 1)
-    sparse[1:] = (r.length > 0) & (r.topk_cnt[:, 0] == r.count)
-    return p, sparse
+    out = {k: np.zeros(n + 1, t) for k, t in (("p", float), ("sparse", bool), ("length", np.int64), ("count", np.int64), ("top", np.int64))}
+    p0 = idx.unigram[ids[0]] / idx.n_positions  # after EOS: the unigram distribution
+    out["p"][0], out["count"][0], out["top"][0] = p0, idx.n_positions, int(np.argmax(idx.unigram))
+    r = idx.score(ids, top_k=1, max_len=0, targets=True)  # uncapped: the ∞-gram
+    out["p"][1:] = r.target_cnt / np.maximum(r.count, 1)
+    out["sparse"][1:] = (r.length > 0) & (r.topk_cnt[:, 0] == r.count)
+    out["length"][1:], out["count"][1:], out["top"][1:] = r.length, r.count, r.topk_ids[:, 0]
+    for k in ORDERS:
+        r = idx.score(ids, top_k=1, max_len=k, targets=True)
+        out[f"p{k}"] = np.concatenate([[p0], r.target_cnt / np.maximum(r.count, 1)])
+        out[f"count{k}"] = np.concatenate([[idx.n_positions], r.count])
+    return out
 
 
-def infgram_probs(index_dir: Path, heldout: Path, workers: int) -> tuple[np.ndarray, np.ndarray]:
-    """p_inf(target) and sparsity for every target of the held-out features, in token_eval order."""
+def infgram_probs(index_dir: Path, heldout: Path, workers: int) -> dict[str, np.ndarray]:
+    """For every target of the held-out features, in token_eval order: p_inf(target), sparsity,
+    the ∞-gram suffix length and count, and the most frequent continuation."""
     from multiprocessing import get_context
 
     from index import format as fmt
@@ -287,25 +246,7 @@ def infgram_probs(index_dir: Path, heldout: Path, workers: int) -> tuple[np.ndar
     docs = [tok[st[k] : st[k + 1] - 1] for k in range(len(st) - 1)]
     with get_context("spawn").Pool(workers) as pool:
         parts = pool.map(_infgram_doc, [(str(index_dir), x) for x in docs], chunksize=4)
-    return np.concatenate([p for p, _ in parts]), np.concatenate([s for _, s in parts])
-
-
-def tune_interp(nll_lm: np.ndarray, p_other: np.ndarray, groups: np.ndarray | None = None) -> dict:
-    """λ per group minimising -log(λ p_other + (1-λ) p_lm) (on validation)."""
-    groups = np.zeros(len(nll_lm), int) if groups is None else groups.astype(int)
-    p_lm = np.exp(-nll_lm)
-    best = {}
-    for g in np.unique(groups):
-        m = groups == g
-        losses = [float(-np.log(lam * p_other[m] + (1 - lam) * p_lm[m] + 1e-300).sum()) for lam in LAMBDAS]
-        best[int(g)] = float(LAMBDAS[int(np.argmin(losses))])
-    return best
-
-
-def apply_interp(nll_lm: np.ndarray, p_other: np.ndarray, lams: dict, groups: np.ndarray | None = None) -> np.ndarray:
-    groups = np.zeros(len(nll_lm), int) if groups is None else groups.astype(int)
-    lam = np.vectorize(lambda g: lams.get(int(g), 0.0))(groups) if len(groups) else np.zeros(0)
-    return -np.log(lam * p_other + (1 - lam) * np.exp(-nll_lm) + 1e-300)
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
 def knn_search(keys: np.ndarray, queries: np.ndarray, k: int, device: str, work: Path):
@@ -334,149 +275,186 @@ def knn_search(keys: np.ndarray, queries: np.ndarray, k: int, device: str, work:
     return d, i
 
 
-def knn_variant(model, w: Path, feats: str | None, s: dict, valid: dict, test: dict, device: str, name: str) -> dict:
-    """Tune and apply kNN-LM interpolation on top of a model's own token probabilities."""
+def knn_variant(model, w: Path, feats: str | None, s: dict, ev: dict, device: str, name: str) -> dict:
+    """kNN-LM on top of a model's final distribution: temperature and λ tuned on (a sample of)
+    validation, applied to validation and test."""
+    from index.dense import knn_probs
     from model.dense import collect
 
     keys, vals = collect(model, w / "idx", feats, s["knn_positions"], device=device)
-    out = {}
-    nv = min(len(valid["target"]), s["knn_valid"])  # tuning needs only a sample of validation
-    valid = {k: v[:nv] for k, v in valid.items()}
-    for split, r in (("valid", valid), ("test", test)):
+    nv = min(len(ev["valid"]["target"]), s["knn_valid"])  # tuning needs only a sample of validation
+    pk = {}
+    for split, r in ev.items():
         d, i = knn_search(keys, r["hidden"], 64, device, w)
-        out[split] = (d, np.where(i >= 0, vals[np.maximum(i, 0)], -1))
-    from index.dense import knn_probs
-
-    scale = float(np.median(out["valid"][0][:, 0])) + 1e-6
+        pk[split] = (d, np.where(i >= 0, vals[np.maximum(i, 0)], -1))
+    scale = float(np.median(pk["valid"][0][:nv, 0])) + 1e-6
     best = None
     for temp in (0.3, 1.0, 3.0, 10.0):
-        pk = knn_probs(out["valid"][0], out["valid"][1], valid["target"], temp * scale)
-        lam = tune_interp(valid["nll"], pk)
-        loss = float(apply_interp(valid["nll"], pk, lam).mean())
+        p = knn_probs(pk["valid"][0][:nv], pk["valid"][1][:nv], ev["valid"]["target"][:nv], temp * scale)
+        lam = interp.fit_lambdas(ev["valid"]["nll"][:nv], p, np.zeros(nv, int))[0]
+        loss = float(interp.mix_nll(ev["valid"]["nll"][:nv], p, lam).mean())
         if best is None or loss < best[0]:
             best = (loss, temp, lam)
     _, temp, lam = best
-    pk = knn_probs(out["test"][0], out["test"][1], test["target"], temp * scale)
-    print(f"{name}: kNN temperature {temp} x median distance, lambda {lam[0]}", flush=True)
-    return {"nll": apply_interp(test["nll"], pk, lam), "lambda": lam[0], "temperature": temp * scale, "keys": len(keys)}
+    print(f"{name}: kNN temperature {temp} x median distance, lambda {lam}", flush=True)
+    nll = {sp: interp.mix_nll(r["nll"], knn_probs(*pk[sp], r["target"], temp * scale), lam) for sp, r in ev.items()}
+    return {"nll": nll, "lambda": lam, "temperature": temp * scale, "keys": len(keys)}
+
+
+def doc_sets(heldout: Path, idx, sp, split: str) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+    """Document masks of a held-out split (all, decontaminated, code, English), bytes per
+    document, and each document's contamination: the share of its 13-grams found in the index
+    (infini-gram's criterion; >= 0.8 is removed)."""
+    from index import format as fmt
+    from model.data import EvalData
+    from model.evaluate import doc_bytes
+
+    ev = EvalData(heldout, 64, idx.eos_id, idx.sep)
+    docs = fmt.read_json(heldout / "000000.done")["docs"]
+    domain = np.array(["code" if "code" in Path(d["source"]).name else "english" for d in docs])
+    L = np.asarray(ev.feats.length)
+    contam = []
+    for k in range(len(ev.starts) - 1):
+        ll = L[int(ev.starts[k]) : int(ev.starts[k + 1]) - 1][12:]
+        contam.append(float((ll >= 13).mean()) if len(ll) else 0.0)
+    contam = np.array(contam)
+    sets = {
+        split: np.ones(len(docs), bool),
+        f"{split}, decontaminated": contam < 0.8,
+        f"{split} code": domain == "code",
+        f"{split} English": domain == "english",
+    }
+    return sets, doc_bytes(ev, sp.decode), contam
+
+
+NAMES = {
+    "a": "(a) no index",
+    "b": "(b) TScale: cont embedding, causal",
+    "c": "(c) (a) + ∞-gram interpolation (infini-gram: 2 λ)",
+    "d": "(d) (a) + kNN-LM",
+    "a+g": "(t) (a) + learned gate over the index's ∞-gram and n-gram estimates",
+    "e": "(e) index inputs + learned mixture",
+    "e+d": "(e) + dense fallback",
+    "e+g": "(e) + learned index gate",
+    "eo": "(e') learned mixture, no index inputs",
+    "eo+g": "(e') + learned index gate",
+}
+TERAGRAM = ("a+g", "e", "e+d", "e+g", "eo", "eo+g")  # the headline is the best of these on validation
 
 
 def stage_eval(w: Path, s: dict, workers: int, scale: str) -> dict:
     import torch
 
     from builder.tokenizer import load as load_tok
-    from index import format as fmt
     from index.engine import Index
-    from model.data import EvalData
-    from model.evaluate import doc_bytes, summarize, token_eval
+    from model.evaluate import summarize, token_eval
     from model.train import load_model
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     idx = Index(w / "idx")
     sp = load_tok(w / "idx" / "tokenizer.model")
-    hv, ht = w / "hv", w / "ht"
-    # per test document: domain, bytes, contamination (share of 13-grams found in the index)
-    ev = EvalData(ht, 64, idx.eos_id, idx.sep)
-    docs = fmt.read_json(ht / "000000.done")["docs"]
-    domain = np.array(["code" if "code" in Path(d["source"]).name else "english" for d in docs])
-    nbytes = doc_bytes(ev, sp.decode)
-    L = np.asarray(ev.feats.length)
-    contam = []
-    for k in range(len(ev.starts) - 1):
-        a, b = int(ev.starts[k]), int(ev.starts[k + 1]) - 1
-        ll = L[a:b][12:]
-        contam.append(float((ll >= 13).mean()) if len(ll) else 0.0)
-    contam = np.array(contam)
-    clean = contam < 0.8
-    sets = {
-        "test": np.ones(len(docs), bool),
-        "test, decontaminated": clean,
-        "test code": domain == "code",
-        "test English": domain == "english",
-    }
-    results: dict[str, dict] = {}
-    per_token: dict[str, np.ndarray] = {}
-    evals = {}
+    held = {"valid": w / "hv", "test": w / "ht"}
+    t = time.time()
+    inf = {split: infgram_probs(w / "idx", path, workers) for split, path in held.items()}
+    infgram_s = time.time() - t
+    sets, nbytes, contam = {}, {}, {}
+    for split, path in held.items():
+        sets[split], nbytes[split], contam[split] = doc_sets(path, idx, sp, split)
+    results: dict[str, dict] = {v: {} for v in NAMES}
+    nll: dict[str, dict[str, np.ndarray]] = {}  # variant -> split -> per-token nll
+    docs: dict[str, np.ndarray] = {}
+
+    def gated(v: str, ev: dict) -> None:
+        """The model's distribution, the ∞-gram and the fixed-order estimates, mixed by a gate
+        fit on validation."""
+        X, logp = {}, {}
+        for sp_ in held:
+            f, top = inf[sp_], ev[sp_]["top"]
+            X[sp_] = interp.gate_features(
+                f["length"], f["count"], f["sparse"], ev[sp_]["maxp"], top == f["top"], [f[f"count{k}"] for k in ORDERS]
+            )
+            comps = [np.log(f[p] + 1e-300) for p in ("p", *(f"p{k}" for k in ORDERS))]
+            logp[sp_] = np.stack([-ev[sp_]["nll"], *comps], 1)
+        gate = interp.Gate.fit(X["valid"], logp["valid"])
+        gate.save(w / f"gate-{v}.json")
+        nll[v + "+g"] = {sp_: interp.mix_nll_multi(logp[sp_], gate(X[sp_])) for sp_ in held}
+        results[v + "+g"]["mean_weights_test"] = gate(X["test"]).mean(0).tolist()
+
     for v in VARIANTS:
         model, _ = load_model(w / "runs" / v, device)
-        want_hidden = v in ("a", "e")
-        evals[v] = (
-            token_eval(model, hv, idx.eos_id, idx.sep, device, batch=s["eval_batch"], hidden=want_hidden),
-            token_eval(model, ht, idx.eos_id, idx.sep, device, batch=s["eval_batch"], hidden=want_hidden),
-        )
-        per_token[v] = evals[v][1]["nll"]
-        if v in ("a", "e"):
-            feats = None if v == "a" else str(w / "feats-exdoc")
-            r = knn_variant(model, w, feats, s, evals[v][0], evals[v][1], device, v)
-            per_token["d" if v == "a" else "e+d"] = r["nll"]
-            results["d" if v == "a" else "e+d"] = {"lambda": r["lambda"], "temperature": r["temperature"], "keys": r["keys"]}
-        del model
+        hid = v in ("a", "e")
+        ev = {sp_: token_eval(model, path, idx.eos_id, idx.sep, device, batch=s["eval_batch"], hidden=hid) for sp_, path in held.items()}
+        docs = {sp_: r["doc"].astype(int) for sp_, r in ev.items()}
+        nll[v] = {sp_: r["nll"] for sp_, r in ev.items()}
+        if hid:
+            r = knn_variant(model, w, None if v == "a" else str(w / "feats-exdoc"), s, ev, device, v)
+            k = "d" if v == "a" else "e+d"
+            nll[k] = r.pop("nll")
+            results[k].update(r)
+        if v == "a":
+            groups = {sp_: inf[sp_]["sparse"].astype(int) for sp_ in held}
+            lam = interp.fit_lambdas(ev["valid"]["nll"], inf["valid"]["p"], groups["valid"])
+            nll["c"] = {sp_: interp.apply_lambdas(ev[sp_]["nll"], inf[sp_]["p"], lam, groups[sp_]) for sp_ in held}
+            results["c"].update(lambda_non_sparse=lam.get(0, 0.0), lambda_sparse=lam.get(1, 0.0), infgram_s=infgram_s)
+        if v in ("a", "e", "eo"):
+            gated(v, ev)
+        del model, ev
         if device == "cuda":
             torch.cuda.empty_cache()
-    t = time.time()
-    pv, sv = infgram_probs(w / "idx", hv, workers)
-    pt, st = infgram_probs(w / "idx", ht, workers)
-    lam = tune_interp(evals["a"][0]["nll"], pv, sv)
-    per_token["c"] = apply_interp(evals["a"][1]["nll"], pt, lam, st)
-    results["c"] = {"lambda_non_sparse": lam.get(0, 0.0), "lambda_sparse": lam.get(1, 0.0), "infgram_s": time.time() - t}
-    doc_of = evals["a"][1]["doc"].astype(int)
-    names = {
-        "a": "(a) no index",
-        "b": "(b) TScale: cont embedding, causal",
-        "b2": "(b') cont embedding, exclude-doc",
-        "c": "(c) (a) + ∞-gram interpolation",
-        "d": "(d) (a) + kNN-LM",
-        "e": "(e) teragram",
-        "e+d": "(e) + dense fallback",
-    }
-    rows = []
-    for v in ("a", "b", "b2", "c", "d", "e", "e+d"):
-        row = {"variant": names[v]}
-        results.setdefault(v, {})
-        for set_name, m in sets.items():
-            tok_mask = m[doc_of]
-            r = summarize(per_token[v][tok_mask], int(nbytes[m].sum()))
-            results[v][set_name] = r
-            row[f"{set_name} ppl"] = r["perplexity"]
-            row[f"{set_name} bpb"] = r["bits_per_byte"]
-        rows.append(row)
-    dec = "test, decontaminated"
-    ppl = {v: results[v][dec]["perplexity"] for v in results}
+    rows, vrows = [], []
+    for v in NAMES:
+        for split, out in (("test", rows), ("valid", vrows)):
+            row = {"variant": NAMES[v]}
+            for set_name, m in sets[split].items():
+                r = summarize(nll[v][split][m[docs[split]]], int(nbytes[split][m].sum()))
+                results[v][set_name] = r
+                col = set_name.replace(split, "", 1).strip(" ,") or "all"
+                row[f"{col} ppl"] = r["perplexity"]
+                row[f"{col} bpb"] = r["bits_per_byte"]
+            out.append(row)
+    ppl = {v: results[v]["test, decontaminated"]["perplexity"] for v in NAMES}
+    best = min(TERAGRAM, key=lambda v: results[v]["valid, decontaminated"]["perplexity"])  # chosen on validation
     best_peer = min(ppl[v] for v in ("b", "c", "d"))
     summary = {
-        "decontaminated_removed_docs": int((~clean).sum()),
-        "test_docs": len(docs),
-        "e_vs_best_peer": 1 - ppl["e"] / best_peer,
-        "e_vs_a": 1 - ppl["e"] / ppl["a"],
-        "best_e": min(ppl["e"], ppl["e+d"]),
+        "decontaminated_removed_docs": int((contam["test"] >= 0.8).sum()),
+        "test_docs": len(contam["test"]),
+        "valid_removed_docs": int((contam["valid"] >= 0.8).sum()),
+        "valid_docs": len(contam["valid"]),
+        "teragram": best,
+        "teragram_vs_best_peer": 1 - ppl[best] / best_peer,
+        "teragram_vs_a": 1 - ppl[best] / ppl["a"],
         "steps": s["steps"],
         "tokens_per_model": s["steps"] * s["batch_size"] * s["block_size"],
         "index_tokens": idx.n_tokens,
     }
-    return {"rows": rows, "results": results, "summary": summary}
+    return {"rows": rows, "valid_rows": vrows, "results": results, "summary": summary}
 
 
-SHORT = {"a": "(a)", "b": "(b)", "b2": "(b')", "c": "(c)", "d": "(d)", "e": "(e)", "e+d": "(e)+(d)"}
+SETS = ("all", "decontaminated", "code", "English")
 
 
-def plots(w: Path, out: dict, logs: dict[str, Path] | None = None):
+def plots(w: Path, out: dict):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(1, 2, figsize=(13, 4))
+    fig, ax = plt.subplots(1, 2, figsize=(14, 4.5))
     rows = out["rows"]
-    sets = ["test", "test, decontaminated", "test code", "test English"]
     x = np.arange(len(rows))
-    for j, sname in enumerate(sets):
-        ax[0].bar(x + (j - 1.5) * 0.2, [r[f"{sname} ppl"] for r in rows], 0.2, label=sname)
-    ax[0].set_xticks(x, list(SHORT.values())[: len(rows)])
+    for j, sname in enumerate(SETS):
+        ax[0].bar(x + (j - 1.5) * 0.2, [r[f"{sname} ppl"] for r in rows], 0.2, label=f"test, {sname}")
+    ax[0].set_xticks(
+        x,
+        [r["variant"].split(")")[0] + ")" + ("+" + r["variant"].split("+ ")[-1][:6] if "+ " in r["variant"] else "") for r in rows],
+        rotation=60,
+        fontsize=7,
+    )
     ax[0].set_ylabel("perplexity")
     ax[0].set_yscale("log")
     ax[0].legend(fontsize=8)
     for v in VARIANTS:
-        log = (logs or {}).get(v, w / "runs" / v / "log.jsonl")
+        log = w / "runs" / v / "log.jsonl"
         rs = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
         pts = [(r["step"], r["loss"]) for r in rs if r.get("loss")]
         if pts:
@@ -484,6 +462,7 @@ def plots(w: Path, out: dict, logs: dict[str, Path] | None = None):
     ax[1].set_xlabel("step")
     ax[1].set_ylabel("training loss (nats/token)")
     ax[1].legend(fontsize=8)
+    fig.tight_layout()
     return fig
 
 
@@ -512,19 +491,6 @@ def main() -> int:
         t = time.time()
         stage_train(w, s, list(VARIANTS))
         timings["train_s"] = time.time() - t
-    for st in stages:
-        if st.startswith("train-ablation="):
-            stage_train_ablation(w, s, st.split("=", 1)[1])
-        if st.startswith("eval-ablation="):
-            name = st.split("=", 1)[1]
-            out = stage_eval_ablation(w, s, name)
-            rows = [
-                {"variant": out["variant"]}
-                | {f"{k} ppl": v["perplexity"] for k, v in out["results"].items()}
-                | {f"{k} bpb": v["bits_per_byte"] for k, v in out["results"].items()}
-            ]
-            cols = ["variant"] + [f"{n} {m}" for n in ("test", "test, decontaminated", "test code", "test English") for m in ("ppl", "bpb")]
-            save(f"perplexity_{args.scale}_{name}", out, table(rows, cols))
     if "wait" in stages:  # for a training launched in the background (setsid) by an earlier call
         deadline = time.time() + args.wait_seconds
         while time.time() < deadline:
@@ -543,14 +509,17 @@ def main() -> int:
         timings["eval_s"] = time.time() - t
         out["timings"] = timings
         out["scale"] = s
-        cols = ["variant"] + [f"{n} {m}" for n in ("test", "test, decontaminated", "test code", "test English") for m in ("ppl", "bpb")]
-        md = table(out["rows"], cols)
+        cols = ["variant"] + [f"{n} {m}" for n in SETS for m in ("ppl", "bpb")]
         sm = out["summary"]
+        md = "Test set (reported):\n\n" + table(out["rows"], cols)
         md += (
             f"\n\n{s['preset']} model, {sm['steps']} steps x {s['batch_size']}x{s['block_size']} tokens ({sm['tokens_per_model'] / 1e6:.1f}M training tokens per variant); "
-            f"index of {sm['index_tokens'] / 1e6:.1f}M tokens. Decontamination removed {sm['decontaminated_removed_docs']} of {sm['test_docs']} test documents. "
-            f"On the decontaminated test set (e) is {sm['e_vs_best_peer']:.1%} below the best of (b), (c), (d) in perplexity (bar 15%) and {sm['e_vs_a']:.1%} below (a) (bar 20%)."
+            f"index of {sm['index_tokens'] / 1e6:.1f}M tokens. Decontamination removed {sm['decontaminated_removed_docs']} of {sm['test_docs']} test documents "
+            f"({sm['valid_removed_docs']} of {sm['valid_docs']} validation documents). teragram's headline variant, chosen on decontaminated validation perplexity, "
+            f"is {NAMES[sm['teragram']]}: on the decontaminated test set it is {sm['teragram_vs_best_peer']:.1%} below the best of (b), (c), (d) in perplexity "
+            f"(bar 15%) and {sm['teragram_vs_a']:.1%} below (a) (bar 20%).\n\nValidation set (λ, gates and the headline variant are chosen here):\n\n"
         )
+        md += table(out["valid_rows"], cols)
         save(f"perplexity_{args.scale}", out, md, plots(w, out))
     return 0
 

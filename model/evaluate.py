@@ -19,13 +19,14 @@ from .gpt import GPT, IndexBatch
 @torch.no_grad()
 def token_eval(model: GPT, heldout: str | Path, eos: int, sep: int, device: str = "cpu", *, batch: int = 16, hidden: bool = False) -> dict:
     """Per predicted token: nll (mixture when the model has one), nll_model (the model's own
-    softmax), target, doc (document number), pos (index of the target in EOS+doc+EOS order
-    minus one), and with hidden=True the final hidden state (for kNN-LM queries)."""
+    softmax), maxp and top (its most likely token and that token's probability), target, doc
+    (document number), pos (index of the target in EOS+doc+EOS order minus one), and with
+    hidden=True the final hidden state (for kNN-LM queries)."""
     ev = EvalData(heldout, model.cfg.block_size, eos, sep)
     was = model.training
     model.eval()
     cuda = str(device).startswith("cuda")
-    out: dict[str, list] = {"nll": [], "nll_model": [], "target": [], "doc": [], "pos": [], "hidden": []}
+    out: dict[str, list] = {k: [] for k in ("nll", "nll_model", "maxp", "top", "target", "doc", "pos", "hidden")}
     buf: list = []
 
     def flush():
@@ -48,6 +49,7 @@ def token_eval(model: GPT, heldout: str | Path, eos: int, sep: int, device: str 
             logits = model.lm_head(h)
         logp = torch.log_softmax(logits.float(), -1)
         nll_model = -logp.gather(-1, yd.unsqueeze(-1)).squeeze(-1)
+        maxlp, top = logp.max(-1)
         if model.cfg.use_index and model.cfg.mixture:
             g, q = model._gate_and_index(h.float(), f)
             rest = 1.0 - q.sum(-1)
@@ -58,6 +60,8 @@ def token_eval(model: GPT, heldout: str | Path, eos: int, sep: int, device: str 
         mk = mask.to(device)
         out["nll"].append(nll[mk].cpu().numpy())
         out["nll_model"].append(nll_model[mk].cpu().numpy())
+        out["maxp"].append(maxlp[mk].exp().cpu().numpy())
+        out["top"].append(top[mk].cpu().numpy())
         out["target"].append(y[mask].numpy())
         if hidden:
             out["hidden"].append(h.float()[mk].cpu().numpy())

@@ -183,8 +183,9 @@ def cmd_train(args, overrides: list[str]) -> int:
 
     cfg = load(TrainConfig, args.config, overrides)
     r = train(cfg)
-    if int(__import__("os").environ.get("RANK", "0")) == 0:
-        msg = f"trained {cfg.out}: step {r['step']}, loss {r.get('loss', float('nan')):.4f}"
+    if int(os.environ.get("RANK", "0")) == 0:
+        loss = r.get("loss", float("nan"))
+        msg = f"trained {cfg.out}: step {r['step']}" + (f", loss {loss:.4f}" if loss == loss else " (already complete)")
         if "eval" in r:
             msg += f", held-out perplexity {r['eval']['perplexity']:.3f} ({r['eval']['bits_per_byte']:.4f} bits/byte)"
         print(msg)

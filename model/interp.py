@@ -1,0 +1,124 @@
+"""Interpolation of a model's next-token distribution with estimates read off the index.
+
+infini-gram's recipe (`fit_lambdas`) mixes the model with the ∞-gram distribution
+
+    p(y) = (1 - λ) p_model(y) + λ p_inf(y),   p_inf(y) = cnt(s y) / cnt(s)
+
+where s is the longest suffix of the context found in the index, with one constant λ for
+"sparse" positions (a single continuation follows s) and one for the rest, tuned on
+validation text. `Gate` generalises it: a softmax gate over M components -- the model, the
+∞-gram and fixed-order estimates cnt(s_k y) / cnt(s_k) for the last k tokens s_k (all from
+the same suffix arrays) -- whose weights are a log-linear function of what is known before
+the next token is seen: each suffix's length and count, sparsity, the model's confidence and
+whether model and index agree. It is fit by maximum likelihood on validation text. Every
+mixture is a proper distribution for every context, so perplexities stay honest.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+LAMBDAS = np.array([0.0, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99])
+LEN_EDGES = np.array([1, 2, 3, 4, 5, 7, 10, 15, 23, 35, 64, 128])  # suffix-length buckets
+MAXP_EDGES = np.linspace(0.1, 0.9, 9)  # the model's top probability
+
+
+def mix_nll(nll_model: np.ndarray, p_inf: np.ndarray, g: np.ndarray) -> np.ndarray:
+    return -np.log(g * p_inf + (1 - g) * np.exp(-nll_model) + 1e-300)
+
+
+def fit_lambdas(nll_model: np.ndarray, p_inf: np.ndarray, groups: np.ndarray) -> dict[int, float]:
+    """infini-gram's interpolation: the λ per group (0 non-sparse, 1 sparse) from a grid that
+    minimises the validation loss."""
+    best = {}
+    for grp in np.unique(groups):
+        m = groups == grp
+        losses = [float(mix_nll(nll_model[m], p_inf[m], lam).sum()) for lam in LAMBDAS]
+        best[int(grp)] = float(LAMBDAS[int(np.argmin(losses))])
+    return best
+
+
+def apply_lambdas(nll_model: np.ndarray, p_inf: np.ndarray, lams: dict[int, float], groups: np.ndarray) -> np.ndarray:
+    g = np.array([lams.get(0, 0.0), lams.get(1, 0.0)])[groups.astype(int)]
+    return mix_nll(nll_model, p_inf, g)
+
+
+def gate_features(
+    suffix_len: np.ndarray, count: np.ndarray, sparse: np.ndarray, maxp: np.ndarray, agree: np.ndarray, order_counts=()
+) -> np.ndarray:
+    """Design matrix (N, F) of the gate: one-hot ∞-gram suffix-length bucket (and its sparse
+    copy), one-hot log2-count buckets of the ∞-gram suffix and of each fixed-order suffix,
+    one-hot model-confidence bucket, agreement, sparsity, bias."""
+    n = len(suffix_len)
+    nl, nm, nc = len(LEN_EDGES) + 1, len(MAXP_EDGES) + 1, 21
+    sp = sparse.astype(bool)
+    r = np.arange(n)
+    blocks = []
+    lb = np.searchsorted(LEN_EDGES, suffix_len, side="right")
+    B = np.zeros((n, 2 * nl), np.float32)
+    B[r, lb] = 1
+    B[r[sp], nl + lb[sp]] = 1
+    blocks.append(B)
+    for c in (count, *order_counts):
+        B = np.zeros((n, nc), np.float32)
+        B[r, np.clip(np.floor(np.log2(np.maximum(c, 0) + 1)).astype(int), 0, nc - 1)] = 1
+        blocks.append(B)
+    B = np.zeros((n, nm), np.float32)
+    B[r, np.searchsorted(MAXP_EDGES, maxp, side="right")] = 1
+    blocks.append(B)
+    blocks.append(np.stack([agree, sp, np.ones(n)], 1).astype(np.float32))
+    return np.concatenate(blocks, 1)
+
+
+def mix_nll_multi(logp: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """-log sum_m w_m p_m, from component log-probabilities (N, M) and weights (N, M)."""
+    z = logp + np.log(weights + 1e-300)
+    m = z.max(1)
+    return -(m + np.log(np.exp(z - m[:, None]).sum(1)))
+
+
+@dataclass
+class Gate:
+    """Mixture weights softmax(X W) over M components (column 0, the model, is the reference:
+    its logit is 0), fit on validation text."""
+
+    W: np.ndarray  # (F, M - 1)
+
+    @classmethod
+    def fit(cls, X: np.ndarray, logp: np.ndarray, *, steps: int = 300, l2: float = 1e-4) -> Gate:
+        """X (N, F) gate features; logp (N, M) log-probability of the actual next token under
+        each component, the model first."""
+        import torch
+
+        Xt = torch.from_numpy(np.ascontiguousarray(X, np.float32)).double()
+        lp = torch.from_numpy(np.maximum(logp.astype(np.float64), -700.0))
+        W = torch.zeros((X.shape[1], logp.shape[1] - 1), dtype=torch.float64, requires_grad=True)
+        opt = torch.optim.LBFGS([W], lr=1, max_iter=steps, line_search_fn="strong_wolfe")
+
+        def closure():
+            opt.zero_grad()
+            z = torch.cat([torch.zeros(len(Xt), 1, dtype=Xt.dtype), Xt @ W], 1)
+            nll = -torch.logsumexp(torch.log_softmax(z, 1) + lp, 1)
+            loss = nll.mean() + l2 * (W[:-1] ** 2).sum()
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+        return cls(W.detach().numpy().copy())
+
+    def __call__(self, X: np.ndarray) -> np.ndarray:
+        z = np.concatenate([np.zeros((len(X), 1)), X.astype(np.float64) @ self.W], 1)
+        z -= z.max(1, keepdims=True)
+        e = np.exp(z)
+        return e / e.sum(1, keepdims=True)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps({"W": self.W.tolist(), "len_edges": LEN_EDGES.tolist(), "maxp_edges": MAXP_EDGES.tolist()}))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Gate:
+        return cls(np.array(json.loads(Path(path).read_text())["W"]))

@@ -1,0 +1,75 @@
+"""The ∞-gram interpolation: infini-gram's two λ and the learned gate, on synthetic positions
+whose best mixing weight is known."""
+
+import numpy as np
+
+from model import interp
+
+
+def _positions(n: int, seed: int):
+    """Long sparse matches whose continuation is right 95% of the time; short dense matches
+    whose ∞-gram estimate is noise; a model that is mediocre everywhere."""
+    rng = np.random.default_rng(seed)
+    sparse = rng.random(n) < 0.4
+    length = np.where(sparse, rng.integers(20, 60, n), rng.integers(1, 4, n))
+    count = np.where(sparse, rng.integers(1, 3, n), rng.integers(1000, 100000, n))
+    right = rng.random(n) < 0.95
+    p_inf = np.where(sparse, np.where(right, 1.0, 0.0), rng.uniform(0.0, 0.02, n))
+    nll_model = -np.log(rng.uniform(0.05, 0.3, n))
+    maxp = rng.uniform(0.2, 0.6, n)
+    agree = (rng.random(n) < 0.5) & sparse
+    return length, count, sparse, maxp, agree, nll_model, p_inf
+
+
+def _logp(nll_model, *ps):
+    return np.stack([-nll_model, *(np.log(p + 1e-300) for p in ps)], 1)
+
+
+def test_lambdas_pick_the_grid_optimum():
+    *_, sparse, _, _, nll_model, p_inf = _positions(20000, 0)
+    lams = interp.fit_lambdas(nll_model, p_inf, sparse.astype(int))
+    for grp in (0, 1):
+        m = sparse.astype(int) == grp
+        losses = [interp.mix_nll(nll_model[m], p_inf[m], lam).mean() for lam in interp.LAMBDAS]
+        assert lams[grp] == interp.LAMBDAS[int(np.argmin(losses))]
+    assert lams[1] > 0.7 > 0.1 > lams[0]
+
+
+def test_gate_learns_where_the_index_is_reliable_and_generalises():
+    length, count, sparse, maxp, agree, nll_model, p_inf = _positions(20000, 1)
+    X = interp.gate_features(length, count, sparse, maxp, agree)
+    gate = interp.Gate.fit(X, _logp(nll_model, p_inf))
+    g = gate(X)[:, 1]
+    assert g[sparse].mean() > 0.8 and g[~sparse].mean() < 0.2
+    # on fresh positions the gate is at least as good as infini-gram's tuned constants
+    length2, count2, sparse2, maxp2, agree2, nll2, p2 = _positions(20000, 2)
+    lams = interp.fit_lambdas(nll_model, p_inf, sparse.astype(int))
+    fixed = interp.apply_lambdas(nll2, p2, lams, sparse2.astype(int)).mean()
+    learned = interp.mix_nll_multi(_logp(nll2, p2), gate(interp.gate_features(length2, count2, sparse2, maxp2, agree2))).mean()
+    assert learned <= fixed + 1e-3
+    assert learned < nll2.mean()
+
+
+def test_gate_round_trips(tmp_path):
+    length, count, sparse, maxp, agree, nll_model, p_inf = _positions(2000, 3)
+    X = interp.gate_features(length, count, sparse, maxp, agree)
+    gate = interp.Gate.fit(X, _logp(nll_model, p_inf), steps=50)
+    gate.save(tmp_path / "gate.json")
+    np.testing.assert_allclose(interp.Gate.load(tmp_path / "gate.json")(X), gate(X))
+
+
+def test_gate_uses_a_third_component_where_it_helps():
+    """A short-order estimate that is right on dense positions gets the weight there."""
+    length, count, sparse, maxp, agree, nll_model, p_inf = _positions(20000, 4)
+    rng = np.random.default_rng(5)
+    short_cnt = rng.integers(1, 1000, len(length))
+    good = short_cnt > 500  # reliable only when its own suffix is frequent
+    p_short = np.where(good, 0.6, rng.uniform(0, 0.01, len(length)))
+    X = interp.gate_features(length, count, sparse, maxp, agree, [short_cnt])
+    w = interp.Gate.fit(X, _logp(nll_model, p_inf, p_short))(X)
+    dense = ~sparse
+    assert w[dense & good, 2].mean() > 0.5 > 0.1 > w[dense & ~good, 2].mean()
+    two = interp.Gate.fit(X, _logp(nll_model, p_inf))(X)
+    assert (
+        interp.mix_nll_multi(_logp(nll_model, p_inf, p_short), w).mean() < interp.mix_nll_multi(_logp(nll_model, p_inf), two).mean() - 0.05
+    )
