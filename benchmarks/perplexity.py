@@ -97,7 +97,7 @@ def _valid(path: str) -> bool:
 # ---- build -----------------------------------------------------------------------------------
 
 
-def stage_build(data: Path, w: Path, s: dict, workers: int) -> None:
+def stage_build(data: Path, w: Path, s: dict, workers: int, variants: list[str]) -> None:
     import zstandard
 
     py = sys.executable
@@ -125,38 +125,40 @@ def stage_build(data: Path, w: Path, s: dict, workers: int) -> None:
                 outs["valid" if _valid(rec["path"]) else "test"].write(line)
         for o in outs.values():
             o.close()
-    sh(
-        py,
-        "-m",
-        "serve.cli",
-        "features",
-        w / "idx",
-        "--out",
-        w / "feats-exdoc",
-        "--mode",
-        "exclude-doc",
-        "--top-k",
-        4,
-        "--workers",
-        workers,
-        "--quiet",
-    )
-    sh(
-        py,
-        "-m",
-        "serve.cli",
-        "features",
-        w / "idx",
-        "--out",
-        w / "feats-causal",
-        "--mode",
-        "causal",
-        "--top-k",
-        0,
-        "--workers",
-        workers,
-        "--quiet",
-    )
+    if {"e", "eo"} & set(variants):
+        sh(
+            py,
+            "-m",
+            "serve.cli",
+            "features",
+            w / "idx",
+            "--out",
+            w / "feats-exdoc",
+            "--mode",
+            "exclude-doc",
+            "--top-k",
+            4,
+            "--workers",
+            workers,
+            "--quiet",
+        )
+    if "b" in variants:
+        sh(
+            py,
+            "-m",
+            "serve.cli",
+            "features",
+            w / "idx",
+            "--out",
+            w / "feats-causal",
+            "--mode",
+            "causal",
+            "--top-k",
+            0,
+            "--workers",
+            workers,
+            "--quiet",
+        )
     for split, name in (("valid", "hv"), ("test", "ht")):
         sh(
             py,
@@ -226,10 +228,14 @@ def _infgram_doc(args):
     out["p"][1:] = r.target_cnt / np.maximum(r.count, 1)
     out["sparse"][1:] = (r.length > 0) & (r.topk_cnt[:, 0] == r.count)
     out["length"][1:], out["count"][1:], out["top"][1:] = r.length, r.count, r.topk_ids[:, 0]
+    share0 = idx.unigram.max() / idx.n_positions
+    out["share"] = np.concatenate([[share0], r.topk_cnt[:, 0] / np.maximum(r.count, 1)])
     for k in ORDERS:
         r = idx.score(ids, top_k=1, max_len=k, targets=True)
         out[f"p{k}"] = np.concatenate([[p0], r.target_cnt / np.maximum(r.count, 1)])
         out[f"count{k}"] = np.concatenate([[idx.n_positions], r.count])
+        out[f"share{k}"] = np.concatenate([[share0], r.topk_cnt[:, 0] / np.maximum(r.count, 1)])
+        out[f"top{k}"] = np.concatenate([[out["top"][0]], r.topk_ids[:, 0]])
     return out
 
 
@@ -342,7 +348,7 @@ NAMES = {
 TERAGRAM = ("a+g", "e", "e+d", "e+g", "eo", "eo+g")  # the headline is the best of these on validation
 
 
-def stage_eval(w: Path, s: dict, workers: int, scale: str) -> dict:
+def stage_eval(w: Path, s: dict, workers: int, variants: list[str]) -> dict:
     import torch
 
     from builder.tokenizer import load as load_tok
@@ -370,8 +376,13 @@ def stage_eval(w: Path, s: dict, workers: int, scale: str) -> dict:
         X, logp = {}, {}
         for sp_ in held:
             f, top = inf[sp_], ev[sp_]["top"]
+            sfx = ("", *map(str, ORDERS))  # the ∞-gram, then the fixed orders
             X[sp_] = interp.gate_features(
-                f["length"], f["count"], f["sparse"], ev[sp_]["maxp"], top == f["top"], [f[f"count{k}"] for k in ORDERS]
+                f["length"],
+                ev[sp_]["maxp"],
+                [f[f"count{k}"] for k in sfx],
+                [f[f"share{k}"] for k in sfx],
+                [top == f[f"top{k}"] for k in sfx],
             )
             comps = [np.log(f[p] + 1e-300) for p in ("p", *(f"p{k}" for k in ORDERS))]
             logp[sp_] = np.stack([-ev[sp_]["nll"], *comps], 1)
@@ -380,7 +391,7 @@ def stage_eval(w: Path, s: dict, workers: int, scale: str) -> dict:
         nll[v + "+g"] = {sp_: interp.mix_nll_multi(logp[sp_], gate(X[sp_])) for sp_ in held}
         results[v + "+g"]["mean_weights_test"] = gate(X["test"]).mean(0).tolist()
 
-    for v in VARIANTS:
+    for v in variants:
         model, _ = load_model(w / "runs" / v, device)
         hid = v in ("a", "e")
         ev = {sp_: token_eval(model, path, idx.eos_id, idx.sep, device, batch=s["eval_batch"], hidden=hid) for sp_, path in held.items()}
@@ -402,7 +413,7 @@ def stage_eval(w: Path, s: dict, workers: int, scale: str) -> dict:
         if device == "cuda":
             torch.cuda.empty_cache()
     rows, vrows = [], []
-    for v in NAMES:
+    for v in [v for v in NAMES if v in nll]:
         for split, out in (("test", rows), ("valid", vrows)):
             row = {"variant": NAMES[v]}
             for set_name, m in sets[split].items():
@@ -412,15 +423,19 @@ def stage_eval(w: Path, s: dict, workers: int, scale: str) -> dict:
                 row[f"{col} ppl"] = r["perplexity"]
                 row[f"{col} bpb"] = r["bits_per_byte"]
             out.append(row)
-    ppl = {v: results[v]["test, decontaminated"]["perplexity"] for v in NAMES}
-    best = min(TERAGRAM, key=lambda v: results[v]["valid, decontaminated"]["perplexity"])  # chosen on validation
-    best_peer = min(ppl[v] for v in ("b", "c", "d"))
+    results = {v: r for v, r in results.items() if v in nll}
+    ppl = {v: results[v]["test, decontaminated"]["perplexity"] for v in results}
+    best = min(
+        (v for v in TERAGRAM if v in results), key=lambda v: results[v]["valid, decontaminated"]["perplexity"]
+    )  # chosen on validation
+    best_peer = min(ppl[v] for v in ("b", "c", "d") if v in ppl)
     summary = {
         "decontaminated_removed_docs": int((contam["test"] >= 0.8).sum()),
         "test_docs": len(contam["test"]),
         "valid_removed_docs": int((contam["valid"] >= 0.8).sum()),
         "valid_docs": len(contam["valid"]),
         "teragram": best,
+        "peers": [v for v in ("b", "c", "d") if v in ppl],
         "teragram_vs_best_peer": 1 - ppl[best] / best_peer,
         "teragram_vs_a": 1 - ppl[best] / ppl["a"],
         "steps": s["steps"],
@@ -453,7 +468,7 @@ def plots(w: Path, out: dict):
     ax[0].set_ylabel("perplexity")
     ax[0].set_yscale("log")
     ax[0].legend(fontsize=8)
-    for v in VARIANTS:
+    for v in out["variants"]:
         log = w / "runs" / v / "log.jsonl"
         rs = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
         pts = [(r["step"], r["loss"]) for r in rs if r.get("loss")]
@@ -475,6 +490,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, help="override the scale's training steps")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--wait-seconds", type=int, default=420)
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="the models to train and evaluate")
+    ap.add_argument("--tag", default="", help="suffix of the results' name")
     args = ap.parse_args()
     s = dict(SCALES[args.scale])
     if args.steps:
@@ -482,21 +499,24 @@ def main() -> int:
     w = Path(args.work or f"/tmp/tg-ppl-{args.scale}")
     w.mkdir(parents=True, exist_ok=True)
     stages = args.stage.split(",")
+    variants = args.variants.split(",")
+    if unknown := set(variants) - set(VARIANTS):
+        raise SystemExit(f"unknown variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
     t0 = time.time()
     timings = {}
     if "build" in stages:
-        stage_build(Path(args.data), w, s, args.workers)
+        stage_build(Path(args.data), w, s, args.workers, variants)
         timings["build_s"] = time.time() - t0
     if "train" in stages:
         t = time.time()
-        stage_train(w, s, list(VARIANTS))
+        stage_train(w, s, variants)
         timings["train_s"] = time.time() - t
     if "wait" in stages:  # for a training launched in the background (setsid) by an earlier call
         deadline = time.time() + args.wait_seconds
         while time.time() < deadline:
             done = [
                 (w / "runs" / v / "latest.json").exists() and json.loads((w / "runs" / v / "latest.json").read_text())["step"] == s["steps"]
-                for v in VARIANTS
+                for v in variants
             ]
             if all(done):
                 break
@@ -505,7 +525,8 @@ def main() -> int:
             raise SystemExit("training not finished in --wait-seconds")
     if "eval" in stages:
         t = time.time()
-        out = stage_eval(w, s, args.workers, args.scale)
+        out = stage_eval(w, s, args.workers, variants)
+        out["variants"] = variants
         timings["eval_s"] = time.time() - t
         out["timings"] = timings
         out["scale"] = s
@@ -516,11 +537,11 @@ def main() -> int:
             f"\n\n{s['preset']} model, {sm['steps']} steps x {s['batch_size']}x{s['block_size']} tokens ({sm['tokens_per_model'] / 1e6:.1f}M training tokens per variant); "
             f"index of {sm['index_tokens'] / 1e6:.1f}M tokens. Decontamination removed {sm['decontaminated_removed_docs']} of {sm['test_docs']} test documents "
             f"({sm['valid_removed_docs']} of {sm['valid_docs']} validation documents). teragram's headline variant, chosen on decontaminated validation perplexity, "
-            f"is {NAMES[sm['teragram']]}: on the decontaminated test set it is {sm['teragram_vs_best_peer']:.1%} below the best of (b), (c), (d) in perplexity "
+            f"is {NAMES[sm['teragram']]}: on the decontaminated test set it is {sm['teragram_vs_best_peer']:.1%} below the best of {', '.join(f'({v})' for v in sm['peers'])} in perplexity "
             f"(bar 15%) and {sm['teragram_vs_a']:.1%} below (a) (bar 20%).\n\nValidation set (λ, gates and the headline variant are chosen here):\n\n"
         )
         md += table(out["valid_rows"], cols)
-        save(f"perplexity_{args.scale}", out, md, plots(w, out))
+        save(f"perplexity_{args.scale}{args.tag}", out, md, plots(w, out))
     return 0
 
 

@@ -9,8 +9,8 @@ where s is the longest suffix of the context found in the index, with one consta
 validation text. `Gate` generalises it: a softmax gate over M components -- the model, the
 ∞-gram and fixed-order estimates cnt(s_k y) / cnt(s_k) for the last k tokens s_k (all from
 the same suffix arrays) -- whose weights are a log-linear function of what is known before
-the next token is seen: each suffix's length and count, sparsity, the model's confidence and
-whether model and index agree. It is fit by maximum likelihood on validation text. Every
+the next token is seen: each suffix's length and count, how concentrated its continuations
+are, the model's confidence and whether model and index agree on the most likely token. It is fit by maximum likelihood on validation text. Every
 mixture is a proper distribution for every context, so perplexities stay honest.
 """
 
@@ -47,30 +47,34 @@ def apply_lambdas(nll_model: np.ndarray, p_inf: np.ndarray, lams: dict[int, floa
     return mix_nll(nll_model, p_inf, g)
 
 
-def gate_features(
-    suffix_len: np.ndarray, count: np.ndarray, sparse: np.ndarray, maxp: np.ndarray, agree: np.ndarray, order_counts=()
-) -> np.ndarray:
-    """Design matrix (N, F) of the gate: one-hot ∞-gram suffix-length bucket (and its sparse
-    copy), one-hot log2-count buckets of the ∞-gram suffix and of each fixed-order suffix,
-    one-hot model-confidence bucket, agreement, sparsity, bias."""
+SHARE_EDGES = np.array([0.2, 0.4, 0.6, 0.8, 1.0])  # the top continuation's share; 1.0 = sparse
+
+
+def gate_features(suffix_len: np.ndarray, maxp: np.ndarray, counts, top_shares, agrees) -> np.ndarray:
+    """Design matrix (N, F) of the gate. Per index estimate (the ∞-gram first, then the
+    fixed orders): one-hot log2 count of its suffix, one-hot share of its most frequent
+    continuation (the last bucket: sparse, a single continuation), and whether that
+    continuation is also the model's most likely token. Plus one-hot ∞-gram suffix length (and
+    its copy for sparse positions), one-hot model confidence, and a bias."""
     n = len(suffix_len)
-    nl, nm, nc = len(LEN_EDGES) + 1, len(MAXP_EDGES) + 1, 21
-    sp = sparse.astype(bool)
+    nl, nm, nc, ns = len(LEN_EDGES) + 1, len(MAXP_EDGES) + 1, 21, len(SHARE_EDGES) + 1
     r = np.arange(n)
-    blocks = []
-    lb = np.searchsorted(LEN_EDGES, suffix_len, side="right")
+    sparse = np.asarray(top_shares[0]) >= 1.0
     B = np.zeros((n, 2 * nl), np.float32)
+    lb = np.searchsorted(LEN_EDGES, suffix_len, side="right")
     B[r, lb] = 1
-    B[r[sp], nl + lb[sp]] = 1
-    blocks.append(B)
-    for c in (count, *order_counts):
-        B = np.zeros((n, nc), np.float32)
+    B[r[sparse], nl + lb[sparse]] = 1
+    blocks = [B]
+    for c, sh, ag in zip(counts, top_shares, agrees, strict=True):
+        B = np.zeros((n, nc + ns + 1), np.float32)
         B[r, np.clip(np.floor(np.log2(np.maximum(c, 0) + 1)).astype(int), 0, nc - 1)] = 1
+        B[r, nc + np.searchsorted(SHARE_EDGES, sh, side="right")] = 1
+        B[:, -1] = ag
         blocks.append(B)
-    B = np.zeros((n, nm), np.float32)
+    B = np.zeros((n, nm + 1), np.float32)
     B[r, np.searchsorted(MAXP_EDGES, maxp, side="right")] = 1
+    B[:, -1] = 1  # bias
     blocks.append(B)
-    blocks.append(np.stack([agree, sp, np.ones(n)], 1).astype(np.float32))
     return np.concatenate(blocks, 1)
 
 
@@ -94,21 +98,22 @@ class Gate:
         each component, the model first."""
         import torch
 
-        Xt = torch.from_numpy(np.ascontiguousarray(X, np.float32)).double()
-        lp = torch.from_numpy(np.maximum(logp.astype(np.float64), -700.0))
-        W = torch.zeros((X.shape[1], logp.shape[1] - 1), dtype=torch.float64, requires_grad=True)
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        Xt = torch.from_numpy(np.ascontiguousarray(X, np.float32)).to(dev).double()
+        lp = torch.from_numpy(np.maximum(logp.astype(np.float64), -700.0)).to(dev)
+        W = torch.zeros((X.shape[1], logp.shape[1] - 1), dtype=torch.float64, device=dev, requires_grad=True)
         opt = torch.optim.LBFGS([W], lr=1, max_iter=steps, line_search_fn="strong_wolfe")
 
         def closure():
             opt.zero_grad()
-            z = torch.cat([torch.zeros(len(Xt), 1, dtype=Xt.dtype), Xt @ W], 1)
+            z = torch.cat([torch.zeros(len(Xt), 1, dtype=Xt.dtype, device=dev), Xt @ W], 1)
             nll = -torch.logsumexp(torch.log_softmax(z, 1) + lp, 1)
             loss = nll.mean() + l2 * (W[:-1] ** 2).sum()
             loss.backward()
             return loss
 
         opt.step(closure)
-        return cls(W.detach().numpy().copy())
+        return cls(W.detach().cpu().numpy().copy())
 
     def __call__(self, X: np.ndarray) -> np.ndarray:
         z = np.concatenate([np.zeros((len(X), 1)), X.astype(np.float64) @ self.W], 1)

@@ -18,7 +18,8 @@ def _positions(n: int, seed: int):
     nll_model = -np.log(rng.uniform(0.05, 0.3, n))
     maxp = rng.uniform(0.2, 0.6, n)
     agree = (rng.random(n) < 0.5) & sparse
-    return length, count, sparse, maxp, agree, nll_model, p_inf
+    share = np.where(sparse, 1.0, rng.uniform(0.01, 0.5, n))
+    return length, count, share, maxp, agree, nll_model, p_inf
 
 
 def _logp(nll_model, *ps):
@@ -26,7 +27,8 @@ def _logp(nll_model, *ps):
 
 
 def test_lambdas_pick_the_grid_optimum():
-    *_, sparse, _, _, nll_model, p_inf = _positions(20000, 0)
+    *_, share, _, _, nll_model, p_inf = _positions(20000, 0)
+    sparse = share >= 1
     lams = interp.fit_lambdas(nll_model, p_inf, sparse.astype(int))
     for grp in (0, 1):
         m = sparse.astype(int) == grp
@@ -36,23 +38,25 @@ def test_lambdas_pick_the_grid_optimum():
 
 
 def test_gate_learns_where_the_index_is_reliable_and_generalises():
-    length, count, sparse, maxp, agree, nll_model, p_inf = _positions(20000, 1)
-    X = interp.gate_features(length, count, sparse, maxp, agree)
+    length, count, share, maxp, agree, nll_model, p_inf = _positions(20000, 1)
+    sparse = share >= 1
+    X = interp.gate_features(length, maxp, [count], [share], [agree])
     gate = interp.Gate.fit(X, _logp(nll_model, p_inf))
     g = gate(X)[:, 1]
     assert g[sparse].mean() > 0.8 and g[~sparse].mean() < 0.2
     # on fresh positions the gate is at least as good as infini-gram's tuned constants
-    length2, count2, sparse2, maxp2, agree2, nll2, p2 = _positions(20000, 2)
+    length2, count2, share2, maxp2, agree2, nll2, p2 = _positions(20000, 2)
+    sparse2 = share2 >= 1
     lams = interp.fit_lambdas(nll_model, p_inf, sparse.astype(int))
     fixed = interp.apply_lambdas(nll2, p2, lams, sparse2.astype(int)).mean()
-    learned = interp.mix_nll_multi(_logp(nll2, p2), gate(interp.gate_features(length2, count2, sparse2, maxp2, agree2))).mean()
+    learned = interp.mix_nll_multi(_logp(nll2, p2), gate(interp.gate_features(length2, maxp2, [count2], [share2], [agree2]))).mean()
     assert learned <= fixed + 1e-3
     assert learned < nll2.mean()
 
 
 def test_gate_round_trips(tmp_path):
-    length, count, sparse, maxp, agree, nll_model, p_inf = _positions(2000, 3)
-    X = interp.gate_features(length, count, sparse, maxp, agree)
+    length, count, share, maxp, agree, nll_model, p_inf = _positions(2000, 3)
+    X = interp.gate_features(length, maxp, [count], [share], [agree])
     gate = interp.Gate.fit(X, _logp(nll_model, p_inf), steps=50)
     gate.save(tmp_path / "gate.json")
     np.testing.assert_allclose(interp.Gate.load(tmp_path / "gate.json")(X), gate(X))
@@ -60,12 +64,13 @@ def test_gate_round_trips(tmp_path):
 
 def test_gate_uses_a_third_component_where_it_helps():
     """A short-order estimate that is right on dense positions gets the weight there."""
-    length, count, sparse, maxp, agree, nll_model, p_inf = _positions(20000, 4)
+    length, count, share, maxp, agree, nll_model, p_inf = _positions(20000, 4)
+    sparse = share >= 1
     rng = np.random.default_rng(5)
     short_cnt = rng.integers(1, 1000, len(length))
     good = short_cnt > 500  # reliable only when its own suffix is frequent
     p_short = np.where(good, 0.6, rng.uniform(0, 0.01, len(length)))
-    X = interp.gate_features(length, count, sparse, maxp, agree, [short_cnt])
+    X = interp.gate_features(length, maxp, [count, short_cnt], [share, np.full(len(length), 0.3)], [agree, np.zeros(len(length))])
     w = interp.Gate.fit(X, _logp(nll_model, p_inf, p_short))(X)
     dense = ~sparse
     assert w[dense & good, 2].mean() > 0.5 > 0.1 > w[dense & ~good, 2].mean()
