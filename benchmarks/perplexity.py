@@ -212,49 +212,6 @@ def stage_train(w: Path, s: dict, variants: list[str]) -> None:
 # ---- eval ------------------------------------------------------------------------------------
 
 
-ORDERS = (1, 2, 4, 8, 16)  # fixed-order estimates for the gate: the last k tokens' continuation counts
-
-
-def _infgram_doc(args):
-    index_dir, ids = args
-    from index.engine import Index
-
-    idx = _infgram_doc.idx = getattr(_infgram_doc, "idx", None) or Index(index_dir)
-    n = len(ids)
-    out = {k: np.zeros(n + 1, t) for k, t in (("p", float), ("sparse", bool), ("length", np.int64), ("count", np.int64), ("top", np.int64))}
-    p0 = idx.unigram[ids[0]] / idx.n_positions  # after EOS: the unigram distribution
-    out["p"][0], out["count"][0], out["top"][0] = p0, idx.n_positions, int(np.argmax(idx.unigram))
-    r = idx.score(ids, top_k=1, max_len=0, targets=True)  # uncapped: the ∞-gram
-    out["p"][1:] = r.target_cnt / np.maximum(r.count, 1)
-    out["sparse"][1:] = (r.length > 0) & (r.topk_cnt[:, 0] == r.count)
-    out["length"][1:], out["count"][1:], out["top"][1:] = r.length, r.count, r.topk_ids[:, 0]
-    share0 = idx.unigram.max() / idx.n_positions
-    out["share"] = np.concatenate([[share0], r.topk_cnt[:, 0] / np.maximum(r.count, 1)])
-    for k in ORDERS:
-        r = idx.score(ids, top_k=1, max_len=k, targets=True)
-        out[f"p{k}"] = np.concatenate([[p0], r.target_cnt / np.maximum(r.count, 1)])
-        out[f"count{k}"] = np.concatenate([[idx.n_positions], r.count])
-        out[f"share{k}"] = np.concatenate([[share0], r.topk_cnt[:, 0] / np.maximum(r.count, 1)])
-        out[f"top{k}"] = np.concatenate([[out["top"][0]], r.topk_ids[:, 0]])
-    return out
-
-
-def infgram_probs(index_dir: Path, heldout: Path, workers: int) -> dict[str, np.ndarray]:
-    """For every target of the held-out features, in token_eval order: p_inf(target), sparsity,
-    the ∞-gram suffix length and count, and the most frequent continuation."""
-    from multiprocessing import get_context
-
-    from index import format as fmt
-
-    d = heldout / "000000"
-    tok = np.asarray(fmt.open_array(d / "tokens.bin", "tokens")).astype(np.int64)
-    st = np.asarray(fmt.open_array(d / "docs.bin", "docs")).astype(np.int64)
-    docs = [tok[st[k] : st[k + 1] - 1] for k in range(len(st) - 1)]
-    with get_context("spawn").Pool(workers) as pool:
-        parts = pool.map(_infgram_doc, [(str(index_dir), x) for x in docs], chunksize=4)
-    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-
-
 def knn_search(keys: np.ndarray, queries: np.ndarray, k: int, device: str, work: Path):
     """(squared distances, key ids) of the k nearest keys: exact torch matmul search on a GPU,
     the FAISS IVF-PQ dense store on CPU."""
@@ -361,7 +318,7 @@ def stage_eval(w: Path, s: dict, workers: int, variants: list[str]) -> dict:
     sp = load_tok(w / "idx" / "tokenizer.model")
     held = {"valid": w / "hv", "test": w / "ht"}
     t = time.time()
-    inf = {split: infgram_probs(w / "idx", path, workers) for split, path in held.items()}
+    inf = {split: interp.heldout_estimates(w / "idx", path, workers) for split, path in held.items()}
     infgram_s = time.time() - t
     sets, nbytes, contam = {}, {}, {}
     for split, path in held.items():
@@ -373,19 +330,8 @@ def stage_eval(w: Path, s: dict, workers: int, variants: list[str]) -> dict:
     def gated(v: str, ev: dict) -> None:
         """The model's distribution, the ∞-gram and the fixed-order estimates, mixed by a gate
         fit on validation."""
-        X, logp = {}, {}
-        for sp_ in held:
-            f, top = inf[sp_], ev[sp_]["top"]
-            sfx = ("", *map(str, ORDERS))  # the ∞-gram, then the fixed orders
-            X[sp_] = interp.gate_features(
-                f["length"],
-                ev[sp_]["maxp"],
-                [f[f"count{k}"] for k in sfx],
-                [f[f"share{k}"] for k in sfx],
-                [top == f[f"top{k}"] for k in sfx],
-            )
-            comps = [np.log(f[p] + 1e-300) for p in ("p", *(f"p{k}" for k in ORDERS))]
-            logp[sp_] = np.stack([-ev[sp_]["nll"], *comps], 1)
+        X = {sp_: interp.gate_inputs(inf[sp_], ev[sp_]["maxp"], ev[sp_]["top"]) for sp_ in held}
+        logp = {sp_: interp.component_logp(inf[sp_], ev[sp_]["nll"]) for sp_ in held}
         gate = interp.Gate.fit(X["valid"], logp["valid"])
         gate.save(w / f"gate-{v}.json")
         nll[v + "+g"] = {sp_: interp.mix_nll_multi(logp[sp_], gate(X[sp_])) for sp_ in held}

@@ -127,3 +127,127 @@ class Gate:
     @classmethod
     def load(cls, path: str | Path) -> Gate:
         return cls(np.array(json.loads(Path(path).read_text())["W"]))
+
+
+# ---- the index's estimates, in bulk (evaluation, calibration) and live (generation) ---------
+
+ORDERS = (1, 2, 4, 8, 16)  # fixed-order estimates: the continuations of the last k tokens
+SUFFIXES = ("", *map(str, ORDERS))  # the ∞-gram, then the fixed orders
+
+
+def index_estimates(idx, ids) -> dict[str, np.ndarray]:
+    """For each target of a document read as EOS + ids (ids[0] .. ids[-1], then EOS): each
+    estimate's probability of the target (p, p1, p2, ...), its suffix's count, the share of its
+    most frequent continuation and that continuation (share*, count*, top*), the ∞-gram's suffix
+    length (length) and sparsity. The first target sees no context: the unigram distribution."""
+    ids = np.asarray(ids, np.int64)
+    n = len(ids)
+    uni = idx.unigram
+    p0, share0, top0 = (uni[ids[0]] if n else 0) / idx.n_positions, uni.max() / idx.n_positions, int(np.argmax(uni))
+    out = {"length": np.concatenate([[0], np.zeros(n, np.int64)])}
+    for sfx in SUFFIXES:
+        r = idx.score(ids, top_k=1, max_len=int(sfx or 0), targets=True)  # max_len 0: uncapped, the ∞-gram
+        cnt = np.maximum(r.count, 1)
+        out[f"p{sfx}"] = np.concatenate([[p0], r.target_cnt / cnt])
+        out[f"count{sfx}"] = np.concatenate([[idx.n_positions], r.count])
+        out[f"share{sfx}"] = np.concatenate([[share0], r.topk_cnt[:, 0] / cnt])
+        out[f"top{sfx}"] = np.concatenate([[top0], r.topk_ids[:, 0]]).astype(np.int64)
+        if not sfx:
+            out["length"][1:] = r.length
+    out["sparse"] = out["share"] >= 1.0
+    return out
+
+
+def _estimates_doc(args):
+    index_dir, ids = args
+    from index.engine import Index
+
+    _estimates_doc.idx = getattr(_estimates_doc, "idx", None) or Index(index_dir)
+    return index_estimates(_estimates_doc.idx, ids)
+
+
+def heldout_estimates(index_dir, heldout, workers: int = 1) -> dict[str, np.ndarray]:
+    """index_estimates of every document of a held-out feature directory (builder/features.py),
+    concatenated in model.evaluate.token_eval's order."""
+    from multiprocessing import get_context
+
+    from index import format as fmt
+
+    d = Path(heldout) / "000000"
+    tok = np.asarray(fmt.open_array(d / "tokens.bin", "tokens")).astype(np.int64)
+    st = np.asarray(fmt.open_array(d / "docs.bin", "docs")).astype(np.int64)
+    jobs = [(str(index_dir), tok[st[k] : st[k + 1] - 1]) for k in range(len(st) - 1)]
+    if workers > 1:
+        with get_context("spawn").Pool(workers) as pool:
+            parts = pool.map(_estimates_doc, jobs, chunksize=4)
+    else:
+        parts = [_estimates_doc(j) for j in jobs]
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def gate_inputs(est: dict[str, np.ndarray], maxp: np.ndarray, top: np.ndarray) -> np.ndarray:
+    """The gate's design matrix from the index's estimates and the model's top token and its
+    probability at the same positions."""
+    return gate_features(
+        est["length"],
+        maxp,
+        [est[f"count{s}"] for s in SUFFIXES],
+        [est[f"share{s}"] for s in SUFFIXES],
+        [top == est[f"top{s}"] for s in SUFFIXES],
+    )
+
+
+def component_logp(est: dict[str, np.ndarray], nll_model: np.ndarray) -> np.ndarray:
+    """(N, M) log-probability of each target under the model and each index estimate."""
+    return np.stack([-nll_model, *(np.log(est[f"p{s}"] + 1e-300) for s in SUFFIXES)], 1)
+
+
+def next_distribution(idx, context, p_model: np.ndarray, gate: Gate) -> np.ndarray:
+    """The gated next-token distribution (V,) after `context` (a document's tokens so far, EOS
+    not included), for generation: the same mixture index_estimates + gate give in bulk."""
+    V = len(p_model)
+    q = np.asarray(context, np.int64)
+    top_m = int(np.argmax(p_model))
+    if len(q) == 0:  # a document's first token: every estimate is the unigram distribution
+        uni = idx.unigram / idx.n_positions
+        dists = [uni] * len(SUFFIXES)
+        length, counts = 0, [idx.n_positions] * len(SUFFIXES)
+    else:
+        length = idx.infgram_ntd(q).suffix_len
+        dists, counts = [], []
+        for s in SUFFIXES:
+            k = length if not s else min(length, int(s))
+            r = idx.ntd(q[len(q) - k :] if k else q[:0])
+            d = np.zeros(V)
+            if r.result_by_token_id:
+                t = np.fromiter(r.result_by_token_id, np.int64)
+                d[t] = [c for c, _ in r.result_by_token_id.values()]
+                d /= r.prompt_cnt
+            dists.append(d)
+            counts.append(r.prompt_cnt)
+    X = gate_features(
+        np.array([length]),
+        np.array([p_model[top_m]]),
+        [np.array([c]) for c in counts],
+        [np.array([d.max()]) for d in dists],
+        [np.array([int(np.argmax(d)) == top_m]) for d in dists],
+    )
+    w = gate(X)[0]
+    return w[0] * p_model + sum(wi * d for wi, d in zip(w[1:], dists, strict=True))
+
+
+def gated_eval(model, index_dir, heldout, device: str = "cpu", *, gate: Gate | None = None, workers: int = 1, batch: int = 16):
+    """(gate, per-token nll of the model, per-token nll of the gated mixture) on the held-out
+    features' text. With gate=None a gate is fit on this text, which should then be validation
+    text, never the text it will be reported on."""
+    from index.engine import Index
+
+    from .evaluate import token_eval
+
+    idx = Index(index_dir)
+    r = token_eval(model, heldout, idx.eos_id, idx.sep, device, batch=batch)
+    est = heldout_estimates(index_dir, heldout, workers)
+    X, logp = gate_inputs(est, r["maxp"], r["top"]), component_logp(est, r["nll"])
+    if gate is None:
+        gate = Gate.fit(X, logp)
+    return gate, r["nll"], mix_nll_multi(logp, gate(X))

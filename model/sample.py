@@ -13,6 +13,7 @@ import torch
 
 from index.engine import Index, ScoreResult
 
+from . import interp
 from .gpt import GPT, IndexBatch
 
 
@@ -69,9 +70,12 @@ def stream(
     stop: list[list[int]] | None = None,
     seed: int = 0,
     state: dict | None = None,
+    gate=None,
 ):
     """Yield (token, features of the new position) one generated token at a time.
-    `state` (a dict, optional) receives "features" (all positions so far) and "stopped"."""
+    `state` (a dict, optional) receives "features" (all positions so far) and "stopped".
+    With `gate` (model.interp.Gate) the model's distribution is mixed with the index's ∞-gram
+    and fixed-order estimates of the document so far."""
     if not prompt:
         prompt = [idx.eos_id]  # an empty prompt starts a document
     state = {} if state is None else state
@@ -94,8 +98,11 @@ def stream(
         for _ in range(max_new_tokens):
             h, kv = model.hidden(x, f, kv, pos0)
             pos0 += x.shape[1]
-            p = model.next_distribution(h[:, -1], _batch(feats[-1:], device) if use_index else None)[0]
-            tok = _pick(p.cpu(), temperature, top_k, top_p, gen)
+            p = model.next_distribution(h[:, -1], _batch(feats[-1:], device) if use_index else None)[0].cpu()
+            if gate is not None:
+                doc = ids[1:] if ids[0] == idx.eos_id else ids
+                p = torch.from_numpy(interp.next_distribution(idx, doc, p.double().numpy(), gate)).float()
+            tok = _pick(p, temperature, top_k, top_p, gen)
             ids.append(tok)
             feats.append(sc.append(tok))
             yield tok, feats[-1]

@@ -209,18 +209,39 @@ def cmd_eval(args) -> int:
         feats = args.features_out or tmp
         cfg = FeatureConfig("held-out", model.cfg.max_match, max(model.cfg.top_k, 1))
         compute_features(args.index, feats, cfg, corpus=args.corpus, progress=not args.quiet)
-        r = evaluate(model, feats, idx.eos_id, idx.sep, args.device)
+        if args.gate or args.fit_gate:
+            r = _gated(args, model, idx, feats)
+        else:
+            r = evaluate(model, feats, idx.eos_id, idx.sep, args.device)
     if args.json:
         _print_json(r)
     else:
-        print(
-            f"{args.checkpoint}: perplexity {r['perplexity']:.3f}, {r['bits_per_byte']:.4f} bits/byte over {r['tokens']:,} tokens ({r['bytes']:,} bytes)"
-        )
+        msg = f"{args.checkpoint}: perplexity {r['perplexity']:.3f}, {r['bits_per_byte']:.4f} bits/byte over {r['tokens']:,} tokens ({r['bytes']:,} bytes)"
+        if "model" in r:
+            msg += f" with the index gate {r['gate']}; the model alone: perplexity {r['model']['perplexity']:.3f}"
+        print(msg)
     return 0
+
+
+def _gated(args, model, idx, feats) -> dict:
+    """The model alone and mixed with the index's estimates by a gate (loaded, or fit here)."""
+    from builder.tokenizer import load as load_tok
+    from model import interp
+    from model.data import EvalData
+    from model.evaluate import doc_bytes, summarize
+
+    gate = interp.Gate.load(args.gate) if args.gate else None
+    gate, nll_model, nll_gated = interp.gated_eval(model, args.index, feats, args.device, gate=gate, workers=args.workers)
+    if args.fit_gate:
+        gate.save(args.fit_gate)
+    ev = EvalData(feats, model.cfg.block_size, idx.eos_id, idx.sep)
+    nbytes = int(doc_bytes(ev, load_tok(Path(feats) / "tokenizer.model").decode).sum())
+    return summarize(nll_gated, nbytes) | {"model": summarize(nll_model, nbytes), "gate": args.gate or args.fit_gate}
 
 
 def cmd_sample(args) -> int:
     from index.engine import Index
+    from model.interp import Gate
     from model.sample import generate
     from model.train import load_model
 
@@ -235,6 +256,7 @@ def cmd_sample(args) -> int:
         top_k=args.top_k,
         top_p=args.top_p,
         seed=args.seed,
+        gate=Gate.load(args.gate) if args.gate else None,
     )
     print(idx.decode(g.ids))
     if args.verbose:
@@ -318,6 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--corpus", nargs="+", required=True, help="held-out text")
     ev.add_argument("--features-out", help="keep the held-out features here")
     ev.add_argument("--device", default="cpu")
+    ev.add_argument("--gate", help="mix the model with the index's estimates by this gate (from --fit-gate)")
+    ev.add_argument("--fit-gate", metavar="OUT", help="fit the index gate on this (validation) text and save it")
+    ev.add_argument("--workers", type=int, default=1, help="processes for the index estimates")
     ev.add_argument("--json", action="store_true")
     ev.add_argument("--quiet", action="store_true")
 
@@ -331,6 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     sa.add_argument("--top-p", type=float, default=0.95)
     sa.add_argument("--seed", type=int, default=0)
     sa.add_argument("--device", default="cpu")
+    sa.add_argument("--gate", help="mix in the index's estimates with this gate (eval --fit-gate)")
     sa.add_argument("--verbose", action="store_true")
 
     de = sub.add_parser("dense", help="kNN-LM datastore (FAISS IVF-PQ) of a model's hidden states at training positions")

@@ -212,5 +212,57 @@ def test_cli_train_eval_sample(dup_setup, tmp_path):
     assert ev["perplexity"] == pytest.approx(math.exp(ev["loss"])) and ev["bits_per_byte"] > 0
     r = run("sample", "--checkpoint", str(tmp_path / "run"), "--index", str(dup_setup / "idx"), "The", "--max-tokens", "5")
     assert r.returncode == 0 and r.stdout.startswith("The")
+    # the index gate: fit on one text, applied on it, used in generation
+    common = [
+        "--checkpoint",
+        str(tmp_path / "run"),
+        "--index",
+        str(dup_setup / "idx"),
+        "--corpus",
+        str(dup_setup / "held"),
+        "--json",
+        "--quiet",
+    ]
+    r = run("eval", *common, "--fit-gate", str(tmp_path / "gate.json"))
+    assert r.returncode == 0, r.stderr
+    fit = json.loads(r.stdout)
+    assert fit["loss"] < fit["model"]["loss"] and fit["model"]["loss"] == pytest.approx(ev["loss"], rel=1e-5)
+    r = run("eval", *common, "--gate", str(tmp_path / "gate.json"))
+    assert r.returncode == 0 and json.loads(r.stdout)["loss"] == pytest.approx(fit["loss"], rel=1e-9)
+    r = run(
+        "sample",
+        "--checkpoint",
+        str(tmp_path / "run"),
+        "--index",
+        str(dup_setup / "idx"),
+        "The",
+        "--max-tokens",
+        "5",
+        "--gate",
+        str(tmp_path / "gate.json"),
+    )
+    assert r.returncode == 0 and r.stdout.startswith("The"), r.stderr
     r = run("train", "--config", str(cfgf), "--nonsense=1")
     assert r.returncode == 2 and "unknown config key(s): nonsense" in r.stderr
+
+
+def test_index_gate_helps_and_its_live_mixture_equals_bulk(dup_setup):
+    from model import interp
+
+    train(_cfg(dup_setup, "gbase", features=None, max_steps=60))
+    model, _ = load_model(dup_setup / "gbase")
+    gate, nll_model, nll_gated = interp.gated_eval(model, dup_setup / "idx", dup_setup / "held")
+    assert nll_gated.mean() < 0.7 * nll_model.mean()  # held-out near-duplicates: the index's estimates help
+    # generation's distribution gives each actual next token the bulk mixture's probability
+    idx = Index(dup_setup / "idx")
+    doc = np.asarray(idx.tokenize((dup_setup / "held").parent.joinpath("train", "003.txt").read_text()[:400]))[:60].tolist()
+    targets = [*doc, idx.eos_id]
+    with torch.no_grad():
+        p_model = torch.softmax(model(torch.tensor([[idx.eos_id, *doc]]))[0].double(), -1).numpy()
+    nll_m = -np.log(p_model[np.arange(len(targets)), targets])
+    est = interp.index_estimates(idx, doc)
+    bulk = interp.mix_nll_multi(interp.component_logp(est, nll_m), gate(interp.gate_inputs(est, p_model.max(-1), p_model.argmax(-1))))
+    for t in range(len(targets)):
+        p = interp.next_distribution(idx, doc[:t], p_model[t], gate)
+        assert p.sum() == pytest.approx(1.0, abs=1e-9), t
+        assert -np.log(p[targets[t]]) == pytest.approx(bulk[t], rel=1e-6, abs=1e-9), t
