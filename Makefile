@@ -22,7 +22,10 @@ demo: $(VENV)/.installed
 	$(BIN)/teragram features $(RUN)/idx --corpus data/default/heldout --out $(RUN)/heldout --quiet
 	$(BIN)/teragram train --config model/configs/demo.toml --out=$(RUN)/baseline --use_index=false --progress=false
 	$(BIN)/teragram train --config model/configs/demo.toml --out=$(RUN)/index-model --progress=false
+	$(BIN)/teragram eval --checkpoint $(RUN)/baseline --index $(RUN)/idx --corpus data/default/heldout/valid --fit-gate $(RUN)/gate.json --quiet
+	$(BIN)/teragram eval --checkpoint $(RUN)/baseline --index $(RUN)/idx --corpus data/default/heldout/test --gate $(RUN)/gate.json --quiet
 	$(BIN)/teragram sample --checkpoint $(RUN)/index-model --index $(RUN)/idx "The kernel" --max-tokens 40 --verbose
+	$(BIN)/teragram sample --checkpoint $(RUN)/baseline --index $(RUN)/idx "The kernel" --max-tokens 40 --gate $(RUN)/gate.json --verbose
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q

@@ -181,7 +181,8 @@ _DEFAULT_DOC_DIRS = ("process", "admin-guide", "core-api", "filesystems", "RCU",
 
 
 def make_default(dst: Path) -> None:
-    """data/default/{train,heldout}/...: files go to held-out by a hash of their path (5%)."""
+    """data/default/{train,heldout/valid,heldout/test}/...: files go to held-out by a hash of
+    their path (5%), and held-out files to validation or test by another."""
     shutil.rmtree(dst, ignore_errors=True)
     jroot = fetch("jargon-text")
     droot = fetch("linux-doc-6.1")
@@ -191,6 +192,9 @@ def make_default(dst: Path) -> None:
         files += [(p, Path("linux-doc") / p.relative_to(base)) for p in sorted((base / d).rglob("*.gz"))]
     for src, rel in files:
         q = dst / split_of(str(rel)) / rel
+        if split_of(str(rel)) == "heldout":
+            valid = hashlib.blake2b(str(rel).encode(), digest_size=8).digest()[0] % 2 == 0
+            q = dst / "heldout" / ("valid" if valid else "test") / rel
         q.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(src, q)
     lic = dst / "LICENSES"
