@@ -10,8 +10,9 @@ validation text. `Gate` generalises it: a softmax gate over M components -- the 
 ∞-gram and fixed-order estimates cnt(s_k y) / cnt(s_k) for the last k tokens s_k (all from
 the same suffix arrays) -- whose weights are a log-linear function of what is known before
 the next token is seen: each suffix's length and count, how concentrated its continuations
-are, the model's confidence and whether model and index agree on the most likely token. It is fit by maximum likelihood on validation text. Every
-mixture is a proper distribution for every context, so perplexities stay honest.
+are, the model's confidence and whether model and index agree on the most likely token. It
+is fit by maximum likelihood on validation text. Every mixture is a proper distribution for
+every context, so perplexities stay honest.
 """
 
 from __future__ import annotations
@@ -22,9 +23,13 @@ from pathlib import Path
 
 import numpy as np
 
+from index import format as fmt
+from index.errors import TeragramError
+
 LAMBDAS = np.array([0.0, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99])
 LEN_EDGES = np.array([1, 2, 3, 4, 5, 7, 10, 15, 23, 35, 64, 128])  # suffix-length buckets
 MAXP_EDGES = np.linspace(0.1, 0.9, 9)  # the model's top probability
+SHARE_EDGES = np.array([0.2, 0.4, 0.6, 0.8, 1.0])  # the top continuation's share; 1.0 = sparse
 
 
 def mix_nll(nll_model: np.ndarray, p_inf: np.ndarray, g: np.ndarray) -> np.ndarray:
@@ -45,9 +50,6 @@ def fit_lambdas(nll_model: np.ndarray, p_inf: np.ndarray, groups: np.ndarray) ->
 def apply_lambdas(nll_model: np.ndarray, p_inf: np.ndarray, lams: dict[int, float], groups: np.ndarray) -> np.ndarray:
     g = np.array([lams.get(0, 0.0), lams.get(1, 0.0)])[groups.astype(int)]
     return mix_nll(nll_model, p_inf, g)
-
-
-SHARE_EDGES = np.array([0.2, 0.4, 0.6, 0.8, 1.0])  # the top continuation's share; 1.0 = sparse
 
 
 def gate_features(suffix_len: np.ndarray, maxp: np.ndarray, counts, top_shares, agrees) -> np.ndarray:
@@ -122,11 +124,27 @@ class Gate:
         return e / e.sum(1, keepdims=True)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps({"W": self.W.tolist(), "len_edges": LEN_EDGES.tolist(), "maxp_edges": MAXP_EDGES.tolist()}))
+        edges = {
+            "len_edges": LEN_EDGES.tolist(),
+            "maxp_edges": MAXP_EDGES.tolist(),
+            "share_edges": SHARE_EDGES.tolist(),
+            "orders": list(ORDERS),
+        }
+        fmt.write_json(Path(path), {"W": self.W.tolist(), **edges})
 
     @classmethod
     def load(cls, path: str | Path) -> Gate:
-        return cls(np.array(json.loads(Path(path).read_text())["W"]))
+        """A saved gate; one saved with other feature buckets or orders is refused."""
+        try:
+            d = json.loads(Path(path).read_text())
+            W = np.array(d["W"], np.float64)
+            same = d["len_edges"] == LEN_EDGES.tolist() and d["maxp_edges"] == MAXP_EDGES.tolist()
+            same = same and d["share_edges"] == SHARE_EDGES.tolist() and d["orders"] == list(ORDERS)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise TeragramError(f"{path}: not a teragram index gate ({e})") from e
+        if not same or W.ndim != 2 or W.shape[1] != len(SUFFIXES):
+            raise TeragramError(f"{path}: a gate made for other features (fit it again with this version)")
+        return cls(W)
 
 
 # ---- the index's estimates, in bulk (evaluation, calibration) and live (generation) ---------
@@ -202,12 +220,16 @@ def component_logp(est: dict[str, np.ndarray], nll_model: np.ndarray) -> np.ndar
     return np.stack([-nll_model, *(np.log(est[f"p{s}"] + 1e-300) for s in SUFFIXES)], 1)
 
 
-def next_distribution(idx, context, p_model: np.ndarray, gate: Gate) -> np.ndarray:
+def next_distribution(idx, context, p_model: np.ndarray, gate: Gate, p_softmax: np.ndarray | None = None) -> np.ndarray:
     """The gated next-token distribution (V,) after `context` (a document's tokens so far, EOS
-    not included), for generation: the same mixture index_estimates + gate give in bulk."""
+    not included), for generation: the same mixture index_estimates + gate give in bulk.
+    p_model is the model's final distribution; p_softmax its own softmax when the model has
+    a mixture head (the gate's confidence and agreement features read the softmax, as in
+    model.evaluate.token_eval)."""
     V = len(p_model)
     q = np.asarray(context, np.int64)
-    top_m = int(np.argmax(p_model))
+    p_softmax = p_model if p_softmax is None else p_softmax
+    top_m = int(np.argmax(p_softmax))
     if len(q) == 0:  # a document's first token: every estimate is the unigram distribution
         uni = idx.unigram / idx.n_positions
         dists = [uni] * len(SUFFIXES)
@@ -227,7 +249,7 @@ def next_distribution(idx, context, p_model: np.ndarray, gate: Gate) -> np.ndarr
             counts.append(r.prompt_cnt)
     X = gate_features(
         np.array([length]),
-        np.array([p_model[top_m]]),
+        np.array([p_softmax[top_m]]),
         [np.array([c]) for c in counts],
         [np.array([d.max()]) for d in dists],
         [np.array([int(np.argmax(d)) == top_m]) for d in dists],

@@ -101,7 +101,8 @@ def stream(
             p = model.next_distribution(h[:, -1], _batch(feats[-1:], device) if use_index else None)[0].cpu()
             if gate is not None:
                 doc = ids[1:] if ids[0] == idx.eos_id else ids
-                p = torch.from_numpy(interp.next_distribution(idx, doc, p.double().numpy(), gate)).float()
+                soft = torch.softmax(model.lm_head(h[:, -1]).float(), -1)[0].cpu().double().numpy()
+                p = torch.from_numpy(interp.next_distribution(idx, doc, p.double().numpy(), gate, soft)).float()
             tok = _pick(p, temperature, top_k, top_p, gen)
             ids.append(tok)
             feats.append(sc.append(tok))

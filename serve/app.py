@@ -32,6 +32,7 @@ from index.errors import QueryError, TeragramError
 class ServeConfig:
     index: str
     checkpoint: str | None = None
+    gate: str | None = None  # index gate (model/interp.py) mixed into completions and scores
     host: str = "127.0.0.1"
     port: int = 8080
     api_key: str | None = None
@@ -114,6 +115,13 @@ def create_app(cfg: ServeConfig) -> FastAPI:
         model, model_meta = load_model(cfg.checkpoint, cfg.device)
         if model.cfg.vocab_size != idx.vocab_size:
             raise TeragramError(f"checkpoint vocabulary {model.cfg.vocab_size} != index vocabulary {idx.vocab_size}")
+    gate = None
+    if cfg.gate:
+        from model.interp import Gate
+
+        if model is None:
+            raise TeragramError("--gate needs --checkpoint")
+        gate = Gate.load(cfg.gate)
     model_lock = threading.Lock()
     stats = _Stats()
     app = FastAPI(title="teragram", version="0.1.0")
@@ -232,7 +240,7 @@ def create_app(cfg: ServeConfig) -> FastAPI:
         ids = _prompt_ids(req.prompt)
         stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
         stop_ids = [idx.tokenize(s) for s in stops if s]
-        kw = dict(max_new_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, stop=stop_ids, seed=req.seed)
+        kw = dict(max_new_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, stop=stop_ids, seed=req.seed, gate=gate)
         created = int(time.time())
         name = req.model or "teragram"
 
@@ -316,13 +324,24 @@ def create_app(cfg: ServeConfig) -> FastAPI:
         with model_lock, torch.no_grad():
             with_idx, _ = model(X, Y, f if model.cfg.use_index else None)
             without, _ = model(X, Y, blind if model.cfg.use_index else None)
-        return {
+            if gate is not None:
+                soft = torch.log_softmax(model.lm_head(model.hidden(X, f if model.cfg.use_index else None)[0]).float(), -1)[0]
+        out = {
             "tokens": [idx.tokenizer.id_to_piece(int(i)) for i in ids],
             "token_ids": ids,
             "logprobs_with_index": (-with_idx[0]).tolist(),
             "logprobs_without_index": (-without[0]).tolist(),
             "features": [{"match_length": int(L[i]), "continuation": int(cont[i]), "count": int(cnt[i])} for i in range(len(ids))],
         }
+        if gate is not None:  # the model's distribution mixed with the index's estimates
+            from model import interp
+
+            maxlp, top = soft.max(-1)
+            est = {k: v[: len(ids)] for k, v in interp.index_estimates(idx, ids).items()}  # targets: ids (no final EOS)
+            X_g = interp.gate_inputs(est, maxlp.exp().cpu().numpy(), top.cpu().numpy())
+            nll = interp.mix_nll_multi(interp.component_logp(est, with_idx[0].cpu().numpy()), gate(X_g))
+            out["logprobs_with_gate"] = (-nll).tolist()
+        return out
 
     return app
 

@@ -280,7 +280,15 @@ def cmd_serve(args) -> int:
     from .app import ServeConfig, serve
 
     serve(
-        ServeConfig(index=args.index, checkpoint=args.checkpoint, host=args.host, port=args.port, api_key=args.api_key, device=args.device)
+        ServeConfig(
+            index=args.index,
+            checkpoint=args.checkpoint,
+            gate=args.gate,
+            host=args.host,
+            port=args.port,
+            api_key=args.api_key,
+            device=args.device,
+        )
     )
     return 0
 
@@ -370,6 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     se = sub.add_parser("serve", help="HTTP server: index queries, completions, scoring")
     se.add_argument("--index", required=True)
     se.add_argument("--checkpoint", help="model run or checkpoint (without: index queries only)")
+    se.add_argument("--gate", help="index gate (teragram eval --fit-gate) mixed into completions and /v1/score")
     se.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     se.add_argument("--port", type=int, default=8080)
     se.add_argument("--api-key", help="require Authorization: Bearer KEY on every request")

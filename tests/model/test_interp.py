@@ -2,6 +2,7 @@
 whose best mixing weight is known."""
 
 import numpy as np
+import pytest
 
 from model import interp
 
@@ -57,9 +58,20 @@ def test_gate_learns_where_the_index_is_reliable_and_generalises():
 def test_gate_round_trips(tmp_path):
     length, count, share, maxp, agree, nll_model, p_inf = _positions(2000, 3)
     X = interp.gate_features(length, maxp, [count], [share], [agree])
-    gate = interp.Gate.fit(X, _logp(nll_model, p_inf), steps=50)
+    gate = interp.Gate.fit(X, _logp(nll_model, *[p_inf] * len(interp.SUFFIXES)), steps=50)  # the model + 6 estimates
     gate.save(tmp_path / "gate.json")
     np.testing.assert_allclose(interp.Gate.load(tmp_path / "gate.json")(X), gate(X))
+
+
+def test_gate_load_refuses_other_files(tmp_path):
+    from index.errors import TeragramError
+
+    (tmp_path / "x.json").write_text("{not json")
+    with pytest.raises(TeragramError, match="not a teragram index gate"):
+        interp.Gate.load(tmp_path / "x.json")
+    interp.Gate(np.zeros((5, 2))).save(tmp_path / "two.json")  # two components: not the model + 6 estimates
+    with pytest.raises(TeragramError, match="other features"):
+        interp.Gate.load(tmp_path / "two.json")
 
 
 def test_gate_uses_a_third_component_where_it_helps():
