@@ -101,20 +101,8 @@ def stage_build(data: Path, w: Path, s: dict, workers: int, variants: list[str])
     import zstandard
 
     py = sys.executable
-    sh(
-        py,
-        "-m",
-        "builder.cli",
-        data / "train-code.jsonl.zst",
-        data / "train-english.jsonl.zst",
-        "--out",
-        w / "idx",
-        "--vocab-size",
-        s["vocab"],
-        "--workers",
-        workers,
-        "--quiet",
-    )
+    train = [data / "train-code.jsonl.zst", data / "train-english.jsonl.zst"]
+    sh(py, "-m", "builder.cli", *train, "--out", w / "idx", "--vocab-size", s["vocab"], "--workers", workers, "--quiet")
     for split in ("valid", "test"):
         (w / "heldout" / split).mkdir(parents=True, exist_ok=True)
     for dom in ("code", "english"):
@@ -125,57 +113,16 @@ def stage_build(data: Path, w: Path, s: dict, workers: int, variants: list[str])
                 outs["valid" if _valid(rec["path"]) else "test"].write(line)
         for o in outs.values():
             o.close()
+
+    def features(out: str, *opts) -> None:
+        sh(py, "-m", "serve.cli", "features", w / "idx", "--out", w / out, *opts, "--workers", workers, "--quiet")
+
     if {"e", "eo"} & set(variants):
-        sh(
-            py,
-            "-m",
-            "serve.cli",
-            "features",
-            w / "idx",
-            "--out",
-            w / "feats-exdoc",
-            "--mode",
-            "exclude-doc",
-            "--top-k",
-            4,
-            "--workers",
-            workers,
-            "--quiet",
-        )
+        features("feats-exdoc", "--mode", "exclude-doc", "--top-k", 4)
     if "b" in variants:
-        sh(
-            py,
-            "-m",
-            "serve.cli",
-            "features",
-            w / "idx",
-            "--out",
-            w / "feats-causal",
-            "--mode",
-            "causal",
-            "--top-k",
-            0,
-            "--workers",
-            workers,
-            "--quiet",
-        )
+        features("feats-causal", "--mode", "causal", "--top-k", 0)
     for split, name in (("valid", "hv"), ("test", "ht")):
-        sh(
-            py,
-            "-m",
-            "serve.cli",
-            "features",
-            w / "idx",
-            "--corpus",
-            w / "heldout" / split,
-            "--out",
-            w / name,
-            "--top-k",
-            4,
-            "--workers",
-            workers,
-            "--quiet",
-        )
+        features(name, "--corpus", w / "heldout" / split, "--top-k", 4)
 
 
 # ---- train -----------------------------------------------------------------------------------
