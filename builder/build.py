@@ -38,7 +38,7 @@ from index.errors import BuildError
 from . import readers
 from . import sa as sa_mod
 from . import tokenizer as tok_mod
-from .executors import LocalExecutor, make_executor, sa_parallelism
+from .executors import LocalExecutor, die_with_parent, make_executor, sa_parallelism
 
 _EXAMPLES = 5  # example paths kept per skip reason in the report
 _STATE = "build-state.json"
@@ -119,6 +119,7 @@ def _init_worker(model: bytes) -> None:
     global _SP
     import sentencepiece as spm
 
+    die_with_parent()
     _SP = spm.SentencePieceProcessor()
     _SP.LoadFromSerializedProto(model)
 

@@ -7,6 +7,9 @@ so the index they produce is the same byte for byte.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import signal
+import sys
 from concurrent.futures import Future, ProcessPoolExecutor
 
 import psutil
@@ -22,11 +25,26 @@ def sa_parallelism(workers: int, shard_tokens: int) -> int:
     return max(1, min(workers, avail // max(1, SA_BYTES_PER_POSITION * shard_tokens)))
 
 
+def die_with_parent() -> None:
+    """Worker initializer: on Linux the worker is sent SIGKILL when the process that started it
+    dies, so a build killed with SIGKILL leaves no orphaned workers behind."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            return
+        if os.getppid() == 1:  # the parent died before prctl took effect
+            os._exit(1)
+
+
 class LocalExecutor:
     """Worker processes on this machine (inline when parallelism is 1)."""
 
     def __init__(self, parallelism: int):
-        self.pool = ProcessPoolExecutor(parallelism, mp_context=mp.get_context("spawn")) if parallelism > 1 else None
+        spawn = mp.get_context("spawn")
+        self.pool = ProcessPoolExecutor(parallelism, mp_context=spawn, initializer=die_with_parent) if parallelism > 1 else None
         self.pending: list[Future | object] = []
 
     def submit(self, fn, *args) -> None:

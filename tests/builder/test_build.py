@@ -140,12 +140,21 @@ def _files(root: Path) -> dict[str, bytes]:
 
 
 def _run_and_kill(args: list[str], out: Path, when) -> bool:
-    """Start build-index, SIGKILL it as soon as when(out) holds; True if it was killed."""
+    """Start build-index, SIGKILL it as soon as when(out) holds; True if it was killed. Its
+    worker processes must not outlive it."""
+    import psutil
+
     proc = subprocess.Popen([sys.executable, "-m", "builder.cli", *args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     while proc.poll() is None:
         if out.exists() and when(out):
+            try:
+                workers = psutil.Process(proc.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                workers = []
             proc.send_signal(signal.SIGKILL)
             proc.wait()
+            _, alive = psutil.wait_procs(workers, timeout=10)
+            assert not alive, f"orphaned workers: {alive}"
             return True
         time.sleep(0.002)
     return False
