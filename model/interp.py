@@ -176,12 +176,17 @@ def index_estimates(idx, ids) -> dict[str, np.ndarray]:
     return out
 
 
+_OPEN: dict[str, object] = {}  # index directory -> open Index, per process
+
+
 def _estimates_doc(args):
     index_dir, ids = args
     from index.engine import Index
 
-    _estimates_doc.idx = getattr(_estimates_doc, "idx", None) or Index(index_dir)
-    return index_estimates(_estimates_doc.idx, ids)
+    if index_dir not in _OPEN:
+        _OPEN.clear()  # one index open per process at a time
+        _OPEN[index_dir] = Index(index_dir)
+    return index_estimates(_OPEN[index_dir], ids)
 
 
 def heldout_estimates(index_dir, heldout, workers: int = 1) -> dict[str, np.ndarray]:

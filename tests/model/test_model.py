@@ -266,3 +266,23 @@ def test_index_gate_helps_and_its_live_mixture_equals_bulk(dup_setup):
         p = interp.next_distribution(idx, doc[:t], p_model[t], gate)
         assert p.sum() == pytest.approx(1.0, abs=1e-9), t
         assert -np.log(p[targets[t]]) == pytest.approx(bulk[t], rel=1e-6, abs=1e-9), t
+
+
+def test_heldout_estimates_follow_the_index_asked_for(dup_setup, real_index):
+    """Estimates for the same held-out text against two indexes, in one process: each equals a
+    fresh computation against its own index (no stale index kept between calls)."""
+    from index import format as fmt
+    from model import interp
+
+    d = dup_setup / "held" / "000000"
+    tok = np.asarray(fmt.open_array(d / "tokens.bin", "tokens")).astype(np.int64)
+    st = np.asarray(fmt.open_array(d / "docs.bin", "docs")).astype(np.int64)
+    docs = [tok[st[k] : st[k + 1] - 1] for k in range(len(st) - 1)]
+    got = {}
+    for root in (dup_setup / "idx", real_index, dup_setup / "idx"):
+        est = interp.heldout_estimates(root, dup_setup / "held")
+        want = [interp.index_estimates(Index(root), x) for x in docs]
+        for key in ("p", "count", "p4", "share16"):
+            np.testing.assert_array_equal(est[key], np.concatenate([w[key] for w in want]), err_msg=f"{root} {key}")
+        got[str(root)] = est["count"]
+    assert not np.array_equal(got[str(dup_setup / "idx")], got[str(real_index)])
