@@ -46,17 +46,9 @@ def token_eval(model: GPT, heldout: str | Path, eos: int, sep: int, device: str 
         xd, yd = x.to(device), y.to(device)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
             h, _ = model.hidden(xd, f)
-            logits = model.lm_head(h)
-        logp = torch.log_softmax(logits.float(), -1)
+            nll, logp = model.head_losses(h, yd, f)
         nll_model = -logp.gather(-1, yd.unsqueeze(-1)).squeeze(-1)
         maxlp, top = logp.max(-1)
-        if model.cfg.use_index and model.cfg.mixture:
-            g, q = model._gate_and_index(h.float(), f)
-            rest = 1.0 - q.sum(-1)
-            q_y = (q * (f.topk_ids == yd.unsqueeze(-1))).sum(-1)
-            nll = -torch.logaddexp(torch.log((1 - g + g * rest).clamp_min(1e-30)) - nll_model, torch.log((g * q_y).clamp_min(1e-30)))
-        else:
-            nll = nll_model
         mk = mask.to(device)
         out["nll"].append(nll[mk].cpu().numpy())
         out["nll_model"].append(nll_model[mk].cpu().numpy())

@@ -63,6 +63,19 @@ class IndexBatch:
     topk_ids: torch.Tensor  # (B, T, k) int64, -1 none
     topk_cnt: torch.Tensor  # (B, T, k) int64
 
+    def blinded(self, rows: torch.Tensor | None = None) -> IndexBatch:
+        """These features with the given sequences ((B,) bool; all by default) set to "no match"
+        (L = 0, nothing found)."""
+        m = torch.ones(self.length.shape[0], dtype=torch.bool, device=self.length.device) if rows is None else rows
+        mm = m[:, None]
+        return IndexBatch(
+            self.length.masked_fill(mm, 0),
+            self.cont.masked_fill(mm, -1),
+            self.count.masked_fill(mm, 0),
+            self.topk_ids.masked_fill(mm[..., None], -1),
+            self.topk_cnt.masked_fill(mm[..., None], 0),
+        )
+
     def to(self, device, non_blocking: bool = False) -> IndexBatch:
         return IndexBatch(
             *(getattr(self, f).to(device, non_blocking=non_blocking) for f in ("length", "cont", "count", "topk_ids", "topk_cnt"))
@@ -208,19 +221,23 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, f: IndexBatch | None = None):
         """logits (B, T, V) when targets is None; else (per-token loss (B, T), None)."""
         h, _ = self.hidden(idx, f)
-        logits = self.lm_head(h)
         if targets is None:
-            return logits
-        logp = F.log_softmax(logits.float(), dim=-1)
+            return self.lm_head(h)
+        return self.head_losses(h, targets, f)[0], None
+
+    def head_losses(self, h: torch.Tensor, targets: torch.Tensor, f: IndexBatch | None = None):
+        """From final hidden states: the per-token loss (B, T) under the final distribution (the
+        mixture when the model has one) and the model's own log-softmax (B, T, V), float32."""
+        logp = F.log_softmax(self.lm_head(h).float(), dim=-1)
         lp_y = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, T)
         if not (self.cfg.use_index and self.cfg.mixture):
-            return -lp_y, None
+            return -lp_y, logp
         g, q = self._gate_and_index(h.float(), f)
         rest = 1.0 - q.sum(-1)  # index mass left to the model distribution
         q_y = (q * (f.topk_ids == targets.unsqueeze(-1))).sum(-1)
         a = torch.log((1 - g + g * rest).clamp_min(1e-30)) + lp_y
         b = torch.log((g * q_y).clamp_min(1e-30))
-        return -torch.logaddexp(a, b), None
+        return -torch.logaddexp(a, b), logp
 
     @torch.no_grad()
     def next_distribution(self, h_last: torch.Tensor, f_last: IndexBatch | None) -> torch.Tensor:

@@ -248,14 +248,7 @@ def blind(f: IndexBatch, p: float, gen: torch.Generator) -> IndexBatch:
     m = torch.rand(f.length.shape[0], generator=gen) < p  # (B,)
     if not m.any():
         return f
-    mm = m[:, None]
-    return IndexBatch(
-        f.length.masked_fill(mm, 0),
-        f.cont.masked_fill(mm, -1),
-        f.count.masked_fill(mm, 0),
-        f.topk_ids.masked_fill(mm[..., None], -1),
-        f.topk_cnt.masked_fill(mm[..., None], 0),
-    )
+    return f.blinded(m)
 
 
 def _prefetch(data: TrainData, cfg: TrainConfig, rank: int, start: int, pin: bool):

@@ -316,16 +316,11 @@ def create_app(cfg: ServeConfig) -> FastAPI:
         def t(a):
             return torch.as_tensor(np.asarray(a, dtype=np.int64)).unsqueeze(0).to(cfg.device)
 
-        f = IndexBatch(t(L), t(cont), t(cnt), t(tk), t(tc))
-        blind = IndexBatch(
-            t(np.zeros_like(L)), t(np.full_like(cont, -1)), t(np.zeros_like(cnt)), t(np.full_like(tk, -1)), t(np.zeros_like(tc))
-        )
+        f = IndexBatch(t(L), t(cont), t(cnt), t(tk), t(tc)) if model.cfg.use_index else None
         X, Y = t(x), t(ids)
         with model_lock, torch.no_grad():
-            with_idx, _ = model(X, Y, f if model.cfg.use_index else None)
-            without, _ = model(X, Y, blind if model.cfg.use_index else None)
-            if gate is not None:
-                soft = torch.log_softmax(model.lm_head(model.hidden(X, f if model.cfg.use_index else None)[0]).float(), -1)[0]
+            with_idx, logp = model.head_losses(model.hidden(X, f)[0], Y, f)
+            without = model(X, Y, f.blinded())[0] if f is not None else with_idx  # a model without index inputs: the same
         out = {
             "tokens": [idx.tokenizer.id_to_piece(int(i)) for i in ids],
             "token_ids": ids,
@@ -336,7 +331,7 @@ def create_app(cfg: ServeConfig) -> FastAPI:
         if gate is not None:  # the model's distribution mixed with the index's estimates
             from model import interp
 
-            maxlp, top = soft.max(-1)
+            maxlp, top = logp[0].max(-1)
             est = {k: v[: len(ids)] for k, v in interp.index_estimates(idx, ids).items()}  # targets: ids (no final EOS)
             X_g = interp.gate_inputs(est, maxlp.exp().cpu().numpy(), top.cpu().numpy())
             nll = interp.mix_nll_multi(interp.component_logp(est, with_idx[0].cpu().numpy()), gate(X_g))
