@@ -15,16 +15,19 @@ EXCLUDE_DOC = 1
 
 
 @nb.njit(**_NB)
-def rank_and_doc(sa, starts, rank, doc):
-    """Fill the inverse suffix array (-1 at separators) and the document of every position.
+def rank_and_doc(sa, starts, rank, doc, sadoc):
+    """Fill the inverse suffix array (-1 at separators), the document of every position, and
+    sadoc[r] = doc[sa[r]] (so that the rank-order sweeps read documents sequentially).
     (Outputs are allocated by the caller: numpy gives large arrays huge pages, which matters
     for the random accesses of every kernel here; numba's own allocations do not get them.)"""
-    rank[:] = -1
-    for r in range(sa.shape[0]):
-        rank[sa[r]] = r
     for k in range(starts.shape[0] - 1):
         for p in range(starts[k], starts[k + 1]):
             doc[p] = k
+    rank[:] = -1
+    for r in range(sa.shape[0]):
+        p = sa[r]
+        rank[p] = r
+        sadoc[r] = doc[p]
 
 
 @nb.njit(**_NB)
@@ -76,14 +79,14 @@ def longest_previous(sa, lcp, ms):
 
 
 @nb.njit(**_NB)
-def longest_other_doc(sa, lcp, doc, ms):
+def longest_other_doc(sa, lcp, sadoc, ms):
     """ms[p]: longest prefix of the suffix at p that also starts in another document: the max
     lcp with the nearest ranks on either side from a different document (two linear passes)."""
     n = sa.shape[0]
     ms[:] = 0
     left = np.zeros(n, np.uint8)
     for r in range(1, n):
-        if doc[sa[r - 1]] != doc[sa[r]]:
+        if sadoc[r - 1] != sadoc[r]:
             left[r] = lcp[r]
         else:
             left[r] = left[r - 1] if left[r - 1] < lcp[r] else lcp[r]
@@ -91,7 +94,7 @@ def longest_other_doc(sa, lcp, doc, ms):
     for r in range(n - 1, -1, -1):
         if r == n - 1:
             right = 0
-        elif doc[sa[r + 1]] != doc[sa[r]]:
+        elif sadoc[r + 1] != sadoc[r]:
             right = lcp[r + 1]
         else:
             right = right if right < lcp[r + 1] else lcp[r + 1]
@@ -300,9 +303,10 @@ def own_shard(
                         d1[rr >> 6] = inserted
                         d2[rr >> 12] = inserted
                         d3[rr >> 18] = inserted
-                        c1[rr >> 6] += 1
-                        c2[rr >> 12] += 1
-                        c3[rr >> 18] += 1
+                        if k > 0:
+                            c1[rr >> 6] += 1
+                            c2[rr >> 12] += 1
+                            c3[rr >> 18] += 1
                     inserted += 1
                 best = _ins_max(sa, d1, d2, d3, a, b, i)
                 cnt = _ins_count(sa, c1, c2, c3, a, b, i) if k > 0 else -1
@@ -315,7 +319,6 @@ def own_shard(
                     seg = doc_ranks[ds - d : de - d - 1]
                     cnt = (b - a) - (np.searchsorted(seg, b) - np.searchsorted(seg, a))
             out_pos[t] = best
-            out_cont[t] = _next_tok(T, best + L, sep, eos) if best >= 0 else -1
             out_cnt[t] = cnt
             if k > 0:
                 heavy_t[n_heavy] = t
@@ -337,7 +340,6 @@ def own_shard(
                     toks[cnt] = _next_tok(T, p + L, sep, eos)
                 cnt += 1
         out_pos[t] = best
-        out_cont[t] = _next_tok(T, best + L, sep, eos) if best >= 0 else -1
         out_cnt[t] = cnt
         if k > 0 and cnt > 0:
             srt = np.sort(toks[:cnt])
@@ -348,7 +350,17 @@ def own_shard(
                     e += 1
                 _insert_topk(out_ids[t], out_ids_cnt[t], k, srt[j], e - j)
                 j = e
+    cont_from_pos(T, out_pos, length, sep, eos, out_cont)
     return n_heavy
+
+
+@nb.njit(**_NB)
+def cont_from_pos(T, pos, length, sep, eos, out_cont):
+    """cont = the token after the occurrence at pos (-1: none), in its own pass: the loads are
+    independent, so the processor overlaps their cache misses."""
+    for t in range(pos.shape[0]):
+        p = np.int64(pos[t])
+        out_cont[t] = _next_tok(T, p + np.int64(length[t]), sep, eos) if p >= 0 else -1
 
 
 @nb.njit(**_NB)
@@ -555,15 +567,16 @@ def causal_unigram(stream, base, zero, k, out_ids, out_cnt):
 
 
 @nb.njit(**_NB)
-def interval_bounds(sa, lcp, length, run, out_a, out_b):
+def interval_bounds(sa, lcp, length, run, runr, out_a, out_b):
     """Suffix-array interval [a, b) of s = T[t-L+1..t] for every position t, in two sweeps over
     the ranks instead of a search per position.
 
     The positions sharing a match start i form a run of t (L growing by one each), so sweeping
     ranks r in order and keeping, for each lcp value v, the last rank holding v, gives
     a = max over v < L of last[v] for all of i's positions with a running maximum; a reverse
-    sweep gives b. lcp values are capped (<= 255), so the tables are tiny. `run` is scratch of
-    length n_pos (int64, allocated by the caller so that numpy gives it huge pages).
+    sweep gives b. lcp values are capped (<= 255), so the tables are tiny. `run` (length n_pos)
+    and `runr` (runr[r] = run[sa[r]], gathered once so that the sweeps read sequentially) are
+    int64 scratch, allocated by the caller so that numpy gives them huge pages.
     """
     n_pos = length.shape[0]
     n = sa.shape[0]
@@ -575,6 +588,8 @@ def interval_bounds(sa, lcp, length, run, out_a, out_b):
             if run[i] < 0:
                 run[i] = t * 256
             run[i] += 1
+    for r in range(n):
+        runr[r] = run[sa[r]]
     # left sweep: a stack of ranks with strictly increasing lcp; the last rank <= r with
     # lcp < L is the topmost stack entry below L. A run's L values are answered from the top
     # down (largest L first), so each run walks the stack once.
@@ -588,7 +603,7 @@ def interval_bounds(sa, lcp, length, run, out_a, out_b):
         top += 1
         st_r[top] = r
         st_v[top] = v
-        x = run[sa[r]]
+        x = runr[r]
         if x < 0:
             continue
         f = x >> 8
@@ -610,7 +625,7 @@ def interval_bounds(sa, lcp, length, run, out_a, out_b):
             top += 1
             st_r[top] = r + 1
             st_v[top] = v
-        x = run[sa[r]]
+        x = runr[r]
         if x < 0:
             continue
         f = x >> 8
@@ -622,3 +637,104 @@ def interval_bounds(sa, lcp, length, run, out_a, out_b):
             while j >= 0 and st_v[j] >= L:
                 j -= 1
             out_b[t] = st_r[j] if j >= 0 else n
+
+
+@nb.njit(inline="always")
+def _merge2(m1, d1, m2, n1, e1, n2):
+    """Merge two 'largest position (m1, its document d1), largest position of another document
+    (m2)' summaries (-1: none) into one."""
+    if m1 >= n1:
+        o = n1 if e1 != d1 else n2
+        return m1, d1, (m2 if m2 > o else o)
+    o = m1 if d1 != e1 else m2
+    return n1, e1, (n2 if n2 > o else o)
+
+
+@nb.njit(**_NB)
+def exclude_doc_recent(T, sa, lcp, sadoc, length, run, runr, sep, eos, out_pos, out_cont):
+    """Exclude-doc length + continuation without intervals or scans: the most recent occurrence
+    of s = T[t-L+1..t] in another document, for every t, in the two rank sweeps of
+    interval_bounds. Each stack entry also summarises the ranks it covers by (largest position,
+    its document, largest position of another document); a query for document d takes the
+    largest position outside d of each entry its interval spans (the first, or the second if
+    the first lies in d). The run of each rank is gathered first (runr, scratch of length
+    len(sa)) so that the sweeps read sequentially; cont is looked up in a last pass."""
+    n_pos = length.shape[0]
+    n = sa.shape[0]
+    run[:] = -1
+    for t in range(n_pos):
+        L = np.int64(length[t])
+        out_pos[t] = -1
+        if L > 0:
+            i = t - L + 1
+            if run[i] < 0:
+                run[i] = t * 256
+            run[i] += 1
+    for r in range(n):
+        runr[r] = run[sa[r]]
+    st_r = np.empty(258, np.int64)
+    st_v = np.empty(258, np.int64)
+    a_m1 = np.empty(258, np.int64)
+    a_d1 = np.empty(258, np.int64)
+    a_m2 = np.empty(258, np.int64)
+    # left sweep: entry j covers ranks [st_r[j], st_r[j+1]) (the top one up to r); popped
+    # entries are merged into the entry below them
+    top = -1
+    for r in range(n):
+        v = np.int64(lcp[r])
+        m1, d1, m2 = np.int64(-1), np.int64(-1), np.int64(-1)
+        while top >= 0 and st_v[top] >= v:
+            m1, d1, m2 = _merge2(m1, d1, m2, a_m1[top], a_d1[top], a_m2[top])
+            top -= 1
+        if top >= 0:
+            a_m1[top], a_d1[top], a_m2[top] = _merge2(a_m1[top], a_d1[top], a_m2[top], m1, d1, m2)
+        top += 1
+        st_r[top] = r
+        st_v[top] = v
+        a_m1[top] = sa[r]
+        a_d1[top] = sadoc[r]
+        a_m2[top] = -1
+        x = runr[r]
+        if x < 0:
+            continue
+        f = x >> 8
+        i = np.int64(sa[r])
+        d = np.int64(sadoc[r])
+        best = np.int64(-1)  # over the entries above j, outside document d
+        j = top
+        for t in range(f + (x & 255) - 1, f - 1, -1):
+            L = t - i + 1
+            while st_v[j] >= L:
+                best = max(best, a_m1[j] if a_d1[j] != d else a_m2[j])
+                j -= 1
+            out_pos[t] = max(best, a_m1[j] if a_d1[j] != d else a_m2[j])  # ranks [st_r[j], r]
+    # right sweep, mirrored: entry j covers [st_r[j], st_r[j-1]) (the bottom one up to n);
+    # a pushed entry absorbs the entries it pops
+    top = -1
+    for r in range(n - 1, -1, -1):
+        if r + 1 < n:
+            v = np.int64(lcp[r + 1])
+            m1, d1, m2 = np.int64(sa[r + 1]), np.int64(sadoc[r + 1]), np.int64(-1)
+            while top >= 0 and st_v[top] >= v:
+                m1, d1, m2 = _merge2(m1, d1, m2, a_m1[top], a_d1[top], a_m2[top])
+                top -= 1
+            top += 1
+            st_r[top] = r + 1
+            st_v[top] = v
+            a_m1[top], a_d1[top], a_m2[top] = m1, d1, m2
+        x = runr[r]
+        if x < 0:
+            continue
+        f = x >> 8
+        i = np.int64(sa[r])
+        d = np.int64(sadoc[r])
+        best = np.int64(-1)
+        j = top
+        for t in range(f + (x & 255) - 1, f - 1, -1):
+            L = t - i + 1
+            while j >= 0 and st_v[j] >= L:  # ranks [r+1, st_r[j]) are the entries above j
+                best = max(best, a_m1[j] if a_d1[j] != d else a_m2[j])
+                j -= 1
+            if best > out_pos[t]:
+                out_pos[t] = best
+    cont_from_pos(T, out_pos, length, sep, eos, out_cont)

@@ -50,6 +50,7 @@ from . import feature_kernels as FK
 
 MODES = ("causal", "exclude-doc")
 HEAVY = 64  # intervals with more occurrences than this go through the grouped pass
+HEAVY_K0 = 4  # without top-k, scan only tiny intervals: the block maxima answer the rest faster
 _U32_MAX = np.iinfo(np.uint32).max
 
 
@@ -123,53 +124,60 @@ def own_shard_features(idx: Index, shard: int, cfg: FeatureConfig) -> tuple[Feat
     k = cfg.top_k
     rank = np.empty(n_pos, np.int32 if n_pos < 2**31 else np.int64)
     doc = np.empty(n_pos, np.int32)
-    FK.rank_and_doc(sa, starts, rank, doc)
+    sadoc = np.empty(len(sa), np.int32)
+    FK.rank_and_doc(sa, starts, rank, doc, sadoc)
     lcp = np.empty(len(sa), np.uint8)
     FK.kasai_capped(T, sa, rank, idx.sep, cfg.max_len, lcp)
     ms = np.empty(n_pos, np.uint8)
     if mode == FK.CAUSAL:
         FK.longest_previous(sa, lcp, ms)
     else:
-        FK.longest_other_doc(sa, lcp, doc, ms)
+        FK.longest_other_doc(sa, lcp, sadoc, ms)
     length = np.zeros(n_pos, np.uint8)
     FK.match_lengths_from_ms(ms, starts, cfg.max_len, length)
     del ms
-    ivl_a = np.zeros(n_pos, sa.dtype)
-    ivl_b = np.zeros(n_pos, sa.dtype)
-    FK.interval_bounds(sa, lcp, length, np.empty(n_pos, np.int64), ivl_a, ivl_b)
     f = Features.empty(n_pos, max(k, 0))
     f.length = length
     pos = np.full(n_pos, -1, np.int32 if n_pos < 2**31 else np.int64)
-    ht = np.empty(n_pos, np.int32 if n_pos < 2**31 else np.int64)
-    ha = np.empty_like(ht)
-    hb = np.empty_like(ht)
-    doc_ranks = FK.doc_sorted_ranks(rank, starts) if mode == FK.EXCLUDE_DOC and k else np.zeros(0, np.int64)
-    nh = FK.own_shard(
-        T, sa, rank, doc, starts, ivl_a, ivl_b, length, mode, idx.sep, idx.eos_id, k, HEAVY, s.samax, s.off2, s.off3, doc_ranks,
-        f.cont, pos, f.count, f.topk_ids, f.topk_cnt, ht, ha, hb,
-    )  # fmt: skip
-    if k:
-        vocab1 = max(idx.vocab_size, idx.eos_id + 1)
-        FK.heavy_groups(
-            T,
-            sa,
-            doc,
-            starts,
-            length,
-            mode,
-            idx.sep,
-            idx.eos_id,
-            k,
-            vocab1,
-            ht[:nh],
-            ha[:nh],
-            hb[:nh],
-            f.cont,
-            pos,
-            f.count,
-            f.topk_ids,
-            f.topk_cnt,
-        )
+    if mode == FK.EXCLUDE_DOC and not k:  # length + cont only: no intervals needed
+        scratch = (np.empty(n_pos, np.int64), np.empty(len(sa), np.int64))
+        FK.exclude_doc_recent(T, sa, lcp, sadoc, length, *scratch, idx.sep, idx.eos_id, pos, f.cont)
+        f.count[:] = -1
+    else:
+        del sadoc
+        ivl_a = np.zeros(n_pos, sa.dtype)
+        ivl_b = np.zeros(n_pos, sa.dtype)
+        FK.interval_bounds(sa, lcp, length, np.empty(n_pos, np.int64), np.empty(len(sa), np.int64), ivl_a, ivl_b)
+        ht = np.empty(n_pos, np.int32 if n_pos < 2**31 else np.int64)
+        ha = np.empty_like(ht)
+        hb = np.empty_like(ht)
+        doc_ranks = FK.doc_sorted_ranks(rank, starts) if mode == FK.EXCLUDE_DOC and k else np.zeros(0, np.int64)
+        nh = FK.own_shard(
+            T, sa, rank, doc, starts, ivl_a, ivl_b, length, mode, idx.sep, idx.eos_id, k, HEAVY if k else HEAVY_K0, s.samax, s.off2, s.off3, doc_ranks,
+            f.cont, pos, f.count, f.topk_ids, f.topk_cnt, ht, ha, hb,
+        )  # fmt: skip
+        if k:
+            vocab1 = max(idx.vocab_size, idx.eos_id + 1)
+            FK.heavy_groups(
+                T,
+                sa,
+                doc,
+                starts,
+                length,
+                mode,
+                idx.sep,
+                idx.eos_id,
+                k,
+                vocab1,
+                ht[:nh],
+                ha[:nh],
+                hb[:nh],
+                f.cont,
+                pos,
+                f.count,
+                f.topk_ids,
+                f.topk_cnt,
+            )
     aux = {"T": T, "sa": sa, "rank": rank, "doc": doc, "lcp": lcp, "pos": pos, "starts": starts, "mode": mode}
     return f, aux
 
