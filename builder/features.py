@@ -20,8 +20,10 @@ Separator positions (document ends) carry no features: length 0, no cont, count 
 Per shard, the own-shard part is linear-time: the capped longest-common-prefix array
 (Kasai), then the longest allowed match starting at each position (longest previous
 factor for causal, nearest other-document ranks for exclude-doc), from which L(t) follows
-by a two-pointer pass; s's suffix-array interval comes from the lcp array (block minima),
-and its statistics from a scan (small intervals) or a grouped pass (large ones). Other
+by a two-pointer pass; s's suffix-array interval comes from two stack sweeps over the lcp
+array, and its statistics from a scan (small intervals) or a grouped pass (large ones). In
+exclude-doc mode without top-k the same two sweeps also carry each stack entry's largest
+positions (of two documents), which answer "most recent occurrence" without any interval. Other
 shards allowed by the mode are matched like held-out text and merged: the longest L wins;
 on a tie the counts and histograms add up and cont comes from the most recent source.
 
