@@ -17,11 +17,13 @@ Evaluated on top of them (everything tuned or fit on validation only):
   c   (a) + infini-gram's ∞-gram interpolation: one λ for sparse, one for non-sparse estimates
   d   (a) + kNN-LM from a dense store of (a)'s hidden states, λ and temperature tuned
   X+g a model's distribution mixed with the index's ∞-gram and fixed-order (2..17-gram)
-      estimates by a learned softmax gate (model/interp.py; inputs: suffix lengths and
+      estimates and the document cache's (the same estimates from the document's own earlier
+      text) by a learned softmax gate (model/interp.py; inputs: suffix lengths and
       counts, sparsity, model confidence, agreement), fit on validation
+  a+gi, a+gc  ablations of a+g: the gate over the index's estimates only, the cache's only
   e+d (e) with the dense fallback interpolated
-teragram's headline is the best of a+g, e, e+d, e+g, eo, eo+g on the decontaminated
-validation set.
+teragram's headline is the best of a+g, a+gi, e, e+d, e+g, eo, eo+g on the decontaminated
+validation set (a+gc reads no index: it is not a candidate).
 Held-out sets: test raw; test decontaminated (documents with >= 80% of their 13-grams in the
 index removed, infini-gram's criterion); code and English parts of test. The same for
 validation, where choices are made.
@@ -242,14 +244,16 @@ NAMES = {
     "b": "(b) TScale: cont embedding, causal",
     "c": "(c) (a) + ∞-gram interpolation (infini-gram: 2 λ)",
     "d": "(d) (a) + kNN-LM",
-    "a+g": "(t) (a) + learned gate over the index's ∞-gram and n-gram estimates",
+    "a+g": "(t) (a) + learned gate over the index's and the document cache's estimates",
+    "a+gi": "(t-c) (t) without the document cache: the index's estimates only",
+    "a+gc": "(a+c) (a) + the document cache's estimates only (no index)",
     "e": "(e) index inputs + learned mixture",
     "e+d": "(e) + dense fallback",
     "e+g": "(e) + learned index gate",
     "eo": "(e') learned mixture, no index inputs",
     "eo+g": "(e') + learned index gate",
 }
-TERAGRAM = ("a+g", "e", "e+d", "e+g", "eo", "eo+g")  # the headline is the best of these on validation
+TERAGRAM = ("a+g", "a+gi", "e", "e+d", "e+g", "eo", "eo+g")  # the headline is the best of these on validation
 
 
 def stage_eval(w: Path, s: dict, workers: int, variants: list[str]) -> dict:
@@ -274,15 +278,15 @@ def stage_eval(w: Path, s: dict, workers: int, variants: list[str]) -> dict:
     nll: dict[str, dict[str, np.ndarray]] = {}  # variant -> split -> per-token nll
     docs: dict[str, np.ndarray] = {}
 
-    def gated(v: str, ev: dict) -> None:
-        """The model's distribution, the ∞-gram and the fixed-order estimates, mixed by a gate
-        fit on validation."""
-        X = {sp_: interp.gate_inputs(inf[sp_], ev[sp_]["maxp"], ev[sp_]["top"]) for sp_ in held}
-        logp = {sp_: interp.component_logp(inf[sp_], ev[sp_]["nll"]) for sp_ in held}
-        gate = interp.Gate.fit(X["valid"], logp["valid"])
-        gate.save(w / f"gate-{v}.json")
-        nll[v + "+g"] = {sp_: interp.mix_nll_multi(logp[sp_], gate(X[sp_])) for sp_ in held}
-        results[v + "+g"]["mean_weights_test"] = gate(X["test"]).mean(0).tolist()
+    def gated(v: str, ev: dict, key: str, comps: tuple[str, ...]) -> None:
+        """The model's distribution and the estimates `comps` (index, document cache), mixed by
+        a gate fit on validation."""
+        X = {sp_: interp.gate_inputs(inf[sp_], ev[sp_]["maxp"], ev[sp_]["top"], comps) for sp_ in held}
+        logp = {sp_: interp.component_logp(inf[sp_], ev[sp_]["nll"], comps) for sp_ in held}
+        gate = interp.Gate.fit(X["valid"], logp["valid"], components=comps)
+        gate.save(w / f"gate-{key}.json")
+        nll[key] = {sp_: interp.mix_nll_multi(logp[sp_], gate(X[sp_])) for sp_ in held}
+        results[key]["mean_weights_test"] = dict(zip(("model", *comps), gate(X["test"]).mean(0).tolist(), strict=True))
 
     for v in variants:
         model, _ = load_model(w / "runs" / v, device)
@@ -301,7 +305,10 @@ def stage_eval(w: Path, s: dict, workers: int, variants: list[str]) -> dict:
             nll["c"] = {sp_: interp.apply_lambdas(ev[sp_]["nll"], inf[sp_]["p"], lam, groups[sp_]) for sp_ in held}
             results["c"].update(lambda_non_sparse=lam.get(0, 0.0), lambda_sparse=lam.get(1, 0.0), infgram_s=infgram_s)
         if v in ("a", "e", "eo"):
-            gated(v, ev)
+            gated(v, ev, v + "+g", interp.COMPONENTS)
+        if v == "a":
+            gated(v, ev, "a+gi", interp.SUFFIXES)
+            gated(v, ev, "a+gc", interp.CACHE)
         del model, ev
         if device == "cuda":
             torch.cuda.empty_cache()

@@ -328,13 +328,13 @@ def create_app(cfg: ServeConfig) -> FastAPI:
             "logprobs_without_index": (-without[0]).tolist(),
             "features": [{"match_length": int(L[i]), "continuation": int(cont[i]), "count": int(cnt[i])} for i in range(len(ids))],
         }
-        if gate is not None:  # the model's distribution mixed with the index's estimates
+        if gate is not None:  # the model's distribution mixed with the index's and the cache's estimates
             from model import interp
 
             maxlp, top = logp[0].max(-1)
-            est = {k: v[: len(ids)] for k, v in interp.index_estimates(idx, ids).items()}  # targets: ids (no final EOS)
-            X_g = interp.gate_inputs(est, maxlp.exp().cpu().numpy(), top.cpu().numpy())
-            nll = interp.mix_nll_multi(interp.component_logp(est, with_idx[0].cpu().numpy()), gate(X_g))
+            est = {k: v[: len(ids)] for k, v in interp.estimates(idx, ids).items()}  # targets: ids (no final EOS)
+            X_g = interp.gate_inputs(est, maxlp.exp().cpu().numpy(), top.cpu().numpy(), gate.components)
+            nll = interp.mix_nll_multi(interp.component_logp(est, with_idx[0].cpu().numpy(), gate.components), gate(X_g))
             out["logprobs_with_gate"] = (-nll).tolist()
         return out
 

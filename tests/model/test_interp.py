@@ -1,6 +1,8 @@
 """The ∞-gram interpolation: infini-gram's two λ and the learned gate, on synthetic positions
 whose best mixing weight is known."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -42,7 +44,7 @@ def test_gate_learns_where_the_index_is_reliable_and_generalises():
     length, count, share, maxp, agree, nll_model, p_inf = _positions(20000, 1)
     sparse = share >= 1
     X = interp.gate_features(length, maxp, [count], [share], [agree])
-    gate = interp.Gate.fit(X, _logp(nll_model, p_inf))
+    gate = interp.Gate.fit(X, _logp(nll_model, p_inf), components=("",))
     g = gate(X)[:, 1]
     assert g[sparse].mean() > 0.8 and g[~sparse].mean() < 0.2
     # on fresh positions the gate is at least as good as infini-gram's tuned constants
@@ -58,7 +60,7 @@ def test_gate_learns_where_the_index_is_reliable_and_generalises():
 def test_gate_round_trips(tmp_path):
     length, count, share, maxp, agree, nll_model, p_inf = _positions(2000, 3)
     X = interp.gate_features(length, maxp, [count], [share], [agree])
-    gate = interp.Gate.fit(X, _logp(nll_model, *[p_inf] * len(interp.SUFFIXES)), steps=50)  # the model + 6 estimates
+    gate = interp.Gate.fit(X, _logp(nll_model, *[p_inf] * len(interp.SUFFIXES)), components=interp.SUFFIXES, steps=50)
     gate.save(tmp_path / "gate.json")
     np.testing.assert_allclose(interp.Gate.load(tmp_path / "gate.json")(X), gate(X))
 
@@ -69,9 +71,14 @@ def test_gate_load_refuses_other_files(tmp_path):
     (tmp_path / "x.json").write_text("{not json")
     with pytest.raises(TeragramError, match="not a teragram index gate"):
         interp.Gate.load(tmp_path / "x.json")
-    interp.Gate(np.zeros((5, 2))).save(tmp_path / "two.json")  # two components: not the model + 6 estimates
+    interp.Gate(np.zeros((5, 2)), ("", "1")).save(tmp_path / "two.json")
+    d = json.loads((tmp_path / "two.json").read_text())
+    d["W"] = np.zeros((5, 3)).tolist()  # weights for three estimates, two named
+    (tmp_path / "two.json").write_text(json.dumps(d))
     with pytest.raises(TeragramError, match="other features"):
         interp.Gate.load(tmp_path / "two.json")
+    with pytest.raises(TeragramError, match="unknown or misordered"):
+        interp.Gate(np.zeros((5, 2)), ("1", ""))
 
 
 def test_gate_uses_a_third_component_where_it_helps():
@@ -83,10 +90,44 @@ def test_gate_uses_a_third_component_where_it_helps():
     good = short_cnt > 500  # reliable only when its own suffix is frequent
     p_short = np.where(good, 0.6, rng.uniform(0, 0.01, len(length)))
     X = interp.gate_features(length, maxp, [count, short_cnt], [share, np.full(len(length), 0.3)], [agree, np.zeros(len(length))])
-    w = interp.Gate.fit(X, _logp(nll_model, p_inf, p_short))(X)
+    w = interp.Gate.fit(X, _logp(nll_model, p_inf, p_short), components=("", "1"))(X)
     dense = ~sparse
     assert w[dense & good, 2].mean() > 0.5 > 0.1 > w[dense & ~good, 2].mean()
-    two = interp.Gate.fit(X, _logp(nll_model, p_inf))(X)
+    two = interp.Gate.fit(X, _logp(nll_model, p_inf), components=("",))(X)
     assert (
         interp.mix_nll_multi(_logp(nll_model, p_inf, p_short), w).mean() < interp.mix_nll_multi(_logp(nll_model, p_inf), two).mean() - 0.05
     )
+
+
+def _brute_cache(ids, eos, j, k):
+    """Earlier occurrences in ids[:j] of its last k tokens: (count, followers' histogram)."""
+    ctx = ids[:j]
+    if j < k:
+        return 0, {}
+    nxt = [int(ctx[e]) for e in range(k, j) if np.array_equal(ctx[e - k : e], ctx[j - k :])]
+    return len(nxt), {t: nxt.count(t) for t in set(nxt)}
+
+
+def test_cache_estimates_against_brute_force_and_live():
+    rng = np.random.default_rng(0)
+    eos = 9
+    for trial in range(40):
+        ids = rng.integers(0, 3 if trial % 2 else 6, size=int(rng.integers(0, 90)))
+        est = interp.cache_estimates(ids, eos)
+        y = np.append(ids, eos)
+        assert all(len(v) == len(y) for v in est.values())
+        for j in range(len(y)):
+            longest = max((k for k in interp.CACHE_LENGTHS if _brute_cache(ids, eos, j, k)[0]), default=0)
+            assert est["clength"][j] == longest, (trial, j)
+            for name, k in [(f"c{k}", k) for k in interp.ORDERS] + [("c", longest)]:
+                cnt, hist = _brute_cache(ids, eos, j, k) if k else (0, {})
+                top = min(hist, key=lambda t: (-hist[t], t)) if hist else -1
+                got = (est[f"count{name}"][j], est[f"p{name}"][j], est[f"top{name}"][j], est[f"share{name}"][j])
+                want = (cnt, hist.get(int(y[j]), 0) / max(cnt, 1), top, (hist[top] if hist else 0) / max(cnt, 1))
+                assert got == pytest.approx(want), (trial, j, name)
+            # the live path (generation) reads the same distributions off the context
+            dists, clen = interp._cache_live(ids[:j], 10, interp.CACHE)
+            assert clen == longest
+            for name in interp.CACHE:
+                d, n = dists[name]
+                assert n == est[f"count{name}"][j] and d[y[j]] == pytest.approx(est[f"p{name}"][j]), (trial, j, name)

@@ -255,13 +255,15 @@ def test_index_gate_helps_and_its_live_mixture_equals_bulk(dup_setup):
     assert nll_gated.mean() < 0.7 * nll_model.mean()  # held-out near-duplicates: the index's estimates help
     # generation's distribution gives each actual next token the bulk mixture's probability
     idx = Index(dup_setup / "idx")
-    doc = np.asarray(idx.tokenize((dup_setup / "held").parent.joinpath("train", "003.txt").read_text()[:400]))[:60].tolist()
+    doc = np.asarray(idx.tokenize((dup_setup / "held").parent.joinpath("train", "003.txt").read_text()[:400]))[:40].tolist()
+    doc += doc[5:25]  # the document repeats itself: the cache's estimates take part
     targets = [*doc, idx.eos_id]
     with torch.no_grad():
         p_model = torch.softmax(model(torch.tensor([[idx.eos_id, *doc]]))[0].double(), -1).numpy()
     nll_m = -np.log(p_model[np.arange(len(targets)), targets])
-    est = interp.index_estimates(idx, doc)
+    est = interp.estimates(idx, doc)
     bulk = interp.mix_nll_multi(interp.component_logp(est, nll_m), gate(interp.gate_inputs(est, p_model.max(-1), p_model.argmax(-1))))
+    assert est["countc"][45:].min() > 0 and est["clength"][-1] >= 16
     for t in range(len(targets)):
         p = interp.next_distribution(idx, doc[:t], p_model[t], gate)
         assert p.sum() == pytest.approx(1.0, abs=1e-9), t
@@ -281,8 +283,8 @@ def test_heldout_estimates_follow_the_index_asked_for(dup_setup, real_index):
     got = {}
     for root in (dup_setup / "idx", real_index, dup_setup / "idx"):
         est = interp.heldout_estimates(root, dup_setup / "held")
-        want = [interp.index_estimates(Index(root), x) for x in docs]
-        for key in ("p", "count", "p4", "share16"):
+        want = [interp.estimates(Index(root), x) for x in docs]
+        for key in ("p", "count", "p4", "share16", "pc", "countc4"):
             np.testing.assert_array_equal(est[key], np.concatenate([w[key] for w in want]), err_msg=f"{root} {key}")
         got[str(root)] = est["count"]
     assert not np.array_equal(got[str(dup_setup / "idx")], got[str(real_index)])

@@ -190,14 +190,14 @@ def test_gate_in_score_equals_bulk_gated_eval_and_completions_run(real_index, ch
     from model.train import load_model
 
     text = "The kernel is the core of the operating system"
-    X = interp.gate_features(np.zeros(1), np.ones(1), *[[np.ones(1)] * len(interp.SUFFIXES)] * 3)
-    W = np.random.default_rng(0).normal(0, 0.5, (X.shape[1], len(interp.SUFFIXES)))
+    X = interp.gate_features(np.zeros(1), np.ones(1), *[[np.ones(1)] * len(interp.COMPONENTS)] * 3, np.zeros(1))
+    W = np.random.default_rng(0).normal(0, 0.5, (X.shape[1], len(interp.COMPONENTS)))
     interp.Gate(W).save(tmp_path / "gate.json")
     c = TestClient(create_app(ServeConfig(index=str(real_index), checkpoint=str(checkpoint), gate=str(tmp_path / "gate.json"))))
     r = c.post("/v1/score", json={"text": text})
     assert r.status_code == 200, r.text
     got = np.array(r.json()["logprobs_with_gate"])
-    # oracle: the bulk path (held-out features, token_eval, index_estimates) on the same text as a document
+    # oracle: the bulk path (held-out features, token_eval, estimates) on the same text as a document
     (tmp_path / "doc").mkdir()
     (tmp_path / "doc" / "a.txt").write_text(text)
     compute_features(real_index, tmp_path / "held", FeatureConfig("held-out", 64, 4), corpus=[str(tmp_path / "doc")], progress=False)
