@@ -20,6 +20,10 @@ RESULTS = Path(os.environ.get("TERAGRAM_RESULTS", REPO / "benchmarks" / "results
 
 
 def commit() -> str:
+    """The commit measured: $TERAGRAM_COMMIT when set (the lent GPU machine gets a copy of the
+    working tree whose git metadata can be stale), else git's HEAD (-dirty with local changes)."""
+    if os.environ.get("TERAGRAM_COMMIT"):
+        return os.environ["TERAGRAM_COMMIT"]
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
         dirty = subprocess.run(
@@ -27,7 +31,7 @@ def commit() -> str:
         ).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("TERAGRAM_COMMIT", "unknown")
+        return "unknown"
 
 
 def machine() -> dict:

@@ -288,17 +288,23 @@ def stage_eval(w: Path, s: dict, workers: int, variants: list[str]) -> dict:
         nll[key] = {sp_: interp.mix_nll_multi(logp[sp_], gate(X[sp_])) for sp_ in held}
         results[key]["mean_weights_test"] = dict(zip(("model", *comps), gate(X["test"]).mean(0).tolist(), strict=True))
 
+    phases = {"estimates_s": infgram_s}  # where the evaluation's time goes
     for v in variants:
+        t = time.time()
         model, _ = load_model(w / "runs" / v, device)
         hid = v in ("a", "e")
         ev = {sp_: token_eval(model, path, idx.eos_id, idx.sep, device, batch=s["eval_batch"], hidden=hid) for sp_, path in held.items()}
         docs = {sp_: r["doc"].astype(int) for sp_, r in ev.items()}
         nll[v] = {sp_: r["nll"] for sp_, r in ev.items()}
+        phases[f"model_{v}_s"] = time.time() - t
         if hid:
+            t = time.time()
             r = knn_variant(model, w, None if v == "a" else str(w / "feats-exdoc"), s, ev, device, v)
             k = "d" if v == "a" else "e+d"
             nll[k] = r.pop("nll")
             results[k].update(r)
+            phases[f"knn_{v}_s"] = time.time() - t
+        t = time.time()
         if v == "a":
             groups = {sp_: inf[sp_]["sparse"].astype(int) for sp_ in held}
             lam = interp.fit_lambdas(ev["valid"]["nll"], inf["valid"]["p"], groups["valid"])
@@ -309,6 +315,7 @@ def stage_eval(w: Path, s: dict, workers: int, variants: list[str]) -> dict:
         if v == "a":
             gated(v, ev, "a+gi", interp.SUFFIXES)
             gated(v, ev, "a+gc", interp.CACHE)
+        phases[f"mixtures_{v}_s"] = time.time() - t
         del model, ev
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -342,7 +349,7 @@ def stage_eval(w: Path, s: dict, workers: int, variants: list[str]) -> dict:
         "tokens_per_model": s["steps"] * s["batch_size"] * s["block_size"],
         "index_tokens": idx.n_tokens,
     }
-    return {"rows": rows, "valid_rows": vrows, "results": results, "summary": summary}
+    return {"rows": rows, "valid_rows": vrows, "results": results, "summary": summary, "eval_phases": phases}
 
 
 SETS = ("all", "decontaminated", "code", "English")
@@ -441,6 +448,7 @@ def main() -> int:
             f"(bar 15%) and {sm['teragram_vs_a']:.1%} below (a) (bar 20%).\n\nValidation set (λ, gates and the headline variant are chosen here):\n\n"
         )
         md += table(out["valid_rows"], cols)
+        md += "\n\nTime (s): " + ", ".join(f"{k[:-2]} {v:.0f}" for k, v in (timings | out["eval_phases"]).items()) + ".\n"
         save(f"perplexity_{args.scale}{args.tag}", out, md, plots(w, out))
     return 0
 
