@@ -75,7 +75,7 @@ def stream(
     """Yield (token, features of the new position) one generated token at a time.
     `state` (a dict, optional) receives "features" (all positions so far) and "stopped".
     With `gate` (model.interp.Gate) the model's distribution is mixed with the index's ∞-gram
-    and fixed-order estimates of the document so far."""
+    and fixed-order estimates, and the document cache's, for the document so far."""
     if not prompt:
         prompt = [idx.eos_id]  # an empty prompt starts a document
     state = {} if state is None else state

@@ -224,7 +224,8 @@ def cmd_eval(args) -> int:
 
 
 def _gated(args, model, idx, feats) -> dict:
-    """The model alone and mixed with the index's estimates by a gate (loaded, or fit here)."""
+    """The model alone and mixed with the index's and the document cache's estimates by a gate
+    (loaded, or fit here)."""
     from builder.tokenizer import load as load_tok
     from model import interp
     from model.data import EvalData
@@ -348,7 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--corpus", nargs="+", required=True, help="held-out text")
     ev.add_argument("--features-out", help="keep the held-out features here")
     ev.add_argument("--device", default="cpu")
-    ev.add_argument("--gate", help="mix the model with the index's estimates by this gate (from --fit-gate)")
+    ev.add_argument("--gate", help="mix the model with the index's and the document cache's estimates by this gate (from --fit-gate)")
     ev.add_argument("--fit-gate", metavar="OUT", help="fit the index gate on this (validation) text and save it")
     ev.add_argument("--workers", type=int, default=1, help="processes for the index estimates")
     ev.add_argument("--json", action="store_true")
@@ -364,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     sa.add_argument("--top-p", type=float, default=0.95)
     sa.add_argument("--seed", type=int, default=0)
     sa.add_argument("--device", default="cpu")
-    sa.add_argument("--gate", help="mix in the index's estimates with this gate (eval --fit-gate)")
+    sa.add_argument("--gate", help="mix in the index's and the document cache's estimates with this gate (eval --fit-gate)")
     sa.add_argument("--verbose", action="store_true")
 
     de = sub.add_parser("dense", help="kNN-LM datastore (FAISS IVF-PQ) of a model's hidden states at training positions")
