@@ -567,6 +567,23 @@ def causal_unigram(stream, base, zero, k, out_ids, out_cnt):
 
 
 @nb.njit(**_NB)
+def runs_by_rank(sa, length, run, runr):
+    """The positions t sharing a match start i = t - L + 1 form a run (L growing by one);
+    run[i] = (first t of the run) * 256 + (its length), -1 where no run starts, and
+    runr[r] = run[sa[r]]: gathered once, so that the rank sweeps read it sequentially."""
+    run[:] = -1
+    for t in range(length.shape[0]):
+        L = np.int64(length[t])
+        if L > 0:
+            i = t - L + 1
+            if run[i] < 0:
+                run[i] = t * 256
+            run[i] += 1
+    for r in range(sa.shape[0]):
+        runr[r] = run[sa[r]]
+
+
+@nb.njit(**_NB)
 def interval_bounds(sa, lcp, length, run, runr, out_a, out_b):
     """Suffix-array interval [a, b) of s = T[t-L+1..t] for every position t, in two sweeps over
     the ranks instead of a search per position.
@@ -575,21 +592,11 @@ def interval_bounds(sa, lcp, length, run, runr, out_a, out_b):
     ranks r in order and keeping, for each lcp value v, the last rank holding v, gives
     a = max over v < L of last[v] for all of i's positions with a running maximum; a reverse
     sweep gives b. lcp values are capped (<= 255), so the tables are tiny. `run` (length n_pos)
-    and `runr` (runr[r] = run[sa[r]], gathered once so that the sweeps read sequentially) are
-    int64 scratch, allocated by the caller so that numpy gives them huge pages.
+    and `runr` (length n) are int64 scratch for runs_by_rank, allocated by the caller so that
+    numpy gives them huge pages.
     """
-    n_pos = length.shape[0]
     n = sa.shape[0]
-    run[:] = -1  # first t of the run starting at i, times 256, plus the run's length
-    for t in range(n_pos):
-        L = np.int64(length[t])
-        if L > 0:
-            i = t - L + 1
-            if run[i] < 0:
-                run[i] = t * 256
-            run[i] += 1
-    for r in range(n):
-        runr[r] = run[sa[r]]
+    runs_by_rank(sa, length, run, runr)
     # left sweep: a stack of ranks with strictly increasing lcp; the last rank <= r with
     # lcp < L is the topmost stack entry below L. A run's L values are answered from the top
     # down (largest L first), so each run walks the stack once.
@@ -657,21 +664,10 @@ def exclude_doc_recent(T, sa, lcp, sadoc, length, run, runr, sep, eos, out_pos, 
     interval_bounds. Each stack entry also summarises the ranks it covers by (largest position,
     its document, largest position of another document); a query for document d takes the
     largest position outside d of each entry its interval spans (the first, or the second if
-    the first lies in d). The run of each rank is gathered first (runr, scratch of length
-    len(sa)) so that the sweeps read sequentially; cont is looked up in a last pass."""
-    n_pos = length.shape[0]
+    the first lies in d). run/runr: scratch for runs_by_rank; cont is looked up in a last pass."""
     n = sa.shape[0]
-    run[:] = -1
-    for t in range(n_pos):
-        L = np.int64(length[t])
-        out_pos[t] = -1
-        if L > 0:
-            i = t - L + 1
-            if run[i] < 0:
-                run[i] = t * 256
-            run[i] += 1
-    for r in range(n):
-        runr[r] = run[sa[r]]
+    runs_by_rank(sa, length, run, runr)
+    out_pos[:] = -1
     st_r = np.empty(258, np.int64)
     st_v = np.empty(258, np.int64)
     a_m1 = np.empty(258, np.int64)

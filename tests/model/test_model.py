@@ -196,23 +196,6 @@ def test_cli_train_eval_sample(dup_setup, tmp_path):
     r = run("train", "--config", str(cfgf), f"--out={tmp_path / 'run'}", "--lr=0.002")
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "run" / "config.json").read_text())["train"]["lr"] == 0.002
-    r = run(
-        "eval",
-        "--checkpoint",
-        str(tmp_path / "run"),
-        "--index",
-        str(dup_setup / "idx"),
-        "--corpus",
-        str(dup_setup / "held"),
-        "--json",
-        "--quiet",
-    )
-    assert r.returncode == 0, r.stderr
-    ev = json.loads(r.stdout)
-    assert ev["perplexity"] == pytest.approx(math.exp(ev["loss"])) and ev["bits_per_byte"] > 0
-    r = run("sample", "--checkpoint", str(tmp_path / "run"), "--index", str(dup_setup / "idx"), "The", "--max-tokens", "5")
-    assert r.returncode == 0 and r.stdout.startswith("The")
-    # the index gate: fit on one text, applied on it, used in generation
     common = [
         "--checkpoint",
         str(tmp_path / "run"),
@@ -223,6 +206,13 @@ def test_cli_train_eval_sample(dup_setup, tmp_path):
         "--json",
         "--quiet",
     ]
+    r = run("eval", *common)
+    assert r.returncode == 0, r.stderr
+    ev = json.loads(r.stdout)
+    assert ev["perplexity"] == pytest.approx(math.exp(ev["loss"])) and ev["bits_per_byte"] > 0
+    r = run("sample", "--checkpoint", str(tmp_path / "run"), "--index", str(dup_setup / "idx"), "The", "--max-tokens", "5")
+    assert r.returncode == 0 and r.stdout.startswith("The")
+    # the index gate: fit on one text, applied on it, used in generation
     r = run("eval", *common, "--fit-gate", str(tmp_path / "gate.json"))
     assert r.returncode == 0, r.stderr
     fit = json.loads(r.stdout)
