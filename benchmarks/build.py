@@ -1,6 +1,6 @@
 """Build benchmark: teragram's build-index against infini-gram's indexer on the same token ids.
 
-    python benchmarks/build.py [--mb 170] [--workers 2]
+    python -m benchmarks.build [--mb 170] [--workers 2]
 
 1. Exports the first --mb MB of the train split (by path hash) of Debian's linux-source-6.1
    (about 50M tokens with a 32000-piece tokenizer) as JSON lines (zstd), cached.
@@ -21,13 +21,11 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.common import default_workdir, linux_corpus, run_measured, save, table  # noqa: E402
+from benchmarks.common import default_workdir, linux_corpus, run_measured, save, table
 
 
 def doc_ids(idx_dir: Path) -> list[np.ndarray]:
-    from index.engine import Index
+    from teragram.index.engine import Index
 
     idx = Index(idx_dir)
     out = []
@@ -51,9 +49,8 @@ def write_infinigram(docs: list[np.ndarray], save_dir: Path) -> None:
 
 _FROM_IDS = """
 import sys, numpy as np
-sys.path.insert(0, {repo!r})
 from benchmarks.build import doc_ids
-from builder.build import build_from_ids
+from teragram.builder.build import build_from_ids
 docs = doc_ids({src!r})
 import time; t = time.time()
 build_from_ids(docs, {out!r}, {src!r} + "/tokenizer.model", shard_tokens={shard}, workers={workers})
@@ -78,7 +75,7 @@ def main() -> int:
     tg = w / "tg"
     run_measured(["rm", "-rf", str(tg), str(w / "tg1"), str(w / "tg2"), str(w / "ig")])
     m = run_measured(
-        [sys.executable, "-m", "builder.cli", str(corpus), "--out", str(tg), "--workers", str(args.workers), "--quiet"], cwd=repo
+        [sys.executable, "-m", "teragram.builder.cli", str(corpus), "--out", str(tg), "--workers", str(args.workers), "--quiet"], cwd=repo
     )
     rep = json.loads((tg / "build-report.json").read_text())
     man = json.loads((tg / "manifest.json").read_text())

@@ -1,6 +1,6 @@
 """Feature benchmark: bulk per-token features on the ~50M-token linux-source index.
 
-    python benchmarks/features.py [--workdir W] [--heldout-mb 4]
+    python -m benchmarks.features [--workdir W] [--heldout-mb 4]
 
 Needs the index of benchmarks/build.py (WORKDIR/tg; built here if missing). Measures, in a
 fresh single-process run per configuration, tokens/s per core and peak RSS for
@@ -20,9 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.common import default_workdir, linux_corpus, run_measured, save, table  # noqa: E402
+from benchmarks.common import default_workdir, linux_corpus, run_measured, save, table
 
 BUCKETS = [(0, 0), (1, 3), (4, 7), (8, 15), (16, 31), (32, 63), (64, 64)]
 
@@ -56,7 +54,7 @@ def main() -> int:
     w = Path(args.workdir)
     idx_dir = w / "tg"
     if not (idx_dir / "manifest.json").exists():
-        run_measured([sys.executable, "benchmarks/build.py", "--workdir", str(w)], cwd=repo)
+        run_measured([sys.executable, "-m", "benchmarks.build", "--workdir", str(w)], cwd=repo)
     man = json.loads((idx_dir / "manifest.json").read_text())
     n_pos = man["counts"]["positions"]
     rows, data = [], {"index": {"dir": str(idx_dir), "tokens": man["counts"]["tokens"], "shards": man["counts"]["shards"]}}
@@ -68,7 +66,7 @@ def main() -> int:
                 [
                     sys.executable,
                     "-m",
-                    "serve.cli",
+                    "teragram.serve.cli",
                     "features",
                     str(idx_dir),
                     "--out",
@@ -97,7 +95,7 @@ def main() -> int:
         [
             sys.executable,
             "-m",
-            "serve.cli",
+            "teragram.serve.cli",
             "features",
             str(idx_dir),
             "--out",
@@ -122,7 +120,7 @@ def main() -> int:
         }
     )
 
-    from index import format as fmt
+    from teragram.index import format as fmt
 
     sep = man["separator"]
     d = out / "000000"

@@ -1,7 +1,7 @@
 """Perplexity with and without the index, against the peers' methods, raw and decontaminated.
 
-    python benchmarks/perplexity_data.py --out DATA --scale cpu      # corpora from Debian packages
-    python benchmarks/perplexity.py --data DATA --scale cpu          # build, train, eval
+    python -m benchmarks.perplexity_data --out DATA --scale cpu      # corpora from Debian packages
+    python -m benchmarks.perplexity --data DATA --scale cpu          # build, train, eval
 
 Corpus: linux-source-6.1 plus the English packages (linux-doc-6.1, dict-gcide, manpages,
 manpages-dev, jargon-text, fortunes, bible-kjv-text), split train / held-out by a hash of the
@@ -44,11 +44,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+from teragram.model import interp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.common import save, table  # noqa: E402
-from model import interp  # noqa: E402
+from benchmarks.common import save, table
 
 REPO = Path(__file__).resolve().parents[1]
 SCALES = {
@@ -107,7 +105,7 @@ def stage_build(data: Path, w: Path, s: dict, workers: int, variants: list[str])
 
     py = sys.executable
     train = [data / "train-code.jsonl.zst", data / "train-english.jsonl.zst"]
-    sh(py, "-m", "builder.cli", *train, "--out", w / "idx", "--vocab-size", s["vocab"], "--workers", workers, "--quiet")
+    sh(py, "-m", "teragram.builder.cli", *train, "--out", w / "idx", "--vocab-size", s["vocab"], "--workers", workers, "--quiet")
     for split in ("valid", "test"):
         (w / "heldout" / split).mkdir(parents=True, exist_ok=True)
     for dom in ("code", "english"):
@@ -120,7 +118,7 @@ def stage_build(data: Path, w: Path, s: dict, workers: int, variants: list[str])
             o.close()
 
     def features(out: str, *opts) -> None:
-        sh(py, "-m", "serve.cli", "features", w / "idx", "--out", w / out, *opts, "--workers", workers, "--quiet")
+        sh(py, "-m", "teragram.serve.cli", "features", w / "idx", "--out", w / out, *opts, "--workers", workers, "--quiet")
 
     if {"e", "eo"} & set(variants):
         features("feats-exdoc", "--mode", "exclude-doc", "--top-k", 4)
@@ -136,7 +134,7 @@ def stage_build(data: Path, w: Path, s: dict, workers: int, variants: list[str])
 def train_cmd(v: str, w: Path, s: dict) -> list[str]:
     extra = [x.format(w=w) for x in VARIANTS[v][1]]
     return [
-        sys.executable, "-m", "serve.cli", "train", f"--index={w / 'idx'}", f"--out={w / 'runs' / v}", f"--preset={s['preset']}",
+        sys.executable, "-m", "teragram.serve.cli", "train", f"--index={w / 'idx'}", f"--out={w / 'runs' / v}", f"--preset={s['preset']}",
         f"--block_size={s['block_size']}", f"--batch_size={s['batch_size']}", f"--max_steps={s['steps']}", f"--lr={s['lr']}",
         f"--min_lr={s['min_lr']}", f"--warmup={s['warmup']}", "--log_every=25", "--progress=false", "--seed=7", *extra,
     ]  # fmt: skip
@@ -180,7 +178,7 @@ def knn_search(keys: np.ndarray, queries: np.ndarray, k: int, device: str, work:
             ds.append(v.cpu().numpy())
             ids.append(i.cpu().numpy())
         return np.concatenate(ds), np.concatenate(ids)
-    from index import dense
+    from teragram.index import dense
 
     store_dir = work / f"dense-{abs(hash(keys.tobytes()[:4096]))}"
     if not (store_dir / "index.faiss").exists():
@@ -193,8 +191,8 @@ def knn_search(keys: np.ndarray, queries: np.ndarray, k: int, device: str, work:
 def knn_variant(model, w: Path, feats: str | None, s: dict, ev: dict, device: str, name: str) -> dict:
     """kNN-LM on top of a model's final distribution: temperature and λ tuned on (a sample of)
     validation, applied to validation and test."""
-    from index.dense import knn_probs
-    from model.dense import collect
+    from teragram.index.dense import knn_probs
+    from teragram.model.dense import collect
 
     keys, vals = collect(model, w / "idx", feats, s["knn_positions"], device=device)
     nv = min(len(ev["valid"]["target"]), s["knn_valid"])  # tuning needs only a sample of validation
@@ -220,9 +218,9 @@ def doc_sets(heldout: Path, idx, sp, split: str) -> tuple[dict[str, np.ndarray],
     """Document masks of a held-out split (all, decontaminated, code, English), bytes per
     document, and each document's contamination: the share of its 13-grams found in the index
     (infini-gram's criterion; >= 0.8 is removed)."""
-    from index import format as fmt
-    from model.data import EvalData
-    from model.evaluate import doc_bytes
+    from teragram.index import format as fmt
+    from teragram.model.data import EvalData
+    from teragram.model.evaluate import doc_bytes
 
     ev = EvalData(heldout, 64, idx.eos_id, idx.sep)
     docs = fmt.read_json(heldout / "000000.done")["docs"]
@@ -261,11 +259,10 @@ TERAGRAM = ("a+g", "a+gi", "e", "e+d", "e+g", "eo", "eo+g")  # the headline is t
 
 def stage_eval(w: Path, s: dict, workers: int, variants: list[str]) -> dict:
     import torch
-
-    from builder.tokenizer import load as load_tok
-    from index.engine import Index
-    from model.evaluate import summarize, token_eval
-    from model.train import load_model
+    from teragram.builder.tokenizer import load as load_tok
+    from teragram.index.engine import Index
+    from teragram.model.evaluate import summarize, token_eval
+    from teragram.model.train import load_model
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     idx = Index(w / "idx")

@@ -1,7 +1,7 @@
 """Export the perplexity benchmark's corpora (train and held-out, code and English) as
 zstd JSON lines: small enough to carry to the lent GPU machine (< 50 MB compressed).
 
-    python benchmarks/perplexity_data.py --out DIR [--scale gpu|cpu]
+    python -m benchmarks.perplexity_data --out DIR [--scale gpu|cpu]
 """
 
 from __future__ import annotations
@@ -11,9 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import corpora  # noqa: E402
+from benchmarks import corpora
 
 MB = 1_000_000
 SCALES = {

@@ -1,6 +1,6 @@
 """Query benchmark: teragram's engine against infini-gram's on the same ~50M-token index.
 
-    python benchmarks/query.py [--workdir W] [--queries 2000]
+    python -m benchmarks.query [--workdir W] [--queries 2000]
 
 Uses WORKDIR/tg (teragram) and WORKDIR/ig (infini-gram's index of the very same token ids),
 both made by benchmarks/build.py. One run, same queries for both engines, after warm-up:
@@ -22,9 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.common import default_workdir, linux_corpus, save, table  # noqa: E402
+from benchmarks.common import default_workdir, linux_corpus, save, table
 
 
 def _lat(fn, queries) -> np.ndarray:
@@ -45,14 +43,13 @@ def main() -> int:
     args = ap.parse_args()
     w = Path(args.workdir)
     from infini_gram.engine import InfiniGramEngine
-
-    from index.engine import Index
+    from teragram.index.engine import Index
 
     rss = subprocess.run(
         [
             sys.executable,
             "-c",
-            f"import resource,sys; sys.path.insert(0,{str(Path(__file__).resolve().parents[1])!r}); from index.engine import Index; i=Index({str(w / 'tg')!r}); i.count([5]); print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)",
+            f"import resource,sys; from teragram.index.engine import Index; i=Index({str(w / 'tg')!r}); i.count([5]); print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)",
         ],
         capture_output=True,
         text=True,
@@ -103,7 +100,7 @@ def main() -> int:
             }
         )
     # sequence scoring on held-out documents
-    from builder import readers
+    from teragram.builder import readers
 
     held = linux_corpus(w, 4, "heldout")
     docs = []

@@ -1,6 +1,6 @@
 """Scaling study toward a trillion tokens: build, features and queries against index size.
 
-    python benchmarks/scaling.py [--sizes 10,30,100,300] [--shard-tokens 0]
+    python -m benchmarks.scaling [--sizes 10,30,100,300] [--shard-tokens 0]
 
 Real text: linux-source-6.1 and this machine's Python sources, tokenized once with one
 32000-piece tokenizer; the first N million tokens are indexed at each size (build_from_ids,
@@ -22,9 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.common import RESULTS, default_workdir, linux_corpus, run_measured, save, table  # noqa: E402
+from benchmarks.common import RESULTS, default_workdir, linux_corpus, run_measured, save, table
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -81,12 +79,11 @@ def measure_queries(idx, ids: np.ndarray, n: int) -> dict:
 
 _BUILD = """
 import sys, numpy as np, time
-sys.path.insert(0, {repo!r})
 ids = np.load({ids!r}, mmap_mode="r"); starts = np.load({starts!r})
 n = {n}
 k = int(np.searchsorted(starts, n))
 docs = [np.asarray(ids[starts[i]:starts[i + 1]]) for i in range(k)]
-from builder.build import build_from_ids
+from teragram.builder.build import build_from_ids
 t = time.time()
 build_from_ids(docs, {out!r}, {tok!r}, shard_tokens={shard}, workers={workers})
 print("INDEX_S", time.time() - t)
@@ -111,7 +108,7 @@ def main() -> int:
             [
                 py,
                 "-m",
-                "builder.cli",
+                "teragram.builder.cli",
                 *map(str, corpus),
                 "--out",
                 str(w / "all"),
@@ -123,7 +120,7 @@ def main() -> int:
             ],
             cwd=REPO,
         )
-        from index.engine import Index
+        from teragram.index.engine import Index
 
         idx = Index(w / "all")
         parts, starts = [], [0]
@@ -138,7 +135,7 @@ def main() -> int:
     sizes = [n for n in sizes if n <= len(ids)]
     tok_model = str(w / "all" / "tokenizer.model")
     rows, data = [], {"points": []}
-    from index.engine import Index
+    from teragram.index.engine import Index
 
     for n in sizes:
         for shards in (1, 4):
@@ -168,7 +165,7 @@ def main() -> int:
             idx = Index(out)
             point |= measure_queries(idx, ids, args.queries)
             if shards == 1 and n <= 120e6:  # the feature pass holds ~60 bytes per position in RAM
-                from builder.features import FeatureConfig, shard_features
+                from teragram.builder.features import FeatureConfig, shard_features
 
                 t0 = time.perf_counter()
                 shard_features(idx, 0, FeatureConfig("exclude-doc", 64, 0))

@@ -1,6 +1,6 @@
 """Load test of `teragram serve`: 64 concurrent clients on loopback for a bounded time.
 
-    python benchmarks/serve_load.py [--seconds 60] [--clients 64]
+    python -m benchmarks.serve_load [--seconds 60] [--clients 64]
 
 Serves the demo index and tiny index model (runs/default, made by `make demo`; built here if
 missing) on CPU, then keeps 64 clients busy with a mix of infini-gram-style index queries
@@ -23,9 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.common import default_workdir, save, table  # noqa: E402
+from benchmarks.common import default_workdir, save, table
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -40,18 +38,18 @@ def ensure_demo(run: Path) -> None:
     py = sys.executable
     if not (run / "idx" / "manifest.json").exists():
         subprocess.run(
-            [py, "-m", "builder.cli", "data/default/train", "--out", str(run / "idx"), "--vocab-size", "8000", "--quiet"],
+            [py, "-m", "teragram.builder.cli", "data/default/train", "--out", str(run / "idx"), "--vocab-size", "8000", "--quiet"],
             cwd=REPO,
             check=True,
         )
     if not (run / "feats" / "manifest.json").exists():
-        subprocess.run([py, "-m", "serve.cli", "features", str(run / "idx"), "--out", str(run / "feats"), "--quiet"], cwd=REPO, check=True)
+        subprocess.run([py, "-m", "teragram.serve.cli", "features", str(run / "idx"), "--out", str(run / "feats"), "--quiet"], cwd=REPO, check=True)
     if not (run / "index-model" / "latest.json").exists():
         subprocess.run(
             [
                 py,
                 "-m",
-                "serve.cli",
+                "teragram.serve.cli",
                 "train",
                 "--config",
                 "model/configs/demo.toml",
@@ -103,10 +101,9 @@ async def load(url, queries, texts, seconds, n_clients):
 def lookup_share(index_dir: Path, steps: int = 256) -> dict:
     """Per generated token: index lookup (incremental scorer) vs the 125M model's decode step."""
     import torch
-
-    from index.engine import Index
-    from model.gpt import GPT, GPTConfig
-    from model.sample import _batch
+    from teragram.index.engine import Index
+    from teragram.model.gpt import GPT, GPTConfig
+    from teragram.model.sample import _batch
 
     idx = Index(index_dir)
     model = GPT(GPTConfig.preset("125m", vocab_size=idx.vocab_size)).eval()
@@ -151,7 +148,7 @@ def main() -> int:
         print(json.dumps(share))
         return 0
     ensure_demo(run)
-    from index.engine import Index
+    from teragram.index.engine import Index
 
     idx = Index(run / "idx")
     rng = np.random.default_rng(0)
@@ -169,7 +166,7 @@ def main() -> int:
         [
             sys.executable,
             "-m",
-            "serve.cli",
+            "teragram.serve.cli",
             "serve",
             "--index",
             str(run / "idx"),

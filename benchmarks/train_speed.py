@@ -1,6 +1,6 @@
 """Training speed of the 125M model with and without index inputs (run on the lent H200).
 
-    python benchmarks/train_speed.py [--steps 60] [--out DIR]
+    python -m benchmarks.train_speed [--steps 60] [--out DIR]
 
 Builds an index of the embedded corpus (32000-piece tokenizer) and its exclude-doc features,
 then runs `teragram train` with the 125M preset (B=32, T=1024, bf16, torch.compile, fused
@@ -19,9 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.common import save, table  # noqa: E402
+from benchmarks.common import save, table
 
 
 def rate(log: Path, after: int) -> tuple[float, int]:
@@ -47,13 +45,13 @@ def main() -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if not (w / "feats" / "manifest.json").exists():
         subprocess.run(
-            [py, "-m", "builder.cli", "data/default/train", "--out", str(w / "idx"), "--workers", "16", "--quiet"],
+            [py, "-m", "teragram.builder.cli", "data/default/train", "--out", str(w / "idx"), "--workers", "16", "--quiet"],
             cwd=repo,
             check=True,
             env=env,
         )
         subprocess.run(
-            [py, "-m", "serve.cli", "features", str(w / "idx"), "--out", str(w / "feats"), "--workers", "4", "--quiet"],
+            [py, "-m", "teragram.serve.cli", "features", str(w / "idx"), "--out", str(w / "feats"), "--workers", "4", "--quiet"],
             cwd=repo,
             check=True,
             env=env,
@@ -74,7 +72,7 @@ def main() -> int:
     for name, extra in (("with index inputs + mixture", []), ("without index (baseline)", ["--use_index=false"])):
         out = w / name.split()[0]
         subprocess.run(["rm", "-rf", str(out)])
-        subprocess.run([py, "-m", "serve.cli", "train", *common, f"--out={out}", *extra], cwd=repo, check=True, env=env)
+        subprocess.run([py, "-m", "teragram.serve.cli", "train", *common, f"--out={out}", *extra], cwd=repo, check=True, env=env)
         tps, n = rate(out / "log.jsonl", args.warmup_steps)
         data[name] = {"tokens_per_s": tps, "timed_steps": n, "gpus": 1}
         rows.append({"variant": name, "GPUs": 1, "tokens/s": tps, "vs 521k reference": tps / 521e3})
@@ -82,7 +80,7 @@ def main() -> int:
         out = w / "ddp"
         subprocess.run(["rm", "-rf", str(out)])
         subprocess.run(
-            [py, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "serve.cli", "train", *common, f"--out={out}"],
+            [py, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "teragram.serve.cli", "train", *common, f"--out={out}"],
             cwd=repo,
             check=True,
             env=env,

@@ -29,11 +29,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+from teragram.index import format as fmt
+from teragram.index import meta as meta_store
+from teragram.index.errors import BuildError
 from tqdm import tqdm
-
-from index import format as fmt
-from index import meta as meta_store
-from index.errors import BuildError
 
 from . import readers
 from . import sa as sa_mod

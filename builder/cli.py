@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from index.errors import TeragramError
+from teragram.index.errors import TeragramError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

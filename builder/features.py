@@ -40,13 +40,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+from teragram.index import format as fmt
+from teragram.index import kernels as IK
+from teragram.index import packed
+from teragram.index.engine import Index
+from teragram.index.errors import BuildError
 from tqdm import tqdm
-
-from index import format as fmt
-from index import kernels as IK
-from index import packed
-from index.engine import Index
-from index.errors import BuildError
 
 from . import feature_kernels as FK
 

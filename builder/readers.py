@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from index.errors import BuildError
+from teragram.index.errors import BuildError
 
 # Bytes of a file sniffed for NUL bytes to call it binary (what git and grep do).
 _SNIFF = 8192

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 import pydivsufsort
-
-from index import format as fmt
-from index import packed
+from teragram.index import format as fmt
+from teragram.index import packed
 
 
 def suffix_array(tokens: np.ndarray, sep: int) -> np.ndarray:

@@ -13,7 +13,7 @@ import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
-from index.errors import TeragramError
+from teragram.index.errors import TeragramError
 
 T = TypeVar("T")
 

@@ -13,10 +13,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-from builder.features import open_features
-from index import format as fmt
-from index.errors import TeragramError
+from teragram.builder.features import open_features
+from teragram.index import format as fmt
+from teragram.index.errors import TeragramError
 
 from .gpt import IndexBatch
 

@@ -55,7 +55,7 @@ def build_store(
     device: str = "cpu",
     out: str | Path | None = None,
 ) -> dict:
-    from index import dense
+    from teragram.index import dense
 
     from .train import load_model
 

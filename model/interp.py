@@ -30,9 +30,8 @@ from pathlib import Path
 
 import numba as nb
 import numpy as np
-
-from index import format as fmt
-from index.errors import TeragramError
+from teragram.index import format as fmt
+from teragram.index.errors import TeragramError
 
 LAMBDAS = np.array([0.0, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99])
 LEN_EDGES = np.array([1, 2, 3, 4, 5, 7, 10, 15, 23, 35, 64, 128])  # suffix-length buckets
@@ -291,7 +290,7 @@ _OPEN: dict[str, object] = {}  # index directory -> open Index, per process
 
 def _estimates_doc(args):
     index_dir, ids = args
-    from index.engine import Index
+    from teragram.index.engine import Index
 
     if index_dir not in _OPEN:
         _OPEN.clear()  # one index open per process at a time
@@ -304,7 +303,7 @@ def heldout_estimates(index_dir, heldout, workers: int = 1) -> dict[str, np.ndar
     (builder/features.py), concatenated in model.evaluate.token_eval's order."""
     from multiprocessing import get_context
 
-    from index import format as fmt
+    from teragram.index import format as fmt
 
     d = Path(heldout) / "000000"
     tok = np.asarray(fmt.open_array(d / "tokens.bin", "tokens")).astype(np.int64)
@@ -415,7 +414,7 @@ def gated_eval(model, index_dir, heldout, device: str = "cpu", *, gate: Gate | N
     """(gate, per-token nll of the model, per-token nll of the gated mixture) on the held-out
     features' text. With gate=None a gate is fit on this text, which should then be validation
     text, never the text it will be reported on."""
-    from index.engine import Index
+    from teragram.index.engine import Index
 
     from .evaluate import token_eval
 

@@ -10,8 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from index.engine import Index, ScoreResult
+from teragram.index.engine import Index, ScoreResult
 
 from . import interp
 from .gpt import GPT, IndexBatch

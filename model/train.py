@@ -20,9 +20,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
+from teragram.index import format as fmt
 from tqdm import tqdm
-
-from index import format as fmt
 
 from .data import TrainData
 from .evaluate import evaluate

@@ -23,9 +23,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
-
-from index.engine import Index
-from index.errors import QueryError, TeragramError
+from teragram.index.engine import Index
+from teragram.index.errors import QueryError, TeragramError
 
 
 @dataclass(frozen=True)
@@ -110,14 +109,14 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     model = None
     model_meta: dict = {}
     if cfg.checkpoint:
-        from model.train import load_model
+        from teragram.model.train import load_model
 
         model, model_meta = load_model(cfg.checkpoint, cfg.device)
         if model.cfg.vocab_size != idx.vocab_size:
             raise TeragramError(f"checkpoint vocabulary {model.cfg.vocab_size} != index vocabulary {idx.vocab_size}")
     gate = None
     if cfg.gate:
-        from model.interp import Gate
+        from teragram.model.interp import Gate
 
         if model is None:
             raise TeragramError("--gate needs --checkpoint")
@@ -235,7 +234,7 @@ def create_app(cfg: ServeConfig) -> FastAPI:
         _need_model()
         if req.max_tokens > cfg.max_tokens:
             raise QueryError(f"max_tokens {req.max_tokens} is over the cap of {cfg.max_tokens}")
-        from model.sample import stream
+        from teragram.model.sample import stream
 
         ids = _prompt_ids(req.prompt)
         stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
@@ -296,8 +295,7 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     def score(req: ScoreRequest):
         _need_model()
         import torch
-
-        from model.gpt import IndexBatch
+        from teragram.model.gpt import IndexBatch
 
         ids = _query_ids(req.text, req.ids)
         if not ids:
@@ -329,7 +327,7 @@ def create_app(cfg: ServeConfig) -> FastAPI:
             "features": [{"match_length": int(L[i]), "continuation": int(cont[i]), "count": int(cnt[i])} for i in range(len(ids))],
         }
         if gate is not None:  # the model's distribution mixed with the index's and the cache's estimates
-            from model import interp
+            from teragram.model import interp
 
             maxlp, top = logp[0].max(-1)
             est = {k: v[: len(ids)] for k, v in interp.estimates(idx, ids).items()}  # targets: ids (no final EOS)

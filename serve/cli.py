@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from index.errors import QueryError, TeragramError
+from teragram.index.errors import QueryError, TeragramError
 
 
 def _print_json(obj) -> None:
@@ -23,7 +23,7 @@ def _print_json(obj) -> None:
 
 
 def cmd_verify(args) -> int:
-    from index.verify import verify
+    from teragram.index.verify import verify
 
     problems = verify(args.index, samples=args.samples)
     for p in problems:
@@ -35,7 +35,7 @@ def cmd_verify(args) -> int:
 
 
 def cmd_stats(args) -> int:
-    from index import format as fmt
+    from teragram.index import format as fmt
 
     m = fmt.read_json(Path(args.index) / "manifest.json")
     root = Path(args.index)
@@ -75,7 +75,7 @@ def cmd_stats(args) -> int:
 
 
 def cmd_tokenize(args) -> int:
-    from index.engine import Index
+    from teragram.index.engine import Index
 
     ids = Index(args.index).tokenize(args.text)
     if args.json:
@@ -110,13 +110,13 @@ def _answer(idx, op: str, ids, cont) -> dict:
         return idx.longest_match(ids).to_json()
     if op == "docs":
         return idx.docs(ids).to_json()
-    from index.engine import OPS
+    from teragram.index.engine import OPS
 
     raise QueryError(f"unknown op {op!r}; expected one of {', '.join(OPS)}")
 
 
 def cmd_query(args) -> int:
-    from index.engine import Index
+    from teragram.index.engine import Index
 
     idx = Index(args.index)
     if args.batch:
@@ -159,7 +159,7 @@ def cmd_query(args) -> int:
 
 
 def cmd_features(args) -> int:
-    from builder.features import FeatureConfig, compute_features
+    from teragram.builder.features import FeatureConfig, compute_features
 
     cfg = FeatureConfig(mode=args.mode, max_len=args.max_len, top_k=args.top_k)
     r = compute_features(
@@ -178,8 +178,8 @@ def cmd_features(args) -> int:
 
 
 def cmd_train(args, overrides: list[str]) -> int:
-    from model.config import load
-    from model.train import TrainConfig, train
+    from teragram.model.config import load
+    from teragram.model.train import TrainConfig, train
 
     cfg = load(TrainConfig, args.config, overrides)
     r = train(cfg)
@@ -195,14 +195,14 @@ def cmd_train(args, overrides: list[str]) -> int:
 def cmd_eval(args) -> int:
     import tempfile
 
-    from builder.features import FeatureConfig, compute_features
-    from index.engine import Index
-    from model.train import evaluate, load_model
+    from teragram.builder.features import FeatureConfig, compute_features
+    from teragram.index.engine import Index
+    from teragram.model.train import evaluate, load_model
 
     model, meta = load_model(args.checkpoint, args.device)
     idx = Index(args.index)
     if model.cfg.vocab_size != idx.vocab_size:
-        from index.errors import TokenizerMismatch
+        from teragram.index.errors import TokenizerMismatch
 
         raise TokenizerMismatch(f"checkpoint vocabulary {model.cfg.vocab_size} != index vocabulary {idx.vocab_size}")
     with tempfile.TemporaryDirectory() as tmp:
@@ -226,10 +226,10 @@ def cmd_eval(args) -> int:
 def _gated(args, model, idx, feats) -> dict:
     """The model alone and mixed with the index's and the document cache's estimates by a gate
     (loaded, or fit here)."""
-    from builder.tokenizer import load as load_tok
-    from model import interp
-    from model.data import EvalData
-    from model.evaluate import doc_bytes, summarize
+    from teragram.builder.tokenizer import load as load_tok
+    from teragram.model import interp
+    from teragram.model.data import EvalData
+    from teragram.model.evaluate import doc_bytes, summarize
 
     gate = interp.Gate.load(args.gate) if args.gate else None
     gate, nll_model, nll_gated = interp.gated_eval(model, args.index, feats, args.device, gate=gate, workers=args.workers)
@@ -241,10 +241,10 @@ def _gated(args, model, idx, feats) -> dict:
 
 
 def cmd_sample(args) -> int:
-    from index.engine import Index
-    from model.interp import Gate
-    from model.sample import generate
-    from model.train import load_model
+    from teragram.index.engine import Index
+    from teragram.model.interp import Gate
+    from teragram.model.sample import generate
+    from teragram.model.train import load_model
 
     model, _ = load_model(args.checkpoint, args.device)
     idx = Index(args.index)
@@ -266,7 +266,7 @@ def cmd_sample(args) -> int:
 
 
 def cmd_dense(args) -> int:
-    from model.dense import build_store
+    from teragram.model.dense import build_store
 
     info = build_store(
         args.index, args.checkpoint, features_dir=args.features, n_positions=args.positions, device=args.device, out=args.out
@@ -301,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="teragram", description="Exact-match retrieval-augmented language modelling.")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    from builder.cli import add_arguments
+    from teragram.builder.cli import add_arguments
 
     b = sub.add_parser("build", help="build an index (same as build-index)")
     add_arguments(b)
@@ -407,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "train":
             return cmd_train(args, extra)
         if args.cmd == "build":
-            from builder.cli import run
+            from teragram.builder.cli import run
 
             return run(args)
         return COMMANDS[args.cmd](args)

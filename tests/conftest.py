@@ -42,7 +42,7 @@ def corpus_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tokenizer_model(tmp_path_factory) -> Path:
     """A 1000-piece tokenizer trained on real text (shared by index tests)."""
-    from builder import tokenizer
+    from teragram.builder import tokenizer
 
     d = tmp_path_factory.mktemp("tok")
     model = tokenizer.train((t for _, t in real_texts(60)), 1000, threads=1)
@@ -54,7 +54,7 @@ def tokenizer_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def real_index(tmp_path_factory, corpus_dir, tokenizer_model) -> Path:
     """The small real corpus indexed in several shards."""
-    from builder.build import BuildConfig, build
+    from teragram.builder.build import BuildConfig, build
 
     out = tmp_path_factory.mktemp("idx") / "real"
     build(

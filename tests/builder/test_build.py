@@ -7,13 +7,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from builder.build import BuildConfig, build
-from builder.sa import suffix_array
-from index import format as fmt
-from index.engine import Index
-from index.errors import BuildError
-from index.meta import MetaStore
+from teragram.builder.build import BuildConfig, build
+from teragram.builder.sa import suffix_array
+from teragram.index import format as fmt
+from teragram.index.engine import Index
+from teragram.index.errors import BuildError
+from teragram.index.meta import MetaStore
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -48,7 +47,8 @@ def test_separators_and_dtype(real_index):
 
 
 def test_suffix_array_against_sorted_suffixes(tmp_path, tokenizer_model):
-    from builder.build import build_from_ids
+    from teragram.builder.build import build_from_ids
+
     from tests.conftest import random_docs
 
     docs = random_docs(np.random.default_rng(0), 60, 5, 40, 1000)
@@ -127,7 +127,7 @@ def test_errors(tmp_path, corpus_dir, tokenizer_model):
 
 def test_cli_one_line_errors(tmp_path, corpus_dir):
     r = subprocess.run(
-        [sys.executable, "-m", "builder.cli", str(tmp_path / "nope"), "--out", str(tmp_path / "o")],
+        [sys.executable, "-m", "teragram.builder.cli", str(tmp_path / "nope"), "--out", str(tmp_path / "o")],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -144,7 +144,7 @@ def _run_and_kill(args: list[str], out: Path, when) -> bool:
     worker processes must not outlive it."""
     import psutil
 
-    proc = subprocess.Popen([sys.executable, "-m", "builder.cli", *args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "-m", "teragram.builder.cli", *args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     while proc.poll() is None:
         if out.exists() and when(out):
             try:
@@ -165,7 +165,7 @@ def test_resume_after_sigkill_is_byte_identical(tmp_path, corpus_dir):
         return [str(corpus_dir), "--out", str(out), "--vocab-size", "600", "--shard-tokens", "30000", "--workers", "2", "--quiet"]
 
     ref = tmp_path / "ref"
-    subprocess.run([sys.executable, "-m", "builder.cli", *args(ref)], cwd=REPO, check=True)
+    subprocess.run([sys.executable, "-m", "teragram.builder.cli", *args(ref)], cwd=REPO, check=True)
     reference = _files(ref)
     n_shards = fmt.read_json(ref / "manifest.json")["counts"]["shards"]
     assert n_shards >= 3
@@ -185,7 +185,7 @@ def test_resume_after_sigkill_is_byte_identical(tmp_path, corpus_dir):
         # a second kill during the resumed run, at the same milestone or later
         if killed:
             _run_and_kill(args(out), out, lambda o: (o / "shards/000002.done").exists())
-        subprocess.run([sys.executable, "-m", "builder.cli", *args(out)], cwd=REPO, check=True)
+        subprocess.run([sys.executable, "-m", "teragram.builder.cli", *args(out)], cwd=REPO, check=True)
         assert _files(out) == reference, name
         shutil.rmtree(out)
     assert kills >= len(milestones) - 1  # the build was really interrupted (a fast one may finish first)

@@ -2,10 +2,10 @@
 
 import numpy as np
 import pytest
+from teragram.builder.build import build_from_ids
+from teragram.builder.features import FeatureConfig, compute_features, open_features, shard_features
+from teragram.index.engine import Index
 
-from builder.build import build_from_ids
-from builder.features import FeatureConfig, compute_features, open_features, shard_features
-from index.engine import Index
 from tests.conftest import random_docs
 from tests.oracle import Oracle
 
@@ -86,7 +86,7 @@ def test_held_out_bulk_equals_live_score(real_index, tmp_path, corpus_dir):
     compute_features(real_index, tmp_path / "f", FeatureConfig(max_len=64, top_k=4), corpus=[str(held)], progress=False)
     idx = Index(real_index)
     fa = open_features(tmp_path / "f" / "000000", 4)
-    from index import format as fmt
+    from teragram.index import format as fmt
 
     tok = fmt.open_array(tmp_path / "f" / "000000" / "tokens.bin", "tokens")
     starts = fmt.open_array(tmp_path / "f" / "000000" / "docs.bin", "docs")
@@ -143,7 +143,7 @@ def test_cli_and_resume(real_index, tmp_path):
         [
             sys.executable,
             "-m",
-            "serve.cli",
+            "teragram.serve.cli",
             "features",
             str(real_index),
             "--out",
@@ -162,14 +162,14 @@ def test_cli_and_resume(real_index, tmp_path):
     first = {p.name: p.read_bytes() for p in out.rglob("*.bin")}
     (out / "000001.done").unlink()
     r = subprocess.run(
-        [sys.executable, "-m", "serve.cli", "features", str(real_index), "--out", str(out), "--mode", "causal", "--quiet"],
+        [sys.executable, "-m", "teragram.serve.cli", "features", str(real_index), "--out", str(out), "--mode", "causal", "--quiet"],
         cwd=repo,
         capture_output=True,
         text=True,
     )
     assert r.returncode == 0 and {p.name: p.read_bytes() for p in out.rglob("*.bin")} == first
     r = subprocess.run(
-        [sys.executable, "-m", "serve.cli", "features", str(real_index), "--out", str(out), "--mode", "exclude-doc", "--quiet"],
+        [sys.executable, "-m", "teragram.serve.cli", "features", str(real_index), "--out", str(out), "--mode", "exclude-doc", "--quiet"],
         cwd=repo,
         capture_output=True,
         text=True,

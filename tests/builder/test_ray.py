@@ -5,9 +5,8 @@ import os
 from pathlib import Path
 
 import pytest
-
-from builder.build import BuildConfig, build
-from builder.ray_executor import RayExecutor
+from teragram.builder.build import BuildConfig, build
+from teragram.builder.ray_executor import RayExecutor
 
 ray = pytest.importorskip("ray")
 
@@ -65,7 +64,7 @@ def test_ray_build_identical_and_retries_a_dead_worker(local_build, tmp_path, co
     )
     assert _files(out) == _files(local_build)
 
-    import builder.build as B
+    import teragram.builder.build as B
 
     marker = tmp_path / "died"
     monkeypatch.setattr(B, "make_executor", lambda kind, par, addr: _FlakyRay(str(marker)))
@@ -78,8 +77,8 @@ def test_ray_build_identical_and_retries_a_dead_worker(local_build, tmp_path, co
 
 
 def test_shards_spread_over_directories(local_build, tmp_path, corpus_dir, tokenizer_model):
-    from index.engine import Index
-    from index.verify import verify
+    from teragram.index.engine import Index
+    from teragram.index.verify import verify
 
     disks = [tmp_path / "disk0", tmp_path / "disk1"]
     out = tmp_path / "spread"

@@ -5,9 +5,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
-
-from builder.readers import Doc, Skip, read_file, walk
-from index.errors import BuildError
+from teragram.builder.readers import Doc, Skip, read_file, walk
+from teragram.index.errors import BuildError
 
 
 def _items(path):

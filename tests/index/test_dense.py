@@ -1,6 +1,5 @@
 import numpy as np
-
-from index import dense
+from teragram.index import dense
 
 
 def test_ivfpq_recall_at_8_against_exact_search(tmp_path):

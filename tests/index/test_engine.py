@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
+from teragram.builder.build import build_from_ids
+from teragram.index.engine import Index
+from teragram.index.errors import QueryError
 
-from builder.build import build_from_ids
-from index.engine import Index
-from index.errors import QueryError
 from tests.conftest import random_docs
 from tests.oracle import Oracle
 

@@ -5,8 +5,8 @@ import sys
 
 import numpy as np
 import pytest
+from teragram.index.engine import Index
 
-from index.engine import Index
 from tests.oracle import Oracle
 
 pytest.importorskip("infini_gram")

@@ -3,15 +3,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from teragram.index.verify import verify
 
-from index.verify import verify
 from tests.conftest import copytree
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _teragram(*args):
-    return subprocess.run([sys.executable, "-m", "serve.cli", *args], capture_output=True, text=True, cwd=REPO)
+    return subprocess.run([sys.executable, "-m", "teragram.serve.cli", *args], capture_output=True, text=True, cwd=REPO)
 
 
 def test_clean_index_verifies(real_index):
@@ -56,9 +56,8 @@ def test_suffix_order_check_catches_a_consistent_but_wrong_array(real_index, tmp
     import json
 
     import numpy as np
-
-    from index import format as fmt
-    from index import packed
+    from teragram.index import format as fmt
+    from teragram.index import packed
 
     idx = copytree(real_index, tmp_path / "i")
     sa = fmt.open_packed(idx / "shards/000000/sa.bin", "sa")

@@ -5,8 +5,7 @@ import json
 
 import numpy as np
 import pytest
-
-from model import interp
+from teragram.model import interp
 
 
 def _positions(n: int, seed: int):
@@ -66,7 +65,7 @@ def test_gate_round_trips(tmp_path):
 
 
 def test_gate_load_refuses_other_files(tmp_path):
-    from index.errors import TeragramError
+    from teragram.index.errors import TeragramError
 
     (tmp_path / "x.json").write_text("{not json")
     with pytest.raises(TeragramError, match="not a teragram index gate"):

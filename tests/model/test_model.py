@@ -11,12 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from builder.features import FeatureConfig, compute_features
-from index.engine import Index
-from model.gpt import GPT, GPTConfig, IndexBatch
-from model.sample import generate
-from model.train import TrainConfig, load_model, train
+from teragram.builder.features import FeatureConfig, compute_features
+from teragram.index.engine import Index
+from teragram.model.gpt import GPT, GPTConfig, IndexBatch
+from teragram.model.sample import generate
+from teragram.model.train import TrainConfig, load_model, train
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = dict(preset="tiny", block_size=64, batch_size=8, log_every=1, progress=False, warmup=5, lr=3e-3, min_lr=3e-4)
@@ -86,7 +85,7 @@ def dup_setup(tmp_path_factory, tokenizer_model):
         for j in rng.choice(len(words), len(words) // 25, replace=False):
             words[j] = words[j].upper()
         (held_dir / f"h{i:03d}.txt").write_text(" ".join(words))
-    from builder.build import BuildConfig, build
+    from teragram.builder.build import BuildConfig, build
 
     build(
         BuildConfig(
@@ -130,9 +129,8 @@ def test_ddp_two_gloo_processes_match_single_process_gradients(dup_setup, tmp_pa
     script.write_text(
         f"""
 import os, sys, torch, torch.distributed as dist
-sys.path.insert(0, {str(REPO)!r})
-from model.data import TrainData
-from model.gpt import GPT, GPTConfig
+from teragram.model.data import TrainData
+from teragram.model.gpt import GPT, GPTConfig
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 data = TrainData({str(dup_setup / "idx")!r}, {str(dup_setup / "feats")!r}, 32)
@@ -156,7 +154,7 @@ dist.destroy_process_group()
         text=True,
     )
     assert r.returncode == 0, r.stderr[-2000:]
-    from model.data import TrainData
+    from teragram.model.data import TrainData
 
     data = TrainData(dup_setup / "idx", dup_setup / "feats", 32)
     torch.manual_seed(0)
@@ -192,7 +190,7 @@ def test_cli_train_eval_sample(dup_setup, tmp_path):
     cfgf.write_text(
         f'index = "{dup_setup / "idx"}"\nfeatures = "{dup_setup / "feats"}"\npreset = "tiny"\nblock_size = 32\nmax_steps = 5\nbatch_size = 4\nprogress = false\n'
     )
-    run = lambda *a: subprocess.run([sys.executable, "-m", "serve.cli", *a], cwd=REPO, capture_output=True, text=True)  # noqa: E731
+    run = lambda *a: subprocess.run([sys.executable, "-m", "teragram.serve.cli", *a], cwd=REPO, capture_output=True, text=True)  # noqa: E731
     r = run("train", "--config", str(cfgf), f"--out={tmp_path / 'run'}", "--lr=0.002")
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "run" / "config.json").read_text())["train"]["lr"] == 0.002
@@ -237,7 +235,7 @@ def test_cli_train_eval_sample(dup_setup, tmp_path):
 
 
 def test_index_gate_helps_and_its_live_mixture_equals_bulk(dup_setup):
-    from model import interp
+    from teragram.model import interp
 
     train(_cfg(dup_setup, "gbase", features=None, max_steps=60))
     model, _ = load_model(dup_setup / "gbase")
@@ -263,8 +261,8 @@ def test_index_gate_helps_and_its_live_mixture_equals_bulk(dup_setup):
 def test_heldout_estimates_follow_the_index_asked_for(dup_setup, real_index):
     """Estimates for the same held-out text against two indexes, in one process: each equals a
     fresh computation against its own index (no stale index kept between calls)."""
-    from index import format as fmt
-    from model import interp
+    from teragram.index import format as fmt
+    from teragram.model import interp
 
     d = dup_setup / "held" / "000000"
     tok = np.asarray(fmt.open_array(d / "tokens.bin", "tokens")).astype(np.int64)

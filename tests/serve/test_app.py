@@ -12,11 +12,10 @@ import httpx
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-
-from builder.features import FeatureConfig, compute_features
-from index.engine import Index
-from model.train import TrainConfig, train
-from serve.app import ServeConfig, create_app
+from teragram.builder.features import FeatureConfig, compute_features
+from teragram.index.engine import Index
+from teragram.model.train import TrainConfig, train
+from teragram.serve.app import ServeConfig, create_app
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -58,7 +57,7 @@ def server(real_index, checkpoint):
         [
             sys.executable,
             "-m",
-            "serve.cli",
+            "teragram.serve.cli",
             "serve",
             "--index",
             str(real_index),
@@ -186,8 +185,8 @@ def test_concurrent_index_queries(client, real_index):
 
 
 def test_gate_in_score_equals_bulk_gated_eval_and_completions_run(real_index, checkpoint, tmp_path):
-    from model import interp
-    from model.train import load_model
+    from teragram.model import interp
+    from teragram.model.train import load_model
 
     text = "The kernel is the core of the operating system"
     X = interp.gate_features(np.zeros(1), np.ones(1), *[[np.ones(1)] * len(interp.COMPONENTS)] * 3, np.zeros(1))

@@ -4,14 +4,13 @@ import sys
 from pathlib import Path
 
 import numpy as np
-
-from index.engine import Index
+from teragram.index.engine import Index
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _teragram(*args, stdin=None):
-    return subprocess.run([sys.executable, "-m", "serve.cli", *args], capture_output=True, text=True, cwd=REPO, input=stdin)
+    return subprocess.run([sys.executable, "-m", "teragram.serve.cli", *args], capture_output=True, text=True, cwd=REPO, input=stdin)
 
 
 def test_tokenize_and_query_json(real_index):
