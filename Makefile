@@ -28,7 +28,7 @@ demo: $(VENV)/.installed
 	$(BIN)/teragram sample --checkpoint $(RUN)/baseline --index $(RUN)/idx "The kernel" --max-tokens 40 --gate $(RUN)/gate.json --verbose
 
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -43,7 +43,9 @@ def ensure_demo(run: Path) -> None:
             check=True,
         )
     if not (run / "feats" / "manifest.json").exists():
-        subprocess.run([py, "-m", "teragram.serve.cli", "features", str(run / "idx"), "--out", str(run / "feats"), "--quiet"], cwd=REPO, check=True)
+        subprocess.run(
+            [py, "-m", "teragram.serve.cli", "features", str(run / "idx"), "--out", str(run / "feats"), "--quiet"], cwd=REPO, check=True
+        )
     if not (run / "index-model" / "latest.json").exists():
         subprocess.run(
             [

@@ -144,7 +144,9 @@ def _run_and_kill(args: list[str], out: Path, when) -> bool:
     worker processes must not outlive it."""
     import psutil
 
-    proc = subprocess.Popen([sys.executable, "-m", "teragram.builder.cli", *args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "teragram.builder.cli", *args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     while proc.poll() is None:
         if out.exists() and when(out):
             try:
