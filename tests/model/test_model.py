@@ -276,3 +276,48 @@ def test_heldout_estimates_follow_the_index_asked_for(dup_setup, real_index):
             np.testing.assert_array_equal(est[key], np.concatenate([w[key] for w in want]), err_msg=f"{root} {key}")
         got[str(root)] = est["count"]
     assert not np.array_equal(got[str(dup_setup / "idx")], got[str(real_index)])
+
+
+def test_split_evaluation_equals_joint(dup_setup, tmp_path):
+    """The model's saved per-token outputs, mixed with the index later, give exactly the joint
+    gated evaluation; outputs are refused with an index of another tokenizer or when their
+    targets are not their documents' tokens."""
+    import shutil
+
+    from teragram.index.errors import IndexFormatError, TokenizerMismatch
+    from teragram.model import interp
+    from teragram.model.data import EvalData
+    from teragram.model.evaluate import doc_bytes, token_eval
+    from teragram.model.outputs import gated_outputs, load_outputs, outputs_estimates, save_outputs
+
+    train(_cfg(dup_setup, "gbase", features=None, max_steps=60))  # trained once per module; a rerun returns at once
+    model, meta = load_model(dup_setup / "gbase")
+    held, root = dup_setup / "held", dup_setup / "idx"
+    idx = Index(root)
+    gate, nll_model, nll_joint = interp.gated_eval(model, root, held)
+
+    r = token_eval(model, held, idx.eos_id, idx.sep)
+    ev = EvalData(held, model.cfg.block_size, idx.eos_id, idx.sep)
+    save_outputs(tmp_path / "out", r, held, checkpoint="gbase", step=meta["step"], docs_bytes=doc_bytes(ev, idx.decode).tolist())
+    out = load_outputs(tmp_path / "out")
+    np.testing.assert_array_equal(out.nll, nll_model)
+    est = outputs_estimates(out, root)
+    fitted, nll_split = gated_outputs(out, est)
+    np.testing.assert_array_equal(fitted.W, gate.W)
+    np.testing.assert_array_equal(nll_split, nll_joint)
+    np.testing.assert_array_equal(gated_outputs(out, est, gate)[1], nll_joint)
+
+    other = tmp_path / "other-index"
+    other.mkdir()
+    (other / "tokenizer.model").write_bytes((root / "tokenizer.model").read_bytes() + b"\0")
+    with pytest.raises(TokenizerMismatch, match="another tokenizer"):
+        outputs_estimates(out, other)
+    bad = tmp_path / "bad"
+    shutil.copytree(tmp_path / "out", bad)
+    from teragram.index import format as fmt
+
+    t = np.asarray(fmt.open_array(bad / "000000" / "out.target.bin", "out.target")).copy()
+    t[3] = (t[3] + 1) % idx.vocab_size
+    fmt.write_array(bad / "000000" / "out.target.bin", "out.target", t)
+    with pytest.raises(IndexFormatError, match="not the documents' tokens"):
+        load_outputs(bad)

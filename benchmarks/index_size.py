@@ -1,0 +1,318 @@
+"""What a bigger index buys: perplexity on new text as the index grows, one model throughout.
+
+    python -m benchmarks.index_size prepare --data DATA --carry .carry14          # here
+    python -m benchmarks.index_size gpu --carry .carry14 --work W --out OUT       # on a GPU
+    python -m benchmarks.index_size eval --outputs OUT --index IDX... [--workers 2]  # here
+
+The model is the perplexity benchmark's (a): a 125M GPT with no index inputs, trained on the
+~47M tokens of DATA/ppl/train-* (linux-source-6.1 C and English Debian text; same settings as
+`benchmarks/perplexity.py --scale gpu`). `gpu` trains it once and saves its per-token outputs
+(`model/outputs.py`) on every held-out set; `eval` mixes those outputs with each index given,
+here, where the indexes live. Every index must contain the model's training text and share
+its tokenizer (DATA/idx-050m/tokenizer.model); the larger ones add documents of other Debian
+code and text packages, nested (benchmarks/corpora.py).
+
+Held-out sets, each split into validation (every λ and gate is fit there) and test (reported):
+  indist     the perplexity benchmark's held-out documents (split from training by path hash)
+  timeshift  files new in linux-source-6.12 (absent from 6.1): text written after the index
+  prose      English prose from a source no index holds
+Variants per index and set: (a) the model alone; (c) infini-gram's interpolation (two λ);
+(t-c) the gate over the index's estimates only; (a+c) the gate over the document cache's
+estimates only (no index: constant across sizes); (t) the gate over both. Also reported: the
+share of targets whose context has a match of >= 8 / 16 / 32 tokens, the ∞-gram's argmax
+accuracy by match length, and decontaminated test perplexity (documents with >= 80% of their
+13-grams in that index removed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import save, table
+
+SETS = ("indist", "timeshift", "prose")
+HALVES = ("valid", "test")
+NAMES = {
+    "a": "(a) no index",
+    "c": "(c) infini-gram interpolation",
+    "t-c": "(t-c) index gate, index estimates only",
+    "a+c": "(a+c) cache gate, no index",
+    "t": "(t) index + cache gate",
+}
+LENGTH_BUCKETS = (0, 1, 4, 8, 16, 32)  # ∞-gram accuracy by match length: [0], [1, 4), ...
+
+
+def sh(*cmd) -> None:
+    print("+", " ".join(map(str, cmd)), flush=True)
+    subprocess.run([str(c) for c in cmd], check=True)
+
+
+# ---- prepare (here) and gpu (on the GPU machine) -----------------------------------------------
+
+
+def _sample(src: Path, dst: Path, max_bytes: int) -> dict:
+    """Documents of a held-out file in the order of a hash of their path, up to max_bytes of text
+    (a random sample, not a prefix of a sorted list)."""
+    import hashlib
+
+    import zstandard
+
+    with zstandard.open(src, "rt") as f:
+        recs = [json.loads(line) for line in f]
+    recs.sort(key=lambda r: hashlib.blake2b(r["path"].encode(), digest_size=8).digest())
+    n = docs = 0
+    with zstandard.open(dst, "wt") as f:
+        for r in recs:
+            if n >= max_bytes:
+                break
+            f.write(json.dumps(r) + "\n")
+            n, docs = n + len(r["text"].encode()), docs + 1
+    return {"docs": docs, "of": len(recs), "bytes": n}
+
+
+def stage_prepare(data: Path, carry: Path, max_mb: float) -> None:
+    """What the GPU machine needs, < 64 MB: the training text, the tokenizer, the held-out sets
+    (each half sampled down to max_mb of text, so that the outputs come back and the index side
+    stays minutes per index)."""
+    carry.mkdir(parents=True, exist_ok=True)
+    for name in ("train-code.jsonl.zst", "train-english.jsonl.zst"):
+        shutil.copyfile(data / "ppl" / name, carry / name)
+    shutil.copyfile(data / "idx-050m" / "tokenizer.model", carry / "tokenizer.model")
+    info = {}
+    for s in SETS:
+        (carry / s).mkdir(exist_ok=True)
+        for h in HALVES:
+            info[f"{s}/{h}"] = _sample(data / "heldout" / s / f"{h}.jsonl.zst", carry / s / f"{h}.jsonl.zst", int(max_mb * 1e6))
+    (carry / "prepare.json").write_text(json.dumps(info, indent=1))
+    size = sum(p.stat().st_size for p in carry.rglob("*") if p.is_file())
+    print(json.dumps(info, indent=1))
+    print(f"{carry}: {size / 1e6:.1f} MB")
+
+
+def stage_gpu(carry: Path, work: Path, out: Path, scale: str) -> None:
+    """Index the training text with the carried tokenizer, train (a), save its outputs
+    (scale "cpu": the perplexity benchmark's tiny model, to try the pipeline without a GPU)."""
+    import os
+
+    import torch
+    from teragram.builder.features import FeatureConfig, compute_features
+    from teragram.index.engine import Index
+    from teragram.model.data import EvalData
+    from teragram.model.evaluate import doc_bytes, token_eval
+    from teragram.model.outputs import save_outputs
+    from teragram.model.train import load_model
+
+    from benchmarks.perplexity import SCALES, train_cmd
+
+    s = SCALES[scale]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    py = sys.executable
+    t = time.time()
+    train = [carry / "train-code.jsonl.zst", carry / "train-english.jsonl.zst"]
+    sh(
+        py,
+        "-m",
+        "teragram.builder.cli",
+        *train,
+        "--out",
+        work / "idx",
+        "--tokenizer",
+        carry / "tokenizer.model",
+        "--workers",
+        os.cpu_count(),
+        "--quiet",
+    )
+    phases = {"index_s": time.time() - t}
+    t = time.time()
+    sh(*train_cmd("a", work, s))
+    phases["train_s"] = time.time() - t
+    t = time.time()
+    model, meta = load_model(work / "runs" / "a", device)
+    idx = Index(work / "idx")
+    for name in SETS:
+        for h in HALVES:
+            feats = work / "heldout" / f"{name}-{h}"
+            compute_features(
+                work / "idx", feats, FeatureConfig("held-out", 64, 1), corpus=[str(carry / name / f"{h}.jsonl.zst")], workers=os.cpu_count()
+            )
+            r = token_eval(model, feats, idx.eos_id, idx.sep, device, batch=s["eval_batch"])
+            ev = EvalData(feats, model.cfg.block_size, idx.eos_id, idx.sep)
+            save_outputs(
+                work / "outputs" / f"{name}-{h}", r, feats, checkpoint="a", step=meta["step"], docs_bytes=doc_bytes(ev, idx.decode).tolist()
+            )
+            with tarfile.open(out / f"outputs-{name}-{h}.tgz", "w:gz") as tar:  # one file each: < 16 MB comes back
+                tar.add(work / "outputs" / f"{name}-{h}", arcname=f"{name}-{h}")
+    phases["outputs_s"] = time.time() - t
+    log = [json.loads(line) for line in open(work / "runs" / "a" / "log.jsonl")]
+    info = {
+        "train_log": log,
+        "phases": phases,
+        "index_tokens": idx.n_positions,
+        "scale": scale,
+        "torch": torch.__version__,
+        "device": device,
+    }
+    (out / "gpu.json").write_text(json.dumps(info, indent=1))
+    print(json.dumps(info))
+
+
+# ---- eval (here, where the indexes live) ------------------------------------------------------
+
+
+def _contamination(est: dict, starts: np.ndarray) -> np.ndarray:
+    """Per document, the share of its 13-grams found in the index: the ∞-gram match of the
+    context before target j covers the 13-gram ending there iff its length is >= 13."""
+    out = []
+    for k in range(len(starts) - 1):
+        a, b = int(starts[k]), int(starts[k + 1])  # the document's targets (its ids, then EOS)
+        ll = est["length"][a + 13 : b]
+        out.append(float((ll >= 13).mean()) if len(ll) else 0.0)
+    return np.array(out)
+
+
+def _variants(o: dict, est: dict) -> dict[str, dict[str, np.ndarray]]:
+    """Per-target nll of each variant on valid and test; λ and gates fit on valid."""
+    from teragram.model import interp
+    from teragram.model.outputs import gated_outputs
+
+    nll = {"a": {h: o[h].nll.astype(np.float64) for h in HALVES}}
+    groups = {h: est[h]["sparse"].astype(int) for h in HALVES}
+    lam = interp.fit_lambdas(nll["a"]["valid"], est["valid"]["p"], groups["valid"])
+    nll["c"] = {h: interp.apply_lambdas(nll["a"][h], est[h]["p"], lam, groups[h]) for h in HALVES}
+    for v, comps in (("t-c", interp.SUFFIXES), ("a+c", interp.CACHE), ("t", interp.COMPONENTS)):
+        gate, nll_valid = gated_outputs(o["valid"], est["valid"], components=comps)
+        nll[v] = {"valid": nll_valid, "test": gated_outputs(o["test"], est["test"], gate)[1]}
+    return nll
+
+
+def _ppl(nll: np.ndarray) -> float:
+    return float(np.exp(nll.mean())) if len(nll) else float("nan")
+
+
+def stage_eval(outputs: Path, indexes: list[Path], workers: int) -> dict:
+    from teragram.index import format as fmt
+    from teragram.model.outputs import load_outputs, outputs_estimates
+
+    unpacked = outputs / "unpacked"
+    for name in SETS:
+        for h in HALVES:
+            if not (unpacked / f"{name}-{h}").exists():
+                with tarfile.open(outputs / f"outputs-{name}-{h}.tgz") as tar:
+                    tar.extractall(unpacked, filter="data")
+    outs = {name: {h: load_outputs(unpacked / f"{name}-{h}") for h in HALVES} for name in SETS}
+    results = []
+    for root in indexes:
+        tokens = fmt.read_json(root / "manifest.json")["counts"]["tokens"]
+        row = {"index": root.name, "index_tokens": tokens, "sets": {}}
+        for name in SETS:
+            t = time.time()
+            o = outs[name]
+            est = {h: outputs_estimates(o[h], root, workers=workers) for h in HALVES}
+            est_s = time.time() - t
+            nll = _variants(o, est)
+            test = o["test"]
+            # the targets of document k sit at starts[k] .. starts[k + 1] - 1 (its ids, then EOS)
+            starts = np.asarray(fmt.open_array(test.path / "000000" / "docs.bin", "docs")).astype(np.int64)
+            contam = _contamination(est["test"], starts)
+            clean_docs = contam < 0.8
+            clean = clean_docs[test.doc.astype(np.int64)]
+            L, y = est["test"]["length"], test.target.astype(np.int64)
+            hit = est["test"]["top"] == y
+            acc = {}
+            for lo, hi in zip(LENGTH_BUCKETS, (*LENGTH_BUCKETS[1:], 1 << 30)):
+                m = (L >= lo) & (L < hi)
+                acc[f"{lo}+" if hi > 1 << 20 else f"{lo}-{hi - 1}"] = {
+                    "share": float(m.mean()),
+                    "accuracy": float(hit[m].mean()) if m.any() else None,
+                }
+            row["sets"][name] = {
+                "test_tokens": int(len(y)),
+                "test_docs": len(starts) - 1,
+                "decontaminated_docs": int(clean_docs.sum()),
+                "ppl": {v: _ppl(n["test"]) for v, n in nll.items()},
+                "ppl_valid": {v: _ppl(n["valid"]) for v, n in nll.items()},
+                "ppl_decontaminated": {v: _ppl(n["test"][clean]) for v, n in nll.items()},
+                "match_share": {str(k): float((L >= k).mean()) for k in (8, 16, 32)},
+                "infgram_accuracy_by_length": acc,
+                "estimates_s": est_s,
+            }
+            print(f"{root.name} {name}: " + ", ".join(f"{v} {p:.3g}" for v, p in row["sets"][name]["ppl"].items()), flush=True)
+        results.append(row)
+    return {"indexes": results, "workers": workers}
+
+
+def report(res: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sorted(res["indexes"], key=lambda r: r["index_tokens"])
+    md = []
+    fig, axes = plt.subplots(1, len(SETS), figsize=(5 * len(SETS), 4))
+    for ax, name in zip(axes, SETS):
+        trs = []
+        for r in rows:
+            s = r["sets"][name]
+            tr = {"index tokens": f"{r['index_tokens'] / 1e6:,.0f}M"}
+            tr |= {NAMES[v]: f"{s['ppl'][v]:.3g} / {s['ppl_decontaminated'][v]:.3g}" for v in NAMES}
+            tr |= {f"match >= {k}": f"{100 * s['match_share'][str(k)]:.0f}%" for k in (8, 16, 32)}
+            trs.append(tr)
+        first = rows[0]["sets"][name]
+        md.append(
+            f"**{name}** test set ({first['test_docs']} documents, {first['test_tokens']:,} tokens), perplexity all / decontaminated:\n\n"
+            + table(trs, list(trs[0]))
+        )
+        x = [r["index_tokens"] for r in rows]
+        for v in NAMES:
+            ax.plot(x, [r["sets"][name]["ppl"][v] for r in rows], marker="o", label=NAMES[v])
+        ax.set_xscale("log")
+        ax.set_xlabel("index tokens")
+        ax.set_ylabel("test perplexity")
+        ax.set_title(name)
+    axes[0].legend(fontsize=7)
+    big = rows[-1]
+    lines = []
+    for name in SETS:
+        p = big["sets"][name]["ppl"]
+        lines.append(
+            f"- {name}, largest index ({big['index_tokens'] / 1e6:,.0f}M tokens): (t-c) is {100 * (1 - p['t-c'] / p['a']):.1f}% below (a); "
+            f"(t) is {100 * (1 - p['t'] / p['a+c']):.1f}% below the cache-only gate (a+c)."
+        )
+    save("index_size", res, "\n\n".join(md) + "\n\n" + "\n".join(lines), fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("stage", choices=["prepare", "gpu", "eval"])
+    ap.add_argument("--data", type=Path, help="prepare: the corpora directory (ppl/, idx-050m/, heldout/)")
+    ap.add_argument("--carry", type=Path, default=Path(".carry14"))
+    ap.add_argument("--work", type=Path, default=Path("/tmp/index-size"))
+    ap.add_argument("--out", type=Path, help="gpu: where the outputs go; eval: where they are")
+    ap.add_argument("--outputs", type=Path)
+    ap.add_argument("--index", type=Path, nargs="+")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--max-mb", type=float, default=1.2, help="prepare: text per held-out half")
+    ap.add_argument("--scale", choices=["gpu", "cpu"], default="gpu", help="gpu: the 125M model; cpu: the tiny one")
+    a = ap.parse_args(argv)
+    if a.stage == "prepare":
+        stage_prepare(a.data, a.carry, a.max_mb)
+    elif a.stage == "gpu":
+        a.out.mkdir(parents=True, exist_ok=True)
+        stage_gpu(a.carry, a.work, a.out, a.scale)
+    else:
+        report(stage_eval(a.outputs, a.index, a.workers))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""A model's per-token outputs on held-out text, saved once and mixed later with any index.
+
+Evaluation splits in two: the model runs once (on a GPU) and saves, for every predicted token,
+what the index side needs -- the token, the model's loss on it, its most likely token and
+that token's probability -- together with the documents' token ids and the tokenizer. The
+index side (`evaluate_outputs`, where the big index lives) then computes the index's and the
+document cache's estimates of the same targets and mixes them through a gate, exactly as a
+joint evaluation would: the model's part of the mixture only ever reads these four numbers.
+
+Directory layout (written with index/format.py's headers, checked on open):
+
+    OUT/manifest.json          kind "model-outputs", checkpoint, tokenizer digest, counts,
+                               per-document source, record and UTF-8 bytes
+    OUT/tokenizer.model        the tokenizer the ids were made with
+    OUT/000000/tokens.bin      the documents' ids: doc0 SEP doc1 SEP ... (as held-out features)
+    OUT/000000/docs.bin        document start offsets, then the total length
+    OUT/000000/out.*.bin       per target, in the order of model.evaluate.token_eval:
+                               nll (float32), maxp (float32), top, target, doc, pos (uint32)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from teragram.index import format as fmt
+from teragram.index.errors import IndexFormatError, TokenizerMismatch
+
+KIND = "model-outputs"
+VERSION = 1
+FIELDS = {"nll": np.float32, "maxp": np.float32, "top": np.uint32, "target": np.uint32, "doc": np.uint32, "pos": np.uint32}
+
+
+def tokenizer_digest(path: str | Path) -> str:
+    """sha256 of a sentencepiece model file: two tokenizers are the same when it is."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+@dataclass(frozen=True)
+class ModelOutputs:
+    """Per-target arrays (N,) and the manifest of a saved outputs directory."""
+
+    path: Path
+    manifest: dict
+    nll: np.ndarray
+    maxp: np.ndarray
+    top: np.ndarray
+    target: np.ndarray
+    doc: np.ndarray
+    pos: np.ndarray
+
+    @property
+    def doc_bytes(self) -> np.ndarray:
+        return np.asarray([d["bytes"] for d in self.manifest["docs"]], np.int64)
+
+
+def save_outputs(out: str | Path, r: dict, heldout: str | Path, *, checkpoint: str, step: int, docs_bytes: list[int]) -> Path:
+    """Write token_eval's result `r` on the held-out directory `heldout` (a held-out features
+    directory: its tokens, documents and tokenizer are copied beside the outputs)."""
+    out, heldout = Path(out), Path(heldout)
+    d = out / "000000"
+    d.mkdir(parents=True, exist_ok=True)
+    for name in ("tokens.bin", "docs.bin"):
+        shutil.copyfile(heldout / "000000" / name, d / name)
+    shutil.copyfile(heldout / "tokenizer.model", out / "tokenizer.model")
+    for name, dtype in FIELDS.items():
+        fmt.write_array(d / f"out.{name}.bin", f"out.{name}", np.asarray(r[name]).astype(dtype))
+    metas = fmt.read_json(heldout / "000000.done")["docs"]
+    if len(metas) != len(docs_bytes):
+        raise IndexFormatError(f"{heldout}: {len(metas)} documents, {len(docs_bytes)} byte counts")
+    fmt.write_json(
+        out / "manifest.json",
+        {
+            "kind": KIND,
+            "version": VERSION,
+            "checkpoint": str(checkpoint),
+            "step": int(step),
+            "tokenizer_sha256": tokenizer_digest(out / "tokenizer.model"),
+            "tokens": int(len(r["nll"])),
+            "docs": [m | {"bytes": int(b)} for m, b in zip(metas, docs_bytes, strict=True)],
+        },
+    )
+    return out
+
+
+def load_outputs(path: str | Path) -> ModelOutputs:
+    """A saved outputs directory, checked: kind, version, array lengths, and that the targets
+    are the documents' own tokens (each document read as EOS + ids predicts ids + EOS)."""
+    path = Path(path)
+    try:
+        m = fmt.read_json(path / "manifest.json")
+    except (OSError, ValueError) as e:
+        raise IndexFormatError(f"{path}: not a model-outputs directory ({e})") from None
+    if m.get("kind") != KIND or m.get("version") != VERSION:
+        raise IndexFormatError(f"{path}: not a model-outputs directory of version {VERSION}")
+    d = path / "000000"
+    arrays = {name: np.asarray(fmt.open_array(d / f"out.{name}.bin", f"out.{name}")) for name in FIELDS}
+    n = m["tokens"]
+    if any(len(a) != n for a in arrays.values()):
+        raise IndexFormatError(f"{path}: arrays of different lengths (manifest: {n} targets)")
+    tok = np.asarray(fmt.open_array(d / "tokens.bin", "tokens")).astype(np.int64)
+    st = np.asarray(fmt.open_array(d / "docs.bin", "docs")).astype(np.int64)
+    if len(st) - 1 != len(m["docs"]) or n != len(tok):  # every document predicts len(ids) + 1 targets
+        raise IndexFormatError(f"{path}: {len(st) - 1} documents and {len(tok)} positions for {n} targets")
+    expect = tok.copy()
+    expect[st[1:] - 1] = -1  # the separator slot: the document's EOS target
+    got = arrays["target"].astype(np.int64)
+    order = st[arrays["doc"].astype(np.int64)] + arrays["pos"].astype(np.int64)
+    if not np.array_equal(np.where(expect[order] < 0, -1, got), expect[order]):
+        raise IndexFormatError(f"{path}: the saved targets are not the documents' tokens")
+    return ModelOutputs(path, m, **arrays)
+
+
+def check_tokenizer(outputs: ModelOutputs, index_dir: str | Path) -> None:
+    """Outputs are mixed only with an index of the same tokenizer."""
+    mine = outputs.manifest["tokenizer_sha256"]
+    theirs = tokenizer_digest(Path(index_dir) / "tokenizer.model")
+    if mine != theirs:
+        raise TokenizerMismatch(f"{outputs.path} was made with another tokenizer than {index_dir} (sha256 {mine[:12]} vs {theirs[:12]})")
+
+
+def outputs_estimates(outputs: ModelOutputs, index_dir: str | Path, *, workers: int = 1) -> dict[str, np.ndarray]:
+    """The index's and the document cache's estimates of every saved target (aligned with the
+    outputs' arrays), after checking that the index speaks the outputs' tokenizer."""
+    from .interp import heldout_estimates
+
+    check_tokenizer(outputs, index_dir)
+    est = heldout_estimates(index_dir, outputs.path, workers)
+    if len(est["length"]) != len(outputs.nll):
+        raise IndexFormatError(f"{outputs.path}: {len(outputs.nll)} targets, {len(est['length'])} estimates")
+    return est
+
+
+def gated_outputs(outputs: ModelOutputs, est: dict[str, np.ndarray], gate=None, *, components=None):
+    """(gate, per-target nll of the gated mixture): the gate given, or one fit on these outputs
+    (which should then be validation text)."""
+    from .interp import COMPONENTS, Gate, component_logp, gate_inputs, mix_nll_multi
+
+    comps = gate.components if gate is not None else (components or COMPONENTS)
+    nll = outputs.nll.astype(np.float64)
+    X, logp = gate_inputs(est, outputs.maxp.astype(np.float64), outputs.top.astype(np.int64), comps), component_logp(est, nll, comps)
+    if gate is None:
+        gate = Gate.fit(X, logp, components=comps)
+    return gate, mix_nll_multi(logp, gate(X))
