@@ -259,8 +259,8 @@ TERAGRAM = ("a+g", "a+gi", "e", "e+d", "e+g", "eo", "eo+g")  # the headline is t
 
 def stage_eval(w: Path, s: dict, workers: int, variants: list[str]) -> dict:
     import torch
-    from teragram.builder.tokenizer import load as load_tok
     from teragram.index.engine import Index
+    from teragram.index.tokenizer import load as load_tok
     from teragram.model.evaluate import summarize, token_eval
     from teragram.model.train import load_model
 

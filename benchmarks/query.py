@@ -100,7 +100,7 @@ def main() -> int:
             }
         )
     # sequence scoring on held-out documents
-    from teragram.builder import readers
+    from teragram.index import readers
 
     held = linux_corpus(w, 4, "heldout")
     docs = []

@@ -239,7 +239,7 @@ class Index:
 
     @cached_property
     def tokenizer(self):
-        from teragram.builder import tokenizer  # the index depends on sentencepiece, not on the builder's logic
+        from . import tokenizer
 
         return tokenizer.load(self.path / "tokenizer.model")
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from teragram.builder.features import open_features
 from teragram.index import format as fmt
 from teragram.index.errors import TeragramError
+from teragram.index.features import open_features
 
 from .gpt import IndexBatch
 

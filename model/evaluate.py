@@ -97,7 +97,7 @@ def summarize(nll: np.ndarray, nbytes: int) -> dict:
 
 def evaluate(model: GPT, heldout: str | Path, eos: int, sep: int, device: str = "cpu", batch: int = 16) -> dict:
     """Perplexity and bits per byte of the held-out features' text."""
-    from teragram.builder.tokenizer import load
+    from teragram.index.tokenizer import load
 
     r = token_eval(model, heldout, eos, sep, device, batch=batch)
     ev = EvalData(heldout, model.cfg.block_size, eos, sep)

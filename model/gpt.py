@@ -1,6 +1,6 @@
 """A GPT that reads the index: nanoGPT's model, plus index-feature inputs and a mixture head.
 
-For each position t the index supplies (see builder/features.py): the longest match length
+For each position t the index supplies (see builder/features.py and index/features.py): the longest match length
 L, the continuation token of its most recent occurrence, the match's occurrence count, and
 the top-k next tokens after it with their counts. The model adds to the token embedding
 

@@ -300,7 +300,7 @@ def _estimates_doc(args):
 
 def heldout_estimates(index_dir, heldout, workers: int = 1) -> dict[str, np.ndarray]:
     """estimates (index and document cache) of every document of a held-out feature directory
-    (builder/features.py), concatenated in model.evaluate.token_eval's order."""
+    (index/heldout.py), concatenated in model.evaluate.token_eval's order."""
     from multiprocessing import get_context
 
     from teragram.index import format as fmt

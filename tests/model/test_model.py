@@ -11,8 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from teragram.builder.features import FeatureConfig, compute_features
+from teragram.builder.features import compute_features
 from teragram.index.engine import Index
+from teragram.index.features import FeatureConfig
 from teragram.model.gpt import GPT, GPTConfig, IndexBatch
 from teragram.model.sample import generate
 from teragram.model.train import TrainConfig, load_model, train

@@ -12,8 +12,9 @@ import httpx
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from teragram.builder.features import FeatureConfig, compute_features
+from teragram.builder.features import compute_features
 from teragram.index.engine import Index
+from teragram.index.features import FeatureConfig
 from teragram.model.train import TrainConfig, train
 from teragram.serve.app import ServeConfig, create_app
 
