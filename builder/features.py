@@ -34,6 +34,7 @@ features are index/heldout.py's.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -98,8 +99,7 @@ def own_shard_features(idx: Index, shard: int, cfg: FeatureConfig) -> tuple[Feat
     length = np.zeros(n_pos, np.uint8)
     FK.match_lengths_from_ms(ms, starts, cfg.max_len, length)
     del ms
-    f = Features.empty(n_pos, max(k, 0))
-    f.length = length
+    f = dataclasses.replace(Features.empty(n_pos, max(k, 0)), length=length)
     pos = np.full(n_pos, -1, np.int32 if n_pos < 2**31 else np.int64)
     if mode == FK.EXCLUDE_DOC and not k:  # length + cont only: no intervals needed
         scratch = (np.empty(n_pos, np.int64), np.empty(len(sa), np.int64))

@@ -89,26 +89,24 @@ def _parse_ids(s: str) -> list[int]:
 
 
 def _answer(idx, op: str, ids, cont) -> dict:
+    """The answer to one query, with each token id's text beside it (engine.with_tokens)."""
+    from .engine import OPS, with_tokens
+
     op = op.replace("_", "-")
     if op in ("prob", "infgram-prob") and cont is None:
         raise QueryError(f'{op} needs a continuation token (--cont / "cont")')
-    if op == "count":
-        return idx.count(ids).to_json()
-    if op == "prob":
-        return idx.prob(ids, cont).to_json()
-    if op == "ntd":
-        return idx.ntd(ids).to_json()
-    if op == "infgram-prob":
-        return idx.infgram_prob(ids, cont).to_json()
-    if op == "infgram-ntd":
-        return idx.infgram_ntd(ids).to_json()
-    if op == "longest-match":
-        return idx.longest_match(ids).to_json()
-    if op == "docs":
-        return idx.docs(ids).to_json()
-    from .engine import OPS
-
-    raise QueryError(f"unknown op {op!r}; expected one of {', '.join(OPS)}")
+    run = {
+        "count": lambda: idx.count(ids),
+        "prob": lambda: idx.prob(ids, cont),
+        "ntd": lambda: idx.ntd(ids),
+        "infgram-prob": lambda: idx.infgram_prob(ids, cont),
+        "infgram-ntd": lambda: idx.infgram_ntd(ids),
+        "longest-match": lambda: idx.longest_match(ids),
+        "docs": lambda: idx.docs(ids),
+    }
+    if op not in run:
+        raise QueryError(f"unknown op {op!r}; expected one of {', '.join(OPS)}")
+    return with_tokens(idx, run[op]().to_json(), ids, cont if op in ("prob", "infgram-prob") else None)
 
 
 def cmd_query(args) -> int:
@@ -149,9 +147,23 @@ def cmd_query(args) -> int:
     if args.json:
         print_json(ans)
     else:
-        for k, v in ans.items():
-            print(f"{k}: {v}")
+        _print_text(ans)
     return 0
+
+
+def _print_text(ans: dict) -> None:
+    """One line per field; ids beside their text; one line per next token."""
+    for k, v in ans.items():
+        if k == "tokens":
+            continue
+        if k == "token_ids":
+            print("tokens: " + " ".join(f"{i}:{t!r}" for i, t in zip(v, ans["tokens"])))
+        elif k == "result_by_token_id":
+            print(f"{k}:")
+            for t, e in v.items():
+                print(f"  {t:>7} {e['token']!r:<16} cont_cnt {e['cont_cnt']}  prob {e['prob']:.6g}")
+        else:
+            print(f"{k}: {v}")
 
 
 def register(sub: argparse._SubParsersAction) -> None:

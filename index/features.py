@@ -38,26 +38,62 @@ class FeatureConfig:
             raise BuildError("--top-k must be in [0, 64]")
 
 
-@dataclass
-class Features:
-    """Features of a run of positions (int64 working arrays)."""
+FIELDS = ("length", "cont", "count", "topk_ids", "topk_cnt")
+WORKING_DTYPES = (np.uint8, np.int32, np.int64, np.int32, np.int32)  # the builder's per-shard arrays
+SCORE_DTYPES = (np.int32, np.int32, np.int64, np.int32, np.int64)  # Index.score's
 
-    length: np.ndarray  # (n,)
-    cont: np.ndarray  # (n,) -1: none
-    count: np.ndarray  # (n,)
-    topk_ids: np.ndarray  # (n, k) -1: none
-    topk_cnt: np.ndarray  # (n, k)
+
+@dataclass(frozen=True)
+class Features:
+    """Per-position index features of a run of positions; position t predicts token t+1.
+
+    length   (n,)   longest l <= max_len with tokens[t-l+1..t] in the allowed text
+    cont     (n,)   token after the most recent allowed occurrence of that suffix (EOS at a
+                    document end); none when length is 0
+    count    (n,)   occurrences of that suffix (tokens + documents when length is 0)
+    topk_ids (n, k) most frequent next tokens after the suffix (ties by id), none-padded
+    topk_cnt (n, k) their counts
+    target_cnt (n,) optional (Index.score(targets=True)): how often the actual next token
+                    follows the suffix, the infgram_prob numerator
+
+    "None" is -1 in memory and the separator id in the stored files (open_features returns
+    them as stored; `decoded` turns them into int64 with -1). This one record serves the
+    index (Index.score), the builder (bulk features), the files and the model, which holds
+    torch tensors in it (model.gpt.to_torch).
+    """
+
+    length: np.ndarray
+    cont: np.ndarray
+    count: np.ndarray
+    topk_ids: np.ndarray
+    topk_cnt: np.ndarray
+    target_cnt: np.ndarray | None = None
 
     @classmethod
-    def empty(cls, n: int, k: int) -> Features:
-        """Compact working arrays: per-shard counts fit int32 (a shard holds < 2^31 positions)."""
-        return cls(
-            np.zeros(n, np.uint8),
-            np.full(n, -1, np.int32),
-            np.zeros(n, np.int64),
-            np.full((n, k), -1, np.int32),
-            np.zeros((n, k), np.int32),
-        )
+    def empty(cls, n: int, k: int, dtypes=WORKING_DTYPES) -> Features:
+        """n positions with nothing found (length 0, no cont, count 0), in the given dtypes
+        (default: compact working arrays; per-shard counts fit int32)."""
+        dl, dc, dn, di, dk = dtypes
+        return cls(np.zeros(n, dl), np.full(n, -1, dc), np.zeros(n, dn), np.full((n, k), -1, di), np.zeros((n, k), dk))
+
+    def map(self, fn) -> Features:
+        """The record with fn applied to each of the five feature arrays."""
+        return Features(*(fn(getattr(self, name)) for name in FIELDS))
+
+    @classmethod
+    def combine(cls, parts: list[Features], fn=np.concatenate) -> Features:
+        """The records' arrays joined field by field (fn: concatenate, stack, ...)."""
+        return cls(*(fn([getattr(p, name) for p in parts]) for name in FIELDS))
+
+    def decoded(self, sep: int) -> Features:
+        """Stored features as int64 working arrays, the separator ("none") turned into -1."""
+        f = self.map(lambda a: np.asarray(a).astype(np.int64))
+        f.cont[f.cont == sep] = -1
+        f.topk_ids[f.topk_ids == sep] = -1
+        return f
+
+    def to_json(self) -> dict:
+        return {name: getattr(self, name).tolist() for name in FIELDS}
 
 
 def write_features(d: Path, f: Features, token_dtype: np.dtype, sep: int, k: int) -> list[dict]:
@@ -78,25 +114,14 @@ def write_features(d: Path, f: Features, token_dtype: np.dtype, sep: int, k: int
     return [asdict(fmt.file_record(d.parent, d / n)) for n in names]
 
 
-@dataclass(frozen=True)
-class FeatureArrays:
-    """Memory-mapped features of one shard, as stored (see the module docstring)."""
-
-    length: np.ndarray
-    cont: np.ndarray
-    count: np.ndarray
-    topk_ids: np.ndarray  # (n, k)
-    topk_cnt: np.ndarray  # (n, k)
-
-
-def open_features(d: Path, k: int) -> FeatureArrays:
-    """Memory-map one shard's features (k = 0: count and top-k are empty arrays)."""
+def open_features(d: Path, k: int) -> Features:
+    """Memory-map one shard's features, as stored (k = 0: count and top-k are zeros / empty)."""
     length = fmt.open_array(d / "length.bin", "feat.length")
     cont = fmt.open_array(d / "cont.bin", "feat.cont")
     if not k:
         z = np.zeros((len(length), 0), np.uint32)
-        return FeatureArrays(length, cont, np.zeros(len(length), np.uint32), z, z)
-    return FeatureArrays(
+        return Features(length, cont, np.zeros(len(length), np.uint32), z, z)
+    return Features(
         length,
         cont,
         fmt.open_array(d / "count.bin", "feat.count"),

@@ -77,7 +77,7 @@ def write_held_out(
         with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
             futs = [pool.submit(_chunk, str(idx.path), docs[a:b], cfg) for a, b in zip(bounds[:-1], bounds[1:])]
             parts = [f.result() for f in futs]
-        f = ff.Features(*(np.concatenate([getattr(p, n) for p in parts]) for n in ("length", "cont", "count", "topk_ids", "topk_cnt")))
+        f = ff.Features.combine(parts)
     else:
         f = held_out_features(idx, docs, cfg, progress)
     dt = time.time() - t
@@ -104,3 +104,37 @@ def compute_held_out(
     report["total_s"] = time.time() - t0
     ff.finish(out, ident, [fmt.read_json(out / "000000.done")], report["positions"], report)
     return report
+
+
+# ---- decontamination -----------------------------------------------------------------------
+
+DECONTAMINATION_N = 13  # infini-gram's criterion: a document with >= 80% of its 13-grams in the index
+DECONTAMINATION_SHARE = 0.8
+
+
+def ngram_share(lengths: np.ndarray, n: int = DECONTAMINATION_N) -> float:
+    """The share of a document's n-grams that occur in the index, from its positions' match
+    lengths: the n-gram ending at t occurs exactly when the longest match there is >= n.
+    A document shorter than n has no n-grams: share 0."""
+    ll = np.asarray(lengths)[n - 1 :]
+    return float((ll >= n).mean()) if len(ll) else 0.0
+
+
+def contamination(heldout: str | Path, index_dir: str | Path | None = None, n: int = DECONTAMINATION_N) -> np.ndarray:
+    """Per document of a held-out features directory, the share of its n-grams in the index:
+    read off the stored match lengths when they were capped at >= n, else scored against the
+    index (index_dir)."""
+    heldout = Path(heldout)
+    m = fmt.read_json(heldout / "manifest.json")
+    d = heldout / "000000"
+    starts = np.asarray(fmt.open_array(d / "docs.bin", "docs")).astype(np.int64)
+    if m["max_len"] >= n:
+        L = np.asarray(fmt.open_array(d / "length.bin", "feat.length"))
+        return np.array([ngram_share(L[starts[k] : starts[k + 1] - 1], n) for k in range(len(starts) - 1)])
+    if index_dir is None:
+        raise BuildError(f"{heldout}: match lengths capped at {m['max_len']} < {n}; give the index to score against")
+    idx = Index(index_dir)
+    tok = np.asarray(fmt.open_array(d / "tokens.bin", "tokens")).astype(np.int64)
+    return np.array(
+        [ngram_share(idx.score(tok[starts[k] : starts[k + 1] - 1], top_k=0, max_len=n).length, n) for k in range(len(starts) - 1)]
+    )

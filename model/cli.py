@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 from teragram.index.cli import print_json
 
@@ -29,57 +28,68 @@ def cmd_eval(args) -> int:
     import tempfile
 
     from teragram.index.engine import Index
+    from teragram.index.errors import TeragramError, TokenizerMismatch
     from teragram.index.features import FeatureConfig
     from teragram.index.heldout import compute_held_out
 
-    from .train import evaluate, load_model
+    from . import baselines
+    from .evaluate import EvalOptions, heldout_report
+    from .gate import Gate
+    from .train import load_model
 
+    if args.baseline and not (args.fit_lambdas or args.lambdas):
+        raise TeragramError("--baseline needs --fit-lambdas OUT (fit on validation text) or --lambdas FILE")
+    if (args.fit_lambdas or args.lambdas) and not args.baseline:
+        raise TeragramError("--fit-lambdas / --lambdas go with --baseline infini-gram|knn")
+    if args.baseline and (args.gate or args.fit_gate):
+        raise TeragramError("give either the index gate (--gate / --fit-gate) or --baseline, not both")
+    opts = EvalOptions(
+        gate=Gate.load(args.gate) if args.gate else None,
+        fit_gate=bool(args.fit_gate),
+        baseline=args.baseline,
+        params=baselines.load_params(args.lambdas, args.baseline) if args.lambdas else None,
+        decontaminate=args.decontaminate,
+        dense=args.dense,
+        workers=args.workers,
+    )
     model, meta = load_model(args.checkpoint, args.device)
     idx = Index(args.index)
     if model.cfg.vocab_size != idx.vocab_size:
-        from teragram.index.errors import TokenizerMismatch
-
         raise TokenizerMismatch(f"checkpoint vocabulary {model.cfg.vocab_size} != index vocabulary {idx.vocab_size}")
     with tempfile.TemporaryDirectory() as tmp:
         feats = args.features_out or tmp
         cfg = FeatureConfig("held-out", model.cfg.max_match, max(model.cfg.top_k, 1))
         compute_held_out(args.index, feats, cfg, args.corpus, progress=not args.quiet)
-        if args.gate or args.fit_gate:
-            r = _gated(args, model, idx, feats)
-        else:
-            r = evaluate(model, feats, idx.eos_id, idx.sep, args.device)
+        r, fitted = heldout_report(model, args.index, feats, args.device, opts)
+    if args.fit_gate:
+        fitted.save(args.fit_gate)
+    if args.fit_lambdas:
+        baselines.save_params(args.fit_lambdas, args.baseline, fitted)
+    if args.gate or args.fit_gate:
+        r["gate"] = args.gate or args.fit_gate
+    if args.baseline:
+        r["baseline"] = args.baseline
     if args.json:
         print_json(r)
     else:
         msg = f"{args.checkpoint}: perplexity {r['perplexity']:.3f}, {r['bits_per_byte']:.4f} bits/byte over {r['tokens']:,} tokens ({r['bytes']:,} bytes)"
+        if "gate" in r:
+            msg += f" with the index gate {r['gate']}"
+        if "baseline" in r:
+            msg += f" with the {r['baseline']} interpolation ({args.lambdas or args.fit_lambdas})"
         if "model" in r:
-            msg += f" with the index gate {r['gate']}; the model alone: perplexity {r['model']['perplexity']:.3f}"
+            msg += f"; the model alone: perplexity {r['model']['perplexity']:.3f}"
+        if "decontaminated" in r:
+            dc = r["decontaminated"]
+            msg += f"; decontaminated: {dc['dropped_docs']} of {dc['docs']} documents dropped (>= 80% of their 13-grams in the index)"
         print(msg)
     return 0
-
-
-def _gated(args, model, idx, feats) -> dict:
-    """The model alone and mixed with the index's and the document cache's estimates by a gate
-    (loaded, or fit here)."""
-    from teragram.index.tokenizer import load as load_tok
-
-    from . import interp
-    from .data import EvalData
-    from .evaluate import doc_bytes, summarize
-
-    gate = interp.Gate.load(args.gate) if args.gate else None
-    gate, nll_model, nll_gated = interp.gated_eval(model, args.index, feats, args.device, gate=gate, workers=args.workers)
-    if args.fit_gate:
-        gate.save(args.fit_gate)
-    ev = EvalData(feats, model.cfg.block_size, idx.eos_id, idx.sep)
-    nbytes = int(doc_bytes(ev, load_tok(Path(feats) / "tokenizer.model").decode).sum())
-    return summarize(nll_gated, nbytes) | {"model": summarize(nll_model, nbytes), "gate": args.gate or args.fit_gate}
 
 
 def cmd_sample(args) -> int:
     from teragram.index.engine import Index
 
-    from .interp import Gate
+    from .gate import Gate
     from .sample import generate
     from .train import load_model
 
@@ -127,6 +137,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--device", default="cpu")
     ev.add_argument("--gate", help="mix the model with the index's and the document cache's estimates by this gate (from --fit-gate)")
     ev.add_argument("--fit-gate", metavar="OUT", help="fit the index gate on this (validation) text and save it")
+    ev.add_argument(
+        "--baseline",
+        choices=["infini-gram", "knn"],
+        help="a peer's interpolation instead of the gate: infini-gram's 2 λ, or kNN-LM over IDX/dense",
+    )
+    ev.add_argument(
+        "--fit-lambdas", metavar="OUT", help="fit the baseline's λ (and kNN temperature) on this (validation) text and save them"
+    )
+    ev.add_argument("--lambdas", metavar="FILE", help="apply the baseline's parameters from --fit-lambdas")
+    ev.add_argument("--dense", help="the kNN baseline's dense store (default IDX/dense, from teragram dense)")
+    ev.add_argument("--decontaminate", action="store_true", help="drop documents with >= 80%% of their 13-grams in the index")
     ev.add_argument("--workers", type=int, default=1, help="processes for the index estimates")
     ev.add_argument("--json", action="store_true")
     ev.add_argument("--quiet", action="store_true")

@@ -55,6 +55,17 @@ def test_every_verb_runs(capsys, tmp_path, corpus_dir, tokenizer_model, real_ind
     assert json.loads(_run(capsys, "eval", *ev))["tokens"] == len(idx.tokenize((held / "a.txt").read_text())) + 1
     assert _run(capsys, "sample", "--checkpoint", run, "--index", idx_dir, "The", "--max-tokens", 3).startswith("The")
     assert "dense store of 512 keys" in _run(capsys, "dense", idx_dir, "--checkpoint", run, "--features", feats, "--positions", 512)
+    # evaluation options: decontamination, the peers' interpolations (fit, then loaded)
+    dc = json.loads(_run(capsys, "eval", *ev, "--decontaminate"))["decontaminated"]
+    assert dc["docs"] == 1 and dc["dropped_docs"] in (0, 1)
+    lam = tmp_path / "lam.json"
+    fit = json.loads(_run(capsys, "eval", *ev, "--baseline", "infini-gram", "--fit-lambdas", lam))
+    again = json.loads(_run(capsys, "eval", *ev, "--baseline", "infini-gram", "--lambdas", lam))
+    assert again["loss"] == fit["loss"] and again["lambdas"] == fit["lambdas"] and again["model"] == fit["model"]
+    knn = json.loads(_run(capsys, "eval", *ev, "--baseline", "knn", "--fit-lambdas", tmp_path / "knn.json"))
+    assert knn["model"] == fit["model"] and 0 <= knn["knn"]["lambda"] < 1
+    assert main(["eval", *map(str, ev), "--baseline", "knn", "--lambdas", str(lam)]) == 2
+    assert "parameters of the infini-gram baseline, not knn" in capsys.readouterr().err
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
