@@ -15,13 +15,13 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# where results go ($TERAGRAM_RESULTS on the lent GPU machine, whose files come back via $OUT)
+# where results go: $TERAGRAM_RESULTS when set, else benchmarks/results/
 RESULTS = Path(os.environ.get("TERAGRAM_RESULTS", REPO / "benchmarks" / "results"))
 
 
 def commit() -> str:
-    """The commit measured: $TERAGRAM_COMMIT when set (the lent GPU machine gets a copy of the
-    working tree whose git metadata can be stale), else git's HEAD (-dirty with local changes)."""
+    """The commit measured: $TERAGRAM_COMMIT when set (for a copy of the working tree whose git
+    metadata can be stale), else git's HEAD (-dirty with local changes)."""
     if os.environ.get("TERAGRAM_COMMIT"):
         return os.environ["TERAGRAM_COMMIT"]
     try:

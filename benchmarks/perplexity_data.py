@@ -1,5 +1,5 @@
 """Export the perplexity benchmark's corpora (train and held-out, code and English) as
-zstd JSON lines: small enough to carry to the lent GPU machine (< 50 MB compressed).
+zstd JSON lines, small enough to copy to another machine (< 50 MB compressed).
 
     python -m benchmarks.perplexity_data --out DIR [--scale gpu|cpu]
 """

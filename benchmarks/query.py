@@ -100,7 +100,7 @@ def main() -> int:
             }
         )
     # sequence scoring on held-out documents
-    from teragram.builder import readers
+    from teragram.index import readers
 
     held = linux_corpus(w, 4, "heldout")
     docs = []
@@ -136,7 +136,7 @@ def main() -> int:
     md += (
         f"\n\nScoring every position of {len(docs)} held-out 1,000-token documents: teragram `score` {ours_tps:,.0f} tokens/s "
         f"(uncapped match length: {ours_uncapped_tps:,.0f}); infini-gram `infgram_prob` per position {ig_tps:,.0f} tokens/s "
-        f"({args.ig_docs} documents) -> {ours_tps / ig_tps:.1f}x (bar >= 5x). Opening the index: {open_rss_mb:.0f} MB peak RSS (bar < 200 MB)."
+        f"({args.ig_docs} documents) -> {ours_tps / ig_tps:.1f}x. Opening the index: {open_rss_mb:.0f} MB peak RSS."
     )
     import matplotlib
 

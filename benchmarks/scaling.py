@@ -165,7 +165,8 @@ def main() -> int:
             idx = Index(out)
             point |= measure_queries(idx, ids, args.queries)
             if shards == 1 and n <= 120e6:  # the feature pass holds ~60 bytes per position in RAM
-                from teragram.builder.features import FeatureConfig, shard_features
+                from teragram.builder.features import shard_features
+                from teragram.index.features import FeatureConfig
 
                 t0 = time.perf_counter()
                 shard_features(idx, 0, FeatureConfig("exclude-doc", 64, 0))

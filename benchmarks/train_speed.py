@@ -1,4 +1,4 @@
-"""Training speed of the 125M model with and without index inputs (run on the lent H200).
+"""Training speed of the 125M model with and without index inputs (needs one or two CUDA GPUs).
 
     python -m benchmarks.train_speed [--steps 60] [--out DIR]
 
@@ -6,8 +6,8 @@ Builds an index of the embedded corpus (32000-piece tokenizer) and its exclude-d
 then runs `teragram train` with the 125M preset (B=32, T=1024, bf16, torch.compile, fused
 AdamW) for each variant and reads tokens/s from its log between step 20 and the end (after
 compilation and warm-up). With two GPUs it also runs the index model under torchrun on both
-(32 sequences per GPU) and reports the scaling. Reference on this machine: plain PyTorch
-GPT-2 124M at 521k tokens/s.
+(32 sequences per GPU) and reports the scaling. Reference: plain PyTorch GPT-2 124M at 521k
+tokens/s on one H200.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def main() -> int:
     md = table(rows, ["variant", "GPUs", "tokens/s", "vs 521k reference", "scaling"])
     md += (
         "\n\n125M preset (12 layers, 768 dims, context 1024), 32 sequences of 1024 tokens per GPU and step, bf16 autocast, torch.compile, "
-        f"fused AdamW; tokens/s from the training log after step {args.warmup_steps}. Bars: >= 470k tokens/s with index inputs; >= 1.8x on two GPUs."
+        f"fused AdamW; tokens/s from the training log after step {args.warmup_steps}."
     )
     import matplotlib
 

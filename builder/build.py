@@ -31,12 +31,12 @@ from pathlib import Path
 import numpy as np
 from teragram.index import format as fmt
 from teragram.index import meta as meta_store
+from teragram.index import readers
+from teragram.index import tokenizer as tok_mod
 from teragram.index.errors import BuildError
 from tqdm import tqdm
 
-from . import readers
 from . import sa as sa_mod
-from . import tokenizer as tok_mod
 from .executors import LocalExecutor, die_with_parent, make_executor, sa_parallelism
 
 _EXAMPLES = 5  # example paths kept per skip reason in the report

@@ -1,4 +1,5 @@
-"""`build-index CORPUS... --out IDX` (also `teragram build`)."""
+"""The builder's verbs: `teragram build` (also the `build-index` command) and `teragram features`
+(registered as index/cli.py's)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,44 @@ def run(args: argparse.Namespace) -> int:
         for reason, ex in sk["examples"].items():
             print(f"  {reason}: {', '.join(ex)}")
     return 0
+
+
+def cmd_features(args) -> int:
+    from .features import FeatureConfig, compute_features
+
+    cfg = FeatureConfig(mode=args.mode, max_len=args.max_len, top_k=args.top_k)
+    r = compute_features(
+        args.index,
+        args.out,
+        cfg,
+        workers=args.workers,
+        corpus=args.corpus,
+        progress=not args.quiet,
+        executor=args.executor,
+        ray_address=args.ray_address,
+    )
+    n = r.get("positions") or sum(s["positions"] for s in r["shards"])
+    print(f"features ({'held-out' if args.corpus else args.mode}) of {n:,} positions in {r['total_s']:.1f}s -> {args.out}")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    b = sub.add_parser("build", help="build an index (same as build-index)")
+    add_arguments(b)
+    b.set_defaults(run=run)
+
+    f = sub.add_parser("features", help="per-token index features of the indexed corpus, or of --corpus text")
+    f.add_argument("index")
+    f.add_argument("--out", required=True, help="features directory (aligned with the index shards)")
+    f.add_argument("--mode", choices=["causal", "exclude-doc"], default="exclude-doc", help="leakage rule for the indexed corpus")
+    f.add_argument("--corpus", nargs="+", help="held-out text (files/directories): features against the whole index")
+    f.add_argument("--max-len", type=int, default=64, help="match length cap (default 64)")
+    f.add_argument("--top-k", type=int, default=4, help="next tokens kept per position (0: length and continuation only)")
+    f.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    f.add_argument("--executor", choices=["local", "ray"], default="local")
+    f.add_argument("--ray-address")
+    f.add_argument("--quiet", action="store_true")
+    f.set_defaults(run=cmd_features)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,8 @@ Allowed text, by mode:
   causal       text before the position (TScale's rule): earlier shards, and in its own shard
                occurrences starting before s does (so they end before t);
   exclude-doc  every document but its own;
-  held-out     (`--corpus`) the whole index: the same features as the live `Index.score`.
+  held-out     (`--corpus`) the whole index: the same features as the live `Index.score`
+               (index/heldout.py).
 Separator positions (document ends) carry no features: length 0, no cont, count 0.
 
 Per shard, the own-shard part is linear-time: the capped longest-common-prefix array
@@ -27,16 +28,14 @@ positions (of two documents), which answer "most recent occurrence" without any 
 shards allowed by the mode are matched like held-out text and merged: the longest L wins;
 on a tie the counts and histograms add up and cont comes from the most recent source.
 
-Layout: FEATS/manifest.json and FEATS/NNNNNN/{length,cont,count,topk_ids,topk_cnt}.bin,
-one row per position of IDX/shards/NNNNNN/tokens.bin (topk arrays are (n, k) row-major).
-cont and topk_ids use the token dtype with the separator value meaning "none"; counts are
-uint32, saturating at 2^32-1. Held-out output also holds tokens.bin and docs.bin.
+The files these features are written to, and their reading, are index/features.py's; held-out
+features are index/heldout.py's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -45,51 +44,14 @@ from teragram.index import kernels as IK
 from teragram.index import packed
 from teragram.index.engine import Index
 from teragram.index.errors import BuildError
+from teragram.index.features import MODES, FeatureConfig, Features, begin, finish, write_features
+from teragram.index.heldout import compute_held_out
 from tqdm import tqdm
 
 from . import feature_kernels as FK
 
-MODES = ("causal", "exclude-doc")
 HEAVY = 64  # intervals with more occurrences than this go through the grouped pass
 HEAVY_K0 = 4  # without top-k, scan only tiny intervals: the block maxima answer the rest faster
-_U32_MAX = np.iinfo(np.uint32).max
-
-
-@dataclass(frozen=True)
-class FeatureConfig:
-    mode: str = "exclude-doc"
-    max_len: int = 64
-    top_k: int = 4
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES + ("held-out",):
-            raise BuildError(f"unknown feature mode {self.mode!r}; expected causal, exclude-doc or held-out")
-        if not 1 <= self.max_len <= 255:
-            raise BuildError("--max-len must be in [1, 255]")
-        if not 0 <= self.top_k <= 64:
-            raise BuildError("--top-k must be in [0, 64]")
-
-
-@dataclass
-class Features:
-    """Features of a run of positions (int64 working arrays)."""
-
-    length: np.ndarray  # (n,)
-    cont: np.ndarray  # (n,) -1: none
-    count: np.ndarray  # (n,)
-    topk_ids: np.ndarray  # (n, k) -1: none
-    topk_cnt: np.ndarray  # (n, k)
-
-    @classmethod
-    def empty(cls, n: int, k: int) -> Features:
-        """Compact working arrays: per-shard counts fit int32 (a shard holds < 2^31 positions)."""
-        return cls(
-            np.zeros(n, np.uint8),
-            np.full(n, -1, np.int32),
-            np.zeros(n, np.int64),
-            np.full((n, k), -1, np.int32),
-            np.zeros((n, k), np.int32),
-        )
 
 
 def _topk(toks: np.ndarray, cnts: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -137,8 +99,7 @@ def own_shard_features(idx: Index, shard: int, cfg: FeatureConfig) -> tuple[Feat
     length = np.zeros(n_pos, np.uint8)
     FK.match_lengths_from_ms(ms, starts, cfg.max_len, length)
     del ms
-    f = Features.empty(n_pos, max(k, 0))
-    f.length = length
+    f = dataclasses.replace(Features.empty(n_pos, max(k, 0)), length=length)
     pos = np.full(n_pos, -1, np.int32 if n_pos < 2**31 else np.int64)
     if mode == FK.EXCLUDE_DOC and not k:  # length + cont only: no intervals needed
         scratch = (np.empty(n_pos, np.int64), np.empty(len(sa), np.int64))
@@ -308,70 +269,6 @@ def _merge_others(idx: Index, shard: int, cfg: FeatureConfig, f: Features, aux: 
             f.topk_ids[t], f.topk_cnt[t] = ids, np.minimum(cs, np.iinfo(np.int32).max)
 
 
-def held_out_features(idx: Index, docs: list[np.ndarray], cfg: FeatureConfig, progress: bool = False) -> Features:
-    """Features of other text against the whole index: the live score, document by document."""
-    n = sum(len(d) + 1 for d in docs)
-    f = Features.empty(n, cfg.top_k)
-    p = 0
-    for d in tqdm(docs, desc="held-out features", unit="doc", disable=not progress):
-        r = idx.score(d, top_k=cfg.top_k, max_len=cfg.max_len)
-        e = p + len(d)
-        f.length[p:e], f.cont[p:e], f.count[p:e] = r.length, r.cont, r.count
-        f.topk_ids[p:e], f.topk_cnt[p:e] = r.topk_ids, r.topk_cnt
-        p = e + 1  # the separator row stays empty
-    return f
-
-
-# ---- storage ---------------------------------------------------------------------------------
-
-FEATURE_FILES = ("length.bin", "cont.bin", "count.bin", "topk_ids.bin", "topk_cnt.bin")
-
-
-def write_features(d: Path, f: Features, token_dtype: np.dtype, sep: int, k: int) -> list[dict]:
-    """Write one shard's features; with k = 0 only length and cont (no distribution)."""
-    d.mkdir(parents=True, exist_ok=True)
-
-    def tok(a: np.ndarray) -> np.ndarray:
-        return np.where(a < 0, sep, a).astype(token_dtype)
-
-    fmt.write_array(d / "length.bin", "feat.length", f.length.astype(np.uint8))
-    fmt.write_array(d / "cont.bin", "feat.cont", tok(f.cont))
-    names = ["length.bin", "cont.bin"]
-    if k:
-        fmt.write_array(d / "count.bin", "feat.count", np.minimum(f.count, _U32_MAX).astype(np.uint32))
-        fmt.write_array(d / "topk_ids.bin", "feat.topk_ids", tok(f.topk_ids).reshape(-1))
-        fmt.write_array(d / "topk_cnt.bin", "feat.topk_cnt", np.clip(f.topk_cnt, 0, None).astype(np.uint32).reshape(-1))
-        names += ["count.bin", "topk_ids.bin", "topk_cnt.bin"]
-    return [asdict(fmt.file_record(d.parent, d / n)) for n in names]
-
-
-@dataclass(frozen=True)
-class FeatureArrays:
-    """Memory-mapped features of one shard, as stored (see the module docstring)."""
-
-    length: np.ndarray
-    cont: np.ndarray
-    count: np.ndarray
-    topk_ids: np.ndarray  # (n, k)
-    topk_cnt: np.ndarray  # (n, k)
-
-
-def open_features(d: Path, k: int) -> FeatureArrays:
-    """Memory-map one shard's features (k = 0: count and top-k are empty arrays)."""
-    length = fmt.open_array(d / "length.bin", "feat.length")
-    cont = fmt.open_array(d / "cont.bin", "feat.cont")
-    if not k:
-        z = np.zeros((len(length), 0), np.uint32)
-        return FeatureArrays(length, cont, np.zeros(len(length), np.uint32), z, z)
-    return FeatureArrays(
-        length,
-        cont,
-        fmt.open_array(d / "count.bin", "feat.count"),
-        fmt.open_array(d / "topk_ids.bin", "feat.topk_ids").reshape(-1, k),
-        fmt.open_array(d / "topk_cnt.bin", "feat.topk_cnt").reshape(-1, k),
-    )
-
-
 # ---- orchestration ---------------------------------------------------------------------------
 
 
@@ -399,98 +296,29 @@ def compute_features(
     """Write features for the indexed corpus (causal / exclude-doc) or, with `corpus`, for
     other text against the whole index (held-out). Resumable per shard; returns a report.
     Shards are computed in parallel, by local processes or as Ray tasks."""
+    if corpus is not None:
+        return compute_held_out(index_dir, out, cfg, corpus, workers=workers, progress=progress)
     from .executors import make_executor
 
     idx = Index(index_dir)
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    if corpus is not None and cfg.mode != "held-out":
-        cfg = FeatureConfig("held-out", cfg.max_len, cfg.top_k)
-    if corpus is None and cfg.mode not in MODES:
+    if cfg.mode not in MODES:
         raise BuildError("held-out features need --corpus")
-    ident = {
-        "format_version": fmt.FORMAT_VERSION,
-        "mode": cfg.mode,
-        "max_len": cfg.max_len,
-        "top_k": cfg.top_k,
-        "index_manifest": fmt.file_digest(idx.path / "manifest.json"),
-        "corpus": corpus,
-    }
-    state = out / "features-state.json"
-    if state.exists() and fmt.read_json(state) != ident:
-        raise BuildError(f"{out} holds features of another index or configuration; choose another --out")
-    fmt.write_json(state, ident)
+    ident = begin(idx.path, out, cfg, corpus)
     t0 = time.time()
-    if corpus is not None:
-        report = _held_out(idx, out, cfg, corpus, progress, workers)
-        shards = [fmt.read_json(out / "000000.done")]
-        positions = report["positions"]
-    else:
-        todo = [s.id for s in idx.shards if not (out / f"{s.id:06d}.done").exists()]
-        ex = make_executor(executor, min(workers, max(1, len(todo))), ray_address)
-        bar = tqdm(total=len(todo), desc=f"features ({cfg.mode})", unit="shard", disable=not progress)
-        try:
-            for s in todo:
-                ex.submit(_feature_task, str(idx.path), str(out), s, cfg)
-            results = ex.results()
-            bar.update(len(todo))
-        finally:
-            ex.close()
-            bar.close()
-        shards = [fmt.read_json(out / f"{s.id:06d}.done") for s in idx.shards]
-        positions = sum(s.tok.shape[0] for s in idx.shards)
-        report = {"shards": results}
-    fmt.write_json(out / "manifest.json", ident | {"shards": shards, "positions": positions})
-    report["total_s"] = time.time() - t0
-    fmt.write_json(out / "features-report.json", report)
+    todo = [s.id for s in idx.shards if not (out / f"{s.id:06d}.done").exists()]
+    ex = make_executor(executor, min(workers, max(1, len(todo))), ray_address)
+    bar = tqdm(total=len(todo), desc=f"features ({cfg.mode})", unit="shard", disable=not progress)
+    try:
+        for s in todo:
+            ex.submit(_feature_task, str(idx.path), str(out), s, cfg)
+        results = ex.results()
+        bar.update(len(todo))
+    finally:
+        ex.close()
+        bar.close()
+    shards = [fmt.read_json(out / f"{s.id:06d}.done") for s in idx.shards]
+    positions = sum(s.tok.shape[0] for s in idx.shards)
+    report = {"shards": results, "total_s": time.time() - t0}
+    finish(out, ident, shards, positions, report)
     return report
-
-
-def _held_out_chunk(index_dir: str, docs: list[np.ndarray], cfg: FeatureConfig) -> Features:
-    return held_out_features(Index(index_dir), docs, cfg)
-
-
-def _held_out(idx: Index, out: Path, cfg: FeatureConfig, corpus: list[str], progress: bool, workers: int) -> dict:
-    from . import readers
-
-    docs, metas, skipped = [], [], 0
-    for path in readers.walk(corpus):
-        for item in readers.read_file(path):
-            if isinstance(item, readers.Skip):
-                skipped += 1
-                continue
-            ids = np.asarray(idx.tokenizer.encode(item.text), dtype=np.int64)
-            docs.append(ids)
-            metas.append({"source": item.source, "record": item.record, "length": len(ids)})
-    if not docs:
-        raise BuildError("no readable documents in --corpus")
-    d = out / "000000"
-    d.mkdir(parents=True, exist_ok=True)
-    dtype = np.dtype(idx.manifest["token_dtype"])
-    stream = np.concatenate([np.append(x, idx.sep) for x in docs]).astype(dtype)
-    starts = np.cumsum([0] + [len(x) + 1 for x in docs]).astype(np.uint64)
-    fmt.write_array(d / "tokens.bin", "tokens", stream)
-    fmt.write_array(d / "docs.bin", "docs", starts)
-    t = time.time()
-    if workers > 1 and len(docs) > 1:
-        from .executors import LocalExecutor
-
-        ex = LocalExecutor(workers)
-        bounds = np.linspace(0, len(docs), min(len(docs), 4 * workers) + 1).astype(int)
-        try:
-            for a, b in zip(bounds[:-1], bounds[1:]):
-                ex.submit(_held_out_chunk, str(idx.path), docs[a:b], cfg)
-            parts = ex.results()
-        finally:
-            ex.close()
-        f = Features(*(np.concatenate([getattr(p, n) for p in parts]) for n in ("length", "cont", "count", "topk_ids", "topk_cnt")))
-    else:
-        f = held_out_features(idx, docs, cfg, progress)
-    dt = time.time() - t
-    files = write_features(d, f, dtype, idx.sep, cfg.top_k)
-    files += [asdict(fmt.file_record(out, d / n)) for n in ("tokens.bin", "docs.bin")]
-    import shutil
-
-    shutil.copyfile(idx.path / "tokenizer.model", out / "tokenizer.model")  # held-out features decode on their own
-    fmt.write_json(out / "000000.done", {"shard": 0, "files": files, "docs": metas})
-    return {"docs": len(docs), "positions": int(len(stream)), "skipped": skipped, "features_s": dt}

@@ -10,7 +10,7 @@ Open an index once (everything is memory-mapped; nothing is loaded), then ask:
     idx.infgram_ntd([3, 5])            -> InfgramNtdResult(..., suffix_len)
     idx.longest_match([3, 5])          -> LongestMatch(length, cont, count)
     idx.docs([3, 5], max=10)           -> DocsResult(count, docs=[...])
-    idx.score(ids)                     -> ScoreResult: per-position features in one pass
+    idx.score(ids)                     -> Features: per-position features in one pass
 
 Semantics are infini-gram's (its package is the test oracle) on the same token stream:
   * count(ids): occurrences of the n-gram; no occurrence spans two documents. The empty
@@ -38,6 +38,7 @@ import numpy as np
 from . import format as fmt
 from . import kernels as K
 from .errors import IndexFormatError, QueryError
+from .features import SCORE_DTYPES, Features
 
 
 @dataclass(frozen=True)
@@ -127,29 +128,19 @@ class DocsResult:
         return {"cnt": self.count, "approx": self.approx, "documents": [d.to_json() for d in self.docs]}
 
 
-@dataclass(frozen=True)
-class ScoreResult:
-    """Per-position index features of a token sequence; position t predicts token t+1.
-
-    length   (T,) int32  longest l <= max_len with ids[t-l+1..t] in the index
-    cont     (T,) int32  token after the most recent occurrence of that suffix (EOS at a
-                         document end; -1 when length is 0)
-    count    (T,) int64  occurrences of that suffix (tokens + documents when length is 0)
-    topk_ids (T, k) int32 most frequent next tokens after the suffix (-1 padding), ties by id
-    topk_cnt (T, k) int64 their counts
-    target_cnt (T,) int64 (score(..., targets=True)) how often the actual next token (EOS after
-                         the last position) follows the suffix: the infgram_prob numerator
-    """
-
-    length: np.ndarray
-    cont: np.ndarray
-    count: np.ndarray
-    topk_ids: np.ndarray
-    topk_cnt: np.ndarray
-    target_cnt: np.ndarray | None = None  # (T,) with targets=True: occurrences of suffix + next token
-
-    def to_json(self) -> dict:
-        return {k: getattr(self, k).tolist() for k in ("length", "cont", "count", "topk_ids", "topk_cnt")}
+def with_tokens(idx: Index, answer: dict, ids, cont: int | None = None) -> dict:
+    """A query's JSON answer with each token id's text beside it, as infini-gram's API gives
+    them: the query's `token_ids` and `tokens`, a `token` in each next-token entry, and
+    `cont_token` beside a continuation id (the query's `cont`, or longest-match's). The existing
+    fields stay as they are."""
+    out = dict(answer)
+    if isinstance(cont, int):
+        out["cont_token"] = idx.piece(cont)
+    if "result_by_token_id" in out:
+        out["result_by_token_id"] = {k: v | {"token": idx.piece(int(k))} for k, v in out["result_by_token_id"].items()}
+    elif isinstance(out.get("cont"), int):
+        out["cont_token"] = idx.piece(out["cont"])
+    return out | {"token_ids": [int(i) for i in ids], "tokens": [idx.piece(int(i)) for i in ids]}
 
 
 OPS = ("count", "prob", "ntd", "infgram-prob", "infgram-ntd", "longest-match", "docs")
@@ -239,12 +230,16 @@ class Index:
 
     @cached_property
     def tokenizer(self):
-        from teragram.builder import tokenizer  # the index depends on sentencepiece, not on the builder's logic
+        from . import tokenizer
 
         return tokenizer.load(self.path / "tokenizer.model")
 
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text))
+
+    def piece(self, token: int) -> str:
+        """The text of one token id as the tokenizer writes it ("" for EOS past the vocabulary)."""
+        return self.tokenizer.id_to_piece(int(token)) if 0 <= int(token) < self.vocab_size else ""
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size])
@@ -421,11 +416,11 @@ class Index:
 
     # ---- per-position features ---------------------------------------------------------------
 
-    def score(self, ids, *, top_k: int = 4, max_len: int = 64, targets: bool = False) -> ScoreResult:
+    def score(self, ids, *, top_k: int = 4, max_len: int = 64, targets: bool = False) -> Features:
         """Index features for every position of a token sequence (one document), in one pass.
 
         The same features the builder computes in bulk for held-out text (against the whole
-        index); see ScoreResult for the fields. max_len caps the match length (<= 0: uncapped).
+        index); see index.features.Features for the fields. max_len caps the match length (<= 0: uncapped).
         """
         q = self._ids(ids, allow_empty=True)
         T = len(q)
@@ -455,7 +450,7 @@ class Index:
             out = dataclasses.replace(out, target_cnt=tc)
         return out
 
-    def _position(self, q: np.ndarray, t: int, per: list[tuple[int, int, int]], top_k: int, out: ScoreResult, row: int) -> None:
+    def _position(self, q: np.ndarray, t: int, per: list[tuple[int, int, int]], top_k: int, out: Features, row: int) -> None:
         """Merge the shards' (match length, interval) at position t into out's row."""
         L = max((int(x[0]) for x in per), default=0)
         if L == 0:
@@ -483,8 +478,8 @@ class Scorer:
         self.n = 0
         self.state = [np.array([0, 0, s.n], np.int64) for s in idx.shards]
 
-    def append(self, token: int) -> ScoreResult:
-        """Features of the new last position (a one-row ScoreResult)."""
+    def append(self, token: int) -> Features:
+        """Features of the new last position (a one-row Features)."""
         tok = self.idx._token(token, "token")
         if self.n == len(self.ids):
             self.ids = np.concatenate([self.ids, np.zeros(len(self.ids), np.int64)])
@@ -498,10 +493,8 @@ class Scorer:
         return out
 
 
-def _empty_score(T: int, k: int) -> ScoreResult:
-    return ScoreResult(
-        np.zeros(T, np.int32), np.full(T, -1, np.int32), np.zeros(T, np.int64), np.full((T, k), -1, np.int32), np.zeros((T, k), np.int64)
-    )
+def _empty_score(T: int, k: int) -> Features:
+    return Features.empty(T, k, SCORE_DTYPES)
 
 
 def max_(a: int, b: int) -> int:

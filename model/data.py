@@ -13,17 +13,17 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from teragram.builder.features import open_features
 from teragram.index import format as fmt
 from teragram.index.errors import TeragramError
+from teragram.index.features import Features, open_features
 
-from .gpt import IndexBatch
+from .gpt import to_torch
 
 
 @dataclass
 class _Shard:
     tokens: np.ndarray
-    feats: object | None  # FeatureArrays
+    feats: Features | None  # as stored
 
 
 class TrainData:
@@ -57,7 +57,7 @@ class TrainData:
     def n_tokens(self) -> int:
         return sum(len(s.tokens) for s in self.shards)
 
-    def batch(self, step: int, batch_size: int, *, seed: int = 0, rank: int = 0) -> tuple[torch.Tensor, torch.Tensor, IndexBatch | None]:
+    def batch(self, step: int, batch_size: int, *, seed: int = 0, rank: int = 0) -> tuple[torch.Tensor, torch.Tensor, Features | None]:
         rng = np.random.default_rng([seed, step, rank])
         which = rng.choice(len(self.shards), size=batch_size, p=self.weights)
         xs, ys, fs = [], [], []
@@ -70,29 +70,14 @@ class TrainData:
             xs.append(w[:-1])
             ys.append(w[1:])
             if sh.feats is not None:
-                fs.append(_slice_features(sh.feats, a, a + T, self.sep, self.k))
+                fs.append(_slice_features(sh.feats, a, a + T, self.sep))
         x = torch.from_numpy(np.stack(xs))
         y = torch.from_numpy(np.stack(ys))
-        return x, y, (_stack(fs) if fs else None)
+        return x, y, (to_torch(Features.combine(fs, np.stack)) if fs else None)
 
 
-def _slice_features(f, a: int, b: int, sep: int, k: int) -> tuple[np.ndarray, ...]:
-    cont = np.asarray(f.cont[a:b]).astype(np.int64)
-    cont[cont == sep] = -1
-    if k:
-        ids = np.asarray(f.topk_ids[a:b]).astype(np.int64)
-        ids[ids == sep] = -1
-        cnt = np.asarray(f.topk_cnt[a:b]).astype(np.int64)
-        count = np.asarray(f.count[a:b]).astype(np.int64)
-    else:
-        ids = np.zeros((b - a, 0), np.int64)
-        cnt = ids
-        count = np.zeros(b - a, np.int64)
-    return np.asarray(f.length[a:b]).astype(np.int64), cont, count, ids, cnt
-
-
-def _stack(fs: list[tuple[np.ndarray, ...]]) -> IndexBatch:
-    return IndexBatch(*(torch.from_numpy(np.stack([f[i] for f in fs])) for i in range(5)))
+def _slice_features(f: Features, a: int, b: int, sep: int) -> Features:
+    return f.map(lambda x: x[a:b]).decoded(sep)
 
 
 class EvalData:
@@ -121,17 +106,10 @@ class EvalData:
             x_all = np.concatenate([[self.eos], ids[:-1]])
             y_all = ids
             # features of the EOS slot: none; then those of the document's positions
-            f_doc = _slice_features(self.feats, a, e - 1, self.sep, self.k)
-            none = (
-                np.zeros(1, np.int64),
-                np.full(1, -1, np.int64),
-                np.zeros(1, np.int64),
-                np.full((1, self.k), -1, np.int64),
-                np.zeros((1, self.k), np.int64),
-            )
-            f_all = tuple(np.concatenate([n, v]) for n, v in zip(none, f_doc))
+            f_doc = _slice_features(self.feats, a, e - 1, self.sep)
+            f_all = Features.combine([Features.empty(1, self.k, (np.int64,) * 5), f_doc])
             for s in range(0, len(x_all), T):
-                yield d, s, x_all[s : s + T], y_all[s : s + T], tuple(v[s : s + T] for v in f_all)
+                yield d, s, x_all[s : s + T], y_all[s : s + T], f_all.map(lambda v, s=s: v[s : s + T])
 
     def text_bytes(self, decode) -> int:
         """UTF-8 bytes of the held-out text (for bits per byte)."""

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from .data import TrainData
-from .gpt import GPT
+from .gpt import GPT, to_device
 
 
 @torch.no_grad()
@@ -38,7 +38,7 @@ def collect(
     while n < n_positions:
         x, y, f = data.batch(step, batch, seed=seed)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
-            h, _ = model.hidden(x.to(device), None if f is None else f.to(device))
+            h, _ = model.hidden(x.to(device), None if f is None else to_device(f, device))
         keys.append(h.float().reshape(-1, h.shape[-1]).cpu().numpy())
         vals.append(y.reshape(-1).numpy())
         n += y.numel()

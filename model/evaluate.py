@@ -7,13 +7,18 @@ of the model's context (no window spans two documents); every token is predicted
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from teragram.index.errors import TeragramError
+from teragram.index.features import Features
 
 from .data import EvalData
-from .gpt import GPT, IndexBatch
+from .estimates import COMPONENTS, heldout_estimates
+from .gate import Gate, component_logp, gate_inputs, mix_nll_multi
+from .gpt import GPT, to_torch
 
 
 @torch.no_grad()
@@ -35,14 +40,12 @@ def token_eval(model: GPT, heldout: str | Path, eos: int, sep: int, device: str 
         x = torch.full((n, T), eos, dtype=torch.long)
         y = torch.full((n, T), eos, dtype=torch.long)
         mask = torch.zeros((n, T), dtype=torch.bool)
-        fs = [torch.zeros((n, T), dtype=torch.long), torch.full((n, T), -1, dtype=torch.long), torch.zeros((n, T), dtype=torch.long)]
-        fs += [torch.full((n, T, ev.k), -1, dtype=torch.long), torch.zeros((n, T, ev.k), dtype=torch.long)]
+        padded = []  # each window's features, padded with "nothing found" to T positions
         for i, (xx, yy, ff, _, _) in enumerate(buf):
             m = len(xx)
             x[i, :m], y[i, :m], mask[i, :m] = torch.from_numpy(xx), torch.from_numpy(yy), True
-            for j in range(5):
-                fs[j][i, :m] = torch.from_numpy(ff[j])
-        f = IndexBatch(*fs).to(device) if model.cfg.use_index else None
+            padded.append(Features.combine([ff, Features.empty(T - m, ev.k, (np.int64,) * 5)]))
+        f = to_torch(Features.combine(padded, np.stack), device) if model.cfg.use_index else None
         xd, yd = x.to(device), y.to(device)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
             h, _ = model.hidden(xd, f)
@@ -97,9 +100,95 @@ def summarize(nll: np.ndarray, nbytes: int) -> dict:
 
 def evaluate(model: GPT, heldout: str | Path, eos: int, sep: int, device: str = "cpu", batch: int = 16) -> dict:
     """Perplexity and bits per byte of the held-out features' text."""
-    from teragram.builder.tokenizer import load
+    from teragram.index.tokenizer import load
 
     r = token_eval(model, heldout, eos, sep, device, batch=batch)
     ev = EvalData(heldout, model.cfg.block_size, eos, sep)
     sp = load(Path(heldout) / "tokenizer.model")
     return summarize(r["nll"], int(doc_bytes(ev, sp.decode).sum()))
+
+
+def gated_eval(model, index_dir, heldout, device: str = "cpu", *, gate: Gate | None = None, workers: int = 1, batch: int = 16):
+    """(gate, per-token nll of the model, per-token nll of the gated mixture) on the held-out
+    features' text. With gate=None a gate is fit on this text, which should then be validation
+    text, never the text it will be reported on."""
+    from teragram.index.engine import Index
+
+    idx = Index(index_dir)
+    r = token_eval(model, heldout, idx.eos_id, idx.sep, device, batch=batch)
+    est = heldout_estimates(index_dir, heldout, workers)
+    comps = gate.components if gate is not None else COMPONENTS
+    X, logp = gate_inputs(est, r["maxp"], r["top"], comps), component_logp(est, r["nll"], comps)
+    if gate is None:
+        gate = Gate.fit(X, logp, components=comps)
+    return gate, r["nll"], mix_nll_multi(logp, gate(X))
+
+
+@dataclass(frozen=True)
+class EvalOptions:
+    """What `teragram eval` mixes in and over which documents (see heldout_report)."""
+
+    gate: Gate | None = None  # a fitted index gate to apply
+    fit_gate: bool = False  # fit the gate on this text (validation)
+    baseline: str | None = None  # "infini-gram" or "knn" (baselines.py)
+    params: dict | None = None  # the baseline's fitted parameters to apply
+    decontaminate: bool = False  # drop documents with >= 80% of their 13-grams in the index
+    dense: str | Path | None = None  # the kNN baseline's dense store (default IDX/dense)
+    workers: int = 1  # processes for the index estimates
+
+
+def heldout_report(model: GPT, index_dir, heldout, device: str = "cpu", opts: EvalOptions = EvalOptions(), *, batch: int = 16):
+    """(report, fitted) of held-out features' text: perplexity and bits per byte of the model,
+    or of its mixture with the index gate or a peer's interpolation (with the model alone under
+    "model"); fitted is what was fit here (a Gate, or the baseline's parameters), else None.
+    With decontaminate, documents with >= 80% of their 13-grams in the index are left out of
+    everything, fitting included, and the report says how many."""
+    from teragram.index.engine import Index
+    from teragram.index.heldout import DECONTAMINATION_SHARE, contamination
+    from teragram.index.tokenizer import load
+
+    from . import baselines
+
+    if opts.baseline is not None and opts.baseline not in baselines.BASELINES:
+        raise TeragramError(f"unknown baseline {opts.baseline!r}; expected {' or '.join(baselines.BASELINES)}")
+    if opts.baseline is not None and (opts.gate is not None or opts.fit_gate):
+        raise TeragramError("give either the index gate or a baseline, not both")
+    idx = Index(index_dir)
+    r = token_eval(model, heldout, idx.eos_id, idx.sep, device, batch=batch, hidden=opts.baseline == "knn")
+    ev = EvalData(heldout, model.cfg.block_size, idx.eos_id, idx.sep)
+    per_doc = doc_bytes(ev, load(Path(heldout) / "tokenizer.model").decode)
+    keep_docs = np.ones(len(per_doc), bool)
+    extra = {}
+    if opts.decontaminate:
+        keep_docs = contamination(heldout, index_dir) < DECONTAMINATION_SHARE
+        extra["decontaminated"] = {"dropped_docs": int((~keep_docs).sum()), "docs": len(keep_docs)}
+    keep = keep_docs[r["doc"].astype(int)]
+    nbytes = int(per_doc[keep_docs].sum())
+    alone = summarize(r["nll"][keep], nbytes)
+    fitted = None
+    if opts.gate is not None or opts.fit_gate:
+        est = heldout_estimates(index_dir, heldout, opts.workers)
+        comps = opts.gate.components if opts.gate is not None else COMPONENTS
+        X, logp = gate_inputs(est, r["maxp"], r["top"], comps), component_logp(est, r["nll"], comps)
+        gate = opts.gate if opts.gate is not None else Gate.fit(X[keep], logp[keep], components=comps)
+        fitted = None if opts.gate is not None else gate
+        mixed = mix_nll_multi(logp, gate(X))
+    elif opts.baseline == "infini-gram":
+        est = heldout_estimates(index_dir, heldout, opts.workers)
+        p_inf, groups = est["p_index_infgram"], est["sparse"].astype(int)
+        params = opts.params if opts.params is not None else baselines.fit_lambdas(r["nll"][keep], p_inf[keep], groups[keep])
+        fitted = None if opts.params is not None else params
+        mixed = baselines.apply_lambdas(r["nll"], p_inf, params, groups)
+        extra["lambdas"] = {"non_sparse": params.get(0, 0.0), "sparse": params.get(1, 0.0)}
+    elif opts.baseline == "knn":
+        from teragram.index.dense import DenseStore
+
+        dist, vals = DenseStore(opts.dense or Path(index_dir) / "dense").search(r["hidden"], baselines.KNN_NEIGHBOURS)
+        y = r["target"].astype(np.int64)
+        params = opts.params if opts.params is not None else baselines.fit_knn(r["nll"][keep], dist[keep], vals[keep], y[keep])
+        fitted = None if opts.params is not None else params
+        mixed = baselines.knn_nll(r["nll"], dist, vals, y, params)
+        extra["knn"] = {"lambda": params["lambda"], "temperature": params["temperature"]}
+    else:
+        return alone | extra, None
+    return summarize(mixed[keep], nbytes) | {"model": alone} | extra, fitted

@@ -1,7 +1,6 @@
 """A GPT that reads the index: nanoGPT's model, plus index-feature inputs and a mixture head.
 
-For each position t the index supplies (see builder/features.py): the longest match length
-L, the continuation token of its most recent occurrence, the match's occurrence count, and
+For each position t the index supplies (index/features.py): the longest match length L, the continuation token of its most recent occurrence, the match's occurrence count, and
 the top-k next tokens after it with their counts. The model adds to the token embedding
 
     wte(cont) + wlen(L) + wcnt(log2 count) + sum_i (cnt_i / sum cnt) * wte(topk_i)
@@ -19,9 +18,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from teragram.index.features import Features
 
 N_CNT_BUCKETS = 33  # floor(log2(count + 1)) for counts below 2^32
 
@@ -53,33 +54,29 @@ class GPTConfig:
         return replace(cls(**shapes[name]), **kw)
 
 
-@dataclass
-class IndexBatch:
-    """Index features of a batch, aligned with the input tokens. All (B, T) or (B, T, k)."""
+def to_torch(f: Features, device=None) -> Features:
+    """The one conversion of index features to the model's inputs: int64 tensors (on device),
+    -1 meaning none, in the same record. Shapes stay: (B, T) / (B, T, k) for a batch."""
+    t = f.map(lambda a: torch.as_tensor(np.asarray(a, dtype=np.int64)))
+    return t if device is None else to_device(t, device)
 
-    length: torch.Tensor  # int64 match length, 0..max_match
-    cont: torch.Tensor  # int64 continuation token, -1 none
-    count: torch.Tensor  # int64 occurrences of the match (of the suffix)
-    topk_ids: torch.Tensor  # (B, T, k) int64, -1 none
-    topk_cnt: torch.Tensor  # (B, T, k) int64
 
-    def blinded(self, rows: torch.Tensor | None = None) -> IndexBatch:
-        """These features with the given sequences ((B,) bool; all by default) set to "no match"
-        (L = 0, nothing found)."""
-        m = torch.ones(self.length.shape[0], dtype=torch.bool, device=self.length.device) if rows is None else rows
-        mm = m[:, None]
-        return IndexBatch(
-            self.length.masked_fill(mm, 0),
-            self.cont.masked_fill(mm, -1),
-            self.count.masked_fill(mm, 0),
-            self.topk_ids.masked_fill(mm[..., None], -1),
-            self.topk_cnt.masked_fill(mm[..., None], 0),
-        )
+def to_device(f: Features, device, non_blocking: bool = False) -> Features:
+    return f.map(lambda t: t.to(device, non_blocking=non_blocking))
 
-    def to(self, device, non_blocking: bool = False) -> IndexBatch:
-        return IndexBatch(
-            *(getattr(self, f).to(device, non_blocking=non_blocking) for f in ("length", "cont", "count", "topk_ids", "topk_cnt"))
-        )
+
+def blinded(f: Features, rows: torch.Tensor | None = None) -> Features:
+    """These (torch) features with the given sequences ((B,) bool; all by default) set to "no
+    match" (L = 0, nothing found)."""
+    m = torch.ones(f.length.shape[0], dtype=torch.bool, device=f.length.device) if rows is None else rows
+    mm = m[:, None]
+    return Features(
+        f.length.masked_fill(mm, 0),
+        f.cont.masked_fill(mm, -1),
+        f.count.masked_fill(mm, 0),
+        f.topk_ids.masked_fill(mm[..., None], -1),
+        f.topk_cnt.masked_fill(mm[..., None], 0),
+    )
 
 
 class CausalSelfAttention(nn.Module):
@@ -179,7 +176,7 @@ class GPT(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters()) - self.transformer.wpe.weight.numel()
 
-    def _index_embedding(self, f: IndexBatch) -> torch.Tensor:
+    def _index_embedding(self, f: Features) -> torch.Tensor:
         wte = self.transformer.wte
         inputs = self.cfg.index_inputs
         e = 0
@@ -196,7 +193,7 @@ class GPT(nn.Module):
             e = e + torch.einsum("btk,btkc->btc", w, wte(f.topk_ids.clamp_min(0)))
         return e
 
-    def hidden(self, idx: torch.Tensor, f: IndexBatch | None = None, kv=None, pos0: int = 0):
+    def hidden(self, idx: torch.Tensor, f: Features | None = None, kv=None, pos0: int = 0):
         """Final hidden states (B, T, C) and the new key/value cache."""
         B, T = idx.shape
         pos = torch.arange(pos0, pos0 + T, dtype=torch.long, device=idx.device)
@@ -210,7 +207,7 @@ class GPT(nn.Module):
             new_kv.append(c)
         return self.transformer.ln_f(x), new_kv
 
-    def _gate_and_index(self, h: torch.Tensor, f: IndexBatch):
+    def _gate_and_index(self, h: torch.Tensor, f: Features):
         """Mixture weight g (B, T) and the index distribution's top-k probabilities (B, T, k)."""
         L = f.length.clamp(0, self.cfg.max_match)
         cb = count_bucket(f.count)
@@ -218,14 +215,14 @@ class GPT(nn.Module):
         q = (f.topk_cnt.float() * (f.topk_ids >= 0)) / f.count.float().clamp_min(1.0).unsqueeze(-1)
         return g, q
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, f: IndexBatch | None = None):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, f: Features | None = None):
         """logits (B, T, V) when targets is None; else (per-token loss (B, T), None)."""
         h, _ = self.hidden(idx, f)
         if targets is None:
             return self.lm_head(h)
         return self.head_losses(h, targets, f)[0], None
 
-    def head_losses(self, h: torch.Tensor, targets: torch.Tensor, f: IndexBatch | None = None):
+    def head_losses(self, h: torch.Tensor, targets: torch.Tensor, f: Features | None = None):
         """From final hidden states: the per-token loss (B, T) under the final distribution (the
         mixture when the model has one) and the model's own log-softmax (B, T, V), float32."""
         logp = F.log_softmax(self.lm_head(h).float(), dim=-1)
@@ -240,7 +237,7 @@ class GPT(nn.Module):
         return -torch.logaddexp(a, b), logp
 
     @torch.no_grad()
-    def next_distribution(self, h_last: torch.Tensor, f_last: IndexBatch | None) -> torch.Tensor:
+    def next_distribution(self, h_last: torch.Tensor, f_last: Features | None) -> torch.Tensor:
         """Probabilities (B, V) of the next token from the last hidden state (mixture applied)."""
         p = F.softmax(self.lm_head(h_last).float(), dim=-1)
         if not (self.cfg.use_index and self.cfg.mixture):

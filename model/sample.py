@@ -8,19 +8,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
-from teragram.index.engine import Index, ScoreResult
+from teragram.index.engine import Index
+from teragram.index.features import Features
 
-from . import interp
-from .gpt import GPT, IndexBatch
+from .gate import next_distribution
+from .gpt import GPT, to_torch
 
 
 @dataclass
 class Generation:
     ids: list[int]  # prompt + generated
     n_prompt: int
-    features: list[ScoreResult]  # one row per position, as seen while generating
+    features: list[Features]  # one row per position, as seen while generating
     stopped: str  # "eos", "stop", "length"
 
     @property
@@ -32,11 +32,8 @@ class Generation:
         return sum(int(f.length[0]) >= at_least for f in self.features[self.n_prompt - 1 : -1])
 
 
-def _batch(rows: list[ScoreResult], device) -> IndexBatch:
-    def cat(name):
-        return torch.from_numpy(np.concatenate([getattr(r, name) for r in rows]).astype(np.int64)).unsqueeze(0).to(device)
-
-    return IndexBatch(cat("length"), cat("cont"), cat("count"), cat("topk_ids"), cat("topk_cnt"))
+def _batch(rows: list[Features], device) -> Features:
+    return to_torch(Features.combine(rows).map(lambda a: a[None]), device)  # (1, T) / (1, T, k)
 
 
 def _pick(p: torch.Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator) -> int:
@@ -73,7 +70,7 @@ def stream(
 ):
     """Yield (token, features of the new position) one generated token at a time.
     `state` (a dict, optional) receives "features" (all positions so far) and "stopped".
-    With `gate` (model.interp.Gate) the model's distribution is mixed with the index's ∞-gram
+    With `gate` (model.gate.Gate) the model's distribution is mixed with the index's ∞-gram
     and fixed-order estimates, and the document cache's, for the document so far."""
     if not prompt:
         prompt = [idx.eos_id]  # an empty prompt starts a document
@@ -101,7 +98,7 @@ def stream(
             if gate is not None:
                 doc = ids[1:] if ids[0] == idx.eos_id else ids
                 soft = torch.softmax(model.lm_head(h[:, -1]).float(), -1)[0].cpu().double().numpy()
-                p = torch.from_numpy(interp.next_distribution(idx, doc, p.double().numpy(), gate, soft)).float()
+                p = torch.from_numpy(next_distribution(idx, doc, p.double().numpy(), gate, soft)).float()
             tok = _pick(p, temperature, top_k, top_p, gen)
             ids.append(tok)
             feats.append(sc.append(tok))

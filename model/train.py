@@ -21,11 +21,12 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from teragram.index import format as fmt
+from teragram.index.features import Features
 from tqdm import tqdm
 
 from .data import TrainData
 from .evaluate import evaluate
-from .gpt import GPT, GPTConfig, IndexBatch
+from .gpt import GPT, GPTConfig, blinded, to_device
 
 
 @dataclass(frozen=True)
@@ -148,8 +149,10 @@ def _setup(cfg: TrainConfig) -> tuple[int, int, str]:
 
 
 def _to(x, device):
-    """A tensor or an IndexBatch to the device (None stays None)."""
-    return None if x is None else x.to(device, non_blocking=True)
+    """A tensor or a (torch) Features record to the device (None stays None)."""
+    if x is None:
+        return None
+    return x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else to_device(x, device, non_blocking=True)
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -241,13 +244,13 @@ def train(cfg: TrainConfig) -> dict:
     return result
 
 
-def blind(f: IndexBatch, p: float, gen: torch.Generator) -> IndexBatch:
+def blind(f: Features, p: float, gen: torch.Generator) -> Features:
     """Features with a share p of the sequences set to "no match" (L = 0, nothing found): the
     model keeps learning to predict without the index (deterministic per step, for resume)."""
     m = torch.rand(f.length.shape[0], generator=gen) < p  # (B,)
     if not m.any():
         return f
-    return f.blinded(m)
+    return blinded(f, m)
 
 
 def _prefetch(data: TrainData, cfg: TrainConfig, rank: int, start: int, pin: bool):
@@ -263,11 +266,7 @@ def _prefetch(data: TrainData, cfg: TrainConfig, rank: int, start: int, pin: boo
                 x, y, f = data.batch(step * cfg.grad_accum + micro, cfg.batch_size, seed=cfg.seed, rank=rank)
                 if pin:
                     x, y = x.pin_memory(), y.pin_memory()
-                    f = (
-                        None
-                        if f is None
-                        else IndexBatch(*(getattr(f, n).pin_memory() for n in ("length", "cont", "count", "topk_ids", "topk_cnt")))
-                    )
+                    f = None if f is None else f.map(lambda t: t.pin_memory())
                 q.put((x, y, f))
 
     threading.Thread(target=work, daemon=True).start()

@@ -23,7 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from teragram.index.engine import Index
+from teragram.index.engine import Index, with_tokens
 from teragram.index.errors import QueryError, TeragramError
 
 
@@ -31,7 +31,7 @@ from teragram.index.errors import QueryError, TeragramError
 class ServeConfig:
     index: str
     checkpoint: str | None = None
-    gate: str | None = None  # index gate (model/interp.py) mixed into completions and scores
+    gate: str | None = None  # index gate (model/gate.py) mixed into completions and scores
     host: str = "127.0.0.1"
     port: int = 8080
     api_key: str | None = None
@@ -116,7 +116,7 @@ def create_app(cfg: ServeConfig) -> FastAPI:
             raise TeragramError(f"checkpoint vocabulary {model.cfg.vocab_size} != index vocabulary {idx.vocab_size}")
     gate = None
     if cfg.gate:
-        from teragram.model.interp import Gate
+        from teragram.model.gate import Gate
 
         if model is None:
             raise TeragramError("--gate needs --checkpoint")
@@ -205,19 +205,12 @@ def create_app(cfg: ServeConfig) -> FastAPI:
         elif qt in ("ntd", "infgram_ntd"):
             res = (idx.ntd if qt == "ntd" else idx.infgram_ntd)(ids)
             r = res.to_json()
-            r["result_by_token_id"] = {
-                str(k): v | {"token": idx.tokenizer.id_to_piece(int(k)) if int(k) < idx.vocab_size else ""}
-                for k, v in r["result_by_token_id"].items()
-            }
+            r["result_by_token_id"] = {str(k): v for k, v in r["result_by_token_id"].items()}
         elif qt == "search_docs":
             r = idx.docs(ids, max=req.maxnum, context=req.max_disp_len // 2).to_json()
         else:
             raise QueryError(f"unknown query_type {qt!r}; expected count, prob, ntd, infgram_prob, infgram_ntd or search_docs")
-        return r | {
-            "token_ids": ids,
-            "tokens": [idx.tokenizer.id_to_piece(int(i)) for i in ids],
-            "latency": (time.perf_counter() - t) * 1e3,
-        }
+        return with_tokens(idx, r, ids) | {"latency": (time.perf_counter() - t) * 1e3}
 
     def _need_model():
         if model is None:
@@ -295,7 +288,8 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     def score(req: ScoreRequest):
         _need_model()
         import torch
-        from teragram.model.gpt import IndexBatch
+        from teragram.index.features import Features
+        from teragram.model.gpt import blinded, to_torch
 
         ids = _query_ids(req.text, req.ids)
         if not ids:
@@ -305,34 +299,33 @@ def create_app(cfg: ServeConfig) -> FastAPI:
         x = [idx.eos_id] + ids[:-1]  # the text is read as a document: EOS, then its tokens
         r = idx.score(ids, top_k=model.cfg.top_k, max_len=model.cfg.max_match)
         # features of x's positions: none for the EOS slot, then those of ids[:-1]
-        L = np.concatenate([[0], r.length[:-1]])
-        cont = np.concatenate([[-1], r.cont[:-1]])
-        cnt = np.concatenate([[0], r.count[:-1]])
-        tk = np.concatenate([np.full((1, r.topk_ids.shape[1]), -1), r.topk_ids[:-1]])
-        tc = np.concatenate([np.zeros((1, r.topk_cnt.shape[1])), r.topk_cnt[:-1]])
+        fx = Features.combine([Features.empty(1, model.cfg.top_k, (np.int64,) * 5), r.map(lambda a: a[:-1])])
 
         def t(a):
             return torch.as_tensor(np.asarray(a, dtype=np.int64)).unsqueeze(0).to(cfg.device)
 
-        f = IndexBatch(t(L), t(cont), t(cnt), t(tk), t(tc)) if model.cfg.use_index else None
+        f = to_torch(fx.map(lambda a: a[None]), cfg.device) if model.cfg.use_index else None
         X, Y = t(x), t(ids)
         with model_lock, torch.no_grad():
             with_idx, logp = model.head_losses(model.hidden(X, f)[0], Y, f)
-            without = model(X, Y, f.blinded())[0] if f is not None else with_idx  # a model without index inputs: the same
+            without = model(X, Y, blinded(f))[0] if f is not None else with_idx  # a model without index inputs: the same
         out = {
             "tokens": [idx.tokenizer.id_to_piece(int(i)) for i in ids],
             "token_ids": ids,
             "logprobs_with_index": (-with_idx[0]).tolist(),
             "logprobs_without_index": (-without[0]).tolist(),
-            "features": [{"match_length": int(L[i]), "continuation": int(cont[i]), "count": int(cnt[i])} for i in range(len(ids))],
+            "features": [
+                {"match_length": int(fx.length[i]), "continuation": int(fx.cont[i]), "count": int(fx.count[i])} for i in range(len(ids))
+            ],
         }
         if gate is not None:  # the model's distribution mixed with the index's and the cache's estimates
-            from teragram.model import interp
+            from teragram.model.estimates import estimates
+            from teragram.model.gate import component_logp, gate_inputs, mix_nll_multi
 
             maxlp, top = logp[0].max(-1)
-            est = {k: v[: len(ids)] for k, v in interp.estimates(idx, ids).items()}  # targets: ids (no final EOS)
-            X_g = interp.gate_inputs(est, maxlp.exp().cpu().numpy(), top.cpu().numpy(), gate.components)
-            nll = interp.mix_nll_multi(interp.component_logp(est, with_idx[0].cpu().numpy(), gate.components), gate(X_g))
+            est = {k: v[: len(ids)] for k, v in estimates(idx, ids).items()}  # targets: ids (no final EOS)
+            X_g = gate_inputs(est, maxlp.exp().cpu().numpy(), top.cpu().numpy(), gate.components)
+            nll = mix_nll_multi(component_logp(est, with_idx[0].cpu().numpy(), gate.components), gate(X_g))
             out["logprobs_with_gate"] = (-nll).tolist()
         return out
 

@@ -42,7 +42,7 @@ def corpus_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tokenizer_model(tmp_path_factory) -> Path:
     """A 1000-piece tokenizer trained on real text (shared by index tests)."""
-    from teragram.builder import tokenizer
+    from teragram.index import tokenizer
 
     d = tmp_path_factory.mktemp("tok")
     model = tokenizer.train((t for _, t in real_texts(60)), 1000, threads=1)

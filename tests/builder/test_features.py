@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 from teragram.builder.build import build_from_ids
-from teragram.builder.features import FeatureConfig, compute_features, open_features, shard_features
+from teragram.builder.features import compute_features, shard_features
 from teragram.index.engine import Index
+from teragram.index.features import FeatureConfig, open_features
 
 from tests.conftest import random_docs
 from tests.oracle import Oracle

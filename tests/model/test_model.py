@@ -11,9 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from teragram.builder.features import FeatureConfig, compute_features
+from teragram.builder.features import compute_features
 from teragram.index.engine import Index
-from teragram.model.gpt import GPT, GPTConfig, IndexBatch
+from teragram.index.features import FeatureConfig, Features
+from teragram.model.gpt import GPT, GPTConfig
 from teragram.model.sample import generate
 from teragram.model.train import TrainConfig, load_model, train
 
@@ -27,7 +28,7 @@ def _rand_feats(B, T, V, k, g):
     ids = torch.randint(-1, V, (B, T, k), generator=g)
     cnt = torch.randint(0, 50, (B, T, k), generator=g) * (ids >= 0)
     count = cnt.sum(-1) + torch.randint(0, 5, (B, T), generator=g)
-    return IndexBatch(length, cont, count, ids, cnt)
+    return Features(length, cont, count, ids, cnt)
 
 
 def test_mixture_is_a_distribution_and_matches_the_loss():
@@ -44,7 +45,7 @@ def test_mixture_is_a_distribution_and_matches_the_loss():
     h, _ = m.hidden(x, f)
     for b in range(2):
         for t in range(16):
-            fb = IndexBatch(*(getattr(f, n)[b : b + 1, t : t + 1] for n in ("length", "cont", "count", "topk_ids", "topk_cnt")))
+            fb = f.map(lambda a, b=b, t=t: a[b : b + 1, t : t + 1])
             p = m.next_distribution(h[b : b + 1, t], fb)[0]
             assert float(p.sum()) == pytest.approx(1.0, abs=1e-5)
             assert float(-torch.log(p[y[b, t]])) == pytest.approx(float(loss[b, t].detach()), abs=1e-4)
@@ -56,7 +57,7 @@ def test_kv_cache_matches_full_forward():
     x = torch.randint(0, 50, (1, 20), generator=g)
     f = _rand_feats(1, 20, 50, 4, g)
     full, _ = m.hidden(x, f)
-    sl = lambda a, b: IndexBatch(*(getattr(f, n)[:, a:b] for n in ("length", "cont", "count", "topk_ids", "topk_cnt")))  # noqa: E731
+    sl = lambda a, b: f.map(lambda v: v[:, a:b])  # noqa: E731
     h, kv = m.hidden(x[:, :12], sl(0, 12))
     steps = [h]
     for t in range(12, 20):
@@ -162,7 +163,7 @@ dist.destroy_process_group()
     parts = [data.batch(0, 4, seed=3, rank=k) for k in range(2)]
     x = torch.cat([p[0] for p in parts])
     y = torch.cat([p[1] for p in parts])
-    f = IndexBatch(*(torch.cat([getattr(p[2], n) for p in parts]) for n in ("length", "cont", "count", "topk_ids", "topk_cnt")))
+    f = Features.combine([p[2] for p in parts], torch.cat)
     loss, _ = m(x, y, f)
     loss.mean().backward()
     ddp = torch.load(tmp_path / "ddp.pt")
@@ -235,11 +236,13 @@ def test_cli_train_eval_sample(dup_setup, tmp_path):
 
 
 def test_index_gate_helps_and_its_live_mixture_equals_bulk(dup_setup):
-    from teragram.model import interp
+    from teragram.model import estimates
+    from teragram.model import gate as gate_mod
+    from teragram.model.evaluate import gated_eval
 
     train(_cfg(dup_setup, "gbase", features=None, max_steps=60))
     model, _ = load_model(dup_setup / "gbase")
-    gate, nll_model, nll_gated = interp.gated_eval(model, dup_setup / "idx", dup_setup / "held")
+    gate, nll_model, nll_gated = gated_eval(model, dup_setup / "idx", dup_setup / "held")
     assert nll_gated.mean() < 0.7 * nll_model.mean()  # held-out near-duplicates: the index's estimates help
     # generation's distribution gives each actual next token the bulk mixture's probability
     idx = Index(dup_setup / "idx")
@@ -249,11 +252,11 @@ def test_index_gate_helps_and_its_live_mixture_equals_bulk(dup_setup):
     with torch.no_grad():
         p_model = torch.softmax(model(torch.tensor([[idx.eos_id, *doc]]))[0].double(), -1).numpy()
     nll_m = -np.log(p_model[np.arange(len(targets)), targets])
-    est = interp.estimates(idx, doc)
-    bulk = interp.mix_nll_multi(interp.component_logp(est, nll_m), gate(interp.gate_inputs(est, p_model.max(-1), p_model.argmax(-1))))
-    assert est["countc"][45:].min() > 0 and est["clength"][-1] >= 16
+    est = estimates.estimates(idx, doc)
+    bulk = gate_mod.mix_nll_multi(gate_mod.component_logp(est, nll_m), gate(gate_mod.gate_inputs(est, p_model.max(-1), p_model.argmax(-1))))
+    assert est["count_cache_longest"][45:].min() > 0 and est["cache_length"][-1] >= 16
     for t in range(len(targets)):
-        p = interp.next_distribution(idx, doc[:t], p_model[t], gate)
+        p = gate_mod.next_distribution(idx, doc[:t], p_model[t], gate)
         assert p.sum() == pytest.approx(1.0, abs=1e-9), t
         assert -np.log(p[targets[t]]) == pytest.approx(bulk[t], rel=1e-6, abs=1e-9), t
 
@@ -262,7 +265,7 @@ def test_heldout_estimates_follow_the_index_asked_for(dup_setup, real_index):
     """Estimates for the same held-out text against two indexes, in one process: each equals a
     fresh computation against its own index (no stale index kept between calls)."""
     from teragram.index import format as fmt
-    from teragram.model import interp
+    from teragram.model import estimates
 
     d = dup_setup / "held" / "000000"
     tok = np.asarray(fmt.open_array(d / "tokens.bin", "tokens")).astype(np.int64)
@@ -270,11 +273,18 @@ def test_heldout_estimates_follow_the_index_asked_for(dup_setup, real_index):
     docs = [tok[st[k] : st[k + 1] - 1] for k in range(len(st) - 1)]
     got = {}
     for root in (dup_setup / "idx", real_index, dup_setup / "idx"):
-        est = interp.heldout_estimates(root, dup_setup / "held")
-        want = [interp.estimates(Index(root), x) for x in docs]
-        for key in ("p", "count", "p4", "share16", "pc", "countc4"):
+        est = estimates.heldout_estimates(root, dup_setup / "held")
+        want = [estimates.estimates(Index(root), x) for x in docs]
+        for key in (
+            "p_index_infgram",
+            "count_index_infgram",
+            "p_index_5gram",
+            "share_index_17gram",
+            "p_cache_longest",
+            "count_cache_5gram",
+        ):
             np.testing.assert_array_equal(est[key], np.concatenate([w[key] for w in want]), err_msg=f"{root} {key}")
-        got[str(root)] = est["count"]
+        got[str(root)] = est["count_index_infgram"]
     assert not np.array_equal(got[str(dup_setup / "idx")], got[str(real_index)])
 
 

@@ -12,8 +12,9 @@ import httpx
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from teragram.builder.features import FeatureConfig, compute_features
+from teragram.builder.features import compute_features
 from teragram.index.engine import Index
+from teragram.index.features import FeatureConfig
 from teragram.model.train import TrainConfig, train
 from teragram.serve.app import ServeConfig, create_app
 
@@ -185,13 +186,15 @@ def test_concurrent_index_queries(client, real_index):
 
 
 def test_gate_in_score_equals_bulk_gated_eval_and_completions_run(real_index, checkpoint, tmp_path):
-    from teragram.model import interp
+    from teragram.model.estimates import COMPONENTS
+    from teragram.model.evaluate import gated_eval
+    from teragram.model.gate import Gate, gate_features
     from teragram.model.train import load_model
 
     text = "The kernel is the core of the operating system"
-    X = interp.gate_features(np.zeros(1), np.ones(1), *[[np.ones(1)] * len(interp.COMPONENTS)] * 3, np.zeros(1))
-    W = np.random.default_rng(0).normal(0, 0.5, (X.shape[1], len(interp.COMPONENTS)))
-    interp.Gate(W).save(tmp_path / "gate.json")
+    X = gate_features(np.zeros(1), np.ones(1), *[[np.ones(1)] * len(COMPONENTS)] * 3, np.zeros(1))
+    W = np.random.default_rng(0).normal(0, 0.5, (X.shape[1], len(COMPONENTS)))
+    Gate(W).save(tmp_path / "gate.json")
     c = TestClient(create_app(ServeConfig(index=str(real_index), checkpoint=str(checkpoint), gate=str(tmp_path / "gate.json"))))
     r = c.post("/v1/score", json={"text": text})
     assert r.status_code == 200, r.text
@@ -201,7 +204,7 @@ def test_gate_in_score_equals_bulk_gated_eval_and_completions_run(real_index, ch
     (tmp_path / "doc" / "a.txt").write_text(text)
     compute_features(real_index, tmp_path / "held", FeatureConfig("held-out", 64, 4), corpus=[str(tmp_path / "doc")], progress=False)
     model, _ = load_model(checkpoint)
-    _, _, nll = interp.gated_eval(model, real_index, tmp_path / "held", gate=interp.Gate.load(tmp_path / "gate.json"))
+    _, _, nll = gated_eval(model, real_index, tmp_path / "held", gate=Gate.load(tmp_path / "gate.json"))
     assert len(got) == len(nll) - 1  # the bulk path also predicts the final EOS
     np.testing.assert_allclose(got, -nll[:-1], rtol=1e-4, atol=1e-4)
     r = c.post("/v1/completions", json={"prompt": "The kernel", "max_tokens": 5})

@@ -18,16 +18,27 @@ def test_tokenize_and_query_json(real_index):
     r = _teragram("tokenize", str(real_index), "the kernel", "--json")
     ids = json.loads(r.stdout)["ids"]
     assert ids == idx.tokenize("the kernel")
+    pieces = [idx.tokenizer.id_to_piece(i) for i in ids]
+    assert "".join(pieces).replace("\u2581", " ") == "the kernel"
     r = _teragram("query", str(real_index), "count", "the kernel", "--json")
-    assert json.loads(r.stdout) == {"count": idx.count(ids).count, "approx": False}
+    assert json.loads(r.stdout) == {"count": idx.count(ids).count, "approx": False, "token_ids": ids, "tokens": pieces}
     r = _teragram("query", str(real_index), "infgram-prob", "--ids", ",".join(map(str, ids)), "--cont", str(ids[0]), "--json")
-    assert json.loads(r.stdout) == idx.infgram_prob(ids, ids[0]).to_json()
+    want = idx.infgram_prob(ids, ids[0]).to_json() | {"cont_token": pieces[0], "token_ids": ids, "tokens": pieces}
+    assert json.loads(r.stdout) == want
     r = _teragram("query", str(real_index), "ntd", "the", "--json")
     got = json.loads(r.stdout)
     assert got["prompt_cnt"] == idx.count(idx.tokenize("the")).count
+    assert got["tokens"] == [idx.tokenizer.id_to_piece(i) for i in idx.tokenize("the")]
     assert {int(k): v["cont_cnt"] for k, v in got["result_by_token_id"].items()} == {
         t: c for t, (c, _) in idx.ntd(idx.tokenize("the")).result_by_token_id.items()
     }
+    assert all(v["token"] == idx.piece(int(k)) for k, v in got["result_by_token_id"].items())
+    r = _teragram("query", str(real_index), "longest-match", "the kernel", "--json")
+    got = json.loads(r.stdout)
+    assert got["cont_token"] == idx.piece(got["cont"]) and got["token_ids"] == ids
+    # text output: each id beside its text
+    r = _teragram("query", str(real_index), "count", "the kernel")
+    assert r.stdout.splitlines()[-1] == "tokens: " + " ".join(f"{i}:{t!r}" for i, t in zip(ids, pieces))
 
 
 def test_batch_in_order_with_errors(real_index, tmp_path):
@@ -62,7 +73,11 @@ def test_batch_in_order_with_errors(real_index, tmp_path):
         if e is None:
             assert set(g) == {"error"}
         else:
-            assert g == e
+            if "result_by_token_id" in g:  # each next token also carries its text
+                for t, v in g["result_by_token_id"].items():
+                    assert v.pop("token") == idx.piece(int(t))
+            assert {k: g[k] for k in e} == e  # infini-gram's fields, unchanged
+            assert [idx.piece(i) for i in g["token_ids"]] == g["tokens"]
 
 
 def test_one_line_errors(real_index, tmp_path):

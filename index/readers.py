@@ -1,5 +1,8 @@
 """Streaming corpus readers: turn input paths into documents, counting what they skip.
 
+The corpus format is shared: `build` indexes it, `features --corpus` and `eval --corpus` read
+held-out text in it, so it lives beside the index format rather than in the builder.
+
 Readers implement only "read one file". ``walk`` lists input files in a deterministic order
 (sorted, recursive); ``read_file`` yields ``Doc`` records and ``Skip`` records for one file.
 Bad input never stops a build: binary files, invalid UTF-8, empty documents, malformed JSON
@@ -15,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from teragram.index.errors import BuildError
+from .errors import BuildError
 
 # Bytes of a file sniffed for NUL bytes to call it binary (what git and grep do).
 _SNIFF = 8192

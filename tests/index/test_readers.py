@@ -5,8 +5,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
-from teragram.builder.readers import Doc, Skip, read_file, walk
 from teragram.index.errors import BuildError
+from teragram.index.readers import Doc, Skip, read_file, walk
 
 
 def _items(path):

@@ -1,11 +1,13 @@
 """The ∞-gram interpolation: infini-gram's two λ and the learned gate, on synthetic positions
-whose best mixing weight is known."""
+whose best mixing weight is known; the document cache's estimates against brute force."""
 
 import json
 
 import numpy as np
 import pytest
-from teragram.model import interp
+from teragram.model import baselines, estimates
+from teragram.model import gate as gate_mod
+from teragram.model.gate import Gate
 
 
 def _positions(n: int, seed: int):
@@ -31,37 +33,37 @@ def _logp(nll_model, *ps):
 def test_lambdas_pick_the_grid_optimum():
     *_, share, _, _, nll_model, p_inf = _positions(20000, 0)
     sparse = share >= 1
-    lams = interp.fit_lambdas(nll_model, p_inf, sparse.astype(int))
+    lams = baselines.fit_lambdas(nll_model, p_inf, sparse.astype(int))
     for grp in (0, 1):
         m = sparse.astype(int) == grp
-        losses = [interp.mix_nll(nll_model[m], p_inf[m], lam).mean() for lam in interp.LAMBDAS]
-        assert lams[grp] == interp.LAMBDAS[int(np.argmin(losses))]
+        losses = [baselines.mix_nll(nll_model[m], p_inf[m], lam).mean() for lam in baselines.LAMBDAS]
+        assert lams[grp] == baselines.LAMBDAS[int(np.argmin(losses))]
     assert lams[1] > 0.7 > 0.1 > lams[0]
 
 
 def test_gate_learns_where_the_index_is_reliable_and_generalises():
     length, count, share, maxp, agree, nll_model, p_inf = _positions(20000, 1)
     sparse = share >= 1
-    X = interp.gate_features(length, maxp, [count], [share], [agree])
-    gate = interp.Gate.fit(X, _logp(nll_model, p_inf), components=("",))
+    X = gate_mod.gate_features(length, maxp, [count], [share], [agree])
+    gate = Gate.fit(X, _logp(nll_model, p_inf), components=("index_infgram",))
     g = gate(X)[:, 1]
     assert g[sparse].mean() > 0.8 and g[~sparse].mean() < 0.2
     # on fresh positions the gate is at least as good as infini-gram's tuned constants
     length2, count2, share2, maxp2, agree2, nll2, p2 = _positions(20000, 2)
     sparse2 = share2 >= 1
-    lams = interp.fit_lambdas(nll_model, p_inf, sparse.astype(int))
-    fixed = interp.apply_lambdas(nll2, p2, lams, sparse2.astype(int)).mean()
-    learned = interp.mix_nll_multi(_logp(nll2, p2), gate(interp.gate_features(length2, maxp2, [count2], [share2], [agree2]))).mean()
+    lams = baselines.fit_lambdas(nll_model, p_inf, sparse.astype(int))
+    fixed = baselines.apply_lambdas(nll2, p2, lams, sparse2.astype(int)).mean()
+    learned = gate_mod.mix_nll_multi(_logp(nll2, p2), gate(gate_mod.gate_features(length2, maxp2, [count2], [share2], [agree2]))).mean()
     assert learned <= fixed + 1e-3
     assert learned < nll2.mean()
 
 
 def test_gate_round_trips(tmp_path):
     length, count, share, maxp, agree, nll_model, p_inf = _positions(2000, 3)
-    X = interp.gate_features(length, maxp, [count], [share], [agree])
-    gate = interp.Gate.fit(X, _logp(nll_model, *[p_inf] * len(interp.SUFFIXES)), components=interp.SUFFIXES, steps=50)
+    X = gate_mod.gate_features(length, maxp, [count], [share], [agree])
+    gate = Gate.fit(X, _logp(nll_model, *[p_inf] * len(estimates.INDEX)), components=estimates.INDEX, steps=50)
     gate.save(tmp_path / "gate.json")
-    np.testing.assert_allclose(interp.Gate.load(tmp_path / "gate.json")(X), gate(X))
+    np.testing.assert_allclose(Gate.load(tmp_path / "gate.json")(X), gate(X))
 
 
 def test_gate_load_refuses_other_files(tmp_path):
@@ -69,15 +71,15 @@ def test_gate_load_refuses_other_files(tmp_path):
 
     (tmp_path / "x.json").write_text("{not json")
     with pytest.raises(TeragramError, match="not a teragram index gate"):
-        interp.Gate.load(tmp_path / "x.json")
-    interp.Gate(np.zeros((5, 2)), ("", "1")).save(tmp_path / "two.json")
+        Gate.load(tmp_path / "x.json")
+    Gate(np.zeros((5, 2)), ("index_infgram", "index_2gram")).save(tmp_path / "two.json")
     d = json.loads((tmp_path / "two.json").read_text())
     d["W"] = np.zeros((5, 3)).tolist()  # weights for three estimates, two named
     (tmp_path / "two.json").write_text(json.dumps(d))
     with pytest.raises(TeragramError, match="other features"):
-        interp.Gate.load(tmp_path / "two.json")
+        Gate.load(tmp_path / "two.json")
     with pytest.raises(TeragramError, match="unknown or misordered"):
-        interp.Gate(np.zeros((5, 2)), ("1", ""))
+        Gate(np.zeros((5, 2)), ("index_2gram", "index_infgram"))
 
 
 def test_gate_uses_a_third_component_where_it_helps():
@@ -88,13 +90,14 @@ def test_gate_uses_a_third_component_where_it_helps():
     short_cnt = rng.integers(1, 1000, len(length))
     good = short_cnt > 500  # reliable only when its own suffix is frequent
     p_short = np.where(good, 0.6, rng.uniform(0, 0.01, len(length)))
-    X = interp.gate_features(length, maxp, [count, short_cnt], [share, np.full(len(length), 0.3)], [agree, np.zeros(len(length))])
-    w = interp.Gate.fit(X, _logp(nll_model, p_inf, p_short), components=("", "1"))(X)
+    X = gate_mod.gate_features(length, maxp, [count, short_cnt], [share, np.full(len(length), 0.3)], [agree, np.zeros(len(length))])
+    w = Gate.fit(X, _logp(nll_model, p_inf, p_short), components=("index_infgram", "index_2gram"))(X)
     dense = ~sparse
     assert w[dense & good, 2].mean() > 0.5 > 0.1 > w[dense & ~good, 2].mean()
-    two = interp.Gate.fit(X, _logp(nll_model, p_inf), components=("",))(X)
+    two = Gate.fit(X, _logp(nll_model, p_inf), components=("index_infgram",))(X)
     assert (
-        interp.mix_nll_multi(_logp(nll_model, p_inf, p_short), w).mean() < interp.mix_nll_multi(_logp(nll_model, p_inf), two).mean() - 0.05
+        gate_mod.mix_nll_multi(_logp(nll_model, p_inf, p_short), w).mean()
+        < gate_mod.mix_nll_multi(_logp(nll_model, p_inf), two).mean() - 0.05
     )
 
 
@@ -112,21 +115,44 @@ def test_cache_estimates_against_brute_force_and_live():
     eos = 9
     for trial in range(40):
         ids = rng.integers(0, 3 if trial % 2 else 6, size=int(rng.integers(0, 90)))
-        est = interp.cache_estimates(ids, eos)
+        est = estimates.cache_estimates(ids, eos)
         y = np.append(ids, eos)
         assert all(len(v) == len(y) for v in est.values())
         for j in range(len(y)):
-            longest = max((k for k in interp.CACHE_LENGTHS if _brute_cache(ids, eos, j, k)[0]), default=0)
-            assert est["clength"][j] == longest, (trial, j)
-            for name, k in [(f"c{k}", k) for k in interp.ORDERS] + [("c", longest)]:
+            longest = max((k for k in estimates.CACHE_LENGTHS if _brute_cache(ids, eos, j, k)[0]), default=0)
+            assert est["cache_length"][j] == longest, (trial, j)
+            for name, k in [(f"cache_{k + 1}gram", k) for k in estimates.ORDERS] + [("cache_longest", longest)]:
                 cnt, hist = _brute_cache(ids, eos, j, k) if k else (0, {})
                 top = min(hist, key=lambda t: (-hist[t], t)) if hist else -1
-                got = (est[f"count{name}"][j], est[f"p{name}"][j], est[f"top{name}"][j], est[f"share{name}"][j])
+                got = (est[f"count_{name}"][j], est[f"p_{name}"][j], est[f"top_{name}"][j], est[f"share_{name}"][j])
                 want = (cnt, hist.get(int(y[j]), 0) / max(cnt, 1), top, (hist[top] if hist else 0) / max(cnt, 1))
                 assert got == pytest.approx(want), (trial, j, name)
             # the live path (generation) reads the same distributions off the context
-            dists, clen = interp._cache_live(ids[:j], 10, interp.CACHE)
+            dists, clen = estimates.cache_live(ids[:j], 10, estimates.CACHE)
             assert clen == longest
-            for name in interp.CACHE:
+            for name in estimates.CACHE:
                 d, n = dists[name]
-                assert n == est[f"count{name}"][j] and d[y[j]] == pytest.approx(est[f"p{name}"][j]), (trial, j, name)
+                assert n == est[f"count_{name}"][j] and d[y[j]] == pytest.approx(est[f"p_{name}"][j]), (trial, j, name)
+
+
+def test_gates_saved_with_the_old_component_names_load_under_the_new(tmp_path):
+    rng = np.random.default_rng(6)
+    W = rng.normal(size=(5, len(estimates.COMPONENTS)))
+    Gate(W).save(tmp_path / "new.json")
+    d = json.loads((tmp_path / "new.json").read_text())
+    old = ["", "1", "2", "4", "8", "16", "c", "c1", "c2", "c4", "c8", "c16"]  # the names before they said what they are
+    d["components"] = old
+    (tmp_path / "old.json").write_text(json.dumps(d))
+    g = Gate.load(tmp_path / "old.json")
+    assert g.components == estimates.COMPONENTS
+    assert g.components[:3] == ("index_infgram", "index_2gram", "index_3gram") and g.components[6:8] == ("cache_longest", "cache_2gram")
+    np.testing.assert_array_equal(g.W, W)
+    d["components"] = ["", "c4"]
+    d["W"] = W[:, :2].tolist()
+    (tmp_path / "two.json").write_text(json.dumps(d))
+    assert Gate.load(tmp_path / "two.json").components == ("index_infgram", "cache_5gram")
+
+
+def test_component_names_say_their_context():
+    assert [estimates.context_length(c) for c in estimates.INDEX] == [0, *estimates.ORDERS]
+    assert [estimates.context_length(c) for c in estimates.CACHE] == [0, *estimates.ORDERS]

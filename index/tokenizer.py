@@ -13,7 +13,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import sentencepiece as spm
-from teragram.index.errors import BuildError
+
+from .errors import BuildError
 
 # A sentencepiece "sentence" is one line of a document; long lines are cut so training
 # stays bounded (the model still encodes longer lines, through byte fallback if needed).

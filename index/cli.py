@@ -1,0 +1,194 @@
+"""The index's verbs: `teragram verify | stats | tokenize | query`.
+
+Each module's `register(sub)` adds its verbs to the `teragram` parser (serve/cli.py), each verb
+with its handler (`run`); handlers import library code only when they run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .errors import QueryError, TeragramError
+
+
+def print_json(obj) -> None:
+    print(json.dumps(obj, sort_keys=False))
+
+
+def cmd_verify(args) -> int:
+    from .verify import verify
+
+    problems = verify(args.index, samples=args.samples)
+    for p in problems:
+        print(f"{args.index}: {p}", file=sys.stderr)
+    if problems:
+        return 1
+    print(f"{args.index}: ok")
+    return 0
+
+
+def cmd_stats(args) -> int:
+    from . import format as fmt
+
+    m = fmt.read_json(Path(args.index) / "manifest.json")
+    root = Path(args.index)
+    by_kind: dict[str, int] = {}
+    for s in m["shards"]:
+        for f in s["files"]:
+            name = Path(f["path"]).name
+            by_kind[name] = by_kind.get(name, 0) + f["size"]
+    lmdb = sum(p.stat().st_size for p in (root / "meta.lmdb").glob("*"))
+    n = max(1, m["counts"]["tokens"])
+    stats = {
+        "index": str(root),
+        "counts": m["counts"],
+        "vocab_size": m["tokenizer"]["vocab_size"],
+        "token_dtype": m["token_dtype"],
+        "sa_width_bits": sorted({s["sa_width"] for s in m["shards"]}),
+        "bytes": by_kind | {"meta.lmdb": lmdb},
+        "bytes_per_token": {
+            "tokens+sa": (by_kind.get("tokens.bin", 0) + by_kind.get("sa.bin", 0)) / n,
+            "all": (sum(by_kind.values()) + lmdb) / n,
+        },
+        "skipped": m["skipped"]["counts"],
+    }
+    if args.json:
+        print_json(stats)
+    else:
+        c = m["counts"]
+        print(f"index       {root}")
+        print(f"documents   {c['docs']:,}   tokens {c['tokens']:,}   shards {c['shards']}")
+        print(f"vocabulary  {stats['vocab_size']:,} ({stats['token_dtype']} tokens, {stats['sa_width_bits']}-bit suffix-array pointers)")
+        for k, v in sorted(stats["bytes"].items()):
+            print(f"  {k:<12} {v:>14,} bytes  {v / n:6.3f} B/token")
+        print(f"tokens + suffix array: {stats['bytes_per_token']['tokens+sa']:.3f} bytes/token")
+        if stats["skipped"]:
+            print("skipped     " + ", ".join(f"{k}={v}" for k, v in stats["skipped"].items()))
+    return 0
+
+
+def cmd_tokenize(args) -> int:
+    from .engine import Index
+
+    ids = Index(args.index).tokenize(args.text)
+    if args.json:
+        print_json({"ids": ids})
+    else:
+        print(" ".join(map(str, ids)))
+    return 0
+
+
+def _parse_ids(s: str) -> list[int]:
+    try:
+        return [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise QueryError(f"--ids must be comma-separated integers, got {s!r}") from None
+
+
+def _answer(idx, op: str, ids, cont) -> dict:
+    """The answer to one query, with each token id's text beside it (engine.with_tokens)."""
+    from .engine import OPS, with_tokens
+
+    op = op.replace("_", "-")
+    if op in ("prob", "infgram-prob") and cont is None:
+        raise QueryError(f'{op} needs a continuation token (--cont / "cont")')
+    run = {
+        "count": lambda: idx.count(ids),
+        "prob": lambda: idx.prob(ids, cont),
+        "ntd": lambda: idx.ntd(ids),
+        "infgram-prob": lambda: idx.infgram_prob(ids, cont),
+        "infgram-ntd": lambda: idx.infgram_ntd(ids),
+        "longest-match": lambda: idx.longest_match(ids),
+        "docs": lambda: idx.docs(ids),
+    }
+    if op not in run:
+        raise QueryError(f"unknown op {op!r}; expected one of {', '.join(OPS)}")
+    return with_tokens(idx, run[op]().to_json(), ids, cont if op in ("prob", "infgram-prob") else None)
+
+
+def cmd_query(args) -> int:
+    from .engine import Index
+
+    idx = Index(args.index)
+    if args.batch:
+        try:
+            lines = open(args.batch) if args.batch != "-" else sys.stdin
+        except OSError as e:
+            raise QueryError(f"cannot read {args.batch}: {e.strerror}") from None
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                q = json.loads(line)
+                if not isinstance(q, dict) or "op" not in q:
+                    raise QueryError('each line must be a JSON object with "op" and "ids"')
+                ids = q.get("ids")
+                if ids is None:
+                    ids = idx.tokenize(q["text"]) if isinstance(q.get("text"), str) else []
+                ans = _answer(idx, str(q["op"]), ids, q.get("cont"))
+            except json.JSONDecodeError as e:
+                ans = {"error": f"line {n}: malformed JSON ({e.msg})"}
+            except TeragramError as e:
+                ans = {"error": f"line {n}: {e}"}
+            print(json.dumps(ans), flush=False)
+        return 0
+    if args.op is None:
+        raise QueryError("give OP and TEXT (or --ids), or --batch FILE")
+    if args.ids is not None:
+        ids = _parse_ids(args.ids)
+    elif args.text is not None:
+        ids = idx.tokenize(args.text)
+    else:
+        raise QueryError("give TEXT or --ids")
+    ans = _answer(idx, args.op, ids, args.cont)
+    if args.json:
+        print_json(ans)
+    else:
+        _print_text(ans)
+    return 0
+
+
+def _print_text(ans: dict) -> None:
+    """One line per field; ids beside their text; one line per next token."""
+    for k, v in ans.items():
+        if k == "tokens":
+            continue
+        if k == "token_ids":
+            print("tokens: " + " ".join(f"{i}:{t!r}" for i, t in zip(v, ans["tokens"])))
+        elif k == "result_by_token_id":
+            print(f"{k}:")
+            for t, e in v.items():
+                print(f"  {t:>7} {e['token']!r:<16} cont_cnt {e['cont_cnt']}  prob {e['prob']:.6g}")
+        else:
+            print(f"{k}: {v}")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    v = sub.add_parser("verify", help="check every file's header, size and checksum, and suffix-array order")
+    v.add_argument("index")
+    v.add_argument("--samples", type=int, default=2000, help="adjacent suffix-array ranks checked per shard")
+    v.set_defaults(run=cmd_verify)
+
+    s = sub.add_parser("stats", help="counts and sizes of an index")
+    s.add_argument("index")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(run=cmd_stats)
+
+    t = sub.add_parser("tokenize", help="token ids of a text with the index's tokenizer")
+    t.add_argument("index")
+    t.add_argument("text")
+    t.add_argument("--json", action="store_true")
+    t.set_defaults(run=cmd_tokenize)
+
+    q = sub.add_parser("query", help="count, prob, ntd, infgram-prob, infgram-ntd, longest-match, docs")
+    q.add_argument("index")
+    q.add_argument("op", nargs="?", help="count | prob | ntd | infgram-prob | infgram-ntd | longest-match | docs")
+    q.add_argument("text", nargs="?", help="query text (tokenized with the index's tokenizer)")
+    q.add_argument("--ids", help="query token ids, comma-separated, instead of text")
+    q.add_argument("--cont", type=int, help="continuation token id for prob / infgram-prob")
+    q.add_argument("--json", action="store_true", help="infini-gram's field names, as JSON")
+    q.add_argument("--batch", help="JSONL file of queries {op, ids, cont}; one JSON answer per line")
+    q.set_defaults(run=cmd_query)

@@ -1,0 +1,177 @@
+"""The model's verbs: `teragram train | eval | sample | dense` (registered as index/cli.py's)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from teragram.index.cli import print_json
+
+
+def cmd_train(args) -> int:
+    from .config import load
+    from .train import TrainConfig, train
+
+    cfg = load(TrainConfig, args.config, args.overrides)
+    r = train(cfg)
+    if int(os.environ.get("RANK", "0")) == 0:
+        loss = r.get("loss", float("nan"))
+        msg = f"trained {cfg.out}: step {r['step']}" + (f", loss {loss:.4f}" if loss == loss else " (already complete)")
+        if "eval" in r:
+            msg += f", held-out perplexity {r['eval']['perplexity']:.3f} ({r['eval']['bits_per_byte']:.4f} bits/byte)"
+        print(msg)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    import tempfile
+
+    from teragram.index.engine import Index
+    from teragram.index.errors import TeragramError, TokenizerMismatch
+    from teragram.index.features import FeatureConfig
+    from teragram.index.heldout import compute_held_out
+
+    from . import baselines
+    from .evaluate import EvalOptions, heldout_report
+    from .gate import Gate
+    from .train import load_model
+
+    if args.baseline and not (args.fit_lambdas or args.lambdas):
+        raise TeragramError("--baseline needs --fit-lambdas OUT (fit on validation text) or --lambdas FILE")
+    if (args.fit_lambdas or args.lambdas) and not args.baseline:
+        raise TeragramError("--fit-lambdas / --lambdas go with --baseline infini-gram|knn")
+    if args.baseline and (args.gate or args.fit_gate):
+        raise TeragramError("give either the index gate (--gate / --fit-gate) or --baseline, not both")
+    opts = EvalOptions(
+        gate=Gate.load(args.gate) if args.gate else None,
+        fit_gate=bool(args.fit_gate),
+        baseline=args.baseline,
+        params=baselines.load_params(args.lambdas, args.baseline) if args.lambdas else None,
+        decontaminate=args.decontaminate,
+        dense=args.dense,
+        workers=args.workers,
+    )
+    model, meta = load_model(args.checkpoint, args.device)
+    idx = Index(args.index)
+    if model.cfg.vocab_size != idx.vocab_size:
+        raise TokenizerMismatch(f"checkpoint vocabulary {model.cfg.vocab_size} != index vocabulary {idx.vocab_size}")
+    with tempfile.TemporaryDirectory() as tmp:
+        feats = args.features_out or tmp
+        cfg = FeatureConfig("held-out", model.cfg.max_match, max(model.cfg.top_k, 1))
+        compute_held_out(args.index, feats, cfg, args.corpus, progress=not args.quiet)
+        r, fitted = heldout_report(model, args.index, feats, args.device, opts)
+    if args.fit_gate:
+        fitted.save(args.fit_gate)
+    if args.fit_lambdas:
+        baselines.save_params(args.fit_lambdas, args.baseline, fitted)
+    if args.gate or args.fit_gate:
+        r["gate"] = args.gate or args.fit_gate
+    if args.baseline:
+        r["baseline"] = args.baseline
+    if args.json:
+        print_json(r)
+    else:
+        msg = f"{args.checkpoint}: perplexity {r['perplexity']:.3f}, {r['bits_per_byte']:.4f} bits/byte over {r['tokens']:,} tokens ({r['bytes']:,} bytes)"
+        if "gate" in r:
+            msg += f" with the index gate {r['gate']}"
+        if "baseline" in r:
+            msg += f" with the {r['baseline']} interpolation ({args.lambdas or args.fit_lambdas})"
+        if "model" in r:
+            msg += f"; the model alone: perplexity {r['model']['perplexity']:.3f}"
+        if "decontaminated" in r:
+            dc = r["decontaminated"]
+            msg += f"; decontaminated: {dc['dropped_docs']} of {dc['docs']} documents dropped (>= 80% of their 13-grams in the index)"
+        print(msg)
+    return 0
+
+
+def cmd_sample(args) -> int:
+    from teragram.index.engine import Index
+
+    from .gate import Gate
+    from .sample import generate
+    from .train import load_model
+
+    model, _ = load_model(args.checkpoint, args.device)
+    idx = Index(args.index)
+    g = generate(
+        model,
+        idx,
+        idx.tokenize(args.prompt),
+        max_new_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        gate=Gate.load(args.gate) if args.gate else None,
+    )
+    print(idx.decode(g.ids))
+    if args.verbose:
+        print(f"[{len(g.new_ids)} tokens, {g.long_matches()} with an index match of >= 16 tokens; stopped: {g.stopped}]", file=sys.stderr)
+    return 0
+
+
+def cmd_dense(args) -> int:
+    from .dense import build_store
+
+    info = build_store(
+        args.index, args.checkpoint, features_dir=args.features, n_positions=args.positions, device=args.device, out=args.out
+    )
+    print(
+        f"dense store of {info['count']:,} keys ({info['dims']} dims, IVF{info['nlist']},PQ{info['m']}) -> {args.out or args.index + '/dense'}"
+    )
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    tr = sub.add_parser("train", help="train a GPT (with or without index inputs); extra --key=value override the config")
+    tr.add_argument("--config", help="TOML file with TrainConfig fields")
+    tr.set_defaults(run=cmd_train, overrides_ok=True)
+
+    ev = sub.add_parser("eval", help="held-out perplexity and bits per byte of a checkpoint")
+    ev.add_argument("--checkpoint", required=True, help="run directory or checkpoint directory")
+    ev.add_argument("--index", required=True)
+    ev.add_argument("--corpus", nargs="+", required=True, help="held-out text")
+    ev.add_argument("--features-out", help="keep the held-out features here")
+    ev.add_argument("--device", default="cpu")
+    ev.add_argument("--gate", help="mix the model with the index's and the document cache's estimates by this gate (from --fit-gate)")
+    ev.add_argument("--fit-gate", metavar="OUT", help="fit the index gate on this (validation) text and save it")
+    ev.add_argument(
+        "--baseline",
+        choices=["infini-gram", "knn"],
+        help="a peer's interpolation instead of the gate: infini-gram's 2 λ, or kNN-LM over IDX/dense",
+    )
+    ev.add_argument(
+        "--fit-lambdas", metavar="OUT", help="fit the baseline's λ (and kNN temperature) on this (validation) text and save them"
+    )
+    ev.add_argument("--lambdas", metavar="FILE", help="apply the baseline's parameters from --fit-lambdas")
+    ev.add_argument("--dense", help="the kNN baseline's dense store (default IDX/dense, from teragram dense)")
+    ev.add_argument("--decontaminate", action="store_true", help="drop documents with >= 80%% of their 13-grams in the index")
+    ev.add_argument("--workers", type=int, default=1, help="processes for the index estimates")
+    ev.add_argument("--json", action="store_true")
+    ev.add_argument("--quiet", action="store_true")
+    ev.set_defaults(run=cmd_eval)
+
+    sa = sub.add_parser("sample", help="generate text with live index lookups")
+    sa.add_argument("--checkpoint", required=True)
+    sa.add_argument("--index", required=True)
+    sa.add_argument("prompt")
+    sa.add_argument("--max-tokens", type=int, default=100)
+    sa.add_argument("--temperature", type=float, default=0.8)
+    sa.add_argument("--top-k", type=int, default=0)
+    sa.add_argument("--top-p", type=float, default=0.95)
+    sa.add_argument("--seed", type=int, default=0)
+    sa.add_argument("--device", default="cpu")
+    sa.add_argument("--gate", help="mix in the index's and the document cache's estimates with this gate (eval --fit-gate)")
+    sa.add_argument("--verbose", action="store_true")
+    sa.set_defaults(run=cmd_sample)
+
+    de = sub.add_parser("dense", help="kNN-LM datastore (FAISS IVF-PQ) of a model's hidden states at training positions")
+    de.add_argument("index")
+    de.add_argument("--checkpoint", required=True)
+    de.add_argument("--features", help="training features (for a model with index inputs)")
+    de.add_argument("--positions", type=int, default=1_000_000, help="training positions stored (a sample of whole windows)")
+    de.add_argument("--out", help="default IDX/dense")
+    de.add_argument("--device", default="cpu")
+    de.set_defaults(run=cmd_dense)

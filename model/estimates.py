@@ -1,0 +1,205 @@
+"""Exact-match estimates of the next token, read off the index and off the document's own
+earlier text (the document cache), for every position of a document at once.
+
+Components, by name (an n-gram estimate conditions on the last n - 1 tokens):
+  index_infgram          the ∞-gram: continuations of the longest suffix of the context that
+                         occurs in the index (infini-gram's)
+  index_2gram ... index_17gram
+                         continuations of the last 1, 2, 4, 8, 16 tokens in the index (fewer when
+                         the longest suffix is shorter)
+  cache_longest          continuations of the longest suffix (of CACHE_LENGTHS tokens) that
+                         occurred earlier in the same document
+  cache_2gram ... cache_17gram
+                         continuations of the last 1, 2, 4, 8, 16 tokens earlier in the document
+Per component NAME, for each target: p_NAME (its probability of the actual next token),
+count_NAME (occurrences of its context), share_NAME and top_NAME (its most frequent
+continuation's share and id). Also index_length (the ∞-gram's suffix length), cache_length
+(cache_longest's) and sparse (a single continuation follows the ∞-gram's suffix).
+Held-out text is, by construction, not in the index, but it repeats itself -- identifiers,
+boilerplate, whole lines of code -- and a small model's attention copies poorly; both kinds
+are exact-match lookups, and neither sees a token before it is predicted.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numba as nb
+import numpy as np
+from teragram.index import format as fmt
+
+ORDERS = (1, 2, 4, 8, 16)  # context lengths of the fixed-order estimates
+INDEX = ("index_infgram", *(f"index_{k + 1}gram" for k in ORDERS))
+CACHE = ("cache_longest", *(f"cache_{k + 1}gram" for k in ORDERS))
+COMPONENTS = INDEX + CACHE
+CACHE_LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # cache_longest: the longest of these that occurred
+# The names gates were saved with before the components were named (model/gate.py reads them).
+LEGACY_NAMES = {"": "index_infgram", "c": "cache_longest"} | {str(k): f"index_{k + 1}gram" for k in ORDERS}
+LEGACY_NAMES |= {f"c{k}": f"cache_{k + 1}gram" for k in ORDERS}
+
+
+def context_length(name: str) -> int:
+    """Tokens of context of a fixed-order component (index_5gram: 4); 0 for the longest-match ones."""
+    return int(name.rsplit("_", 1)[1].removesuffix("gram")) - 1 if name.endswith("gram") and "infgram" not in name else 0
+
+
+def index_estimates(idx, ids) -> dict[str, np.ndarray]:
+    """The index's estimates for each target of a document read as EOS + ids (ids[0] ..
+    ids[-1], then EOS). The first target sees no context: the unigram distribution."""
+    ids = np.asarray(ids, np.int64)
+    n = len(ids)
+    uni = idx.unigram
+    p0, share0, top0 = (uni[ids[0]] if n else 0) / idx.n_positions, uni.max() / idx.n_positions, int(np.argmax(uni))
+    out = {"index_length": np.concatenate([[0], np.zeros(n, np.int64)])}
+    for name in INDEX:
+        r = idx.score(ids, top_k=1, max_len=context_length(name), targets=True)  # max_len 0: uncapped, the ∞-gram
+        cnt = np.maximum(r.count, 1)
+        out[f"p_{name}"] = np.concatenate([[p0], r.target_cnt / cnt])
+        out[f"count_{name}"] = np.concatenate([[idx.n_positions], r.count])
+        out[f"share_{name}"] = np.concatenate([[share0], r.topk_cnt[:, 0] / cnt])
+        out[f"top_{name}"] = np.concatenate([[top0], r.topk_ids[:, 0]]).astype(np.int64)
+        if name == "index_infgram":
+            out["index_length"][1:] = r.length
+    out["sparse"] = out["share_index_infgram"] >= 1.0
+    return out
+
+
+@nb.njit(cache=True)
+def _running_counts(key, pair, y, n_keys, n_pairs, o_cnt, o_pair, o_top, o_topc):
+    """For each target j in order: how often key[j] occurred before (o_cnt), how often followed
+    by y[j] (o_pair), and the most frequent follower so far (o_top; count desc, id asc) with
+    its count; then record occurrence j. key -1: no context of this order."""
+    ctx = np.zeros(n_keys, np.int64)
+    pc = np.zeros(n_pairs, np.int64)
+    topc = np.zeros(n_keys, np.int64)
+    topt = np.full(n_keys, -1, np.int64)
+    for j in range(key.shape[0]):
+        kk = key[j]
+        if kk < 0:
+            continue
+        q = pair[j]
+        o_cnt[j] = ctx[kk]
+        o_pair[j] = pc[q]
+        o_top[j] = topt[kk]
+        o_topc[j] = topc[kk]
+        ctx[kk] += 1
+        pc[q] += 1
+        if pc[q] > topc[kk] or (pc[q] == topc[kk] and y[j] < topt[kk]):
+            topc[kk] = pc[q]
+            topt[kk] = y[j]
+
+
+def _row_ids(rows: np.ndarray) -> np.ndarray:
+    """Dense ids of equal rows (exact: rows compared as bytes)."""
+    rows = np.ascontiguousarray(rows)
+    v = rows.view(np.dtype((np.void, rows.dtype.itemsize * rows.shape[1]))).ravel()
+    return np.unique(v, return_inverse=True)[1].ravel()
+
+
+def _cache_order(ids: np.ndarray, y: np.ndarray, k: int) -> tuple[np.ndarray, ...]:
+    """Per target j (context ids[:j]): earlier occurrences in the document of its last k tokens
+    (ending before j), how many were followed by y[j], and the most frequent follower."""
+    n = len(y)
+    cnt, pair, top, topc = np.zeros(n, np.int64), np.zeros(n, np.int64), np.full(n, -1, np.int64), np.zeros(n, np.int64)
+    if len(ids) >= k:
+        kid = _row_ids(np.lib.stride_tricks.sliding_window_view(ids, k))  # context of target j = k, k+1, ...
+        pid = _row_ids(np.stack([kid, y[k:]], 1))
+        key = np.concatenate([np.full(k, -1), kid])
+        pr = np.concatenate([np.full(k, -1), pid])
+        _running_counts(key, pr, y, kid.max() + 1, pid.max() + 1, cnt, pair, top, topc)
+    return cnt, pair, top, topc
+
+
+def _pack(name: str, cnt, pair, top, topc) -> dict[str, np.ndarray]:
+    c = np.maximum(cnt, 1)
+    return {f"p_{name}": pair / c, f"count_{name}": cnt, f"share_{name}": topc / c, f"top_{name}": top}
+
+
+def cache_estimates(ids, eos: int) -> dict[str, np.ndarray]:
+    """The document cache's estimates, aligned with index_estimates (targets ids[0..], EOS):
+    cache_{k+1}gram for k in ORDERS, the continuations of the last k tokens where they occurred
+    earlier in the document (all zero, top -1, without one), and cache_longest, the same for the
+    longest of CACHE_LENGTHS that occurred earlier (its length: cache_length)."""
+    ids = np.asarray(ids, np.int64)
+    y = np.append(ids, eos)
+    n = len(y)
+    out = {}
+    longest = [np.zeros(n, np.int64), np.zeros(n, np.int64), np.full(n, -1, np.int64), np.zeros(n, np.int64)]
+    clen = np.zeros(n, np.int64)
+    for k in sorted(set(CACHE_LENGTHS) | set(ORDERS)):
+        st = _cache_order(ids, y, k)
+        if k in ORDERS:
+            out |= _pack(f"cache_{k + 1}gram", *st)
+        if k in CACHE_LENGTHS:
+            m = st[0] > 0
+            for a, b in zip(longest, st, strict=True):
+                a[m] = b[m]
+            clen[m] = k
+    return out | _pack("cache_longest", *longest) | {"cache_length": clen}
+
+
+def estimates(idx, ids) -> dict[str, np.ndarray]:
+    """index_estimates and cache_estimates of one document."""
+    return index_estimates(idx, ids) | cache_estimates(ids, idx.eos_id)
+
+
+_OPEN: dict[str, object] = {}  # index directory -> open Index, per process
+
+
+def _estimates_doc(args):
+    index_dir, ids = args
+    from teragram.index.engine import Index
+
+    if index_dir not in _OPEN:
+        _OPEN.clear()  # one index open per process at a time
+        _OPEN[index_dir] = Index(index_dir)
+    return estimates(_OPEN[index_dir], ids)
+
+
+def heldout_docs(heldout) -> list[np.ndarray]:
+    """The token ids of each document of a held-out feature directory (index/heldout.py)."""
+    d = Path(heldout) / "000000"
+    tok = np.asarray(fmt.open_array(d / "tokens.bin", "tokens")).astype(np.int64)
+    st = np.asarray(fmt.open_array(d / "docs.bin", "docs")).astype(np.int64)
+    return [tok[st[k] : st[k + 1] - 1] for k in range(len(st) - 1)]
+
+
+def heldout_estimates(index_dir, heldout, workers: int = 1) -> dict[str, np.ndarray]:
+    """estimates (index and document cache) of every document of a held-out feature directory,
+    concatenated in model.evaluate.token_eval's order; `workers` processes."""
+    from multiprocessing import get_context
+
+    jobs = [(str(index_dir), ids) for ids in heldout_docs(heldout)]
+    if workers > 1:
+        with get_context("spawn").Pool(workers) as pool:
+            parts = pool.map(_estimates_doc, jobs, chunksize=4)
+    else:
+        parts = [_estimates_doc(j) for j in jobs]
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def cache_live(q: np.ndarray, V: int, components) -> tuple[dict[str, tuple[np.ndarray, int]], int]:
+    """The document cache's distributions (and counts) after context q, as cache_estimates
+    defines them, and its longest match: the earlier ends e of the last k tokens are narrowed
+    one token at a time."""
+    want = {c: context_length(c) for c in components if c in CACHE and c != "cache_longest"}
+    kmax = max(set(want.values()) | (set(CACHE_LENGTHS) if "cache_longest" in components else set()), default=0)
+    out = {}
+    ends = np.arange(1, len(q))  # e: a context ending at q[e-1], followed by q[e]
+    hit = {}
+    for k in range(1, kmax + 1):
+        ends = ends[ends >= k]
+        ends = ends[q[ends - k] == q[len(q) - k]] if len(q) >= k else ends[:0]
+        hit[k] = ends
+    for c, k in want.items():
+        out[c] = hit[k]
+    clen = 0
+    if "cache_longest" in components:
+        found = [k for k in CACHE_LENGTHS if len(hit[k])]
+        out["cache_longest"] = hit[found[-1]] if found else ends[:0]
+        clen = found[-1] if found else 0
+    dists = {}
+    for c, e in out.items():
+        d = np.bincount(q[e], minlength=V)[:V].astype(np.float64)
+        dists[c] = (d / max(len(e), 1), len(e))
+    return dists, clen

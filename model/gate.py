@@ -1,0 +1,208 @@
+"""The index gate: a model's next-token distribution mixed with exact-match estimates
+(model/estimates.py) by weights computed from what is known before the token is seen.
+
+A softmax gate over M components -- the model, then the estimates it names -- whose weights
+are a log-linear function of each estimate's context count, how concentrated its continuations
+are, whether its top continuation is the model's most likely token, the ∞-gram's (or the
+cache's) suffix length and the model's confidence. It generalises infini-gram's interpolation
+(model/baselines.py) and is fit by maximum likelihood on validation text. Every mixture is a
+proper distribution for every context, so perplexities stay honest; generation computes the
+same mixture live (`next_distribution`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from teragram.index import format as fmt
+from teragram.index.errors import TeragramError
+
+from .estimates import CACHE_LENGTHS, COMPONENTS, INDEX, LEGACY_NAMES, ORDERS, cache_live, context_length
+
+LEN_EDGES = np.array([1, 2, 3, 4, 5, 7, 10, 15, 23, 35, 64, 128])  # suffix-length buckets
+MAXP_EDGES = np.linspace(0.1, 0.9, 9)  # the model's top probability
+SHARE_EDGES = np.array([0.2, 0.4, 0.6, 0.8, 1.0])  # the top continuation's share; 1.0 = sparse
+
+
+def gate_features(suffix_len: np.ndarray, maxp: np.ndarray, counts, top_shares, agrees, cache_len=None) -> np.ndarray:
+    """Design matrix (N, F) of the gate. Per estimate (the longest-suffix one first, then the
+    others): one-hot log2 count of its suffix, one-hot share of its most frequent continuation
+    (the last bucket: sparse, a single continuation), and whether that continuation is also
+    the model's most likely token. Plus one-hot length of the first estimate's suffix (and its
+    copy for sparse positions), of the document cache's longest match (cache_len, when the
+    first estimate is the index's), one-hot model confidence, and a bias."""
+    n = len(suffix_len)
+    nl, nm, nc, ns = len(LEN_EDGES) + 1, len(MAXP_EDGES) + 1, 21, len(SHARE_EDGES) + 1
+    r = np.arange(n)
+    sparse = np.asarray(top_shares[0]) >= 1.0
+    B = np.zeros((n, 2 * nl), np.float32)
+    lb = np.searchsorted(LEN_EDGES, suffix_len, side="right")
+    B[r, lb] = 1
+    B[r[sparse], nl + lb[sparse]] = 1
+    blocks = [B]
+    if cache_len is not None:
+        B = np.zeros((n, nl), np.float32)
+        B[r, np.searchsorted(LEN_EDGES, cache_len, side="right")] = 1
+        blocks.append(B)
+    for c, sh, ag in zip(counts, top_shares, agrees, strict=True):
+        B = np.zeros((n, nc + ns + 1), np.float32)
+        B[r, np.clip(np.floor(np.log2(np.maximum(c, 0) + 1)).astype(int), 0, nc - 1)] = 1
+        B[r, nc + np.searchsorted(SHARE_EDGES, sh, side="right")] = 1
+        B[:, -1] = ag
+        blocks.append(B)
+    B = np.zeros((n, nm + 1), np.float32)
+    B[r, np.searchsorted(MAXP_EDGES, maxp, side="right")] = 1
+    B[:, -1] = 1  # bias
+    blocks.append(B)
+    return np.concatenate(blocks, 1)
+
+
+def mix_nll_multi(logp: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """-log sum_m w_m p_m, from component log-probabilities (N, M) and weights (N, M)."""
+    z = logp + np.log(weights + 1e-300)
+    m = z.max(1)
+    return -(m + np.log(np.exp(z - m[:, None]).sum(1)))
+
+
+@dataclass
+class Gate:
+    """Mixture weights softmax(X W) over the model and the estimates named by `components`
+    (column 0, the model, is the reference: its logit is 0), fit on validation text."""
+
+    W: np.ndarray  # (F, len(components))
+    components: tuple[str, ...] = ()  # estimates mixed in (estimates.COMPONENTS); () means all
+
+    def __post_init__(self) -> None:
+        self.components = tuple(self.components) or COMPONENTS
+        bad = [c for c in self.components if c not in COMPONENTS]
+        if bad or self.components[0] not in ("index_infgram", "cache_longest") or len(set(self.components)) != len(self.components):
+            raise TeragramError(f"a gate over unknown or misordered estimates {self.components}")
+        if self.W.ndim != 2 or self.W.shape[1] != len(self.components):
+            raise TeragramError(f"gate weights of shape {self.W.shape} for {len(self.components)} estimates")
+
+    @classmethod
+    def fit(cls, X: np.ndarray, logp: np.ndarray, *, components=(), steps: int = 300, l2: float = 1e-4) -> Gate:
+        """X (N, F) gate features; logp (N, M) log-probability of the actual next token under
+        the model, then each component."""
+        import torch
+
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        Xt = torch.from_numpy(np.ascontiguousarray(X, np.float32)).to(dev).double()
+        lp = torch.from_numpy(np.maximum(logp.astype(np.float64), -700.0)).to(dev)
+        W = torch.zeros((X.shape[1], logp.shape[1] - 1), dtype=torch.float64, device=dev, requires_grad=True)
+        opt = torch.optim.LBFGS([W], lr=1, max_iter=steps, line_search_fn="strong_wolfe")
+
+        def closure():
+            opt.zero_grad()
+            z = torch.cat([torch.zeros(len(Xt), 1, dtype=Xt.dtype, device=dev), Xt @ W], 1)
+            nll = -torch.logsumexp(torch.log_softmax(z, 1) + lp, 1)
+            loss = nll.mean() + l2 * (W[:-1] ** 2).sum()
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+        return cls(W.detach().cpu().numpy().copy(), tuple(components))
+
+    def __call__(self, X: np.ndarray) -> np.ndarray:
+        z = np.concatenate([np.zeros((len(X), 1)), X.astype(np.float64) @ self.W], 1)
+        z -= z.max(1, keepdims=True)
+        e = np.exp(z)
+        return e / e.sum(1, keepdims=True)
+
+    def save(self, path: str | Path) -> None:
+        edges = {
+            "len_edges": LEN_EDGES.tolist(),
+            "maxp_edges": MAXP_EDGES.tolist(),
+            "share_edges": SHARE_EDGES.tolist(),
+            "orders": list(ORDERS),
+            "cache_lengths": list(CACHE_LENGTHS),
+        }
+        fmt.write_json(Path(path), {"W": self.W.tolist(), "components": list(self.components), **edges})
+
+    @classmethod
+    def load(cls, path: str | Path) -> Gate:
+        """A saved gate; one saved with other feature buckets or orders is refused. Gates saved
+        before the components had names ("", "1", ..., "c", "c1", ...) load under their names."""
+        try:
+            d = json.loads(Path(path).read_text())
+            W = np.array(d["W"], np.float64)
+            same = d["len_edges"] == LEN_EDGES.tolist() and d["maxp_edges"] == MAXP_EDGES.tolist()
+            same = same and d["share_edges"] == SHARE_EDGES.tolist() and d["orders"] == list(ORDERS)
+            same = same and d["cache_lengths"] == list(CACHE_LENGTHS)
+            comps = tuple(LEGACY_NAMES.get(c, c) for c in d["components"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise TeragramError(f"{path}: not a teragram index gate ({e}); fit it again with this version") from e
+        if not same or W.ndim != 2 or W.shape[1] != len(comps):
+            raise TeragramError(f"{path}: a gate made for other features (fit it again with this version)")
+        try:
+            return cls(W, comps)
+        except TeragramError as e:
+            raise TeragramError(f"{path}: {e}") from e
+
+
+def gate_inputs(est: dict[str, np.ndarray], maxp: np.ndarray, top: np.ndarray, components=COMPONENTS) -> np.ndarray:
+    """The gate's design matrix from the estimates and the model's top token and its
+    probability at the same positions."""
+    first = components[0]
+    return gate_features(
+        est["index_length"] if first == "index_infgram" else est["cache_length"],
+        maxp,
+        [est[f"count_{s}"] for s in components],
+        [est[f"share_{s}"] for s in components],
+        [top == est[f"top_{s}"] for s in components],
+        est["cache_length"] if first == "index_infgram" and "cache_longest" in components else None,
+    )
+
+
+def component_logp(est: dict[str, np.ndarray], nll_model: np.ndarray, components=COMPONENTS) -> np.ndarray:
+    """(N, 1 + M) log-probability of each target under the model and each estimate. An estimate
+    without occurrences (the cache early in a document) defers to the model, so that every
+    mixture stays a distribution."""
+    lp = [np.where(est[f"count_{s}"] > 0, np.log(est[f"p_{s}"] + 1e-300), -nll_model) for s in components]
+    return np.stack([-nll_model, *lp], 1)
+
+
+def next_distribution(idx, context, p_model: np.ndarray, gate: Gate, p_softmax: np.ndarray | None = None) -> np.ndarray:
+    """The gated next-token distribution (V,) after `context` (a document's tokens so far, EOS
+    not included), for generation: the same mixture estimates + gate give in bulk.
+    p_model is the model's final distribution; p_softmax its own softmax when the model has
+    a mixture head (the gate's confidence and agreement features read the softmax, as in
+    model.evaluate.token_eval)."""
+    V = len(p_model)
+    q = np.asarray(context, np.int64)
+    p_softmax = p_model if p_softmax is None else p_softmax
+    top_m = int(np.argmax(p_softmax))
+    comps = gate.components
+    dists, counts = {}, {}
+    length = 0
+    if any(c in INDEX for c in comps):
+        if len(q) == 0:  # a document's first token: every index estimate is the unigram distribution
+            for s in INDEX:
+                dists[s], counts[s] = idx.unigram / idx.n_positions, idx.n_positions
+        else:
+            length = idx.infgram_ntd(q).suffix_len
+            for s in (c for c in comps if c in INDEX):
+                k = min(length, context_length(s)) if context_length(s) else length
+                r = idx.ntd(q[len(q) - k :] if k else q[:0])
+                d = np.zeros(V)
+                if r.result_by_token_id:
+                    t = np.fromiter(r.result_by_token_id, np.int64)
+                    d[t] = [c for c, _ in r.result_by_token_id.values()]
+                    d /= r.prompt_cnt
+                dists[s], counts[s] = d, r.prompt_cnt
+    cache, clen = cache_live(q, V, comps)
+    for c, (d, n) in cache.items():
+        dists[c], counts[c] = d, n
+    X = gate_features(
+        np.array([length if comps[0] == "index_infgram" else clen]),
+        np.array([p_softmax[top_m]]),
+        [np.array([counts[c]]) for c in comps],
+        [np.array([dists[c].max()]) for c in comps],
+        [np.array([counts[c] > 0 and int(np.argmax(dists[c])) == top_m]) for c in comps],
+        np.array([clen]) if comps[0] == "index_infgram" and "cache_longest" in comps else None,
+    )
+    w = gate(X)[0]
+    return w[0] * p_model + sum(wi * (dists[c] if counts[c] > 0 else p_model) for wi, c in zip(w[1:], comps, strict=True))
