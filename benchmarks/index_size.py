@@ -174,21 +174,25 @@ def _contamination(est: dict, starts: np.ndarray) -> np.ndarray:
     out = []
     for k in range(len(starts) - 1):
         a, b = int(starts[k]), int(starts[k + 1])  # the document's targets (its ids, then EOS)
-        ll = est["length"][a + 13 : b]
+        ll = est["index_length"][a + 13 : b]
         out.append(float((ll >= 13).mean()) if len(ll) else 0.0)
     return np.array(out)
 
 
-def _variants(o: dict, est: dict) -> dict[str, dict[str, np.ndarray]]:
-    """Per-target nll of each variant on valid and test; λ and gates fit on valid."""
-    from teragram.model import interp
+def _variants(o: dict, est: dict, cache_only: dict | None) -> dict[str, dict[str, np.ndarray]]:
+    """Per-target nll of each variant on valid and test; λ and gates fit on valid. The cache-only
+    gate reads no index: it is fit once per set (cache_only, when given, is that result)."""
+    from teragram.model import baselines, estimates
     from teragram.model.outputs import gated_outputs
 
     nll = {"a": {h: o[h].nll.astype(np.float64) for h in HALVES}}
     groups = {h: est[h]["sparse"].astype(int) for h in HALVES}
-    lam = interp.fit_lambdas(nll["a"]["valid"], est["valid"]["p"], groups["valid"])
-    nll["c"] = {h: interp.apply_lambdas(nll["a"][h], est[h]["p"], lam, groups[h]) for h in HALVES}
-    for v, comps in (("t-c", interp.SUFFIXES), ("a+c", interp.CACHE), ("t", interp.COMPONENTS)):
+    lam = baselines.fit_lambdas(nll["a"]["valid"], est["valid"]["p_index_infgram"], groups["valid"])
+    nll["c"] = {h: baselines.apply_lambdas(nll["a"][h], est[h]["p_index_infgram"], lam, groups[h]) for h in HALVES}
+    for v, comps in (("t-c", estimates.INDEX), ("a+c", estimates.CACHE), ("t", estimates.COMPONENTS)):
+        if v == "a+c" and cache_only is not None:
+            nll[v] = cache_only
+            continue
         gate, nll_valid = gated_outputs(o["valid"], est["valid"], components=comps)
         nll[v] = {"valid": nll_valid, "test": gated_outputs(o["test"], est["test"], gate)[1]}
     return nll
@@ -199,6 +203,10 @@ def _ppl(nll: np.ndarray) -> float:
 
 
 def stage_eval(outputs: Path, indexes: list[Path], workers: int) -> dict:
+    """Each index's figures, kept in OUTPUTS/eval/INDEX.json (keyed by the index's manifest) so
+    that adding a larger index later evaluates only that one."""
+    import hashlib
+
     from teragram.index import format as fmt
     from teragram.model.outputs import load_outputs, outputs_estimates
 
@@ -210,23 +218,32 @@ def stage_eval(outputs: Path, indexes: list[Path], workers: int) -> dict:
                     tar.extractall(unpacked, filter="data")
     outs = {name: {h: load_outputs(unpacked / f"{name}-{h}") for h in HALVES} for name in SETS}
     results = []
+    cache_only: dict[str, dict] = {}
     for root in indexes:
-        tokens = fmt.read_json(root / "manifest.json")["counts"]["tokens"]
-        row = {"index": root.name, "index_tokens": tokens, "sets": {}}
+        manifest = (root / "manifest.json").read_bytes()
+        key = hashlib.sha256(manifest).hexdigest()[:16]
+        saved = outputs / "eval" / f"{root.name}.json"
+        if saved.exists() and json.loads(saved.read_text()).get("manifest_sha256") == key:
+            results.append(json.loads(saved.read_text()))
+            print(f"{root.name}: evaluated before ({saved})", flush=True)
+            continue
+        tokens = json.loads(manifest)["counts"]["tokens"]
+        row = {"index": root.name, "index_tokens": tokens, "manifest_sha256": key, "sets": {}}
         for name in SETS:
             t = time.time()
             o = outs[name]
             est = {h: outputs_estimates(o[h], root, workers=workers) for h in HALVES}
             est_s = time.time() - t
-            nll = _variants(o, est)
+            nll = _variants(o, est, cache_only.get(name))
+            cache_only[name] = nll["a+c"]
             test = o["test"]
             # the targets of document k sit at starts[k] .. starts[k + 1] - 1 (its ids, then EOS)
             starts = np.asarray(fmt.open_array(test.path / "000000" / "docs.bin", "docs")).astype(np.int64)
             contam = _contamination(est["test"], starts)
             clean_docs = contam < 0.8
             clean = clean_docs[test.doc.astype(np.int64)]
-            L, y = est["test"]["length"], test.target.astype(np.int64)
-            hit = est["test"]["top"] == y
+            L, y = est["test"]["index_length"], test.target.astype(np.int64)
+            hit = est["test"]["top_index_infgram"] == y
             acc = {}
             for lo, hi in zip(LENGTH_BUCKETS, (*LENGTH_BUCKETS[1:], 1 << 30)):
                 m = (L >= lo) & (L < hi)
@@ -244,8 +261,11 @@ def stage_eval(outputs: Path, indexes: list[Path], workers: int) -> dict:
                 "match_share": {str(k): float((L >= k).mean()) for k in (8, 16, 32)},
                 "infgram_accuracy_by_length": acc,
                 "estimates_s": est_s,
+                "total_s": time.time() - t,
             }
             print(f"{root.name} {name}: " + ", ".join(f"{v} {p:.3g}" for v, p in row["sets"][name]["ppl"].items()), flush=True)
+        saved.parent.mkdir(exist_ok=True)
+        saved.write_text(json.dumps(row, indent=1))
         results.append(row)
     return {"indexes": results, "workers": workers}
 

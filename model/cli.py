@@ -52,15 +52,36 @@ def cmd_eval(args) -> int:
         dense=args.dense,
         workers=args.workers,
     )
-    model, meta = load_model(args.checkpoint, args.device)
-    idx = Index(args.index)
-    if model.cfg.vocab_size != idx.vocab_size:
-        raise TokenizerMismatch(f"checkpoint vocabulary {model.cfg.vocab_size} != index vocabulary {idx.vocab_size}")
-    with tempfile.TemporaryDirectory() as tmp:
-        feats = args.features_out or tmp
-        cfg = FeatureConfig("held-out", model.cfg.max_match, max(model.cfg.top_k, 1))
-        compute_held_out(args.index, feats, cfg, args.corpus, progress=not args.quiet)
-        r, fitted = heldout_report(model, args.index, feats, args.device, opts)
+    if args.outputs:
+        if args.checkpoint or args.corpus or args.save_outputs:
+            raise TeragramError("--outputs replaces --checkpoint and --corpus (the model already ran)")
+        from .outputs import load_outputs, outputs_report
+
+        r, fitted = outputs_report(load_outputs(args.outputs), args.index, opts)
+        source = args.outputs
+    else:
+        if not (args.checkpoint and args.corpus):
+            raise TeragramError("give --checkpoint and --corpus (or --outputs from an earlier --save-outputs)")
+        model, meta = load_model(args.checkpoint, args.device)
+        idx = Index(args.index)
+        if model.cfg.vocab_size != idx.vocab_size:
+            raise TokenizerMismatch(f"checkpoint vocabulary {model.cfg.vocab_size} != index vocabulary {idx.vocab_size}")
+        with tempfile.TemporaryDirectory() as tmp:
+            feats = args.features_out or tmp
+            cfg = FeatureConfig("held-out", model.cfg.max_match, max(model.cfg.top_k, 1))
+            compute_held_out(args.index, feats, cfg, args.corpus, progress=not args.quiet)
+            if args.save_outputs:  # the model runs once: its outputs are saved, then mixed as asked
+                from .evaluate import mix_report
+                from .outputs import save_model_outputs
+
+                hidden = opts.baseline == "knn"
+                res, per_doc = save_model_outputs(
+                    args.save_outputs, model, feats, idx, args.device, meta=meta, source=args.checkpoint, hidden=hidden
+                )
+                r, fitted = mix_report(res, per_doc, args.index, feats, opts)
+            else:
+                r, fitted = heldout_report(model, args.index, feats, args.device, opts)
+        source = args.checkpoint
     if args.fit_gate:
         fitted.save(args.fit_gate)
     if args.fit_lambdas:
@@ -72,7 +93,7 @@ def cmd_eval(args) -> int:
     if args.json:
         print_json(r)
     else:
-        msg = f"{args.checkpoint}: perplexity {r['perplexity']:.3f}, {r['bits_per_byte']:.4f} bits/byte over {r['tokens']:,} tokens ({r['bytes']:,} bytes)"
+        msg = f"{source}: perplexity {r['perplexity']:.3f}, {r['bits_per_byte']:.4f} bits/byte over {r['tokens']:,} tokens ({r['bytes']:,} bytes)"
         if "gate" in r:
             msg += f" with the index gate {r['gate']}"
         if "baseline" in r:
@@ -130,9 +151,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     tr.set_defaults(run=cmd_train, overrides_ok=True)
 
     ev = sub.add_parser("eval", help="held-out perplexity and bits per byte of a checkpoint")
-    ev.add_argument("--checkpoint", required=True, help="run directory or checkpoint directory")
+    ev.add_argument("--checkpoint", help="run directory or checkpoint directory (or --outputs)")
     ev.add_argument("--index", required=True)
-    ev.add_argument("--corpus", nargs="+", required=True, help="held-out text")
+    ev.add_argument("--corpus", nargs="+", help="held-out text (with --checkpoint)")
+    ev.add_argument("--save-outputs", metavar="OUT", help="also save the model's per-token outputs here, to mix with any index later")
+    ev.add_argument("--outputs", metavar="OUT", help="mix saved outputs (--save-outputs) with --index instead of running a model")
     ev.add_argument("--features-out", help="keep the held-out features here")
     ev.add_argument("--device", default="cpu")
     ev.add_argument("--gate", help="mix the model with the index's and the document cache's estimates by this gate (from --fit-gate)")

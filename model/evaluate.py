@@ -144,8 +144,20 @@ def heldout_report(model: GPT, index_dir, heldout, device: str = "cpu", opts: Ev
     With decontaminate, documents with >= 80% of their 13-grams in the index are left out of
     everything, fitting included, and the report says how many."""
     from teragram.index.engine import Index
-    from teragram.index.heldout import DECONTAMINATION_SHARE, contamination
     from teragram.index.tokenizer import load
+
+    idx = Index(index_dir)
+    r = token_eval(model, heldout, idx.eos_id, idx.sep, device, batch=batch, hidden=opts.baseline == "knn")
+    ev = EvalData(heldout, model.cfg.block_size, idx.eos_id, idx.sep)
+    per_doc = doc_bytes(ev, load(Path(heldout) / "tokenizer.model").decode)
+    return mix_report(r, per_doc, index_dir, heldout, opts)
+
+
+def mix_report(r: dict, per_doc: np.ndarray, index_dir, heldout, opts: EvalOptions = EvalOptions()):
+    """heldout_report's mixing half, from a model's per-token outputs r (token_eval's fields:
+    nll, maxp, top, target, doc, and hidden for the kNN baseline) on the documents of `heldout`
+    (held-out features, or saved outputs: model/outputs.py), per_doc their UTF-8 bytes."""
+    from teragram.index.heldout import DECONTAMINATION_SHARE, contamination
 
     from . import baselines
 
@@ -153,10 +165,8 @@ def heldout_report(model: GPT, index_dir, heldout, device: str = "cpu", opts: Ev
         raise TeragramError(f"unknown baseline {opts.baseline!r}; expected {' or '.join(baselines.BASELINES)}")
     if opts.baseline is not None and (opts.gate is not None or opts.fit_gate):
         raise TeragramError("give either the index gate or a baseline, not both")
-    idx = Index(index_dir)
-    r = token_eval(model, heldout, idx.eos_id, idx.sep, device, batch=batch, hidden=opts.baseline == "knn")
-    ev = EvalData(heldout, model.cfg.block_size, idx.eos_id, idx.sep)
-    per_doc = doc_bytes(ev, load(Path(heldout) / "tokenizer.model").decode)
+    if opts.baseline == "knn" and "hidden" not in r:
+        raise TeragramError("the kNN baseline needs the model's hidden states: evaluate with --checkpoint, not saved outputs")
     keep_docs = np.ones(len(per_doc), bool)
     extra = {}
     if opts.decontaminate:

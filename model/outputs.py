@@ -86,6 +86,30 @@ def save_outputs(out: str | Path, r: dict, heldout: str | Path, *, checkpoint: s
     return out
 
 
+def save_model_outputs(out, model, heldout, idx, device: str = "cpu", *, meta: dict, source: str, hidden: bool = False, batch: int = 16):
+    """Run the model over held-out features' text (made against the index idx) once and save
+    its outputs; returns (token_eval's result, each document's UTF-8 bytes) for the caller to
+    mix as well."""
+    from .data import EvalData
+    from .evaluate import doc_bytes, token_eval
+
+    eos, sep = idx.eos_id, idx.sep
+    r = token_eval(model, heldout, eos, sep, device, batch=batch, hidden=hidden)
+    per_doc = doc_bytes(EvalData(heldout, model.cfg.block_size, eos, sep), idx.decode)
+    save_outputs(out, r, heldout, checkpoint=source, step=meta["step"], docs_bytes=per_doc.tolist())
+    return r, per_doc
+
+
+def outputs_report(outputs: ModelOutputs, index_dir, opts):
+    """`teragram eval --outputs`: model.evaluate.mix_report of saved outputs and an index of
+    the same tokenizer."""
+    from .evaluate import mix_report
+
+    check_tokenizer(outputs, index_dir)
+    r = {"nll": outputs.nll, "maxp": outputs.maxp, "top": outputs.top.astype(np.int64), "target": outputs.target, "doc": outputs.doc}
+    return mix_report(r, outputs.doc_bytes, index_dir, outputs.path, opts)
+
+
 def load_outputs(path: str | Path) -> ModelOutputs:
     """A saved outputs directory, checked: kind, version, array lengths, and that the targets
     are the documents' own tokens (each document read as EOS + ids predicts ids + EOS)."""
@@ -125,19 +149,20 @@ def check_tokenizer(outputs: ModelOutputs, index_dir: str | Path) -> None:
 def outputs_estimates(outputs: ModelOutputs, index_dir: str | Path, *, workers: int = 1) -> dict[str, np.ndarray]:
     """The index's and the document cache's estimates of every saved target (aligned with the
     outputs' arrays), after checking that the index speaks the outputs' tokenizer."""
-    from .interp import heldout_estimates
+    from .estimates import heldout_estimates
 
     check_tokenizer(outputs, index_dir)
     est = heldout_estimates(index_dir, outputs.path, workers)
-    if len(est["length"]) != len(outputs.nll):
-        raise IndexFormatError(f"{outputs.path}: {len(outputs.nll)} targets, {len(est['length'])} estimates")
+    if len(est["index_length"]) != len(outputs.nll):
+        raise IndexFormatError(f"{outputs.path}: {len(outputs.nll)} targets, {len(est['index_length'])} estimates")
     return est
 
 
 def gated_outputs(outputs: ModelOutputs, est: dict[str, np.ndarray], gate=None, *, components=None):
     """(gate, per-target nll of the gated mixture): the gate given, or one fit on these outputs
     (which should then be validation text)."""
-    from .interp import COMPONENTS, Gate, component_logp, gate_inputs, mix_nll_multi
+    from .estimates import COMPONENTS
+    from .gate import Gate, component_logp, gate_inputs, mix_nll_multi
 
     comps = gate.components if gate is not None else (components or COMPONENTS)
     nll = outputs.nll.astype(np.float64)

@@ -218,6 +218,14 @@ def test_cli_train_eval_sample(dup_setup, tmp_path):
     assert fit["loss"] < fit["model"]["loss"] and fit["model"]["loss"] == pytest.approx(ev["loss"], rel=1e-5)
     r = run("eval", *common, "--gate", str(tmp_path / "gate.json"))
     assert r.returncode == 0 and json.loads(r.stdout)["loss"] == pytest.approx(fit["loss"], rel=1e-9)
+    # split evaluation: the model's outputs saved once, mixed with the index later, the same figures
+    r = run("eval", *common, "--save-outputs", str(tmp_path / "outputs"))
+    assert r.returncode == 0 and json.loads(r.stdout)["loss"] == pytest.approx(ev["loss"], rel=1e-9), r.stderr
+    split = ["--outputs", str(tmp_path / "outputs"), "--index", str(dup_setup / "idx"), "--json", "--quiet"]
+    r = run("eval", *split, "--gate", str(tmp_path / "gate.json"))
+    assert r.returncode == 0 and json.loads(r.stdout)["loss"] == pytest.approx(fit["loss"], rel=1e-9), r.stderr
+    r = run("eval", *split, "--baseline", "knn", "--fit-lambdas", str(tmp_path / "l.json"))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "hidden states" in r.stderr
     r = run(
         "sample",
         "--checkpoint",
@@ -295,16 +303,15 @@ def test_split_evaluation_equals_joint(dup_setup, tmp_path):
     import shutil
 
     from teragram.index.errors import IndexFormatError, TokenizerMismatch
-    from teragram.model import interp
     from teragram.model.data import EvalData
-    from teragram.model.evaluate import doc_bytes, token_eval
+    from teragram.model.evaluate import doc_bytes, gated_eval, token_eval
     from teragram.model.outputs import gated_outputs, load_outputs, outputs_estimates, save_outputs
 
     train(_cfg(dup_setup, "gbase", features=None, max_steps=60))  # trained once per module; a rerun returns at once
     model, meta = load_model(dup_setup / "gbase")
     held, root = dup_setup / "held", dup_setup / "idx"
     idx = Index(root)
-    gate, nll_model, nll_joint = interp.gated_eval(model, root, held)
+    gate, nll_model, nll_joint = gated_eval(model, root, held)
 
     r = token_eval(model, held, idx.eos_id, idx.sep)
     ev = EvalData(held, model.cfg.block_size, idx.eos_id, idx.sep)
