@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 N_CNT_BUCKETS = 33  # floor(log2(count + 1)) for counts below 2^32
 
@@ -120,11 +121,21 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
+        self.recompute_attn = False  # set by GPT.set_recompute
+
+    def _attn_out(self, x):
+        return self.attn(self.ln_1(x))[0]
 
     def forward(self, x, kv=None):
-        a, kv = self.attn(self.ln_1(x), kv)
+        if self.recompute_attn and kv is None and torch.is_grad_enabled():
+            a, kv = checkpoint(self._attn_out, x, use_reentrant=False), None  # attention activations recomputed in backward
+        else:
+            a, kv = self.attn(self.ln_1(x), kv)
         x = x + a
         return x + self.mlp(self.ln_2(x)), kv
+
+    def forward_no_cache(self, x):
+        return self.forward(x)[0]
 
 
 def count_bucket(count: torch.Tensor) -> torch.Tensor:
@@ -154,6 +165,7 @@ class GPT(nn.Module):
                 self.gate = nn.Linear(cfg.n_embd, 1)
                 self.gate_len = nn.Embedding(cfg.max_match + 1, 1)
                 self.gate_cnt = nn.Embedding(N_CNT_BUCKETS, 1)
+        self.recompute = "none"
         self.apply(self._init_weights)
         for pn, p in self.named_parameters():
             if pn.endswith("c_proj.weight"):
@@ -175,6 +187,16 @@ class GPT(nn.Module):
                 torch.nn.init.zeros_(m.bias)
         elif isinstance(m, nn.Embedding):
             torch.nn.init.normal_(m.weight, mean=0.0, std=0.02)
+
+    def set_recompute(self, mode: str) -> None:
+        """Activation recompute in training: "none", "attn" (each block's attention sub-layer is
+        recomputed in backward) or "block" (only each block's input is kept; the whole block is
+        recomputed). Same results, less activation memory, more compute."""
+        if mode not in ("none", "attn", "block"):
+            raise ValueError(f"recompute must be none, attn or block, not {mode!r}")
+        self.recompute = mode
+        for b in self.transformer.h:
+            b.recompute_attn = mode == "attn"
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters()) - self.transformer.wpe.weight.numel()
@@ -205,8 +227,12 @@ class GPT(nn.Module):
             x = x + self._index_embedding(f)
         x = self.transformer.drop(x)
         new_kv = []
+        whole = self.recompute == "block" and kv is None and torch.is_grad_enabled()
         for i, block in enumerate(self.transformer.h):
-            x, c = block(x, None if kv is None else kv[i])
+            if whole:
+                x, c = checkpoint(block.forward_no_cache, x, use_reentrant=False), None
+            else:
+                x, c = block(x, None if kv is None else kv[i])
             new_kv.append(c)
         return self.transformer.ln_f(x), new_kv
 

@@ -58,6 +58,7 @@ class TrainConfig:
     compile: bool = True  # on CUDA
     resume: bool = True
     progress: bool = True
+    recompute: str = "none"  # activation recompute: none | attn | block
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -163,6 +164,7 @@ def train(cfg: TrainConfig) -> dict:
     data = TrainData(cfg.index, cfg.features if use_index else None, mcfg.block_size)
     out = Path(cfg.out)
     model = GPT(mcfg).to(device)
+    model.set_recompute(cfg.recompute)
     opt = model.configure_optimizer(cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), "cuda" if device.startswith("cuda") else "cpu")
     start = 0
     if cfg.resume and (out / "latest.json").exists():

