@@ -276,10 +276,3 @@ class GPT(nn.Module):
         rest = 1.0 - q.sum(-1)
         p = p * (1 - g + g * rest).unsqueeze(-1)
         return p.scatter_add(-1, f_last.topk_ids[:, 0].clamp_min(0), g.unsqueeze(-1) * q)
-
-    def configure_optimizer(self, weight_decay: float, lr: float, betas: tuple[float, float], device_type: str):
-        params = [p for p in self.parameters() if p.requires_grad]
-        decay = [p for p in params if p.dim() >= 2]
-        no_decay = [p for p in params if p.dim() < 2]
-        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device_type == "cuda")

@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from teragram.index import format as fmt
 from tqdm import tqdm
 
+from . import optim
 from .data import TrainData
 from .evaluate import evaluate
 from .gpt import GPT, GPTConfig, IndexBatch
@@ -59,6 +60,7 @@ class TrainConfig:
     resume: bool = True
     progress: bool = True
     recompute: str = "none"  # activation recompute: none | attn | block
+    zero1: bool = False  # shard the optimizer state across data-parallel ranks (ZeRO stage 1)
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -98,14 +100,14 @@ def _commit() -> str:
         return "unknown"
 
 
-def _save(out: Path, model: GPT, opt, step: int, cfg: TrainConfig) -> Path:
+def _save(out: Path, model: GPT, opt_state: dict, step: int, cfg: TrainConfig) -> Path:
     d = out / "checkpoints" / f"step-{step:07d}"
     tmp = d.with_name(d.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     sd = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied to wte
     save_file(sd, str(tmp / "model.safetensors"))
-    torch.save({"optimizer": opt.state_dict(), "step": step, "torch_rng": torch.get_rng_state()}, tmp / "state.pt")
+    torch.save({"optimizer": opt_state, "step": step, "torch_rng": torch.get_rng_state()}, tmp / "state.pt")
     (tmp / "config.json").write_text(
         json.dumps({"model": asdict(model.cfg), "train": asdict(cfg), "step": step, "commit": _commit()}, indent=1)
     )
@@ -133,9 +135,14 @@ def load_model(checkpoint: str | Path, device: str = "cpu") -> tuple[GPT, dict]:
 # ---- training --------------------------------------------------------------------------------
 
 
-def _setup(cfg: TrainConfig) -> tuple[int, int, str]:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
+def _setup(cfg: TrainConfig) -> tuple[int, int, str, bool]:
+    """rank, world size, device, and whether this call initialised the process group (a caller
+    that already has one, e.g. a test running several trainings in one torchrun, keeps it)."""
+    if dist.is_initialized():
+        world, rank = dist.get_world_size(), dist.get_rank()
+    else:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
     dev = cfg.device
     if dev == "auto":
         dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -144,8 +151,10 @@ def _setup(cfg: TrainConfig) -> tuple[int, int, str]:
             local = int(os.environ.get("LOCAL_RANK", "0"))
             torch.cuda.set_device(local)
             dev = f"cuda:{local}"
-        dist.init_process_group("nccl" if dev.startswith("cuda") else "gloo")
-    return rank, world, dev
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if dev.startswith("cuda") else "gloo")
+            return rank, world, dev, True
+    return rank, world, dev, False
 
 
 def _to(x, device):
@@ -154,7 +163,7 @@ def _to(x, device):
 
 
 def train(cfg: TrainConfig) -> dict:
-    rank, world, device = _setup(cfg)
+    rank, world, device, own_group = _setup(cfg)
     master = rank == 0
     torch.manual_seed(cfg.seed + rank)
     use_index = cfg.use_index and cfg.features is not None
@@ -165,7 +174,14 @@ def train(cfg: TrainConfig) -> dict:
     out = Path(cfg.out)
     model = GPT(mcfg).to(device)
     model.set_recompute(cfg.recompute)
-    opt = model.configure_optimizer(cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), "cuda" if device.startswith("cuda") else "cpu")
+    opt = optim.build(
+        model,
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        betas=(cfg.beta1, cfg.beta2),
+        cuda=device.startswith("cuda"),
+        zero1=cfg.zero1 and world > 1,
+    )
     start = 0
     if cfg.resume and (out / "latest.json").exists():
         ck = out / fmt.read_json(out / "latest.json")["checkpoint"]
@@ -221,17 +237,20 @@ def train(cfg: TrainConfig) -> dict:
                 log.write(json.dumps(last) + "\n")
                 log.flush()
                 bar.set_postfix(loss=f"{loss_sum:.3f}", tok_s=f"{tps:,.0f}")
-        if master and cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.max_steps:
-            _save(out, model, opt, step + 1, cfg)
+        if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.max_steps:
+            opt_state = optim.full_state_dict(opt)  # collective under ZeRO-1
+            if master:
+                _save(out, model, opt_state, step + 1, cfg)
         if master and cfg.heldout and cfg.eval_every and (step + 1) % cfg.eval_every == 0:
             ev = evaluate(model, cfg.heldout, data.eos, data.sep, device)
             log.write(json.dumps({"step": step + 1, "eval": ev}) + "\n")
             log.flush()
     bar.close()
     result = dict(last)
+    opt_state = optim.full_state_dict(opt) if cfg.max_steps > start else None
     if master:
         if cfg.max_steps > start:
-            _save(out, model, opt, cfg.max_steps, cfg)
+            _save(out, model, opt_state, cfg.max_steps, cfg)
         if cfg.heldout:
             result["eval"] = evaluate(model, cfg.heldout, data.eos, data.sep, device)
             log.write(json.dumps({"step": cfg.max_steps, "eval": result["eval"]}) + "\n")
@@ -239,7 +258,8 @@ def train(cfg: TrainConfig) -> dict:
         plot_log(out)
     if world > 1:
         dist.barrier()
-        dist.destroy_process_group()
+        if own_group:
+            dist.destroy_process_group()
     return result
 
 

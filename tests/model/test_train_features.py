@@ -3,7 +3,11 @@ low-precision linears, and the refusal of combinations that cannot work. Oracles
 training loop (same losses and gradients) and float references."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -11,7 +15,7 @@ import torch
 from teragram.model.gpt import GPT, GPTConfig
 from teragram.model.train import TrainConfig, train
 
-from tests.model.test_model import TINY, _rand_feats
+from tests.model.test_model import REPO, TINY, _rand_feats
 
 SMALL = TINY | {"block_size": 32, "batch_size": 4}
 
@@ -97,3 +101,54 @@ def test_feature_matches_the_plain_loop_and_resumes_exactly(data_root, plain_run
     train(_cfg(data_root, name + "-resumed", max_steps=20, **kw))
     resumed = _losses(data_root, name + "-resumed")
     assert [resumed[s] for s in range(11, 21)] == [got[s] for s in range(11, 21)]
+
+
+def test_zero1_on_two_gloo_processes_matches_ddp_and_resumes_on_any_world_size(data_root, tmp_path):
+    """Three trainings in one torchrun of 2 gloo processes: plain DDP, ZeRO-1, and ZeRO-1 resumed
+    from its step-10 checkpoint. Then the ZeRO-1 checkpoint resumes in a single process."""
+    runs = {n: _cfg(data_root, "z-" + n, max_steps=20, ckpt_every=10) for n in ("ddp", "zero1", "zero1-resumed")}
+    script = tmp_path / "zero1.py"
+    script.write_text(
+        f"""
+import json, shutil, torch.distributed as dist
+from pathlib import Path
+from teragram.model.train import TrainConfig, train
+dist.init_process_group("gloo")
+cfg = {{n: TrainConfig(**json.loads(c)) for n, c in {json.dumps({n: json.dumps(asdict(c)) for n, c in runs.items()})}.items()}}
+train(cfg["ddp"])
+train(replace(cfg["zero1"], zero1=True))
+if dist.get_rank() == 0:
+    ck = "checkpoints/step-0000010"
+    shutil.copytree(Path(cfg["zero1"].out) / ck, Path(cfg["zero1-resumed"].out) / ck)
+    (Path(cfg["zero1-resumed"].out) / "latest.json").write_text(json.dumps({{"checkpoint": ck, "step": 10}}))
+dist.barrier()
+train(replace(cfg["zero1-resumed"], zero1=True))
+dist.destroy_process_group()
+""".replace("from pathlib import Path", "from pathlib import Path\nfrom dataclasses import replace")
+    )
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29531", str(script)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    ddp, zero, resumed = (_losses(data_root, "z-" + n) for n in runs)
+    assert [zero[s] for s in range(1, 21)] == pytest.approx([ddp[s] for s in range(1, 21)], rel=1e-5)
+    assert [resumed[s] for s in range(11, 21)] == [zero[s] for s in range(11, 21)]
+    # the consolidated ZeRO-1 state is the plain optimizer's state
+    ck = "checkpoints/step-0000010/state.pt"
+    a = torch.load(data_root / "z-ddp" / ck, weights_only=False)["optimizer"]
+    b = torch.load(data_root / "z-zero1" / ck, weights_only=False)["optimizer"]
+    assert a["state"].keys() == b["state"].keys() and len(a["state"]) == sum(len(g["params"]) for g in a["param_groups"])
+    for i in a["state"]:
+        for k in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(a["state"][i][k], b["state"][i][k], rtol=1e-4, atol=1e-8)
+    # a different world size: the 2-rank ZeRO-1 checkpoint resumes in one process like the DDP one
+    for n in ("ddp", "zero1"):
+        _resume_from(data_root / ("z-" + n), 10, data_root / ("z1-" + n))
+        train(_cfg(data_root, "z1-" + n, max_steps=20, zero1=True))
+    one = [_losses(data_root, "z1-" + n) for n in ("ddp", "zero1")]
+    assert [one[1][s] for s in range(11, 21)] == pytest.approx([one[0][s] for s in range(11, 21)], rel=1e-4)
