@@ -22,9 +22,16 @@ def adamw_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def build(model: nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float], cuda: bool, zero1: bool = False):
-    """The optimizer of a training run. zero1 needs an initialised process group."""
+def build(
+    model: nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float], cuda: bool, zero1: bool = False, offload: bool = False
+):
+    """The optimizer of a training run. zero1 needs an initialised process group; offload keeps
+    fp32 masters and moments in CPU memory (build it before the model is cast to bf16)."""
     groups = adamw_groups(model, weight_decay)
+    if offload:
+        from .offload import CPUOffloadAdamW
+
+        return CPUOffloadAdamW(model, groups, lr=lr, betas=betas, cuda=cuda)
     if zero1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 

@@ -27,6 +27,7 @@ from . import optim
 from .data import TrainData
 from .evaluate import evaluate
 from .gpt import GPT, GPTConfig, IndexBatch
+from .offload import CPUOffloadAdamW
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class TrainConfig:
     progress: bool = True
     recompute: str = "none"  # activation recompute: none | attn | block
     zero1: bool = False  # shard the optimizer state across data-parallel ranks (ZeRO stage 1)
+    offload: str = "none"  # "optimizer": fp32 master weights and Adam moments in CPU memory
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -100,12 +102,15 @@ def _commit() -> str:
         return "unknown"
 
 
-def _save(out: Path, model: GPT, opt_state: dict, step: int, cfg: TrainConfig) -> Path:
+def _save(out: Path, model: GPT, opt_state: dict, step: int, cfg: TrainConfig, opt_weights: dict | None = None) -> Path:
+    """A checkpoint of the model (opt_weights: the fp32 masters, when the optimizer keeps them)."""
     d = out / "checkpoints" / f"step-{step:07d}"
     tmp = d.with_name(d.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    sd = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied to wte
+    weights = opt_weights if opt_weights is not None else model.state_dict()
+    sd = {k: v.detach().float().cpu().contiguous() if v.is_floating_point() else v.detach().cpu().contiguous() for k, v in weights.items()}
+    sd.pop("lm_head.weight", None)  # tied to wte
     save_file(sd, str(tmp / "model.safetensors"))
     torch.save({"optimizer": opt_state, "step": step, "torch_rng": torch.get_rng_state()}, tmp / "state.pt")
     (tmp / "config.json").write_text(
@@ -174,28 +179,32 @@ def train(cfg: TrainConfig) -> dict:
     out = Path(cfg.out)
     model = GPT(mcfg).to(device)
     model.set_recompute(cfg.recompute)
-    opt = optim.build(
-        model,
-        lr=cfg.lr,
-        weight_decay=cfg.weight_decay,
-        betas=(cfg.beta1, cfg.beta2),
-        cuda=device.startswith("cuda"),
-        zero1=cfg.zero1 and world > 1,
-    )
-    start = 0
+    start, st = 0, None
     if cfg.resume and (out / "latest.json").exists():
         ck = out / fmt.read_json(out / "latest.json")["checkpoint"]
         sd = load_file(str(ck / "model.safetensors"))
         sd["lm_head.weight"] = sd["transformer.wte.weight"]
         model.load_state_dict(sd)
-        st = torch.load(ck / "state.pt", map_location=device, weights_only=False)
+        st = torch.load(ck / "state.pt", map_location="cpu" if cfg.offload != "none" else device, weights_only=False)
+    cuda = device.startswith("cuda")
+    opt = optim.build(
+        model,
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        betas=(cfg.beta1, cfg.beta2),
+        cuda=cuda,
+        zero1=cfg.zero1 and world > 1,
+        offload=cfg.offload == "optimizer",
+    )
+    if cfg.offload == "optimizer" and cuda:
+        model.to(torch.bfloat16)  # the fp32 masters live in CPU memory
+    if st is not None:
         opt.load_state_dict(st["optimizer"])
         torch.set_rng_state(st["torch_rng"])
         start = st["step"]
     if master:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps({"model": asdict(mcfg), "train": asdict(cfg), "commit": _commit()}, indent=1))
-    cuda = device.startswith("cuda")
     fwd = torch.compile(model) if cuda and cfg.compile else model
     ddp = None
     if world > 1:
@@ -224,9 +233,12 @@ def train(cfg: TrainConfig) -> dict:
                 loss = loss.mean() / cfg.grad_accum
             loss.backward()
             loss_sum += loss.item() if not cuda or (step + 1) % cfg.log_every == 0 else 0.0
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
+        if isinstance(opt, CPUOffloadAdamW):
+            opt.step(cfg.grad_clip)  # clips the fp32 gradients on the CPU
+        else:
+            if cfg.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            opt.step()
         opt.zero_grad(set_to_none=True)
         bar.update(1)
         if (step + 1) % cfg.log_every == 0 or step == start or step + 1 == cfg.max_steps:
@@ -240,7 +252,7 @@ def train(cfg: TrainConfig) -> dict:
         if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.max_steps:
             opt_state = optim.full_state_dict(opt)  # collective under ZeRO-1
             if master:
-                _save(out, model, opt_state, step + 1, cfg)
+                _save(out, model, opt_state, step + 1, cfg, _masters(opt))
         if master and cfg.heldout and cfg.eval_every and (step + 1) % cfg.eval_every == 0:
             ev = evaluate(model, cfg.heldout, data.eos, data.sep, device)
             log.write(json.dumps({"step": step + 1, "eval": ev}) + "\n")
@@ -250,7 +262,7 @@ def train(cfg: TrainConfig) -> dict:
     opt_state = optim.full_state_dict(opt) if cfg.max_steps > start else None
     if master:
         if cfg.max_steps > start:
-            _save(out, model, opt_state, cfg.max_steps, cfg)
+            _save(out, model, opt_state, cfg.max_steps, cfg, _masters(opt))
         if cfg.heldout:
             result["eval"] = evaluate(model, cfg.heldout, data.eos, data.sep, device)
             log.write(json.dumps({"step": cfg.max_steps, "eval": result["eval"]}) + "\n")
@@ -261,6 +273,10 @@ def train(cfg: TrainConfig) -> dict:
         if own_group:
             dist.destroy_process_group()
     return result
+
+
+def _masters(opt) -> dict | None:
+    return opt.master_weights() if isinstance(opt, CPUOffloadAdamW) else None
 
 
 def blind(f: IndexBatch, p: float, gen: torch.Generator) -> IndexBatch:

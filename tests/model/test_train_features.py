@@ -88,7 +88,11 @@ def plain_run(data_root):
     return _losses(data_root, "plain")
 
 
-SINGLE_PROCESS = {"recompute-block": {"recompute": "block"}, "recompute-attn": {"recompute": "attn"}}
+SINGLE_PROCESS = {
+    "recompute-block": {"recompute": "block"},
+    "recompute-attn": {"recompute": "attn"},
+    "offload": {"offload": "optimizer"},
+}
 
 
 @pytest.mark.parametrize("name", list(SINGLE_PROCESS))
