@@ -41,6 +41,7 @@ class GPTConfig:
     mixture: bool = True
     top_k: int = 4
     max_match: int = 64
+    arch: str = "gpt2"  # "gpt2" | "modern" (rotary, RMSNorm, QK-norm, ReLU^2 MLP, untied head)
 
     @classmethod
     def preset(cls, name: str, **kw) -> GPTConfig:
@@ -83,6 +84,16 @@ class IndexBatch:
         )
 
 
+def rotate(x: torch.Tensor, pos0: int) -> torch.Tensor:
+    """Rotary position embedding of (B, nh, T, hs) at positions pos0.. (half-split layout)."""
+    T, hs = x.shape[-2], x.shape[-1]
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, hs, 2, device=x.device, dtype=torch.float32) / hs))  # (hs/2,)
+    ang = torch.outer(torch.arange(pos0, pos0 + T, device=x.device, dtype=torch.float32), inv_freq)  # (T, hs/2)
+    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+    x1, x2 = x[..., : hs // 2], x[..., hs // 2 :]
+    return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -90,11 +101,15 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.n_head = cfg.n_head
         self.dropout = cfg.dropout
+        self.modern = cfg.arch == "modern"  # QK-norm and rotary positions
 
-    def forward(self, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor] | None = None):
+    def forward(self, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor] | None = None, pos0: int = 0):
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        if self.modern:
+            hs = C // self.n_head
+            q, k = rotate(F.rms_norm(q, (hs,)), pos0), rotate(F.rms_norm(k, (hs,)), pos0)
         if kv is not None:  # incremental decoding: attend to the cached keys/values too
             k = torch.cat([kv[0], k], dim=2)
             v = torch.cat([kv[1], v], dim=2)
@@ -109,28 +124,34 @@ class MLP(nn.Module):
         self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
+        self.relu2 = cfg.arch == "modern"  # ReLU^2 instead of GELU
 
     def forward(self, x):
-        return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
+        h = self.c_fc(x)
+        return self.dropout(self.c_proj(F.relu(h).square() if self.relu2 else F.gelu(h)))
+
+
+def norm(cfg: GPTConfig) -> nn.Module:
+    return nn.RMSNorm(cfg.n_embd) if cfg.arch == "modern" else nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
 
 
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_1 = norm(cfg)
         self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_2 = norm(cfg)
         self.mlp = MLP(cfg)
         self.recompute_attn = False  # set by GPT.set_recompute
 
     def _attn_out(self, x):
         return self.attn(self.ln_1(x))[0]
 
-    def forward(self, x, kv=None):
-        if self.recompute_attn and kv is None and torch.is_grad_enabled():
+    def forward(self, x, kv=None, pos0: int = 0):
+        if self.recompute_attn and kv is None and pos0 == 0 and torch.is_grad_enabled():
             a, kv = checkpoint(self._attn_out, x, use_reentrant=False), None  # attention activations recomputed in backward
         else:
-            a, kv = self.attn(self.ln_1(x), kv)
+            a, kv = self.attn(self.ln_1(x), kv, pos0)
         x = x + a
         return x + self.mlp(self.ln_2(x)), kv
 
@@ -146,18 +167,21 @@ def count_bucket(count: torch.Tensor) -> torch.Tensor:
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
+        if cfg.arch not in ("gpt2", "modern"):
+            raise ValueError(f"arch must be gpt2 or modern, not {cfg.arch!r}")
         self.cfg = cfg
-        self.transformer = nn.ModuleDict(
-            dict(
-                wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
-                wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
-                drop=nn.Dropout(cfg.dropout),
-                h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
-                ln_f=nn.LayerNorm(cfg.n_embd, bias=cfg.bias),
-            )
+        layers = dict(
+            wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
+            drop=nn.Dropout(cfg.dropout),
+            h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
+            ln_f=norm(cfg),
         )
+        if cfg.arch == "gpt2":
+            layers["wpe"] = nn.Embedding(cfg.block_size, cfg.n_embd)  # modern: rotary positions in attention
+        self.transformer = nn.ModuleDict(layers)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.transformer.wte.weight = self.lm_head.weight  # weight tying
+        if cfg.arch == "gpt2":
+            self.transformer.wte.weight = self.lm_head.weight  # weight tying
         if cfg.use_index:
             self.wlen = nn.Embedding(cfg.max_match + 1, cfg.n_embd)
             self.wcnt = nn.Embedding(N_CNT_BUCKETS, cfg.n_embd)
@@ -198,8 +222,14 @@ class GPT(nn.Module):
         for b in self.transformer.h:
             b.recompute_attn = mode == "attn"
 
+    @property
+    def tied(self) -> bool:
+        return self.cfg.arch == "gpt2"
+
     def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters()) - self.transformer.wpe.weight.numel()
+        """Parameters without the learned positions (as nanoGPT counts)."""
+        wpe = self.transformer.wpe.weight.numel() if "wpe" in self.transformer else 0
+        return sum(p.numel() for p in self.parameters()) - wpe
 
     def _index_embedding(self, f: IndexBatch) -> torch.Tensor:
         wte = self.transformer.wte
@@ -222,17 +252,19 @@ class GPT(nn.Module):
         """Final hidden states (B, T, C) and the new key/value cache."""
         B, T = idx.shape
         pos = torch.arange(pos0, pos0 + T, dtype=torch.long, device=idx.device)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        x = self.transformer.wte(idx)
+        if "wpe" in self.transformer:
+            x = x + self.transformer.wpe(pos)
         if self.cfg.use_index:
             x = x + self._index_embedding(f)
         x = self.transformer.drop(x)
         new_kv = []
-        whole = self.recompute == "block" and kv is None and torch.is_grad_enabled()
+        whole = self.recompute == "block" and kv is None and pos0 == 0 and torch.is_grad_enabled()
         for i, block in enumerate(self.transformer.h):
             if whole:
                 x, c = checkpoint(block.forward_no_cache, x, use_reentrant=False), None
             else:
-                x, c = block(x, None if kv is None else kv[i])
+                x, c = block(x, None if kv is None else kv[i], pos0)
             new_kv.append(c)
         return self.transformer.ln_f(x), new_kv
 

@@ -1,7 +1,7 @@
 """Optimizers for `teragram train`: plain AdamW, ZeRO-1 sharded AdamW under DDP, CPU offload
 (model/offload.py) and Muon (model/muon.py), behind one constructor.
 
-All of them save the same state dict layout (torch's AdamW layout: state keyed by the index of
+The AdamW variants save the same state dict layout (torch's AdamW layout: state keyed by the index of
 the parameter in group order, groups "decay" then "no decay"), so a checkpoint written by one
 resumes under another and on any number of ranks: ZeRO-1 consolidates its shards on rank 0
 before a save and each rank takes its own shard of the full state on load.
@@ -23,10 +23,25 @@ def adamw_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build(
-    model: nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float], cuda: bool, zero1: bool = False, offload: bool = False
+    model: nn.Module,
+    *,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    cuda: bool,
+    zero1: bool = False,
+    offload: bool = False,
+    muon: bool = False,
+    muon_lr: float = 0.02,
+    muon_momentum: float = 0.95,
 ):
     """The optimizer of a training run. zero1 needs an initialised process group; offload keeps
-    fp32 masters and moments in CPU memory (build it before the model is cast to bf16)."""
+    fp32 masters and moments in CPU memory (build it before the model is cast to bf16); muon
+    (neither zero1 nor offload) trains the blocks' matrices with Muon (model/muon.py)."""
+    if muon:
+        from .muon import MuonAdamW
+
+        return MuonAdamW(model, lr=lr, muon_lr=muon_lr, momentum=muon_momentum, weight_decay=weight_decay, betas=betas, cuda=cuda)
     groups = adamw_groups(model, weight_decay)
     if offload:
         from .offload import CPUOffloadAdamW

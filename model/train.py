@@ -60,6 +60,10 @@ class TrainConfig:
     compile: bool = True  # on CUDA
     resume: bool = True
     progress: bool = True
+    arch: str = "gpt2"  # "gpt2" | "modern": rotary, RMSNorm, QK-norm, ReLU^2 MLP, untied head
+    optimizer: str = "adamw"  # "adamw" | "muon": Muon for the blocks' matrices, AdamW for the rest
+    muon_lr: float = 0.02  # Muon's peak learning rate (follows lr's warmup and cosine)
+    muon_momentum: float = 0.95
     recompute: str = "none"  # activation recompute: none | attn | block
     zero1: bool = False  # shard the optimizer state across data-parallel ranks (ZeRO stage 1)
     offload: str = "none"  # "optimizer": fp32 master weights and Adam moments in CPU memory
@@ -80,6 +84,7 @@ def model_config(cfg: TrainConfig, vocab_size: int, top_k: int) -> GPTConfig:
         index_inputs=cfg.index_inputs,
         mixture=cfg.mixture,
         top_k=top_k,
+        arch=cfg.arch,
     )
     if cfg.block_size:
         g = replace(g, block_size=cfg.block_size)
@@ -110,7 +115,8 @@ def _save(out: Path, model: GPT, opt_state: dict, step: int, cfg: TrainConfig, o
     tmp.mkdir(parents=True)
     weights = opt_weights if opt_weights is not None else model.state_dict()
     sd = {k: v.detach().float().cpu().contiguous() if v.is_floating_point() else v.detach().cpu().contiguous() for k, v in weights.items()}
-    sd.pop("lm_head.weight", None)  # tied to wte
+    if model.tied:
+        sd.pop("lm_head.weight", None)  # tied to wte
     save_file(sd, str(tmp / "model.safetensors"))
     torch.save({"optimizer": opt_state, "step": step, "torch_rng": torch.get_rng_state()}, tmp / "state.pt")
     (tmp / "config.json").write_text(
@@ -132,7 +138,7 @@ def load_model(checkpoint: str | Path, device: str = "cpu") -> tuple[GPT, dict]:
     mc["index_inputs"] = tuple(mc["index_inputs"])
     model = GPT(GPTConfig(**mc))
     sd = load_file(str(p / "model.safetensors"))
-    sd["lm_head.weight"] = sd["transformer.wte.weight"]
+    sd.setdefault("lm_head.weight", sd["transformer.wte.weight"])  # tied (gpt2 arch)
     model.load_state_dict(sd)
     return model.to(device), meta
 
@@ -183,7 +189,7 @@ def train(cfg: TrainConfig) -> dict:
     if cfg.resume and (out / "latest.json").exists():
         ck = out / fmt.read_json(out / "latest.json")["checkpoint"]
         sd = load_file(str(ck / "model.safetensors"))
-        sd["lm_head.weight"] = sd["transformer.wte.weight"]
+        sd.setdefault("lm_head.weight", sd["transformer.wte.weight"])  # tied (gpt2 arch)
         model.load_state_dict(sd)
         st = torch.load(ck / "state.pt", map_location="cpu" if cfg.offload != "none" else device, weights_only=False)
     cuda = device.startswith("cuda")
@@ -195,6 +201,9 @@ def train(cfg: TrainConfig) -> dict:
         cuda=cuda,
         zero1=cfg.zero1 and world > 1,
         offload=cfg.offload == "optimizer",
+        muon=cfg.optimizer == "muon",
+        muon_lr=cfg.muon_lr,
+        muon_momentum=cfg.muon_momentum,
     )
     if cfg.offload == "optimizer" and cuda:
         model.to(torch.bfloat16)  # the fp32 masters live in CPU memory
@@ -219,7 +228,7 @@ def train(cfg: TrainConfig) -> dict:
     for step in range(start, cfg.max_steps):
         lr = lr_at(cfg, step)
         for g in opt.param_groups:
-            g["lr"] = lr
+            g["lr"] = lr * g.get("lr_scale", 1.0)
         loss_sum = 0.0
         for micro in range(cfg.grad_accum):
             x, y, f = next(batches)

@@ -156,3 +156,44 @@ dist.destroy_process_group()
         train(_cfg(data_root, "z1-" + n, max_steps=20, zero1=True))
     one = [_losses(data_root, "z1-" + n) for n in ("ddp", "zero1")]
     assert [one[1][s] for s in range(11, 21)] == pytest.approx([one[0][s] for s in range(11, 21)], rel=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "modern"])
+def test_block_is_causal(arch):
+    """Changing tokens (and index features) at positions >= s leaves every output before s alone."""
+    g = torch.Generator().manual_seed(2)
+    m = GPT(GPTConfig.preset("tiny", vocab_size=60, block_size=32, arch=arch)).eval()
+    x = torch.randint(0, 60, (2, 32), generator=g)
+    f = _rand_feats(2, 32, 60, 4, g)
+    h, _ = m.hidden(x, f)
+    s = 13
+    x2 = x.clone()
+    x2[:, s:] = torch.randint(0, 60, (2, 32 - s), generator=g)
+    f2 = _rand_feats(2, 32, 60, 4, g)
+    f2 = type(f)(
+        *(torch.cat([getattr(f, n)[:, :s], getattr(f2, n)[:, s:]], 1) for n in ("length", "cont", "count", "topk_ids", "topk_cnt"))
+    )
+    h2, _ = m.hidden(x2, f2)
+    torch.testing.assert_close(h[:, :s], h2[:, :s], rtol=0, atol=1e-6)
+    assert (h[:, s:] - h2[:, s:]).abs().max() > 1e-3  # the later positions do see the change
+
+
+def test_muon_orthogonalizes_and_the_modern_model_trains_deterministically(data_root):
+    from teragram.model.muon import orthogonalize
+
+    g = torch.randn(48, 160, generator=torch.Generator().manual_seed(0))
+    u, _, vt = torch.linalg.svd(g, full_matrices=False)
+    o = orthogonalize(g)
+    sv = torch.linalg.svdvals(o)
+    assert sv.min() > 0.5 and sv.max() < 1.3
+    assert float((o * (u @ vt)).sum() / (o.norm() * (u @ vt).norm())) > 0.95  # close to U V^T
+    kw = dict(arch="modern", optimizer="muon", max_steps=20, ckpt_every=10)
+    train(_cfg(data_root, "modern-a", **kw))
+    train(_cfg(data_root, "modern-b", **kw))
+    a, b = _losses(data_root, "modern-a"), _losses(data_root, "modern-b")
+    assert a == b  # the same seed gives the same run
+    assert sum(a[s] for s in range(16, 21)) < sum(a[s] for s in range(1, 6)) - 0.5  # it learns
+    _resume_from(data_root / "modern-a", 10, data_root / "modern-resumed")
+    train(_cfg(data_root, "modern-resumed", **kw))
+    resumed = _losses(data_root, "modern-resumed")
+    assert [resumed[s] for s in range(11, 21)] == [a[s] for s in range(11, 21)]
