@@ -23,7 +23,8 @@ from safetensors.torch import load_file, save_file
 from teragram.index import format as fmt
 from tqdm import tqdm
 
-from . import optim
+from . import lowp, optim
+from .config import ConfigError
 from .data import TrainData
 from .evaluate import evaluate
 from .gpt import GPT, GPTConfig, IndexBatch
@@ -65,8 +66,34 @@ class TrainConfig:
     muon_lr: float = 0.02  # Muon's peak learning rate (follows lr's warmup and cosine)
     muon_momentum: float = 0.95
     recompute: str = "none"  # activation recompute: none | attn | block
+    precision: str = "bf16"  # "bf16" (autocast; fp32 on CPU) | "fp8" | "int8" matmuls in the blocks' linears
     zero1: bool = False  # shard the optimizer state across data-parallel ranks (ZeRO stage 1)
     offload: str = "none"  # "optimizer": fp32 master weights and Adam moments in CPU memory
+
+
+CHOICES = {
+    "arch": ("gpt2", "modern"),
+    "optimizer": ("adamw", "muon"),
+    "recompute": ("none", "attn", "block"),
+    "offload": ("none", "optimizer"),
+    "precision": ("bf16", "fp8", "int8"),
+}
+
+
+def check(cfg: TrainConfig) -> None:
+    """Refuse, with one line, a setting or a combination that cannot work, before any work."""
+    for key, allowed in CHOICES.items():
+        if getattr(cfg, key) not in allowed:
+            raise ConfigError(f"{key} must be one of {', '.join(allowed)}, not {getattr(cfg, key)!r}")
+    cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
+    if cfg.precision == "fp8" and not (cuda and lowp.fp8_supported()):
+        raise ConfigError("precision = fp8 needs a CUDA GPU of compute capability >= 8.9")
+    if cfg.offload != "none" and cfg.zero1:
+        raise ConfigError("offload = optimizer and zero1 cannot be combined (the CPU optimizer is not sharded); choose one")
+    if cfg.optimizer == "muon" and cfg.zero1:
+        raise ConfigError("optimizer = muon and zero1 cannot be combined (Muon needs whole matrices); use adamw with zero1")
+    if cfg.optimizer == "muon" and cfg.offload != "none":
+        raise ConfigError("optimizer = muon and offload = optimizer cannot be combined; offload supports adamw only")
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -174,6 +201,7 @@ def _to(x, device):
 
 
 def train(cfg: TrainConfig) -> dict:
+    check(cfg)
     rank, world, device, own_group = _setup(cfg)
     master = rank == 0
     torch.manual_seed(cfg.seed + rank)
@@ -185,6 +213,7 @@ def train(cfg: TrainConfig) -> dict:
     out = Path(cfg.out)
     model = GPT(mcfg).to(device)
     model.set_recompute(cfg.recompute)
+    lowp.convert(model, cfg.precision)
     start, st = 0, None
     if cfg.resume and (out / "latest.json").exists():
         ck = out / fmt.read_json(out / "latest.json")["checkpoint"]
