@@ -46,6 +46,7 @@ class GPTConfig:
     @classmethod
     def preset(cls, name: str, **kw) -> GPTConfig:
         shapes = {
+            "350m": dict(n_layer=24, n_head=16, n_embd=1024, block_size=1024),  # GPT-2 medium's shape
             "125m": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024),
             "small": dict(n_layer=6, n_head=6, n_embd=384, block_size=256),
             "tiny": dict(n_layer=4, n_head=4, n_embd=128, block_size=128),

@@ -60,6 +60,7 @@ class TrainConfig:
     device: str = "auto"
     compile: bool = True  # on CUDA
     resume: bool = True
+    checkpoint: bool = True  # false: no checkpoints at all (speed benchmarks)
     progress: bool = True
     arch: str = "gpt2"  # "gpt2" | "modern": rotary, RMSNorm, QK-norm, ReLU^2 MLP, untied head
     optimizer: str = "adamw"  # "adamw" | "muon": Muon for the blocks' matrices, AdamW for the rest
@@ -287,7 +288,7 @@ def train(cfg: TrainConfig) -> dict:
                 log.write(json.dumps(last) + "\n")
                 log.flush()
                 bar.set_postfix(loss=f"{loss_sum:.3f}", tok_s=f"{tps:,.0f}")
-        if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.max_steps:
+        if cfg.checkpoint and cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.max_steps:
             opt_state = optim.full_state_dict(opt)  # collective under ZeRO-1
             if master:
                 _save(out, model, opt_state, step + 1, cfg, _masters(opt))
@@ -297,9 +298,10 @@ def train(cfg: TrainConfig) -> dict:
             log.flush()
     bar.close()
     result = dict(last)
-    opt_state = optim.full_state_dict(opt) if cfg.max_steps > start else None
+    final = cfg.checkpoint and cfg.max_steps > start
+    opt_state = optim.full_state_dict(opt) if final else None
     if master:
-        if cfg.max_steps > start:
+        if final:
             _save(out, model, opt_state, cfg.max_steps, cfg, _masters(opt))
         if cfg.heldout:
             result["eval"] = evaluate(model, cfg.heldout, data.eos, data.sep, device)
