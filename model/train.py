@@ -5,6 +5,17 @@ fused AdamW; on CPU: float32. Warmup + cosine schedule, gradient clipping and ac
 multi-GPU with torchrun (DDP; gloo on CPU). Checkpoints hold the model (safetensors) and the
 optimizer, RNG and step (the data position: batches are a function of the step), so a resumed
 run continues the same loss curve. Logs: OUT/log.jsonl, a progress bar, OUT/loss.png.
+
+Settings for memory, speed and convergence (each a config key; `check` refuses, with one line
+and before any work, a value or a combination that cannot work):
+  recompute = none | attn | block   activation checkpointing (model/gpt.py)
+  zero1 = true                      AdamW state sharded across DDP ranks (model/optim.py)
+  offload = none | optimizer        fp32 masters and Adam moments in CPU memory (model/offload.py)
+  precision = bf16 | fp8 | int8     the blocks' linear layers in fp8 or int8 (model/lowp.py)
+  arch = gpt2 | modern              rotary, RMSNorm, QK-norm, ReLU^2, untied head (model/gpt.py)
+  optimizer = adamw | muon          Muon for the blocks' matrices (model/muon.py)
+Checkpoints of every setting use one layout and resume under any other setting that uses the
+same optimizer (adamw's state resumes with or without zero1 and offload, on any world size).
 """
 
 from __future__ import annotations
