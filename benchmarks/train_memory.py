@@ -221,9 +221,16 @@ def main() -> int:
         ("recompute block", {"recompute": "block"}),
         ("offload optimizer", {"offload": True}),
     ):
-        r = measure_setting(shape, B, T, device, args.steps, **kw)
+        try:
+            r = measure_setting(shape, B, T, device, args.steps, **kw)
+        except (RuntimeError, TypeError, ValueError) as e:  # recorded; the other settings go on
+            data["settings"][name] = {"error": str(e).splitlines()[0][:160]}
+            rows.append({"setting": name, "note": data["settings"][name]["error"]})
+            continue
         data["settings"][name] = r
-        base = data["settings"]["none"]
+        base = data["settings"].get("none", {})
+        if "step_s" not in base:
+            base = r
         row = {"setting": name, "tokens/s": r["tokens_per_s"], "step vs none": r["step_s"] / base["step_s"]}
         if cuda:
             row |= {
@@ -254,15 +261,17 @@ def main() -> int:
     )
     repo = str(Path(__file__).resolve().parents[1])
     ngpu = torch.cuda.device_count() if cuda else 0
+    z = None
     if ngpu >= 2 or args.tiny:
         out = Path("/tmp") / f"tg-zero1-{os.getpid()}.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29541", "-m", "benchmarks.train_memory"]
         cmd += ["--zero1-worker", str(out), "--steps", str(args.steps), "--batch-size", str(B), "--block-size", str(T)]
-        subprocess.run(
-            cmd + (["--tiny"] if args.tiny else ["--shape", args.shape]), cwd=repo, check=True, env=dict(os.environ, OMP_NUM_THREADS="1")
+        r = subprocess.run(
+            cmd + (["--tiny"] if args.tiny else ["--shape", args.shape]), cwd=repo, env=dict(os.environ, OMP_NUM_THREADS="1")
         )
-        z = json.loads(out.read_text())
-        data["zero1_2ranks"] = z
+        z = json.loads(out.read_text()) if r.returncode == 0 and out.exists() else None
+        data["zero1_2ranks"] = z or {"error": f"the 2-rank run exited with {r.returncode}"}
+    if z:
         ratio = max(z["zero1"]["optimizer_gib_per_rank"]) / max(max(z["ddp"]["optimizer_gib_per_rank"]), 1e-12)
         speed = z["zero1"]["tokens_per_s"] / z["ddp"]["tokens_per_s"]
         md += "\n\n" + table(
@@ -274,7 +283,11 @@ def main() -> int:
         )
         md += f"\n\nZeRO-1 vs DDP on 2 GPUs: optimizer memory per rank {ratio:.2f}x (bar <= 0.55x), tokens/s {speed:.2f}x (bar >= 0.95x)."
     else:
-        md += "\n\nZeRO-1: not measured (one GPU; the 2-rank measurement needs two)."
+        md += (
+            "\n\nZeRO-1: not measured ("
+            + (data["zero1_2ranks"]["error"] if "zero1_2ranks" in data else "one GPU; the 2-rank measurement needs two")
+            + ")."
+        )
     if cuda:
         caps = []
         for mode in ("none", "offload"):
@@ -315,7 +328,8 @@ def main() -> int:
 
     fig, ax = plt.subplots(figsize=(6, 2.6))
     key = "activations_peak_gib" if cuda else "step_s"
-    ax.barh(list(data["settings"]), [v[key] for v in data["settings"].values()])
+    ok = {k: v for k, v in data["settings"].items() if key in v}
+    ax.barh(list(ok), [v[key] for v in ok.values()])
     ax.invert_yaxis()
     ax.set_xlabel("activation peak (GiB)" if cuda else "step (s)")
     save("train_memory", data, md, fig)

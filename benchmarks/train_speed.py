@@ -114,7 +114,12 @@ def features_suite(args, w: Path) -> int:
                 torch.cuda.reset_peak_memory_stats()
             try:
                 r = train(cfg)
-            except (ConfigError, RuntimeError) as e:  # a refusal (fp8 on an older GPU) or an out-of-memory
+            except (
+                ConfigError,
+                RuntimeError,
+                TypeError,
+                ValueError,
+            ) as e:  # a refusal, an out-of-memory, a kernel's limit: recorded, the suite goes on
                 msg = str(e).splitlines()[0][:160]
                 data["settings"][key] = {"error": msg}
                 rows.append({"shape": shape, "setting": name, "note": msg})
