@@ -1,6 +1,14 @@
 """Training speed of the 125M model with and without index inputs (needs one or two CUDA GPUs).
 
-    python -m benchmarks.train_speed [--steps 60] [--out DIR]
+    python -m benchmarks.train_speed [--steps 60] [--work DIR]
+    python -m benchmarks.train_speed --suite features [--shapes 125m,350m] [--steps 30]
+
+The features suite (issue 16) runs each training setting (recompute, CPU offload, fp8, int8,
+the modern block with AdamW and with Muon) in this one process with the same data and seed,
+eager (no torch.compile: a compile per setting and shape would not fit the few minutes this
+suite has), and reports tokens/s after warm-up, the peak GPU memory and the loss after the last
+step; it writes train_speed_features.{json,md,png}. ZeRO-1 is measured by
+benchmarks/train_memory.py (it needs two processes).
 
 Builds an index of the embedded corpus (32000-piece tokenizer) and its exclude-doc features,
 then runs `teragram train` with the 125M preset (B=32, T=1024, bf16, torch.compile, fused
@@ -17,6 +25,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from benchmarks.common import save, table
@@ -31,16 +40,11 @@ def rate(log: Path, after: int) -> tuple[float, int]:
     return per_step * (b["step"] - a["step"]) / (b["elapsed_s"] - a["elapsed_s"]), b["step"] - a["step"]
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--warmup-steps", type=int, default=20)
-    ap.add_argument("--work", default="/tmp/tg-speed")
-    args = ap.parse_args()
-    import torch
-
+def prepare(w: Path, index: str | None, features: str | None) -> None:
+    """The embedded corpus's index and exclude-doc features in w (built once), unless given."""
+    if index:
+        return
     repo = str(Path(__file__).resolve().parents[1])
-    w = Path(args.work)
     py = sys.executable
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if not (w / "feats" / "manifest.json").exists():
@@ -56,9 +60,147 @@ def main() -> int:
             check=True,
             env=env,
         )
+
+
+SETTINGS = {
+    "bf16": {},
+    "recompute attn": {"recompute": "attn"},
+    "recompute block": {"recompute": "block"},
+    "offload optimizer": {"offload": "optimizer"},
+    "fp8": {"precision": "fp8"},
+    "int8": {"precision": "int8"},
+    "modern block, AdamW": {"arch": "modern"},
+    "modern block, Muon": {"arch": "modern", "optimizer": "muon"},
+}
+
+
+def features_suite(args, w: Path) -> int:
+    import shutil
+
+    import torch
+    from teragram.model.config import ConfigError
+    from teragram.model.gpt import GPT
+    from teragram.model.train import TrainConfig, model_config, train
+
+    cuda = torch.cuda.is_available()
+    rows, data = [], {"settings": {}}
+    warm = args.warmup_steps
+    for shape in args.shapes.split(","):
+        for name, kw in SETTINGS.items():
+            steps = args.offload_steps if "offload" in kw else args.steps
+            out = w / "features" / f"{shape}-{name.replace(' ', '_').replace(',', '')}"
+            shutil.rmtree(out, ignore_errors=True)
+            cfg = TrainConfig(
+                index=str(args.index or w / "idx"),
+                features=str(args.features or w / "feats"),
+                out=str(out),
+                preset=shape,
+                batch_size=args.batch_size,
+                block_size=args.block_size,
+                max_steps=steps,
+                warmup=min(10, steps // 2),
+                lr=6e-4,
+                min_lr=6e-5,
+                log_every=2,
+                progress=False,
+                resume=False,
+                checkpoint=False,
+                compile=args.compile,
+                **kw,
+            )
+            key = f"{shape} / {name}"
+            if cuda:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            try:
+                r = train(cfg)
+            except (
+                ConfigError,
+                RuntimeError,
+                TypeError,
+                ValueError,
+            ) as e:  # a refusal, an out-of-memory, a kernel's limit: recorded, the suite goes on
+                msg = str(e).splitlines()[0][:160]
+                data["settings"][key] = {"error": msg}
+                rows.append({"shape": shape, "setting": name, "note": msg})
+                print(key, "failed:", msg, flush=True)
+                continue
+            tps, n = rate(out / "log.jsonl", min(warm, steps // 3))  # after the first steps (allocation, warm-up)
+            peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+            if shape not in data:
+                vocab = json.loads((Path(cfg.index) / "manifest.json").read_text())["tokenizer"]["vocab_size"]
+                for arch in ("gpt2", "modern"):
+                    m = GPT(model_config(replace(cfg, arch=arch), vocab, 4))
+                    data.setdefault(shape, {})[f"params_{arch}"] = m.num_params()
+                    data[shape][f"block_params_{arch}"] = sum(p.numel() for p in m.transformer.h[0].parameters())
+            base = data["settings"].get(f"{shape} / bf16", {}).get("tokens_per_s")
+            d = {"tokens_per_s": tps, "timed_steps": n, "loss": r["loss"], "steps": steps, "peak_gib": peak}
+            data["settings"][key] = d
+            rows.append(
+                {
+                    "shape": shape,
+                    "setting": name,
+                    "tokens/s": tps,
+                    "vs bf16": tps / base if base else "",
+                    "peak GiB": peak if peak is not None else "",
+                    "loss after N steps": r["loss"],
+                    "N": steps,
+                }
+            )
+            print(key, d, flush=True)
+    md = table(rows, ["shape", "setting", "tokens/s", "vs bf16", "peak GiB", "loss after N steps", "N", "note"])
+    counts = "; ".join(
+        f"{s}: {data[s]['params_gpt2'] / 1e6:.1f}M parameters (GPT-2 block), {data[s]['params_modern'] / 1e6:.1f}M (modern block, untied head); "
+        f"per block {data[s]['block_params_gpt2']:,} vs {data[s]['block_params_modern']:,}"
+        for s in args.shapes.split(",")
+        if s in data
+    )
+    md += (
+        f"\n\n{args.batch_size} sequences of {args.block_size} tokens per step, index inputs + mixture, "
+        f"{'torch.compile' if args.compile else 'eager (no torch.compile)'}, bf16 autocast, fused AdamW unless stated; tokens/s after the "
+        f"first {warm} steps (a third of the offload runs); peak GPU memory of the whole run. Parameters without learned positions: {counts}. "
+        "The loss after N steps is one short run per setting (same data and seed), not the 1,500-step comparison of issue 16."
+    )
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if "tokens/s" in r]
+    fig, ax = plt.subplots(figsize=(7, 0.3 * len(ok) + 1))
+    ax.barh([f"{r['shape']} {r['setting']}" for r in ok], [r["tokens/s"] / 1e3 for r in ok])
+    ax.invert_yaxis()
+    ax.set_xlabel("thousand tokens/s")
+    save("train_speed_features", data, md, fig)
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--warmup-steps", type=int, default=20)
+    ap.add_argument("--work", default="/tmp/tg-speed")
+    ap.add_argument("--suite", choices=("index", "features"), default="index")
+    ap.add_argument("--shapes", default="125m,350m", help="features suite: model presets")
+    ap.add_argument("--batch-size", type=int, default=16, help="features suite: sequences per step")
+    ap.add_argument("--block-size", type=int, default=1024, help="features suite: context")
+    ap.add_argument("--offload-steps", type=int, default=12, help="features suite: steps of the (slow) offload runs")
+    ap.add_argument("--compile", action="store_true", help="features suite: torch.compile each run")
+    ap.add_argument("--index", help="an existing index (with --features) instead of building one in --work")
+    ap.add_argument("--features", help="its exclude-doc features")
+    args = ap.parse_args()
+    w = Path(args.work)
+    prepare(w, args.index, args.features)
+    if args.suite == "features":
+        return features_suite(args, w)
+    import torch
+
+    repo = str(Path(__file__).resolve().parents[1])
+    py = sys.executable
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
     common = [
-        f"--index={w / 'idx'}",
-        f"--features={w / 'feats'}",
+        f"--index={args.index or w / 'idx'}",
+        f"--features={args.features or w / 'feats'}",
         "--preset=125m",
         "--batch_size=32",
         "--block_size=1024",

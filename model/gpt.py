@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from teragram.index.features import Features
+from torch.utils.checkpoint import checkpoint
 
 N_CNT_BUCKETS = 33  # floor(log2(count + 1)) for counts below 2^32
 
@@ -41,10 +42,12 @@ class GPTConfig:
     mixture: bool = True
     top_k: int = 4
     max_match: int = 64
+    arch: str = "gpt2"  # "gpt2" | "modern" (rotary, RMSNorm, QK-norm, ReLU^2 MLP, untied head)
 
     @classmethod
     def preset(cls, name: str, **kw) -> GPTConfig:
         shapes = {
+            "350m": dict(n_layer=24, n_head=16, n_embd=1024, block_size=1024),  # GPT-2 medium's shape
             "125m": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024),
             "small": dict(n_layer=6, n_head=6, n_embd=384, block_size=256),
             "tiny": dict(n_layer=4, n_head=4, n_embd=128, block_size=128),
@@ -79,6 +82,16 @@ def blinded(f: Features, rows: torch.Tensor | None = None) -> Features:
     )
 
 
+def rotate(x: torch.Tensor, pos0: int) -> torch.Tensor:
+    """Rotary position embedding of (B, nh, T, hs) at positions pos0.. (half-split layout)."""
+    T, hs = x.shape[-2], x.shape[-1]
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, hs, 2, device=x.device, dtype=torch.float32) / hs))  # (hs/2,)
+    ang = torch.outer(torch.arange(pos0, pos0 + T, device=x.device, dtype=torch.float32), inv_freq)  # (T, hs/2)
+    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+    x1, x2 = x[..., : hs // 2], x[..., hs // 2 :]
+    return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -86,11 +99,15 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.n_head = cfg.n_head
         self.dropout = cfg.dropout
+        self.modern = cfg.arch == "modern"  # QK-norm and rotary positions
 
-    def forward(self, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor] | None = None):
+    def forward(self, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor] | None = None, pos0: int = 0):
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        if self.modern:
+            hs = C // self.n_head
+            q, k = rotate(F.rms_norm(q, (hs,)), pos0), rotate(F.rms_norm(k, (hs,)), pos0)
         if kv is not None:  # incremental decoding: attend to the cached keys/values too
             k = torch.cat([kv[0], k], dim=2)
             v = torch.cat([kv[1], v], dim=2)
@@ -105,23 +122,39 @@ class MLP(nn.Module):
         self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
+        self.relu2 = cfg.arch == "modern"  # ReLU^2 instead of GELU
 
     def forward(self, x):
-        return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
+        h = self.c_fc(x)
+        return self.dropout(self.c_proj(F.relu(h).square() if self.relu2 else F.gelu(h)))
+
+
+def norm(cfg: GPTConfig) -> nn.Module:
+    return nn.RMSNorm(cfg.n_embd) if cfg.arch == "modern" else nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
 
 
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_1 = norm(cfg)
         self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_2 = norm(cfg)
         self.mlp = MLP(cfg)
+        self.recompute_attn = False  # set by GPT.set_recompute
 
-    def forward(self, x, kv=None):
-        a, kv = self.attn(self.ln_1(x), kv)
+    def _attn_out(self, x):
+        return self.attn(self.ln_1(x))[0]
+
+    def forward(self, x, kv=None, pos0: int = 0):
+        if self.recompute_attn and kv is None and pos0 == 0 and torch.is_grad_enabled():
+            a, kv = checkpoint(self._attn_out, x, use_reentrant=False), None  # attention activations recomputed in backward
+        else:
+            a, kv = self.attn(self.ln_1(x), kv, pos0)
         x = x + a
         return x + self.mlp(self.ln_2(x)), kv
+
+    def forward_no_cache(self, x):
+        return self.forward(x)[0]
 
 
 def count_bucket(count: torch.Tensor) -> torch.Tensor:
@@ -132,18 +165,21 @@ def count_bucket(count: torch.Tensor) -> torch.Tensor:
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
+        if cfg.arch not in ("gpt2", "modern"):
+            raise ValueError(f"arch must be gpt2 or modern, not {cfg.arch!r}")
         self.cfg = cfg
-        self.transformer = nn.ModuleDict(
-            dict(
-                wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
-                wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
-                drop=nn.Dropout(cfg.dropout),
-                h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
-                ln_f=nn.LayerNorm(cfg.n_embd, bias=cfg.bias),
-            )
+        layers = dict(
+            wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
+            drop=nn.Dropout(cfg.dropout),
+            h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
+            ln_f=norm(cfg),
         )
+        if cfg.arch == "gpt2":
+            layers["wpe"] = nn.Embedding(cfg.block_size, cfg.n_embd)  # modern: rotary positions in attention
+        self.transformer = nn.ModuleDict(layers)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.transformer.wte.weight = self.lm_head.weight  # weight tying
+        if cfg.arch == "gpt2":
+            self.transformer.wte.weight = self.lm_head.weight  # weight tying
         if cfg.use_index:
             self.wlen = nn.Embedding(cfg.max_match + 1, cfg.n_embd)
             self.wcnt = nn.Embedding(N_CNT_BUCKETS, cfg.n_embd)
@@ -151,6 +187,7 @@ class GPT(nn.Module):
                 self.gate = nn.Linear(cfg.n_embd, 1)
                 self.gate_len = nn.Embedding(cfg.max_match + 1, 1)
                 self.gate_cnt = nn.Embedding(N_CNT_BUCKETS, 1)
+        self.recompute = "none"
         self.apply(self._init_weights)
         for pn, p in self.named_parameters():
             if pn.endswith("c_proj.weight"):
@@ -173,8 +210,24 @@ class GPT(nn.Module):
         elif isinstance(m, nn.Embedding):
             torch.nn.init.normal_(m.weight, mean=0.0, std=0.02)
 
+    def set_recompute(self, mode: str) -> None:
+        """Activation recompute in training: "none", "attn" (each block's attention sub-layer is
+        recomputed in backward) or "block" (only each block's input is kept; the whole block is
+        recomputed). Same results, less activation memory, more compute."""
+        if mode not in ("none", "attn", "block"):
+            raise ValueError(f"recompute must be none, attn or block, not {mode!r}")
+        self.recompute = mode
+        for b in self.transformer.h:
+            b.recompute_attn = mode == "attn"
+
+    @property
+    def tied(self) -> bool:
+        return self.cfg.arch == "gpt2"
+
     def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters()) - self.transformer.wpe.weight.numel()
+        """Parameters without the learned positions (as nanoGPT counts)."""
+        wpe = self.transformer.wpe.weight.numel() if "wpe" in self.transformer else 0
+        return sum(p.numel() for p in self.parameters()) - wpe
 
     def _index_embedding(self, f: Features) -> torch.Tensor:
         wte = self.transformer.wte
@@ -197,13 +250,19 @@ class GPT(nn.Module):
         """Final hidden states (B, T, C) and the new key/value cache."""
         B, T = idx.shape
         pos = torch.arange(pos0, pos0 + T, dtype=torch.long, device=idx.device)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        x = self.transformer.wte(idx)
+        if "wpe" in self.transformer:
+            x = x + self.transformer.wpe(pos)
         if self.cfg.use_index:
             x = x + self._index_embedding(f)
         x = self.transformer.drop(x)
         new_kv = []
+        whole = self.recompute == "block" and kv is None and pos0 == 0 and torch.is_grad_enabled()
         for i, block in enumerate(self.transformer.h):
-            x, c = block(x, None if kv is None else kv[i])
+            if whole:
+                x, c = checkpoint(block.forward_no_cache, x, use_reentrant=False), None
+            else:
+                x, c = block(x, None if kv is None else kv[i], pos0)
             new_kv.append(c)
         return self.transformer.ln_f(x), new_kv
 
@@ -247,10 +306,3 @@ class GPT(nn.Module):
         rest = 1.0 - q.sum(-1)
         p = p * (1 - g + g * rest).unsqueeze(-1)
         return p.scatter_add(-1, f_last.topk_ids[:, 0].clamp_min(0), g.unsqueeze(-1) * q)
-
-    def configure_optimizer(self, weight_decay: float, lr: float, betas: tuple[float, float], device_type: str):
-        params = [p for p in self.parameters() if p.requires_grad]
-        decay = [p for p in params if p.dim() >= 2]
-        no_decay = [p for p in params if p.dim() < 2]
-        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device_type == "cuda")

@@ -5,6 +5,17 @@ fused AdamW; on CPU: float32. Warmup + cosine schedule, gradient clipping and ac
 multi-GPU with torchrun (DDP; gloo on CPU). Checkpoints hold the model (safetensors) and the
 optimizer, RNG and step (the data position: batches are a function of the step), so a resumed
 run continues the same loss curve. Logs: OUT/log.jsonl, a progress bar, OUT/loss.png.
+
+Settings for memory, speed and convergence (each a config key; `check` refuses, with one line
+and before any work, a value or a combination that cannot work):
+  recompute = none | attn | block   activation checkpointing (model/gpt.py)
+  zero1 = true                      AdamW state sharded across DDP ranks (model/optim.py)
+  offload = none | optimizer        fp32 masters and Adam moments in CPU memory (model/offload.py)
+  precision = bf16 | fp8 | int8     the blocks' linear layers in fp8 or int8 (model/lowp.py)
+  arch = gpt2 | modern              rotary, RMSNorm, QK-norm, ReLU^2, untied head (model/gpt.py)
+  optimizer = adamw | muon          Muon for the blocks' matrices (model/muon.py)
+Checkpoints of every setting use one layout and resume under any other setting that uses the
+same optimizer (adamw's state resumes with or without zero1 and offload, on any world size).
 """
 
 from __future__ import annotations
@@ -24,9 +35,12 @@ from teragram.index import format as fmt
 from teragram.index.features import Features
 from tqdm import tqdm
 
+from . import lowp, optim
+from .config import ConfigError
 from .data import TrainData
 from .evaluate import evaluate
 from .gpt import GPT, GPTConfig, blinded, to_device
+from .offload import CPUOffloadAdamW
 
 
 @dataclass(frozen=True)
@@ -58,7 +72,41 @@ class TrainConfig:
     device: str = "auto"
     compile: bool = True  # on CUDA
     resume: bool = True
+    checkpoint: bool = True  # false: no checkpoints at all (speed benchmarks)
     progress: bool = True
+    arch: str = "gpt2"  # "gpt2" | "modern": rotary, RMSNorm, QK-norm, ReLU^2 MLP, untied head
+    optimizer: str = "adamw"  # "adamw" | "muon": Muon for the blocks' matrices, AdamW for the rest
+    muon_lr: float = 0.02  # Muon's peak learning rate (follows lr's warmup and cosine)
+    muon_momentum: float = 0.95
+    recompute: str = "none"  # activation recompute: none | attn | block
+    precision: str = "bf16"  # "bf16" (autocast; fp32 on CPU) | "fp8" | "int8" matmuls in the blocks' linears
+    zero1: bool = False  # shard the optimizer state across data-parallel ranks (ZeRO stage 1)
+    offload: str = "none"  # "optimizer": fp32 master weights and Adam moments in CPU memory
+
+
+CHOICES = {
+    "arch": ("gpt2", "modern"),
+    "optimizer": ("adamw", "muon"),
+    "recompute": ("none", "attn", "block"),
+    "offload": ("none", "optimizer"),
+    "precision": ("bf16", "fp8", "int8"),
+}
+
+
+def check(cfg: TrainConfig) -> None:
+    """Refuse, with one line, a setting or a combination that cannot work, before any work."""
+    for key, allowed in CHOICES.items():
+        if getattr(cfg, key) not in allowed:
+            raise ConfigError(f"{key} must be one of {', '.join(allowed)}, not {getattr(cfg, key)!r}")
+    cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
+    if cfg.precision == "fp8" and not (cuda and lowp.fp8_supported()):
+        raise ConfigError("precision = fp8 needs a CUDA GPU of compute capability >= 8.9")
+    if cfg.offload != "none" and cfg.zero1:
+        raise ConfigError("offload = optimizer and zero1 cannot be combined (the CPU optimizer is not sharded); choose one")
+    if cfg.optimizer == "muon" and cfg.zero1:
+        raise ConfigError("optimizer = muon and zero1 cannot be combined (Muon needs whole matrices); use adamw with zero1")
+    if cfg.optimizer == "muon" and cfg.offload != "none":
+        raise ConfigError("optimizer = muon and offload = optimizer cannot be combined; offload supports adamw only")
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -76,6 +124,7 @@ def model_config(cfg: TrainConfig, vocab_size: int, top_k: int) -> GPTConfig:
         index_inputs=cfg.index_inputs,
         mixture=cfg.mixture,
         top_k=top_k,
+        arch=cfg.arch,
     )
     if cfg.block_size:
         g = replace(g, block_size=cfg.block_size)
@@ -98,14 +147,18 @@ def _commit() -> str:
         return "unknown"
 
 
-def _save(out: Path, model: GPT, opt, step: int, cfg: TrainConfig) -> Path:
+def _save(out: Path, model: GPT, opt_state: dict, step: int, cfg: TrainConfig, opt_weights: dict | None = None) -> Path:
+    """A checkpoint of the model (opt_weights: the fp32 masters, when the optimizer keeps them)."""
     d = out / "checkpoints" / f"step-{step:07d}"
     tmp = d.with_name(d.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    sd = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied to wte
+    weights = opt_weights if opt_weights is not None else model.state_dict()
+    sd = {k: v.detach().float().cpu().contiguous() if v.is_floating_point() else v.detach().cpu().contiguous() for k, v in weights.items()}
+    if model.tied:
+        sd.pop("lm_head.weight", None)  # tied to wte
     save_file(sd, str(tmp / "model.safetensors"))
-    torch.save({"optimizer": opt.state_dict(), "step": step, "torch_rng": torch.get_rng_state()}, tmp / "state.pt")
+    torch.save({"optimizer": opt_state, "step": step, "torch_rng": torch.get_rng_state()}, tmp / "state.pt")
     (tmp / "config.json").write_text(
         json.dumps({"model": asdict(model.cfg), "train": asdict(cfg), "step": step, "commit": _commit()}, indent=1)
     )
@@ -125,7 +178,7 @@ def load_model(checkpoint: str | Path, device: str = "cpu") -> tuple[GPT, dict]:
     mc["index_inputs"] = tuple(mc["index_inputs"])
     model = GPT(GPTConfig(**mc))
     sd = load_file(str(p / "model.safetensors"))
-    sd["lm_head.weight"] = sd["transformer.wte.weight"]
+    sd.setdefault("lm_head.weight", sd["transformer.wte.weight"])  # tied (gpt2 arch)
     model.load_state_dict(sd)
     return model.to(device), meta
 
@@ -133,9 +186,14 @@ def load_model(checkpoint: str | Path, device: str = "cpu") -> tuple[GPT, dict]:
 # ---- training --------------------------------------------------------------------------------
 
 
-def _setup(cfg: TrainConfig) -> tuple[int, int, str]:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
+def _setup(cfg: TrainConfig) -> tuple[int, int, str, bool]:
+    """rank, world size, device, and whether this call initialised the process group (a caller
+    that already has one, e.g. a test running several trainings in one torchrun, keeps it)."""
+    if dist.is_initialized():
+        world, rank = dist.get_world_size(), dist.get_rank()
+    else:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
     dev = cfg.device
     if dev == "auto":
         dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -144,8 +202,10 @@ def _setup(cfg: TrainConfig) -> tuple[int, int, str]:
             local = int(os.environ.get("LOCAL_RANK", "0"))
             torch.cuda.set_device(local)
             dev = f"cuda:{local}"
-        dist.init_process_group("nccl" if dev.startswith("cuda") else "gloo")
-    return rank, world, dev
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if dev.startswith("cuda") else "gloo")
+            return rank, world, dev, True
+    return rank, world, dev, False
 
 
 def _to(x, device):
@@ -156,7 +216,8 @@ def _to(x, device):
 
 
 def train(cfg: TrainConfig) -> dict:
-    rank, world, device = _setup(cfg)
+    check(cfg)
+    rank, world, device, own_group = _setup(cfg)
     master = rank == 0
     torch.manual_seed(cfg.seed + rank)
     use_index = cfg.use_index and cfg.features is not None
@@ -166,21 +227,37 @@ def train(cfg: TrainConfig) -> dict:
     data = TrainData(cfg.index, cfg.features if use_index else None, mcfg.block_size)
     out = Path(cfg.out)
     model = GPT(mcfg).to(device)
-    opt = model.configure_optimizer(cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), "cuda" if device.startswith("cuda") else "cpu")
-    start = 0
+    model.set_recompute(cfg.recompute)
+    lowp.convert(model, cfg.precision)
+    start, st = 0, None
     if cfg.resume and (out / "latest.json").exists():
         ck = out / fmt.read_json(out / "latest.json")["checkpoint"]
         sd = load_file(str(ck / "model.safetensors"))
-        sd["lm_head.weight"] = sd["transformer.wte.weight"]
+        sd.setdefault("lm_head.weight", sd["transformer.wte.weight"])  # tied (gpt2 arch)
         model.load_state_dict(sd)
-        st = torch.load(ck / "state.pt", map_location=device, weights_only=False)
+        st = torch.load(ck / "state.pt", map_location="cpu" if cfg.offload != "none" else device, weights_only=False)
+    cuda = device.startswith("cuda")
+    opt = optim.build(
+        model,
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        betas=(cfg.beta1, cfg.beta2),
+        cuda=cuda,
+        zero1=cfg.zero1 and world > 1,
+        offload=cfg.offload == "optimizer",
+        muon=cfg.optimizer == "muon",
+        muon_lr=cfg.muon_lr,
+        muon_momentum=cfg.muon_momentum,
+    )
+    if cfg.offload == "optimizer" and cuda:
+        model.to(torch.bfloat16)  # the fp32 masters live in CPU memory
+    if st is not None:
         opt.load_state_dict(st["optimizer"])
         torch.set_rng_state(st["torch_rng"])
         start = st["step"]
     if master:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps({"model": asdict(mcfg), "train": asdict(cfg), "commit": _commit()}, indent=1))
-    cuda = device.startswith("cuda")
     fwd = torch.compile(model) if cuda and cfg.compile else model
     ddp = None
     if world > 1:
@@ -195,7 +272,7 @@ def train(cfg: TrainConfig) -> dict:
     for step in range(start, cfg.max_steps):
         lr = lr_at(cfg, step)
         for g in opt.param_groups:
-            g["lr"] = lr
+            g["lr"] = lr * g.get("lr_scale", 1.0)
         loss_sum = 0.0
         for micro in range(cfg.grad_accum):
             x, y, f = next(batches)
@@ -209,9 +286,12 @@ def train(cfg: TrainConfig) -> dict:
                 loss = loss.mean() / cfg.grad_accum
             loss.backward()
             loss_sum += loss.item() if not cuda or (step + 1) % cfg.log_every == 0 else 0.0
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
+        if isinstance(opt, CPUOffloadAdamW):
+            opt.step(cfg.grad_clip)  # clips the fp32 gradients on the CPU
+        else:
+            if cfg.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            opt.step()
         opt.zero_grad(set_to_none=True)
         bar.update(1)
         if (step + 1) % cfg.log_every == 0 or step == start or step + 1 == cfg.max_steps:
@@ -222,17 +302,21 @@ def train(cfg: TrainConfig) -> dict:
                 log.write(json.dumps(last) + "\n")
                 log.flush()
                 bar.set_postfix(loss=f"{loss_sum:.3f}", tok_s=f"{tps:,.0f}")
-        if master and cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.max_steps:
-            _save(out, model, opt, step + 1, cfg)
+        if cfg.checkpoint and cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.max_steps:
+            opt_state = optim.full_state_dict(opt)  # collective under ZeRO-1
+            if master:
+                _save(out, model, opt_state, step + 1, cfg, _masters(opt))
         if master and cfg.heldout and cfg.eval_every and (step + 1) % cfg.eval_every == 0:
             ev = evaluate(model, cfg.heldout, data.eos, data.sep, device)
             log.write(json.dumps({"step": step + 1, "eval": ev}) + "\n")
             log.flush()
     bar.close()
     result = dict(last)
+    final = cfg.checkpoint and cfg.max_steps > start
+    opt_state = optim.full_state_dict(opt) if final else None
     if master:
-        if cfg.max_steps > start:
-            _save(out, model, opt, cfg.max_steps, cfg)
+        if final:
+            _save(out, model, opt_state, cfg.max_steps, cfg, _masters(opt))
         if cfg.heldout:
             result["eval"] = evaluate(model, cfg.heldout, data.eos, data.sep, device)
             log.write(json.dumps({"step": cfg.max_steps, "eval": result["eval"]}) + "\n")
@@ -240,8 +324,13 @@ def train(cfg: TrainConfig) -> dict:
         plot_log(out)
     if world > 1:
         dist.barrier()
-        dist.destroy_process_group()
+        if own_group:
+            dist.destroy_process_group()
     return result
+
+
+def _masters(opt) -> dict | None:
+    return opt.master_weights() if isinstance(opt, CPUOffloadAdamW) else None
 
 
 def blind(f: Features, p: float, gen: torch.Generator) -> Features:

@@ -31,9 +31,10 @@ def _rand_feats(B, T, V, k, g):
     return Features(length, cont, count, ids, cnt)
 
 
-def test_mixture_is_a_distribution_and_matches_the_loss():
+@pytest.mark.parametrize("arch", ["gpt2", "modern"])
+def test_mixture_is_a_distribution_and_matches_the_loss(arch):
     g = torch.Generator().manual_seed(0)
-    cfg = GPTConfig.preset("tiny", vocab_size=50, block_size=16)
+    cfg = GPTConfig.preset("tiny", vocab_size=50, block_size=16, arch=arch)
     m = GPT(cfg)
     with torch.no_grad():
         m.gate.bias.fill_(0.3)
@@ -51,9 +52,10 @@ def test_mixture_is_a_distribution_and_matches_the_loss():
             assert float(-torch.log(p[y[b, t]])) == pytest.approx(float(loss[b, t].detach()), abs=1e-4)
 
 
-def test_kv_cache_matches_full_forward():
+@pytest.mark.parametrize("arch", ["gpt2", "modern"])
+def test_kv_cache_matches_full_forward(arch):
     g = torch.Generator().manual_seed(1)
-    m = GPT(GPTConfig.preset("tiny", vocab_size=50, block_size=32)).eval()
+    m = GPT(GPTConfig.preset("tiny", vocab_size=50, block_size=32, arch=arch)).eval()
     x = torch.randint(0, 50, (1, 20), generator=g)
     f = _rand_feats(1, 20, 50, 4, g)
     full, _ = m.hidden(x, f)
@@ -171,9 +173,10 @@ dist.destroy_process_group()
         assert torch.allclose(p.grad, ddp[n], atol=1e-6, rtol=1e-4), n
 
 
-def test_generation_features_equal_bulk_score(dup_setup):
-    train(_cfg(dup_setup, "gen", max_steps=20))
-    model, _ = load_model(dup_setup / "gen")
+@pytest.mark.parametrize("arch", ["gpt2", "modern"])
+def test_generation_features_equal_bulk_score(dup_setup, arch):
+    train(_cfg(dup_setup, "gen-" + arch, max_steps=20, arch=arch))
+    model, _ = load_model(dup_setup / ("gen-" + arch))
     idx = Index(dup_setup / "idx")
     prompt = idx.tokenize("The kernel")
     g = generate(model, idx, prompt, max_new_tokens=40, temperature=1.0, top_p=0.9, seed=1)
