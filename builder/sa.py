@@ -1,58 +1,179 @@
-"""Suffix arrays for one shard: pydivsufsort over the token stream, separators dropped, packed.
+"""Suffix arrays for one shard, built in parts that fit a memory budget and merged from disk.
 
 The stream is doc0 SEP doc1 SEP ... with SEP the largest value of the token dtype, so it
-compares greater than every vocabulary id: no suffix comparison, and therefore no match or
-count, runs across a document end. Suffixes starting at a SEP are never the answer to a query
-(queries hold vocabulary ids only), so they are dropped from the array: it has one entry per
-real token.
+compares greater than every vocabulary id. Suffixes are ordered by their tokens up to and
+including their document's SEP, and suffixes equal that far (the same document tail) by
+position: no comparison ever runs past a document end, so the order of a shard's suffixes
+does not depend on how the shard is cut into parts. Suffixes starting at a SEP are never the
+answer to a query (queries hold vocabulary ids only), so they are dropped: the array has one
+entry per real token.
+
+A part is a run of whole documents. Its suffixes are sorted with divsufsort over the part
+alone (then the runs of suffixes equal through their SEP re-sorted by position), written to
+``sa.parts/NNNN.bin`` with a completion marker, and the parts are merged by ``sa_merge``.
 """
 
 from __future__ import annotations
 
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numba as nb
 import numpy as np
 import pydivsufsort
 from teragram.index import format as fmt
-from teragram.index import packed
+from teragram.index.errors import BuildError
+
+PARTS_DIR = "sa.parts"
+# Resident bytes per position while a part is sorted, in units of the token size: the part's
+# tokens, their big-endian byte string, and divsufsort's int32 array over those bytes.
+_SORT_UNITS_32 = 6
+_SORT_UNITS_64 = 10  # the same with divsufsort's int64 array (strings of 2^31 bytes or more)
+# Working memory of the merge besides the shard's tokens: read buffers and the output chunk.
+MERGE_BUFFER_BYTES = 64 << 20
+
+
+def sort_bytes(positions: int, itemsize: int) -> int:
+    """Peak bytes of sorting one part of this many positions."""
+    units = _SORT_UNITS_32 if positions * itemsize < 2**31 else _SORT_UNITS_64
+    return units * itemsize * positions
+
+
+def max_part_positions(budget: int, itemsize: int) -> int:
+    """The largest part (in positions) whose sort fits in `budget` bytes."""
+    m = budget // (_SORT_UNITS_32 * itemsize)
+    if m * itemsize >= 2**31:
+        m = max((2**31 - 1) // itemsize, budget // (_SORT_UNITS_64 * itemsize))
+    return int(m)
+
+
+@nb.njit(cache=True, nogil=True)
+def _compact(sa, tok, itemsize, sep):
+    """Keep the byte suffixes that start a token which is not SEP, as token offsets, in place
+    at the front of sa; returns how many."""
+    j = 0
+    for i in range(sa.shape[0]):
+        b = sa[i]
+        if b % itemsize == 0 and tok[b // itemsize] != sep:
+            sa[j] = b // itemsize
+            j += 1
+    return j
+
+
+@nb.njit(cache=True, nogil=True)
+def _same_tail(tok, a, b, sep):
+    """Whether the suffixes at a and b are equal through their SEP."""
+    k = 0
+    while True:
+        x = tok[a + k]
+        if x != tok[b + k]:
+            return False
+        if x == sep:
+            return True
+        k += 1
+
+
+@nb.njit(cache=True, nogil=True)
+def _ties_by_position(sa, n, tok, sep):
+    """divsufsort orders suffixes equal through their SEP by what follows; order each such
+    run (contiguous in sa[:n]) by position instead."""
+    i = 0
+    while i < n:
+        j = i + 1
+        while j < n and _same_tail(tok, sa[i], sa[j], sep):
+            j += 1
+        if j - i > 1:
+            sa[i:j] = np.sort(sa[i:j])
+        i = j
 
 
 def suffix_array(tokens: np.ndarray, sep: int) -> np.ndarray:
-    """Positions of the non-separator tokens, sorted by their suffixes. (n,) -> (n - #SEP,)"""
+    """Positions of the non-separator tokens of a run of whole documents (it ends with SEP),
+    sorted by their suffixes in the shard order. (n,) -> (n - #SEP,) int32 or int64"""
     tokens = np.ascontiguousarray(tokens)
     if tokens.size == 0:
         return np.zeros(0, dtype=np.int64)
-    sa = pydivsufsort.divsufsort(tokens)
-    return sa[tokens[sa] != sep]
+    text = tokens.astype(tokens.dtype.newbyteorder(">")).view(np.uint8)
+    sa = pydivsufsort.divsufsort(text)
+    del text
+    n = _compact(sa, tokens, tokens.dtype.itemsize, sep)
+    _ties_by_position(sa, n, tokens, sep)
+    return sa[:n]
 
 
-def block_max(sa: np.ndarray) -> np.ndarray:
-    """Maxima of the suffix array over blocks of 64, 4096 and 262144 ranks, concatenated.
+@dataclass(frozen=True)
+class Plan:
+    """Parts of a shard: part i covers positions [bounds[i], bounds[i+1]), whole documents."""
 
-    Used by the engine to find the most recent occurrence (largest position) of an n-gram in
-    its suffix-array interval in O(block sizes) instead of O(count).
-    """
-    levels = []
-    cur = np.asarray(sa, dtype=np.int64)
-    prev_block = 1
-    for b in fmt.SAMAX_BLOCKS:
-        step = b // prev_block
-        pad = (-len(cur)) % step
-        padded = np.concatenate([cur, np.full(pad, -1, dtype=np.int64)]) if pad else cur
-        cur = padded.reshape(-1, step).max(axis=1) if len(padded) else padded
-        levels.append(cur)
-        prev_block = b
-    out = np.concatenate(levels) if levels else np.zeros(0, dtype=np.int64)
-    return out
+    bounds: tuple[int, ...]
+
+    @property
+    def n_parts(self) -> int:
+        return len(self.bounds) - 1
 
 
-def write_shard_arrays(shard_dir, tokens: np.ndarray, sep: int, vocab: int) -> dict:
-    """Build and write sa.bin, samax.bin and unigram.bin for a shard; returns their statistics."""
+def plan_parts(starts: np.ndarray, max_positions: int) -> Plan:
+    """Cut the documents (start offsets, then the total) into parts of at most max_positions."""
+    starts = np.asarray(starts, dtype=np.int64)
+    total = int(starts[-1])
+    bounds = [0]
+    while bounds[-1] < total:
+        a = bounds[-1]
+        k = int(np.searchsorted(starts, a + max_positions, side="right")) - 1
+        b = int(starts[k])
+        if b <= a:
+            doc = int(np.searchsorted(starts, a, side="right")) - 1
+            length = int(starts[doc + 1] - starts[doc])
+            raise BuildError(
+                f"a document of {length} tokens does not fit a suffix-array part of at most {max_positions} positions; "
+                "raise --memory (or --sa-part-tokens)"
+            )
+        bounds.append(b)
+    return Plan(tuple(bounds))
+
+
+def part_path(shard_dir: Path, i: int) -> Path:
+    return Path(shard_dir) / PARTS_DIR / f"{i:06d}.bin"
+
+
+def part_done(shard_dir: Path, i: int) -> bool:
+    """Whether part i is complete: its marker exists and the file has the size it records."""
+    marker = part_path(shard_dir, i).with_suffix(".done")
+    if not marker.exists():
+        return False
+    p = part_path(shard_dir, i)
+    return p.exists() and p.stat().st_size == fmt.read_json(marker)["size"]
+
+
+def prepare_parts(shard_dir: Path, plan: Plan) -> None:
+    """Start the parts directory, or keep it when it holds parts of this same plan."""
+    d = Path(shard_dir) / PARTS_DIR
+    plan_file = d / "plan.json"
+    if d.exists() and (not plan_file.exists() or fmt.read_json(plan_file) != list(plan.bounds)):
+        shutil.rmtree(d)
+    d.mkdir(exist_ok=True)
+    for tmp in d.glob(".*.tmp-*"):
+        tmp.unlink()
+    if not plan_file.exists():
+        fmt.write_json(plan_file, list(plan.bounds))
+
+
+def sort_part(shard_dir: Path, plan: Plan, i: int, sep: int, pos_dtype: str) -> None:
+    """Sort part i's suffixes and write them (shard positions, pos_dtype) with its marker."""
+    path = Path(shard_dir) / "tokens.bin"
+    h = fmt.read_header(path)
+    dtype = fmt.open_array(path, "tokens").dtype
+    a, b = plan.bounds[i], plan.bounds[i + 1]
+    tokens = np.fromfile(path, dtype=dtype, count=b - a, offset=fmt.HEADER_SIZE + a * dtype.itemsize)
+    if len(tokens) != b - a or h.count < b:
+        raise BuildError(f"{path}: shorter than its documents (truncated?)")
     sa = suffix_array(tokens, sep)
-    n_positions = len(tokens)
-    width = packed.width_for(max(n_positions - 1, 0))
-    fmt.write_packed(shard_dir / "sa.bin", "sa", packed.pack(sa, width), width, len(sa))
-    bm = block_max(sa)
-    bm_dtype = np.uint32 if n_positions < 2**32 else np.uint64
-    fmt.write_array(shard_dir / "samax.bin", "samax", bm.astype(bm_dtype))
-    real = tokens[tokens != sep]
-    fmt.write_array(shard_dir / "unigram.bin", "unigram", np.bincount(real, minlength=vocab).astype(np.uint64))
-    return {"sa_entries": int(len(sa)), "sa_width": width}
+    del tokens
+    out = part_path(shard_dir, i)
+    w = fmt.StreamWriter(out, "sa.part", pos_dtype, len(sa))
+    step = 1 << 22
+    for lo in range(0, len(sa), step):
+        w.write(sa[lo : lo + step].astype(np.int64) + a)
+    w.close()
+    fmt.write_json(out.with_suffix(".done"), {"size": out.stat().st_size, "count": len(sa)})

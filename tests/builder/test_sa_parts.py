@@ -1,0 +1,94 @@
+"""Suffix arrays built in parts and merged from disk: identical to one part, to brute force,
+and resumable after SIGKILL mid-merge."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from teragram.builder import sa as sa_mod
+from teragram.builder.build import build_from_ids
+from teragram.index import format as fmt
+from teragram.index import packed
+from teragram.index.engine import Index
+from teragram.index.errors import BuildError
+
+from tests.builder.test_build import REPO, _files, _run_and_kill, brute_sa
+from tests.conftest import random_docs
+
+
+def _docs_with_duplicates(seed: int) -> list[np.ndarray]:
+    """Random documents over a tiny alphabet, some repeated whole (equal tails through SEP)."""
+    rng = np.random.default_rng(seed)
+    docs = random_docs(rng, 80, 3, 60, 1000)
+    for i in rng.integers(0, len(docs), size=25):
+        docs.insert(int(rng.integers(0, len(docs))), docs[int(i)])
+    return docs
+
+
+def _shard_arrays(root) -> dict[str, bytes]:
+    return {k: v for k, v in _files(root).items() if k.endswith(("sa.bin", "samax.bin", "unigram.bin"))}
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_parts_give_the_same_bytes_as_one_part(tmp_path, tokenizer_model, monkeypatch, seed):
+    docs = _docs_with_duplicates(seed)
+    whole = tmp_path / "whole"
+    build_from_ids(docs, whole, tokenizer_model, shard_tokens=3000)
+    sorted_parts = []
+    real_sort = sa_mod.sort_part
+    monkeypatch.setattr(sa_mod, "sort_part", lambda d, plan, i, *a: sorted_parts.append(plan.n_parts) or real_sort(d, plan, i, *a))
+    parted = tmp_path / "parted"
+    build_from_ids(docs, parted, tokenizer_model, shard_tokens=3000, sa_part_tokens=150)
+    assert max(sorted_parts) >= 8  # the small cap really cut shards into many parts
+    assert _shard_arrays(parted) == _shard_arrays(whole)
+    idx = Index(parted)
+    assert len(idx.shards) >= 2
+    for s in idx.shards:
+        tok = np.asarray(s.tok)
+        assert s.sa.to_numpy().tolist() == brute_sa(tok, idx.sep)
+        assert not (fmt.shard_dir(parted, s.id) / sa_mod.PARTS_DIR).exists()
+
+
+def test_budget_errors(tmp_path, tokenizer_model):
+    docs = _docs_with_duplicates(2)
+    with pytest.raises(BuildError, match="cannot merge a shard of .* positions"):
+        build_from_ids(docs, tmp_path / "i", tokenizer_model, memory_gb=0.01)
+    starts = np.array([0, 10, 500, 520], dtype=np.uint64)
+    assert sa_mod.plan_parts(starts, 500).bounds == (0, 500, 520)
+    with pytest.raises(BuildError, match="a document of 490 tokens does not fit"):
+        sa_mod.plan_parts(starts, 400)
+
+
+@pytest.mark.parametrize("width", [31, 32, 33, 36, 40])
+def test_packing_wide_pointers(width):
+    rng = np.random.default_rng(width)
+    vals = rng.integers(0, 2**width, size=1000, dtype=np.int64)
+    vals[:3] = [0, 2**width - 1, 2**width - 2]
+    words = packed.pack(vals, width)
+    assert len(words) == packed.n_words(len(vals), width)
+    assert packed.unpack(words, width, len(vals)).tolist() == vals.tolist()
+    assert packed.unpack(words, width, len(vals), 500, 503).tolist() == vals[500:503].tolist()
+
+
+def test_resume_with_parts_after_sigkill_is_byte_identical(tmp_path, corpus_dir):
+    def args(out, *extra):
+        return [str(corpus_dir), "--out", str(out), "--vocab-size", "600", "--shard-tokens", "60000", "--workers", "1", "--quiet", *extra]
+
+    ref = tmp_path / "ref"  # one part per shard
+    subprocess.run([sys.executable, "-m", "teragram.builder.cli", *args(ref)], cwd=REPO, check=True)
+    reference = _files(ref)
+    parts = ("--sa-part-tokens", "14000")
+    s1 = "shards/000001"
+    milestones = {
+        "parts of shard 1": lambda o: (o / s1 / "sa.parts/000002.done").exists(),
+        "merging shard 1": lambda o: any((o / s1).glob(".sa.bin.tmp-*")),
+        "samax of shard 1": lambda o: (o / s1 / "samax.bin").exists(),
+    }
+    kills = 0
+    for name, when in milestones.items():
+        out = tmp_path / name.replace(" ", "_")
+        kills += _run_and_kill(args(out, *parts), out, when)
+        subprocess.run([sys.executable, "-m", "teragram.builder.cli", *args(out, *parts)], cwd=REPO, check=True)
+        assert _files(out) == reference, name
+    assert kills >= 2
