@@ -437,8 +437,8 @@ def build(cfg: BuildConfig) -> dict:
                 if (cur.file, cur.record) == (start.file, start.record):
                     cur = Cursor(cur.file, cur.record, start.part)
                 writer.add(cur, item, next(it))
+        enc.close()  # every document is encoded: free the workers' memory for the last shard
         writer.flush(Cursor(len(files), 0, 0))
-        enc.close()
         indexed = executor.results()
     finally:
         enc.close()

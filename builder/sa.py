@@ -62,30 +62,45 @@ def _compact(sa, tok, itemsize, sep):
 
 
 @nb.njit(cache=True, nogil=True)
-def _same_tail(tok, a, b, sep):
-    """Whether the suffixes at a and b are equal through their SEP."""
-    k = 0
-    while True:
-        x = tok[a + k]
-        if x != tok[b + k]:
-            return False
-        if x == sep:
-            return True
-        k += 1
-
-
-@nb.njit(cache=True, nogil=True)
 def _ties_by_position(sa, n, tok, sep):
-    """divsufsort orders suffixes equal through their SEP by what follows; order each such
-    run (contiguous in sa[:n]) by position instead."""
-    i = 0
-    while i < n:
-        j = i + 1
-        while j < n and _same_tail(tok, sa[i], sa[j], sep):
-            j += 1
-        if j - i > 1:
-            sa[i:j] = np.sort(sa[i:j])
-        i = j
+    """divsufsort orders suffixes equal through their SEP (the same document tail) by what
+    follows; order each such run, contiguous in sa[:n], by position instead.
+
+    Runs are found with Kasai's longest-common-prefix sweep, stopped at the SEP: linear in the
+    part however long its duplicated documents. The inverse suffix array it needs lives in
+    sa[n:], free once the array is compacted (sa holds one entry per byte of the part).
+    """
+    m = tok.shape[0]
+    isa = sa[n : n + m]
+    isa[:] = -1
+    for r in range(n):
+        isa[sa[r]] = r
+    tied = np.zeros(n, np.bool_)  # rank r is equal through its SEP to rank r - 1
+    h = 0
+    for i in range(m):
+        r = isa[i]
+        if r <= 0:
+            h = 0
+            continue
+        j = sa[r - 1]
+        k = h
+        while True:
+            x = tok[i + k]
+            if x != tok[j + k]:
+                break
+            if x == sep:
+                tied[r] = True
+                break
+            k += 1
+        h = k - 1 if k > 0 else 0
+    r = 0
+    while r < n:
+        e = r + 1
+        while e < n and tied[e]:
+            e += 1
+        if e - r > 1:
+            sa[r:e] = np.sort(sa[r:e])
+        r = e
 
 
 def suffix_array(tokens: np.ndarray, sep: int) -> np.ndarray:
