@@ -60,6 +60,7 @@ def main() -> int:
     ap.add_argument("--shard-tokens", type=int, default=1 << 30)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--workdir", default=str(default_workdir()))
+    ap.add_argument("--keep", action="store_true", help="keep the index of the last --memory value")
     args = ap.parse_args()
     w = Path(args.workdir)
     corpus = linux_corpus(w, args.mb, "train")
@@ -97,7 +98,8 @@ def main() -> int:
             }
         )
         print(rows[-1], flush=True)
-        shutil.rmtree(out)
+        if not (args.keep and gb == float(args.memory.split(",")[-1])):
+            shutil.rmtree(out)
     cols = list(rows[0])
     md = f"Build of {args.mb:g} MB of linux-source-6.1 (train split), --shard-tokens {args.shard_tokens}, --workers {args.workers}.\n\n"
     save("build_memory", {"rows": rows}, md + table(rows, cols))

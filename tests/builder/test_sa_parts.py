@@ -92,3 +92,28 @@ def test_resume_with_parts_after_sigkill_is_byte_identical(tmp_path, corpus_dir)
         subprocess.run([sys.executable, "-m", "teragram.builder.cli", *args(out, *parts)], cwd=REPO, check=True)
         assert _files(out) == reference, name
     assert kills >= 2
+
+
+def test_corrupt_part_is_a_one_line_error_and_a_truncated_one_is_redone(tmp_path, tokenizer_model):
+    from teragram.builder import shard_index
+    from teragram.index.errors import IndexFormatError
+
+    docs = _docs_with_duplicates(3)
+    build_from_ids(docs, tmp_path / "i", tokenizer_model, shard_tokens=1 << 20)
+    d = fmt.shard_dir(tmp_path / "i", 0)
+    reference = (d / "sa.bin").read_bytes()
+    starts = np.asarray(fmt.open_array(d / "docs.bin", "docs"))
+    plan = sa_mod.plan_parts(starts, 300)
+    sa_mod.prepare_parts(d, plan)
+    for i in range(plan.n_parts):
+        sa_mod.sort_part(d, plan, i, fmt.separator(np.dtype(np.uint16)), "uint32")
+    with open(sa_mod.part_path(d, 0), "r+b") as f:  # truncated: no longer done, sorted again
+        f.truncate(100)
+    assert not sa_mod.part_done(d, 0)
+    shard_index.write_shard_arrays(d, fmt.separator(np.dtype(np.uint16)), 1000, 1 << 40, part_positions=300)
+    assert (d / "sa.bin").read_bytes() == reference
+    with open(sa_mod.part_path(d, 1), "r+b") as f:  # right size, bad header
+        f.seek(30)
+        f.write(b"\x7f")
+    with pytest.raises(IndexFormatError, match=r"000001\.bin: header checksum mismatch"):
+        shard_index.write_shard_arrays(d, fmt.separator(np.dtype(np.uint16)), 1000, 1 << 40, part_positions=300)
