@@ -50,7 +50,8 @@ def run_sampled(cmd: list[str]) -> dict:
     th.join()
     if os.waitstatus_to_exitcode(status) != 0:
         raise subprocess.CalledProcessError(status, cmd)
-    return {"wall_s": time.time() - t, "peak_tree_rss_mb": peak / 2**20, "ru_maxrss_mb": ru.ru_maxrss / 1024}
+    cpu = ru.ru_utime + ru.ru_stime
+    return {"wall_s": time.time() - t, "cpu_s": cpu, "peak_tree_rss_mb": peak / 2**20, "ru_maxrss_mb": ru.ru_maxrss / 1024}
 
 
 def main() -> int:
@@ -91,6 +92,7 @@ def main() -> int:
                 "tokens": n,
                 "shards": m["counts"]["shards"],
                 "wall_s": r["wall_s"],
+                "cpu_s": r["cpu_s"],
                 "index_s": rep["timings"]["index_task_s"],
                 "peak_tree_rss_mb": r["peak_tree_rss_mb"],
                 "ru_maxrss_mb": r["ru_maxrss_mb"],

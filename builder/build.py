@@ -11,7 +11,9 @@ Output depends only on the inputs and the options that shape it (tokenizer, voca
 size), never on --workers or on interruptions: a build killed at any point and rerun with the
 same command resumes after the last contiguous completed shard and ends byte-identical to an
 uninterrupted one (build-report.json, which holds timings, is the one file that differs).
-Memory stays bounded by one shard plus the in-flight encoding window.
+Memory stays within --memory (BuildConfig.memory_gb), workers included: tokens and document
+metadata are streamed to disk as they come, and each shard's suffix array is sorted in parts
+that fit what is left of the budget and merged from disk (builder/shard_index.py).
 """
 
 from __future__ import annotations

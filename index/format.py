@@ -32,6 +32,8 @@ Index directory layout (FORMAT_VERSION 1):
     IDX/shards/NNNNNN/unigram.bin  uint64 count of each vocabulary id in the shard
     IDX/shards/NNNNNN/docs.jsonl   per-document metadata, the source of the LMDB store
     IDX/shards/NNNNNN.done         completion marker: file sizes, digests, input cursor
+    IDX/shards/NNNNNN/sa.parts/    while a shard is built only: sorted suffix-array parts
+                                   (kind "sa.part", uint32/uint64 positions) with markers
     IDX/features/MODE/NNNNNN/*.bin per-token features, aligned with tokens.bin
 """
 
