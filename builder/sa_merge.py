@@ -1,8 +1,9 @@
 """Merge a shard's sorted suffix-array parts into sa.bin, samax.bin and unigram.bin, streaming.
 
 The parts (``sa.parts/NNNN.bin``, sorted in the shard order of ``builder/sa.py``) are read in
-fixed-size buffers and merged with a binary heap whose comparisons read the shard's tokens
-(memory-mapped: they are the one thing held whole). The merged array is bit-packed and its
+fixed-size buffers, each entry with a 64-bit key of its suffix's first tokens, and merged with a
+binary heap that compares keys and reads the shard's tokens (memory-mapped: they are the one
+thing held whole) only past equal keys. The merged array is bit-packed and its
 block maxima computed chunk by chunk: chunks are a multiple of the largest samax block, so each
 chunk's maxima are final. Nothing proportional to the shard is held but the tokens.
 """
@@ -23,10 +24,39 @@ from . import sa as sa_mod
 CHUNK = fmt.SAMAX_BLOCKS[-1] * 4  # merged entries per output chunk (1M)
 
 
+_NO_SEP = 0xFFFF  # key flag: no separator among the key's tokens
+
+
 @nb.njit(cache=True, nogil=True)
-def _less(tok, a, b, sep):
-    """Suffix a before suffix b: by tokens through the SEP, then by position."""
-    k = 0
+def make_keys(tok, sep, key_tokens, bits, positions, keys):
+    """keys[i]: the first key_tokens tokens of suffix positions[i] (zeros after a SEP), then
+    16 bits holding the offset of that SEP (or _NO_SEP). Keys order suffixes as their tokens
+    do, so most comparisons of the merge read no token."""
+    for i in range(positions.shape[0]):
+        p = positions[i]
+        key = np.uint64(0)
+        flag = _NO_SEP
+        for k in range(key_tokens):
+            t = np.uint64(0) if flag != _NO_SEP else np.uint64(tok[p + k])
+            if flag == _NO_SEP and tok[p + k] == sep:
+                flag = k
+            key = (key << np.uint64(bits)) | t
+        keys[i] = (key << np.uint64(16)) | np.uint64(flag)
+
+
+@nb.njit(inline="always")
+def _less(tok, sep, key_tokens, bufs, keys, pa, ia, pb, ib):
+    """Suffix bufs[pa, ia] before suffix bufs[pb, ib]: by tokens through the SEP, then by
+    position (keys first, tokens past the key only when the keys are equal)."""
+    ka = keys[pa, ia]
+    kb = keys[pb, ib]
+    a = bufs[pa, ia]
+    b = bufs[pb, ib]
+    if ka != kb:
+        return ka < kb
+    if (ka & np.uint64(0xFFFF)) != np.uint64(_NO_SEP):  # equal through a SEP in the key
+        return a < b
+    k = key_tokens
     while True:
         x = tok[a + k]
         y = tok[b + k]
@@ -37,15 +67,20 @@ def _less(tok, a, b, sep):
         k += 1
 
 
+@nb.njit(inline="always")
+def _head_less(tok, sep, kt, bufs, keys, pos, p, q):
+    return _less(tok, sep, kt, bufs, keys, p, pos[p], q, pos[q])
+
+
 @nb.njit(cache=True, nogil=True)
-def _sift_down(tok, sep, heap, size, bufs, pos, i):
+def _sift_down(tok, sep, kt, heap, size, bufs, keys, pos, i):
     while True:
         c = 2 * i + 1
         if c >= size:
             return
-        if c + 1 < size and _less(tok, bufs[heap[c + 1], pos[heap[c + 1]]], bufs[heap[c], pos[heap[c]]], sep):
+        if c + 1 < size and _head_less(tok, sep, kt, bufs, keys, pos, heap[c + 1], heap[c]):
             c += 1
-        if _less(tok, bufs[heap[c], pos[heap[c]]], bufs[heap[i], pos[heap[i]]], sep):
+        if _head_less(tok, sep, kt, bufs, keys, pos, heap[c], heap[i]):
             heap[i], heap[c] = heap[c], heap[i]
             i = c
         else:
@@ -53,13 +88,13 @@ def _sift_down(tok, sep, heap, size, bufs, pos, i):
 
 
 @nb.njit(cache=True, nogil=True)
-def heapify(tok, sep, heap, size, bufs, pos):
+def heapify(tok, sep, kt, heap, size, bufs, keys, pos):
     for i in range(size // 2 - 1, -1, -1):
-        _sift_down(tok, sep, heap, size, bufs, pos, i)
+        _sift_down(tok, sep, kt, heap, size, bufs, keys, pos, i)
 
 
 @nb.njit(cache=True, nogil=True)
-def merge_some(tok, sep, heap, size, bufs, pos, lens, out, n_out):
+def merge_some(tok, sep, kt, heap, size, bufs, keys, pos, lens, out, n_out):
     """Pop the smallest head into out[n_out:] until out is full or a part's buffer runs out.
 
     Returns (n_out, size, part): part is the index of the part whose buffer ran out (it has
@@ -73,19 +108,19 @@ def merge_some(tok, sep, heap, size, bufs, pos, lens, out, n_out):
         if pos[p] == lens[p]:
             size -= 1
             heap[0] = heap[size]
-            _sift_down(tok, sep, heap, size, bufs, pos, 0)
+            _sift_down(tok, sep, kt, heap, size, bufs, keys, pos, 0)
             return n_out, size, p
-        _sift_down(tok, sep, heap, size, bufs, pos, 0)
+        _sift_down(tok, sep, kt, heap, size, bufs, keys, pos, 0)
     return n_out, size, -1
 
 
 @nb.njit(cache=True, nogil=True)
-def push(tok, sep, heap, size, bufs, pos, p):
+def push(tok, sep, kt, heap, size, bufs, keys, pos, p):
     heap[size] = p
     i = size
     while i > 0:
         parent = (i - 1) // 2
-        if _less(tok, bufs[heap[i], pos[heap[i]]], bufs[heap[parent], pos[heap[parent]]], sep):
+        if _head_less(tok, sep, kt, bufs, keys, pos, heap[i], heap[parent]):
             heap[i], heap[parent] = heap[parent], heap[i]
             i = parent
         else:
@@ -139,19 +174,28 @@ def merge_parts(shard_dir: Path, plan_counts: list[int], tok: np.ndarray, sep: i
     shard_dir = Path(shard_dir)
     total = sum(plan_counts)
     n_parts = len(plan_counts)
-    buf_len = max(1024, sa_mod.MERGE_BUFFER_BYTES // 2 // 8 // max(1, n_parts))
+    buf_len = max(1024, sa_mod.MERGE_BUFFER_BYTES // 4 // 16 // max(1, n_parts))  # entries and keys: a quarter
     readers = [_PartReader(sa_mod.part_path(shard_dir, i), c) for i, c in enumerate(plan_counts)]
     bufs = np.zeros((n_parts, buf_len), dtype=np.int64)
+    keys = np.zeros((n_parts, buf_len), dtype=np.uint64)
+    bits = tok.dtype.itemsize * 8
+    kt = 48 // bits  # tokens in a key: 3 of 16 bits, 1 of 32
+
+    def fill(i: int) -> int:
+        got = readers[i].fill(bufs[i])
+        make_keys(tok, sep, kt, bits, bufs[i, :got], keys[i, :got])
+        return got
+
     pos = np.zeros(n_parts, dtype=np.int64)
     lens = np.zeros(n_parts, dtype=np.int64)
     heap = np.zeros(n_parts, dtype=np.int64)
     size = 0
-    for i, r in enumerate(readers):
-        lens[i] = r.fill(bufs[i])
+    for i in range(n_parts):
+        lens[i] = fill(i)
         if lens[i]:
             heap[size] = i
             size += 1
-    heapify(tok, sep, heap, size, bufs, pos)
+    heapify(tok, sep, kt, heap, size, bufs, keys, pos)
     out = np.empty(CHUNK, dtype=np.int64)
     levels: list[list[np.ndarray]] = [[] for _ in fmt.SAMAX_BLOCKS]
     writer = fmt.StreamWriter(shard_dir / "sa.bin", "sa", "packed", total, width)
@@ -159,12 +203,12 @@ def merge_parts(shard_dir: Path, plan_counts: list[int], tok: np.ndarray, sep: i
     n_out = 0
     try:
         while True:
-            n_out, size, p = merge_some(tok, sep, heap, size, bufs, pos, lens, out, n_out)
+            n_out, size, p = merge_some(tok, sep, kt, heap, size, bufs, keys, pos, lens, out, n_out)
             if p >= 0:
-                got = readers[p].fill(bufs[p])
+                got = fill(p)
                 if got:
                     lens[p], pos[p] = got, 0
-                    size = push(tok, sep, heap, size, bufs, pos, p)
+                    size = push(tok, sep, kt, heap, size, bufs, keys, pos, p)
             if n_out == CHUNK or (size == 0 and p < 0):
                 chunk = out[:n_out]
                 words = packed.pack(chunk, width)

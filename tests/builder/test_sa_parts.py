@@ -117,3 +117,24 @@ def test_corrupt_part_is_a_one_line_error_and_a_truncated_one_is_redone(tmp_path
         f.write(b"\x7f")
     with pytest.raises(IndexFormatError, match=r"000001\.bin: header checksum mismatch"):
         shard_index.write_shard_arrays(d, fmt.separator(np.dtype(np.uint16)), 1000, 1 << 40, part_positions=300)
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.uint32])
+def test_merged_parts_against_brute_force_both_token_widths(tmp_path, dtype):
+    """Merge keys hold 3 tokens of 16 bits or 1 of 32: both widths, with duplicated documents."""
+    from teragram.builder import shard_index
+
+    rng = np.random.default_rng(4)
+    sep = int(np.iinfo(dtype).max)
+    low = 70000 if dtype == np.uint32 else 10
+    docs = [rng.integers(low, low + 4, size=int(rng.integers(1, 30))).astype(dtype) for _ in range(60)]
+    docs += docs[:15]
+    tokens = np.concatenate([np.append(d, dtype(sep)) for d in docs])
+    starts = np.concatenate([[0], np.cumsum([len(d) + 1 for d in docs])]).astype(np.uint64)
+    fmt.write_array(tmp_path / "tokens.bin", "tokens", tokens)
+    fmt.write_array(tmp_path / "docs.bin", "docs", starts)
+    shard_index.write_shard_arrays(tmp_path, sep, low + 4, 1 << 40, part_positions=100)
+    assert fmt.open_packed(tmp_path / "sa.bin", "sa").to_numpy().tolist() == brute_sa(tokens, sep)
+    assert (
+        np.asarray(fmt.open_array(tmp_path / "unigram.bin", "unigram"))[low:].tolist() == np.bincount(tokens[tokens != sep] - low).tolist()
+    )
