@@ -12,6 +12,7 @@ p90 latency of count (1-7 tokens sampled from the index), infgram_prob and longe
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -75,7 +76,7 @@ def main() -> int:
     for label, threads, step in [
         ("serial, no top cache", 1, 62),
         ("serial, top cache", 1, top_cache.STEP_LOG2),
-        ("parallel, top cache", None, top_cache.STEP_LOG2),
+        ("parallel, top cache", os.cpu_count() or 1, top_cache.STEP_LOG2),
     ]:
         top_cache.STEP_LOG2 = step
         idx = Index(path, threads=threads)

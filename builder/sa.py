@@ -26,25 +26,28 @@ from teragram.index import format as fmt
 from teragram.index.errors import BuildError
 
 PARTS_DIR = "sa.parts"
-# Resident bytes per position while a part is sorted, in units of the token size: the part's
-# tokens, their big-endian byte string, and divsufsort's int32 array over those bytes.
-_SORT_UNITS_32 = 6
-_SORT_UNITS_64 = 10  # the same with divsufsort's int64 array (strings of 2^31 bytes or more)
+LCP_MAX = 0xFFFF  # part lcp values saturate here (a lower bound is all the merge needs)
 # Working memory of the merge besides the shard's tokens: read buffers and the output chunk.
 MERGE_BUFFER_BYTES = 64 << 20
 
 
+def _bytes_per_position(itemsize: int, sa_entry: int) -> int:
+    """Resident bytes per position while a part is sorted: its tokens, their big-endian byte
+    string and divsufsort's array over those bytes (sa_entry bytes per byte); then, the byte
+    string freed, the tokens, that array, and the tie flags and lcp values of the sweep."""
+    return max(itemsize * (2 + sa_entry), itemsize * (1 + sa_entry) + 3)
+
+
 def sort_bytes(positions: int, itemsize: int) -> int:
     """Peak bytes of sorting one part of this many positions."""
-    units = _SORT_UNITS_32 if positions * itemsize < 2**31 else _SORT_UNITS_64
-    return units * itemsize * positions
+    return positions * _bytes_per_position(itemsize, 4 if positions * itemsize < 2**31 else 8)
 
 
 def max_part_positions(budget: int, itemsize: int) -> int:
     """The largest part (in positions) whose sort fits in `budget` bytes."""
-    m = budget // (_SORT_UNITS_32 * itemsize)
+    m = budget // _bytes_per_position(itemsize, 4)
     if m * itemsize >= 2**31:
-        m = max((2**31 - 1) // itemsize, budget // (_SORT_UNITS_64 * itemsize))
+        m = max((2**31 - 1) // itemsize, budget // _bytes_per_position(itemsize, 8))
     return int(m)
 
 
@@ -62,13 +65,15 @@ def _compact(sa, tok, itemsize, sep):
 
 
 @nb.njit(cache=True, nogil=True)
-def _ties_by_position(sa, n, tok, sep):
+def _ties_by_position(sa, n, tok, sep, lcp):
     """divsufsort orders suffixes equal through their SEP (the same document tail) by what
     follows; order each such run, contiguous in sa[:n], by position instead.
 
     Runs are found with Kasai's longest-common-prefix sweep, stopped at the SEP: linear in the
     part however long its duplicated documents. The inverse suffix array it needs lives in
     sa[n:], free once the array is compacted (sa holds one entry per byte of the part).
+    lcp[r] receives the common prefix of ranks r - 1 and r (never through a SEP, at most
+    LCP_MAX), which the re-sorting of runs leaves unchanged.
     """
     m = tok.shape[0]
     isa = sa[n : n + m]
@@ -77,6 +82,7 @@ def _ties_by_position(sa, n, tok, sep):
         isa[sa[r]] = r
     tied = np.zeros(n, np.bool_)  # rank r is equal through its SEP to rank r - 1
     h = 0
+    lcp[0] = 0
     for i in range(m):
         r = isa[i]
         if r <= 0:
@@ -92,6 +98,7 @@ def _ties_by_position(sa, n, tok, sep):
                 tied[r] = True
                 break
             k += 1
+        lcp[r] = k if k < LCP_MAX else LCP_MAX
         h = k - 1 if k > 0 else 0
     r = 0
     while r < n:
@@ -103,18 +110,25 @@ def _ties_by_position(sa, n, tok, sep):
         r = e
 
 
-def suffix_array(tokens: np.ndarray, sep: int) -> np.ndarray:
+def sorted_suffixes(tokens: np.ndarray, sep: int) -> tuple[np.ndarray, np.ndarray]:
     """Positions of the non-separator tokens of a run of whole documents (it ends with SEP),
-    sorted by their suffixes in the shard order. (n,) -> (n - #SEP,) int32 or int64"""
+    sorted by their suffixes in the shard order, and the lcp of each with the one before.
+    (n,) -> (n - #SEP,) int32 or int64, (n - #SEP,) uint16"""
     tokens = np.ascontiguousarray(tokens)
     if tokens.size == 0:
-        return np.zeros(0, dtype=np.int64)
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.uint16)
     text = tokens.astype(tokens.dtype.newbyteorder(">")).view(np.uint8)
     sa = pydivsufsort.divsufsort(text)
     del text
     n = _compact(sa, tokens, tokens.dtype.itemsize, sep)
-    _ties_by_position(sa, n, tokens, sep)
-    return sa[:n]
+    lcp = np.empty(n, np.uint16)
+    _ties_by_position(sa, n, tokens, sep, lcp)
+    return sa[:n], lcp
+
+
+def suffix_array(tokens: np.ndarray, sep: int) -> np.ndarray:
+    """sorted_suffixes without the lcp values."""
+    return sorted_suffixes(tokens, sep)[0]
 
 
 @dataclass(frozen=True)
@@ -152,13 +166,18 @@ def part_path(shard_dir: Path, i: int) -> Path:
     return Path(shard_dir) / PARTS_DIR / f"{i:06d}.bin"
 
 
+def lcp_path(shard_dir: Path, i: int) -> Path:
+    return part_path(shard_dir, i).with_suffix(".lcp")
+
+
 def part_done(shard_dir: Path, i: int) -> bool:
-    """Whether part i is complete: its marker exists and the file has the size it records."""
+    """Whether part i is complete: its marker exists and its files have the sizes it records."""
     marker = part_path(shard_dir, i).with_suffix(".done")
     if not marker.exists():
         return False
-    p = part_path(shard_dir, i)
-    return p.exists() and p.stat().st_size == fmt.read_json(marker)["size"]
+    rec = fmt.read_json(marker)
+    p, q = part_path(shard_dir, i), lcp_path(shard_dir, i)
+    return p.exists() and p.stat().st_size == rec["size"] and q.exists() and q.stat().st_size == rec["lcp_size"]
 
 
 def prepare_parts(shard_dir: Path, plan: Plan) -> None:
@@ -183,7 +202,7 @@ def sort_part(shard_dir: Path, plan: Plan, i: int, sep: int, pos_dtype: str) -> 
     tokens = np.fromfile(path, dtype=dtype, count=b - a, offset=fmt.HEADER_SIZE + a * dtype.itemsize)
     if len(tokens) != b - a or h.count < b:
         raise BuildError(f"{path}: shorter than its documents (truncated?)")
-    sa = suffix_array(tokens, sep)
+    sa, lcp = sorted_suffixes(tokens, sep)
     del tokens
     out = part_path(shard_dir, i)
     w = fmt.StreamWriter(out, "sa.part", pos_dtype, len(sa))
@@ -191,4 +210,6 @@ def sort_part(shard_dir: Path, plan: Plan, i: int, sep: int, pos_dtype: str) -> 
     for lo in range(0, len(sa), step):
         w.write(sa[lo : lo + step].astype(np.int64) + a)
     w.close()
-    fmt.write_json(out.with_suffix(".done"), {"size": out.stat().st_size, "count": len(sa)})
+    fmt.write_array(lcp_path(shard_dir, i), "sa.part.lcp", lcp)
+    sizes = {"size": out.stat().st_size, "lcp_size": lcp_path(shard_dir, i).stat().st_size}
+    fmt.write_json(out.with_suffix(".done"), sizes | {"count": len(sa)})

@@ -1,9 +1,12 @@
 """Merge a shard's sorted suffix-array parts into sa.bin, samax.bin and unigram.bin, streaming.
 
-The parts (``sa.parts/NNNN.bin``, sorted in the shard order of ``builder/sa.py``) are read in
-fixed-size buffers, each entry with a 64-bit key of its suffix's first tokens, and merged with a
-binary heap that compares keys and reads the shard's tokens (memory-mapped: they are the one
-thing held whole) only past equal keys. The merged array is bit-packed and its
+The parts (``sa.parts/NNNN.bin``, sorted in the shard order of ``builder/sa.py``, with the lcp
+of each entry and the one before in ``NNNN.lcp``) are read in fixed-size buffers and merged by
+an lcp-aware loser tree: a new head and a stored loser both know their common prefix with the
+last output, so one of them wins without reading a token unless the two are equal, and a
+comparison starts past them. Comparisons read the shard's tokens (memory-mapped: they are the
+one thing held whole); long shared prefixes, such as duplicated documents, are read about once
+instead of at every comparison. The merged array is bit-packed and its
 block maxima computed chunk by chunk: chunks are a multiple of the largest samax block, so each
 chunk's maxima are final. Nothing proportional to the shard is held but the tokens.
 """
@@ -22,135 +25,181 @@ from tqdm import tqdm
 from . import sa as sa_mod
 
 CHUNK = fmt.SAMAX_BLOCKS[-1] * 4  # merged entries per output chunk (1M)
+LCP_MAX = sa_mod.LCP_MAX
 
 
-_NO_SEP = 0xFFFF  # key flag: no separator among the key's tokens
+HINT_SLOTS = 1 << 16  # remembered matches (2 MB)
+HINT_MIN = 16  # matches at least this long are remembered
+HINT_BLOCK = 12  # a match is filed under each 4096-position block it covers
 
 
-@nb.njit(cache=True, nogil=True)
-def make_keys(tok, sep, key_tokens, bits, positions, keys):
-    """keys[i]: the first key_tokens tokens of suffix positions[i] (zeros after a SEP), then
-    16 bits holding the offset of that SEP (or _NO_SEP). Keys order suffixes as their tokens
-    do, so most comparisons of the merge read no token."""
-    for i in range(positions.shape[0]):
-        p = positions[i]
-        key = np.uint64(0)
-        flag = _NO_SEP
-        for k in range(key_tokens):
-            t = np.uint64(0) if flag != _NO_SEP else np.uint64(tok[p + k])
-            if flag == _NO_SEP and tok[p + k] == sep:
-                flag = k
-            key = (key << np.uint64(bits)) | t
-        keys[i] = (key << np.uint64(16)) | np.uint64(flag)
+def new_hints() -> np.ndarray:
+    """(HINT_SLOTS, 4) int64 rows (d, block, start, end): tok[i] == tok[i + d] for start <= i < end."""
+    return np.full((HINT_SLOTS, 4), -1, np.int64)
 
 
 @nb.njit(inline="always")
-def _less(tok, sep, key_tokens, bufs, keys, pa, ia, pb, ib):
-    """Suffix bufs[pa, ia] before suffix bufs[pb, ib]: by tokens through the SEP, then by
-    position (keys first, tokens past the key only when the keys are equal)."""
-    ka = keys[pa, ia]
-    kb = keys[pb, ib]
-    a = bufs[pa, ia]
-    b = bufs[pb, ib]
-    if ka != kb:
-        return ka < kb
-    if (ka & np.uint64(0xFFFF)) != np.uint64(_NO_SEP):  # equal through a SEP in the key
-        return a < b
-    k = key_tokens
+def _slot(d, block):
+    return (d * np.int64(0x9E3779B1) + block * np.int64(0x85EBCA77)) & np.int64(HINT_SLOTS - 1)
+
+
+@nb.njit(inline="always")
+def _compare_from(tok, sep, a, b, h, hints):
+    """(suffix a before suffix b, their common prefix), comparing from offset h (known equal).
+
+    Text repeated in two parts makes each of its positions meet its copy once; comparing
+    every such pair from scratch costs the square of the repeat's length. So each long match
+    is remembered by its diagonal d = b - a, as a run of positions where the text equals
+    itself shifted by d, filed under every block of positions it covers; a later pair on that
+    diagonal inside the run starts at the run's end: a repeat costs about its length.
+    """
+    lo = a if a < b else b
+    d = (b - a) if a < b else (a - b)
+    s = _slot(d, lo >> HINT_BLOCK)
+    if hints[s, 0] == d and hints[s, 1] == lo >> HINT_BLOCK and hints[s, 2] <= lo < hints[s, 3] and hints[s, 3] - lo > h:
+        h = hints[s, 3] - lo
+    k = h
     while True:
         x = tok[a + k]
         y = tok[b + k]
-        if x != y:
-            return x < y
-        if x == sep:
-            return a < b
+        if x != y or x == sep:
+            break
         k += 1
+    if k >= HINT_MIN:
+        end = lo + k
+        for block in range(lo >> HINT_BLOCK, ((end - 1) >> HINT_BLOCK) + 1):
+            s = _slot(d, block)
+            if not (hints[s, 0] == d and hints[s, 1] == block and hints[s, 2] <= lo and hints[s, 3] >= end):
+                hints[s, 0] = d
+                hints[s, 1] = block
+                hints[s, 2] = lo
+                hints[s, 3] = end
+    if x != y:
+        return x < y, k
+    return a < b, k
 
 
 @nb.njit(inline="always")
-def _head_less(tok, sep, kt, bufs, keys, pos, p, q):
-    return _less(tok, sep, kt, bufs, keys, p, pos[p], q, pos[q])
+def _exhausted(pos, lens, done, p):
+    return done[p] and pos[p] >= lens[p]
 
 
 @nb.njit(cache=True, nogil=True)
-def _sift_down(tok, sep, kt, heap, size, bufs, keys, pos, i):
-    while True:
-        c = 2 * i + 1
-        if c >= size:
-            return
-        if c + 1 < size and _head_less(tok, sep, kt, bufs, keys, pos, heap[c + 1], heap[c]):
-            c += 1
-        if _head_less(tok, sep, kt, bufs, keys, pos, heap[c], heap[i]):
-            heap[i], heap[c] = heap[c], heap[i]
-            i = c
+def replay(tok, sep, loser, loser_lcp, winner, bufs, pos, lens, done, p, h, hints):
+    """Part p's new head, whose common prefix with the last output is h, plays its way up the
+    tree. Every loser on the path holds its common prefix with the last output as well, so a
+    match reads tokens only when both prefixes are equal, and then from that offset on.
+    Prefixes saturate at LCP_MAX (meaning "at least"), which keeps every decision exact."""
+    K = loser.shape[0]
+    c = p
+    hc = h
+    node = (K + p) >> 1
+    while node >= 1:
+        o = loser[node]
+        ho = loser_lcp[node]
+        if o < 0 or _exhausted(pos, lens, done, o):
+            o_wins = False
+        elif c < 0 or _exhausted(pos, lens, done, c):
+            o_wins = True
+        elif ho != hc:
+            o_wins = ho > hc  # the one agreeing longer with the last output is smaller
         else:
-            return
+            o_wins, g = _compare_from(tok, sep, bufs[o, pos[o]], bufs[c, pos[c]], hc, hints)
+            g = min(g, LCP_MAX)
+            if o_wins:
+                hc = g  # c, the loser, keeps its prefix with o; o goes on with ho
+            else:
+                loser_lcp[node] = g
+        if o_wins:
+            loser[node] = c
+            loser_lcp[node], hc = hc, ho
+            c = o
+        node >>= 1
+    winner[0] = c
 
 
 @nb.njit(cache=True, nogil=True)
-def heapify(tok, sep, kt, heap, size, bufs, keys, pos):
-    for i in range(size // 2 - 1, -1, -1):
-        _sift_down(tok, sep, kt, heap, size, bufs, keys, pos, i)
-
-
-@nb.njit(cache=True, nogil=True)
-def merge_some(tok, sep, kt, heap, size, bufs, keys, pos, lens, out, n_out):
-    """Pop the smallest head into out[n_out:] until out is full or a part's buffer runs out.
-
-    Returns (n_out, size, part): part is the index of the part whose buffer ran out (it has
-    been taken off the heap; the caller refills it and pushes it back), or -1.
-    """
-    while size > 0 and n_out < out.shape[0]:
-        p = heap[0]
-        out[n_out] = bufs[p, pos[p]]
+def merge_some(tok, sep, loser, loser_lcp, winner, bufs, lcps, pos, lens, done, out, n_out, hints):
+    """Output winners into out[n_out:] until out is full, a part's buffer runs out, or all
+    parts are. Returns (n_out, part): the part to refill (then replay it), or -1."""
+    while n_out < out.shape[0]:
+        w = winner[0]
+        if w < 0 or _exhausted(pos, lens, done, w):
+            return n_out, -1
+        out[n_out] = bufs[w, pos[w]]
         n_out += 1
-        pos[p] += 1
-        if pos[p] == lens[p]:
-            size -= 1
-            heap[0] = heap[size]
-            _sift_down(tok, sep, kt, heap, size, bufs, keys, pos, 0)
-            return n_out, size, p
-        _sift_down(tok, sep, kt, heap, size, bufs, keys, pos, 0)
-    return n_out, size, -1
+        pos[w] += 1
+        if pos[w] == lens[w] and not done[w]:
+            return n_out, w
+        h = np.int64(lcps[w, pos[w]]) if pos[w] < lens[w] else 0
+        replay(tok, sep, loser, loser_lcp, winner, bufs, pos, lens, done, w, h, hints)
+    return n_out, -1
 
 
 @nb.njit(cache=True, nogil=True)
-def push(tok, sep, kt, heap, size, bufs, keys, pos, p):
-    heap[size] = p
-    i = size
-    while i > 0:
-        parent = (i - 1) // 2
-        if _head_less(tok, sep, kt, bufs, keys, pos, heap[i], heap[parent]):
-            heap[i], heap[parent] = heap[parent], heap[i]
-            i = parent
+def build_tree(tok, sep, loser, loser_lcp, winner, bufs, pos, lens, done, hints):
+    """Play the first heads of all parts bottom-up (each against the empty string, common
+    prefix 0): every node keeps its loser and the loser's common prefix with the winner."""
+    K = loser.shape[0]
+    players = np.full(2 * K, -1, np.int64)
+    for i in range(K):
+        if i < bufs.shape[0] and not _exhausted(pos, lens, done, i):
+            players[K + i] = i
+    for node in range(K - 1, 0, -1):
+        a = players[2 * node]
+        b = players[2 * node + 1]
+        g = 0
+        if a < 0:
+            a_wins = False
+        elif b < 0:
+            a_wins = True
         else:
-            break
-    return size + 1
+            a_wins, g = _compare_from(tok, sep, bufs[a, pos[a]], bufs[b, pos[b]], 0, hints)
+            g = min(g, LCP_MAX)
+        players[node] = a if a_wins else b
+        loser[node] = b if a_wins else a
+        loser_lcp[node] = g
+    winner[0] = players[1]
+
+
+def _tree(n_parts: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A loser tree over n_parts leaves, rounded up to a power of two (-1: no player)."""
+    K = 2
+    while K < n_parts:
+        K *= 2
+    return np.full(K, -1, np.int64), np.zeros(K, np.int64), np.full(1, -1, np.int64)
 
 
 class _PartReader:
-    """Sequential reads of one part file into a buffer row (no mapping: pages are not kept)."""
+    """Sequential reads of one part and its lcp values into buffer rows (no mapping: pages
+    are not kept)."""
 
-    def __init__(self, path: Path, count: int):
-        h = fmt.read_header(path)
-        if h.kind != "sa.part" or h.count != count:
-            raise BuildError(f"{path}: corrupt suffix-array part (holds {h.kind!r} of {h.count}, expected {count}); delete it and rerun")
-        self.f = open(path, "rb")
-        self.f.seek(fmt.HEADER_SIZE)
-        self.dtype = np.dtype(fmt._DTYPES[h.dtype]).newbyteorder("<")
+    def __init__(self, path: Path, lcp_path: Path, count: int):
+        self.files = []
+        for p, kind in ((path, "sa.part"), (lcp_path, "sa.part.lcp")):
+            h = fmt.read_header(p)
+            if h.kind != kind or h.count != count:
+                raise BuildError(
+                    f"{p}: corrupt suffix-array part (holds {h.kind!r} of {h.count}, expected {kind!r} of {count}); delete it and rerun"
+                )
+            f = open(p, "rb")
+            f.seek(fmt.HEADER_SIZE)
+            self.files.append((f, np.dtype(fmt._DTYPES[h.dtype]).newbyteorder("<")))
         self.left = count
 
-    def fill(self, row: np.ndarray) -> int:
+    def fill(self, row: np.ndarray, lcp_row: np.ndarray) -> int:
         k = min(self.left, len(row))
-        raw = self.f.read(k * self.dtype.itemsize)
-        if len(raw) != k * self.dtype.itemsize:
-            raise BuildError(f"{self.f.name}: truncated suffix-array part")
-        row[:k] = np.frombuffer(raw, dtype=self.dtype)
+        for (f, dtype), dst in zip(self.files, (row, lcp_row)):
+            raw = f.read(k * dtype.itemsize)
+            if len(raw) != k * dtype.itemsize:
+                raise BuildError(f"{f.name}: truncated suffix-array part")
+            dst[:k] = np.frombuffer(raw, dtype=dtype)
         self.left -= k
         return k
 
     def close(self) -> None:
-        self.f.close()
+        for f, _ in self.files:
+            f.close()
 
 
 def _levels(chunk: np.ndarray) -> list[np.ndarray]:
@@ -174,28 +223,23 @@ def merge_parts(shard_dir: Path, plan_counts: list[int], tok: np.ndarray, sep: i
     shard_dir = Path(shard_dir)
     total = sum(plan_counts)
     n_parts = len(plan_counts)
-    buf_len = max(1024, sa_mod.MERGE_BUFFER_BYTES // 4 // 16 // max(1, n_parts))  # entries and keys: a quarter
-    readers = [_PartReader(sa_mod.part_path(shard_dir, i), c) for i, c in enumerate(plan_counts)]
+    buf_len = max(1024, sa_mod.MERGE_BUFFER_BYTES // 2 // 10 // max(1, n_parts))  # half: entries and lcps
+    readers = [_PartReader(sa_mod.part_path(shard_dir, i), sa_mod.lcp_path(shard_dir, i), c) for i, c in enumerate(plan_counts)]
     bufs = np.zeros((n_parts, buf_len), dtype=np.int64)
-    keys = np.zeros((n_parts, buf_len), dtype=np.uint64)
-    bits = tok.dtype.itemsize * 8
-    kt = 48 // bits  # tokens in a key: 3 of 16 bits, 1 of 32
-
-    def fill(i: int) -> int:
-        got = readers[i].fill(bufs[i])
-        make_keys(tok, sep, kt, bits, bufs[i, :got], keys[i, :got])
-        return got
-
+    lcps = np.zeros((n_parts, buf_len), dtype=np.uint16)
     pos = np.zeros(n_parts, dtype=np.int64)
     lens = np.zeros(n_parts, dtype=np.int64)
-    heap = np.zeros(n_parts, dtype=np.int64)
-    size = 0
+    done = np.zeros(n_parts, dtype=np.bool_)
+
+    def fill(i: int) -> None:
+        lens[i], pos[i] = readers[i].fill(bufs[i], lcps[i]), 0
+        done[i] = readers[i].left == 0
+
     for i in range(n_parts):
-        lens[i] = fill(i)
-        if lens[i]:
-            heap[size] = i
-            size += 1
-    heapify(tok, sep, kt, heap, size, bufs, keys, pos)
+        fill(i)
+    loser, loser_lcp, winner = _tree(n_parts)
+    hints = new_hints()
+    build_tree(tok, sep, loser, loser_lcp, winner, bufs, pos, lens, done, hints)
     out = np.empty(CHUNK, dtype=np.int64)
     levels: list[list[np.ndarray]] = [[] for _ in fmt.SAMAX_BLOCKS]
     writer = fmt.StreamWriter(shard_dir / "sa.bin", "sa", "packed", total, width)
@@ -203,24 +247,23 @@ def merge_parts(shard_dir: Path, plan_counts: list[int], tok: np.ndarray, sep: i
     n_out = 0
     try:
         while True:
-            n_out, size, p = merge_some(tok, sep, kt, heap, size, bufs, keys, pos, lens, out, n_out)
+            n_out, p = merge_some(tok, sep, loser, loser_lcp, winner, bufs, lcps, pos, lens, done, out, n_out, hints)
             if p >= 0:
-                got = fill(p)
-                if got:
-                    lens[p], pos[p] = got, 0
-                    size = push(tok, sep, kt, heap, size, bufs, keys, pos, p)
-            if n_out == CHUNK or (size == 0 and p < 0):
-                chunk = out[:n_out]
-                words = packed.pack(chunk, width)
-                # a full chunk is a whole number of words (CHUNK % 64 == 0); the last one keeps
-                # pack's spare word, which ends the stream
-                writer.write(words if n_out < CHUNK else words[: CHUNK * width // 64])
-                for lv, m in zip(levels, _levels(chunk)):
-                    lv.append(m)
-                bar.update(n_out)
-                if n_out < CHUNK:
-                    break
-                n_out = 0
+                fill(p)  # its first entry's lcp is with the entry just output
+                replay(tok, sep, loser, loser_lcp, winner, bufs, pos, lens, done, p, int(lcps[p, 0]) if lens[p] else 0, hints)
+                continue
+            # out is full, or every part is merged
+            chunk = out[:n_out]
+            words = packed.pack(chunk, width)
+            # a full chunk is a whole number of words (CHUNK % 64 == 0); the last one keeps
+            # pack's spare word, which ends the stream
+            writer.write(words if n_out < CHUNK else words[: CHUNK * width // 64])
+            for lv, m in zip(levels, _levels(chunk)):
+                lv.append(m)
+            bar.update(n_out)
+            if n_out < CHUNK:
+                break
+            n_out = 0
         writer.close()
     finally:
         bar.close()

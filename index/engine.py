@@ -29,7 +29,6 @@ next tokens, never O(count). ``approx`` is therefore always False.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -219,11 +218,13 @@ class Shard:
 class Index:
     """A teragram index opened for queries. Cheap to open: every array is memory-mapped.
 
-    threads: how many shards are searched at once (the kernels release the GIL); default one
-    per core, up to the shard count; 1 searches them one after another.
+    threads: how many shards are searched at once (the kernels release the GIL). The default,
+    1, searches them one after another: on a warm page cache a search takes tens of
+    microseconds, less than handing it to a thread (benchmarks/results/query_fanout.md); more
+    threads pay when searches wait on the disk (a cold or larger-than-memory index).
     """
 
-    def __init__(self, path: str | Path, *, threads: int | None = None):
+    def __init__(self, path: str | Path, *, threads: int = 1):
         self.path = Path(path)
         if not (self.path / "manifest.json").exists():
             raise IndexFormatError(f"{self.path}: not a teragram index (no manifest.json)")
@@ -239,7 +240,7 @@ class Index:
         self.n_docs: int = c["docs"]
         self.n_positions: int = c["positions"]
         self.shards = [self._open_shard(s) for s in self.manifest["shards"]]
-        n_threads = min(len(self.shards), os.cpu_count() or 1) if threads is None else min(threads, len(self.shards))
+        n_threads = min(threads, len(self.shards))
         self._pool = ThreadPoolExecutor(n_threads, thread_name_prefix="shard") if n_threads >= 2 else None
         self._dist_cache: dict[tuple[int, int, int, int], tuple[np.ndarray, np.ndarray]] = {}
         self._uni_top: tuple[np.ndarray, np.ndarray] | None = None
