@@ -177,7 +177,7 @@ def part_done(shard_dir: Path, i: int) -> bool:
         return False
     rec = fmt.read_json(marker)
     p, q = part_path(shard_dir, i), lcp_path(shard_dir, i)
-    return p.exists() and p.stat().st_size == rec["size"] and q.exists() and q.stat().st_size == rec["lcp_size"]
+    return p.exists() and p.stat().st_size == rec.get("size") and q.exists() and q.stat().st_size == rec.get("lcp_size")
 
 
 def prepare_parts(shard_dir: Path, plan: Plan) -> None:
