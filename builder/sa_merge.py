@@ -241,6 +241,7 @@ def merge_parts(shard_dir: Path, plan_counts: list[int], tok: np.ndarray, sep: i
     hints = new_hints()
     build_tree(tok, sep, loser, loser_lcp, winner, bufs, pos, lens, done, hints)
     out = np.empty(CHUNK, dtype=np.int64)
+    bm_dtype = np.uint32 if len(tok) < 2**32 else np.uint64
     levels: list[list[np.ndarray]] = [[] for _ in fmt.SAMAX_BLOCKS]
     writer = fmt.StreamWriter(shard_dir / "sa.bin", "sa", "packed", total, width)
     bar = tqdm(total=total, unit="suf", unit_scale=True, desc=f"merge {n_parts} parts", disable=not progress)
@@ -259,7 +260,7 @@ def merge_parts(shard_dir: Path, plan_counts: list[int], tok: np.ndarray, sep: i
             # pack's spare word, which ends the stream
             writer.write(words if n_out < CHUNK else words[: CHUNK * width // 64])
             for lv, m in zip(levels, _levels(chunk)):
-                lv.append(m)
+                lv.append(m.astype(bm_dtype))
             bar.update(n_out)
             if n_out < CHUNK:
                 break
@@ -269,9 +270,7 @@ def merge_parts(shard_dir: Path, plan_counts: list[int], tok: np.ndarray, sep: i
         bar.close()
         for r in readers:
             r.close()
-    bm = np.concatenate([np.concatenate(lv) for lv in levels])
-    bm_dtype = np.uint32 if len(tok) < 2**32 else np.uint64
-    fmt.write_array(shard_dir / "samax.bin", "samax", bm.astype(bm_dtype))
+    fmt.write_array(shard_dir / "samax.bin", "samax", np.concatenate([np.concatenate(lv) for lv in levels]))
 
 
 def write_unigram(shard_dir: Path, tok: np.ndarray, sep: int, vocab: int) -> int:

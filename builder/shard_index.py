@@ -2,7 +2,7 @@
 sort its suffix-array parts (skipping those already done), merge them, count unigrams.
 
 Peak memory is the larger of one part's sort (``sa.sort_bytes``) and the merge (the shard's
-tokens, memory-mapped, plus fixed buffers), above the process's own footprint. A rerun after
+tokens, memory-mapped, its block maxima, and fixed buffers), above the process's own footprint. A rerun after
 an interruption at any point redoes only unfinished parts, then the merge, and writes the same
 bytes: the order is fixed by the shard's tokens (``builder/sa.py``), not by the parts.
 """
@@ -42,13 +42,13 @@ def write_shard_arrays(
     n = len(tok)
     itemsize = tok.dtype.itemsize
     budget = memory_bytes - own_rss()
-    merge_need = n * itemsize + sa_mod.MERGE_BUFFER_BYTES
+    merge_need = n * itemsize + n // 8 + sa_mod.MERGE_BUFFER_BYTES  # tokens, samax (twice, at its concatenation)
     if budget < merge_need:
         gb = (merge_need + own_rss()) / 2**30
         raise BuildError(
             f"--memory {memory_bytes / 2**30:.2f} GB cannot merge a shard of {n} positions (needs {gb:.2f} GB); raise --memory or lower --shard-tokens"
         )
-    max_part = sa_mod.max_part_positions(budget - merge_need + n * itemsize, itemsize)
+    max_part = sa_mod.max_part_positions(budget, itemsize)  # the sort maps nothing else
     if part_positions is not None:
         max_part = min(max_part, part_positions)
     plan = sa_mod.plan_parts(starts, max_part)
