@@ -30,6 +30,7 @@ def run_sampled(cmd: list[str]) -> dict:
     t = time.time()
     p = subprocess.Popen(cmd)
     peak = 0
+    at_peak: list = []  # (process name and arguments, RSS MB) when the sum peaked
     done = threading.Event()
 
     def sample() -> None:
@@ -37,8 +38,11 @@ def run_sampled(cmd: list[str]) -> dict:
         proc = psutil.Process(p.pid)
         while not done.is_set():
             try:
-                total = proc.memory_info().rss + sum(c.memory_info().rss for c in proc.children(recursive=True))
-                peak = max(peak, total)
+                procs = [proc, *proc.children(recursive=True)]
+                rss = [(" ".join(q.cmdline())[:80], q.memory_info().rss / 2**20) for q in procs]
+                total = sum(r for _, r in rss) * 2**20
+                if total > peak:
+                    peak, at_peak[:] = total, rss
             except psutil.Error:
                 pass
             time.sleep(0.1)
@@ -51,7 +55,13 @@ def run_sampled(cmd: list[str]) -> dict:
     if os.waitstatus_to_exitcode(status) != 0:
         raise subprocess.CalledProcessError(status, cmd)
     cpu = ru.ru_utime + ru.ru_stime
-    return {"wall_s": time.time() - t, "cpu_s": cpu, "peak_tree_rss_mb": peak / 2**20, "ru_maxrss_mb": ru.ru_maxrss / 1024}
+    return {
+        "wall_s": time.time() - t,
+        "cpu_s": cpu,
+        "peak_tree_rss_mb": peak / 2**20,
+        "ru_maxrss_mb": ru.ru_maxrss / 1024,
+        "at_peak": at_peak,
+    }
 
 
 def main() -> int:
@@ -97,6 +107,7 @@ def main() -> int:
                 "peak_tree_rss_mb": r["peak_tree_rss_mb"],
                 "ru_maxrss_mb": r["ru_maxrss_mb"],
                 "bytes_per_token": (sizes["tokens.bin"] + sizes["sa.bin"]) / n,
+                "at_peak": r["at_peak"],
             }
         )
         print(rows[-1], flush=True)
@@ -104,6 +115,7 @@ def main() -> int:
             shutil.rmtree(out)
     cols = list(rows[0])
     md = f"Build of {args.mb:g} MB of linux-source-6.1 (train split), --shard-tokens {args.shard_tokens}, --workers {args.workers}.\n\n"
+    cols.remove("at_peak")
     save("build_memory", {"rows": rows}, md + table(rows, cols))
     return 0
 

@@ -22,6 +22,8 @@ from tqdm import tqdm
 from . import sa as sa_mod
 from . import sa_merge
 
+_SORT_SHARE = 0.9  # of the budget a part's sort is sized to: numpy and numba temporaries need the rest
+
 
 def own_rss() -> int:
     return psutil.Process().memory_info().rss
@@ -48,7 +50,7 @@ def write_shard_arrays(
         raise BuildError(
             f"--memory {memory_bytes / 2**30:.2f} GB cannot merge a shard of {n} positions (needs {gb:.2f} GB); raise --memory or lower --shard-tokens"
         )
-    max_part = sa_mod.max_part_positions(budget, itemsize)  # the sort maps nothing else
+    max_part = sa_mod.max_part_positions(int(budget * _SORT_SHARE), itemsize)  # the sort maps nothing else
     if part_positions is not None:
         max_part = min(max_part, part_positions)
     plan = sa_mod.plan_parts(starts, max_part)
