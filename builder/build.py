@@ -11,7 +11,9 @@ Output depends only on the inputs and the options that shape it (tokenizer, voca
 size), never on --workers or on interruptions: a build killed at any point and rerun with the
 same command resumes after the last contiguous completed shard and ends byte-identical to an
 uninterrupted one (build-report.json, which holds timings, is the one file that differs).
-Memory stays bounded by one shard plus the in-flight encoding window.
+Memory stays within --memory (BuildConfig.memory_gb), workers included: tokens and document
+metadata are streamed to disk as they come, and each shard's suffix array is sorted in parts
+that fit what is left of the budget and merged from disk (builder/shard_index.py).
 """
 
 from __future__ import annotations
@@ -36,10 +38,11 @@ from teragram.index import tokenizer as tok_mod
 from teragram.index.errors import BuildError
 from tqdm import tqdm
 
-from . import sa as sa_mod
-from .executors import LocalExecutor, die_with_parent, make_executor, sa_parallelism
+from . import shard_index
+from .executors import LocalExecutor, default_memory_gb, die_with_parent, make_executor, sa_parallelism, tree_rss
 
 _EXAMPLES = 5  # example paths kept per skip reason in the report
+_ENCODER_RSS = 256 << 20  # resident memory of one tokenizer worker with its in-flight batches
 _STATE = "build-state.json"
 _REPORT = "build-report.json"
 
@@ -57,6 +60,12 @@ class BuildConfig:
     ray_address: str | None = None
     shard_dirs: tuple[str, ...] = ()  # shard i goes to shard_dirs[i % len] (default: OUT/shards)
     progress: bool = True
+    memory_gb: float | None = None  # bound on the build's peak RSS, children included (default: default_memory_gb())
+    sa_part_tokens: int | None = None  # cap on the positions of one suffix-array part (default: what memory allows)
+
+    @property
+    def memory_bytes(self) -> int:
+        return int((self.memory_gb if self.memory_gb is not None else default_memory_gb()) * 2**30)
 
     def identity(self) -> dict:
         """The options that determine the bytes of the index (not workers, not executor)."""
@@ -263,17 +272,20 @@ def _completed_shards(out: Path) -> list[dict]:
         done.append(rec)
 
 
-def finish_shard(out: str, shard: int, sep: int, vocab: int, marker: dict) -> dict:
+def finish_shard(
+    out: str, shard: int, sep: int, vocab: int, marker: dict, memory_bytes: int = 1 << 62, part_positions=None, progress=False
+) -> dict:
     """Index one shard whose tokens.bin/docs.bin/docs.jsonl are written: suffix array, block
-    maxima, unigram counts, then the completion marker. The unit of work an executor runs."""
+    maxima, unigram counts, then the completion marker. The unit of work an executor runs;
+    memory_bytes bounds its process's resident memory."""
     t = time.time()
     root = Path(out)
     d = fmt.shard_dir(root, shard, marker.get("dir"))
-    tokens = np.asarray(fmt.open_array(d / "tokens.bin", "tokens"))
-    stats = sa_mod.write_shard_arrays(d, tokens, sep, vocab)
+    stats = shard_index.write_shard_arrays(d, sep, vocab, memory_bytes, part_positions=part_positions, progress=progress)
     files = [asdict(fmt.file_record(root, d / n)) for n in fmt.SHARD_FILES]
     marker = marker | stats | {"files": files}
     fmt.write_json(fmt.shard_marker(root, shard), marker)
+    shard_index.remove_parts(d)
     return {"shard": shard, "index_s": time.time() - t}
 
 
@@ -281,15 +293,29 @@ class _ShardWriter:
     """Collects encoded documents into shards; writes each full shard's tokens and hands its
     indexing (finish_shard) to the executor."""
 
-    def __init__(self, out: Path, shard: int, dtype: np.dtype, vocab: int, shard_tokens: int, skips: SkipStats, executor, shard_dirs=()):
+    def __init__(
+        self, out: Path, shard: int, dtype: np.dtype, vocab: int, shard_tokens: int, skips: SkipStats, executor, shard_dirs=(), **task_kw
+    ):
         self.out, self.shard, self.dtype, self.vocab, self.cap = out, shard, dtype, vocab, shard_tokens
         self.shard_dirs = [str(Path(x).resolve()) for x in shard_dirs]
         self.sep = fmt.separator(dtype)
         self.skips = skips
         self.executor = executor
-        self.parts: list[np.ndarray] = []
-        self.metas: list[dict] = []
+        self.task_kw = task_kw  # memory_bytes, progress: passed on to finish_shard
+        self.dir: Path | None = None
+        self.starts: list[int] = []
         self.used = 0
+
+    def _open(self) -> None:
+        """Start the shard's files: tokens and document metadata are streamed to disk as they
+        come, so memory does not grow with the shard."""
+        where = self.shard_dirs[self.shard % len(self.shard_dirs)] if self.shard_dirs else None
+        self.where = where
+        self.dir = fmt.shard_dir(self.out, self.shard, where)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.tokens = fmt.StreamWriter(self.dir / "tokens.bin", "tokens", self.dtype.name, None)
+        self.meta_tmp = self.dir / ".docs.jsonl.tmp"
+        self.meta_file = open(self.meta_tmp, "w")
 
     def add(self, cur: Cursor, doc: readers.Doc, ids: np.ndarray) -> None:
         """Add one document (split into parts if it alone exceeds a shard)."""
@@ -298,47 +324,41 @@ class _ShardWriter:
         for k, piece in enumerate(pieces):
             if k < cur.part:
                 continue
-            if self.used + len(piece) + 1 > self.cap and self.parts:
+            if self.used + len(piece) + 1 > self.cap and self.starts:
                 self.flush(Cursor(cur.file, cur.record, k))
-            self.metas.append({"source": doc.source, "record": doc.record, "part": k, "start": self.used, "length": len(piece)})
-            self.parts.append(piece)
+            if self.dir is None:
+                self._open()
+            m = {"source": doc.source, "record": doc.record, "part": k, "start": self.used, "length": len(piece)}
+            self.meta_file.write(json.dumps(m, sort_keys=True) + "\n")
+            self.tokens.write(np.append(piece.astype(self.dtype), self.dtype.type(self.sep)))
+            self.starts.append(self.used)
             self.used += len(piece) + 1
 
     def flush(self, cursor: Cursor) -> None:
-        if not self.parts:
+        if not self.starts:
             return
-        where = self.shard_dirs[self.shard % len(self.shard_dirs)] if self.shard_dirs else None
-        d = fmt.shard_dir(self.out, self.shard, where)
-        d.mkdir(parents=True, exist_ok=True)
-        tokens = np.empty(self.used, dtype=self.dtype)
-        starts = np.empty(len(self.parts) + 1, dtype=np.uint64)
-        pos = 0
-        for i, p in enumerate(self.parts):
-            starts[i] = pos
-            tokens[pos : pos + len(p)] = p
-            tokens[pos + len(p)] = self.sep
-            pos += len(p) + 1
-        starts[-1] = pos
-        fmt.write_array(d / "tokens.bin", "tokens", tokens)
-        fmt.write_array(d / "docs.bin", "docs", starts)
-        meta_path = d / "docs.jsonl"
-        tmp = meta_path.with_name(".docs.jsonl.tmp")
-        with open(tmp, "w") as f:
-            for m in self.metas:
-                f.write(json.dumps(m, sort_keys=True) + "\n")
-        os.replace(tmp, meta_path)
+        d = self.dir
+        pos = self.used
+        self.tokens.close()
+        fmt.write_array(d / "docs.bin", "docs", np.array([*self.starts, pos], dtype=np.uint64))
+        self.meta_file.close()
+        os.replace(self.meta_tmp, d / "docs.jsonl")
         marker = {
             "shard": self.shard,
-            "dir": where,
-            "n_docs": len(self.parts),
-            "n_tokens": int(pos - len(self.parts)),
+            "dir": self.where,
+            "n_docs": len(self.starts),
+            "n_tokens": int(pos - len(self.starts)),
             "n_positions": int(pos),
             "cursor": asdict(cursor),
             "skips": self.skips.to_json(),
         }
-        self.executor.submit(finish_shard, str(self.out), self.shard, self.sep, self.vocab, marker)
+        self.executor.submit(finish_shard, str(self.out), self.shard, self.sep, self.vocab, marker, *self.task_args())
         self.shard += 1
-        self.parts, self.metas, self.used = [], [], 0
+        self.dir, self.starts, self.used = None, [], 0
+
+    def task_args(self) -> tuple:
+        kw = self.task_kw
+        return (kw.get("memory_bytes", 1 << 62), kw.get("part_positions"), kw.get("progress", False))
 
 
 def _batches(stream: Iterator[tuple[Cursor, readers.Doc | readers.Skip]], batch_chars: int = 1 << 20) -> Iterator[tuple[list, list[str]]]:
@@ -382,8 +402,26 @@ def build(cfg: BuildConfig) -> dict:
     start = Cursor(**done[-1]["cursor"]) if done else Cursor()
     skips = SkipStats.from_json(done[-1]["skips"]) if done else SkipStats()
     t1 = time.time()
-    executor = make_executor(cfg.executor, sa_parallelism(cfg.workers, cfg.shard_tokens), cfg.ray_address)
-    writer = _ShardWriter(out, len(done), dtype, vocab, cfg.shard_tokens, skips, executor, cfg.shard_dirs)
+    for m in done:  # parts left by a run killed between a shard's marker and their removal
+        shard_index.remove_parts(fmt.shard_dir(out, m["shard"], m.get("dir")))
+    memory = cfg.memory_bytes
+    reserve = tree_rss() + _ENCODER_RSS * cfg.workers
+    par = sa_parallelism(cfg.workers, cfg.shard_tokens, dtype.itemsize, memory - reserve) if cfg.executor == "local" else 1
+    executor = make_executor(cfg.executor, par, cfg.ray_address)
+    task_memory = (memory - reserve) // par + (tree_rss() if par == 1 else 0)
+    writer = _ShardWriter(
+        out,
+        len(done),
+        dtype,
+        vocab,
+        cfg.shard_tokens,
+        skips,
+        executor,
+        cfg.shard_dirs,
+        memory_bytes=task_memory,
+        part_positions=cfg.sa_part_tokens,
+        progress=cfg.progress and par == 1,
+    )
     total_bytes = sum(f.stat().st_size for f in files)
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenize+index", disable=not cfg.progress)
     bar.update(sum(f.stat().st_size for f in files[: start.file]))
@@ -402,8 +440,8 @@ def build(cfg: BuildConfig) -> dict:
                 if (cur.file, cur.record) == (start.file, start.record):
                     cur = Cursor(cur.file, cur.record, start.part)
                 writer.add(cur, item, next(it))
+        enc.close()  # every document is encoded: free the workers' memory for the last shard
         writer.flush(Cursor(len(files), 0, 0))
-        enc.close()
         indexed = executor.results()
     finally:
         enc.close()
@@ -464,7 +502,14 @@ def _finalize(cfg: BuildConfig, out: Path, sp, dtype: np.dtype, markers: list[di
 
 
 def build_from_ids(
-    docs: list[np.ndarray], out: str | Path, tokenizer_model: str | Path, *, shard_tokens: int = 1 << 30, workers: int = 1
+    docs: list[np.ndarray],
+    out: str | Path,
+    tokenizer_model: str | Path,
+    *,
+    shard_tokens: int = 1 << 30,
+    workers: int = 1,
+    memory_gb: float | None = None,
+    sa_part_tokens: int | None = None,
 ) -> dict:
     """Index already-tokenized documents (ids in the tokenizer's vocabulary) into a fresh `out`.
 
@@ -485,7 +530,8 @@ def build_from_ids(
     skips = SkipStats()
     executor = LocalExecutor(workers)
     try:
-        writer = _ShardWriter(out, 0, dtype, vocab, shard_tokens, skips, executor)
+        memory = {"part_positions": sa_part_tokens} | ({} if memory_gb is None else {"memory_bytes": int(memory_gb * 2**30)})
+        writer = _ShardWriter(out, 0, dtype, vocab, shard_tokens, skips, executor, **memory)
         for i, ids in enumerate(docs):
             ids = np.asarray(ids)
             if ids.size and (ids.min() < 0 or ids.max() >= vocab):

@@ -21,6 +21,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--executor", choices=["local", "ray"], default="local")
     p.add_argument("--ray-address", help="Ray cluster address (default: start a local one)")
     p.add_argument("--shard-dirs", help="comma-separated directories (one per disk or mount) to spread the shards over")
+    p.add_argument(
+        "--memory", type=float, metavar="GB", help="bound on the build's peak resident memory, workers included (default: 0.6 x available)"
+    )
+    p.add_argument("--sa-part-tokens", type=int, help="cap on the positions of one suffix-array part (default: what --memory allows)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
@@ -39,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
         ray_address=args.ray_address,
         shard_dirs=tuple(x for x in (args.shard_dirs or "").split(",") if x),
         progress=not args.quiet,
+        memory_gb=args.memory,
+        sa_part_tokens=args.sa_part_tokens,
     )
     report = build(cfg)
     c = report["counts"]

@@ -14,15 +14,33 @@ from concurrent.futures import Future, ProcessPoolExecutor
 
 import psutil
 
-# Peak bytes per token position while one shard's suffix array is built: the uint16 tokens,
-# pydivsufsort's int32 array, the filtered copy, the packed words and slack.
-SA_BYTES_PER_POSITION = 16
+from .sa import sort_bytes
+
+# Share of the memory available at the start that a build uses when --memory is not given.
+DEFAULT_MEMORY_SHARE = 0.6
 
 
-def sa_parallelism(workers: int, shard_tokens: int) -> int:
-    """How many shards may be indexed at once without exceeding available memory."""
-    avail = psutil.virtual_memory().available
-    return max(1, min(workers, avail // max(1, SA_BYTES_PER_POSITION * shard_tokens)))
+def default_memory_gb() -> float:
+    return DEFAULT_MEMORY_SHARE * psutil.virtual_memory().available / 2**30
+
+
+def tree_rss() -> int:
+    """Resident bytes of this process and all its descendants."""
+    me = psutil.Process()
+    total = me.memory_info().rss
+    for c in me.children(recursive=True):
+        try:
+            total += c.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
+def sa_parallelism(workers: int, shard_tokens: int, itemsize: int, memory_bytes: int) -> int:
+    """How many shards may be indexed at once, each in one part (sorted whole, then merged),
+    within memory_bytes; 1 when even one shard needs parts."""
+    per_shard = sort_bytes(shard_tokens, itemsize) + (400 << 20)  # plus a worker's own footprint
+    return max(1, min(workers, memory_bytes // per_shard))
 
 
 def die_with_parent() -> None:

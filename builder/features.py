@@ -25,7 +25,8 @@ by a two-pointer pass; s's suffix-array interval comes from two stack sweeps ove
 array, and its statistics from a scan (small intervals) or a grouped pass (large ones). In
 exclude-doc mode without top-k the same two sweeps also carry each stack entry's largest
 positions (of two documents), which answer "most recent occurrence" without any interval. Other
-shards allowed by the mode are matched like held-out text and merged: the longest L wins;
+shards allowed by the mode are matched by a merge-join of the two suffix arrays
+(builder/cross_shard.py) and merged: the longest L wins;
 on a tie the counts and histograms add up and cont comes from the most recent source.
 
 The files these features are written to, and their reading, are index/features.py's; held-out
@@ -40,7 +41,6 @@ from pathlib import Path
 
 import numpy as np
 from teragram.index import format as fmt
-from teragram.index import kernels as IK
 from teragram.index import packed
 from teragram.index.engine import Index
 from teragram.index.errors import BuildError
@@ -48,6 +48,7 @@ from teragram.index.features import MODES, FeatureConfig, Features, begin, finis
 from teragram.index.heldout import compute_held_out
 from tqdm import tqdm
 
+from . import cross_shard
 from . import feature_kernels as FK
 
 HEAVY = 64  # intervals with more occurrences than this go through the grouped pass
@@ -144,21 +145,6 @@ def own_shard_features(idx: Index, shard: int, cfg: FeatureConfig) -> tuple[Feat
     return f, aux
 
 
-def _other_shard_matches(idx: Index, shard: int, other: int, cap: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Longest match of every position of `shard` in shard `other` (documents scored separately)."""
-    s, o = idx.shards[shard], idx.shards[other]
-    T = np.asarray(s.tok).astype(np.int64)
-    n = len(T)
-    L = np.zeros(n, np.int64)
-    lo = np.zeros(n, np.int64)
-    hi = np.zeros(n, np.int64)
-    starts = np.asarray(s.starts).astype(np.int64)
-    for d in range(len(starts) - 1):
-        a, b = starts[d], starts[d + 1] - 1
-        IK.match_lengths(o.tok, o.sa.words, o.sa.width, o.n, T[a:b], cap, L[a:b], lo[a:b], hi[a:b])
-    return L, lo, hi
-
-
 def _unigram_features(idx: Index, shard: int, cfg: FeatureConfig, f: Features) -> None:
     """Fill the L = 0 positions: the empty suffix's allowed occurrences are allowed positions."""
     s = idx.shards[shard]
@@ -221,7 +207,7 @@ def shard_features(idx: Index, shard: int, cfg: FeatureConfig) -> tuple[Features
 
 def _merge_others(idx: Index, shard: int, cfg: FeatureConfig, f: Features, aux: dict, others: list[int], with_topk: bool) -> None:
     k = f.topk_ids.shape[1]
-    matches = {j: _other_shard_matches(idx, shard, j, cfg.max_len) for j in others}
+    matches = {j: cross_shard.other_shard_matches(idx, shard, j, cfg.max_len) for j in others}
     own_L = f.length.astype(np.int64)
     best = own_L.copy()
     for L, _, _ in matches.values():

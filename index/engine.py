@@ -29,16 +29,22 @@ next tokens, never O(count). ``approx`` is therefore always False.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
 from . import format as fmt
 from . import kernels as K
+from . import top_cache
 from .errors import IndexFormatError, QueryError
 from .features import SCORE_DTYPES, Features
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -168,8 +174,19 @@ class Shard:
     def n(self) -> int:
         return self.sa.count
 
+    @cached_property
+    def top(self) -> top_cache.TopCache:
+        """The top levels of the suffix array, in memory (built on first use)."""
+        return top_cache.build(self.tok, self.sa.words, self.sa.width, self.n, top_cache.STEP_LOG2)
+
     def find(self, q: np.ndarray) -> tuple[int, int]:
-        return K.find(self.tok, self.sa.words, self.sa.width, self.n, q, len(q))
+        t = self.top
+        return top_cache.find(self.tok, self.sa.words, self.sa.width, self.n, t.pos, t.prefix, t.step_log2, q, len(q))
+
+    def longest_suffix(self, q: np.ndarray) -> int:
+        """Length of the longest suffix of q that occurs in the shard."""
+        t = self.top
+        return int(top_cache.longest_suffix(self.tok, self.sa.words, self.sa.width, self.n, t.pos, t.prefix, t.step_log2, q, len(q))[0])
 
     def blocks(self, lo: int, hi: int, d: int) -> tuple[np.ndarray, np.ndarray]:
         """(tokens, counts) following the interval's common prefix of length d."""
@@ -190,9 +207,15 @@ class Shard:
 
 
 class Index:
-    """A teragram index opened for queries. Cheap to open: every array is memory-mapped."""
+    """A teragram index opened for queries. Cheap to open: every array is memory-mapped.
 
-    def __init__(self, path: str | Path):
+    threads: how many shards are searched at once (the kernels release the GIL). The default,
+    1, searches them one after another: on a warm page cache a search takes tens of
+    microseconds, less than handing it to a thread (benchmarks/results/query_fanout.md); more
+    threads pay when searches wait on the disk (a cold or larger-than-memory index).
+    """
+
+    def __init__(self, path: str | Path, *, threads: int = 1):
         self.path = Path(path)
         if not (self.path / "manifest.json").exists():
             raise IndexFormatError(f"{self.path}: not a teragram index (no manifest.json)")
@@ -208,6 +231,8 @@ class Index:
         self.n_docs: int = c["docs"]
         self.n_positions: int = c["positions"]
         self.shards = [self._open_shard(s) for s in self.manifest["shards"]]
+        n_threads = min(threads, len(self.shards))
+        self._pool = ThreadPoolExecutor(n_threads, thread_name_prefix="shard") if n_threads >= 2 else None
         self._dist_cache: dict[tuple[int, int, int, int], tuple[np.ndarray, np.ndarray]] = {}
         self._uni_top: tuple[np.ndarray, np.ndarray] | None = None
 
@@ -275,10 +300,16 @@ class Index:
 
     # ---- operations --------------------------------------------------------------------------
 
+    def _per_shard(self, fn: Callable[[Shard], T]) -> list[T]:
+        """fn over every shard, in shard order: in the thread pool when there is one."""
+        if self._pool is None:
+            return [fn(s) for s in self.shards]
+        return list(self._pool.map(fn, self.shards))
+
     def _count(self, q: np.ndarray) -> tuple[int, list[tuple[int, int]]]:
         if q.size == 0:
             return self.n_positions, [(0, s.n) for s in self.shards]
-        segs = [s.find(q) for s in self.shards]
+        segs = self._per_shard(lambda s: s.find(q))
         return sum(b - a for a, b in segs), segs
 
     def count(self, ids) -> CountResult:
@@ -351,12 +382,13 @@ class Index:
         return self._ntd(self._ids(prompt, allow_empty=True, what="prompt"))
 
     def _suffix_len(self, q: np.ndarray) -> int:
+        if self._pool is not None:
+            return max(self._per_shard(lambda s: s.longest_suffix(q)))
         best = 0
         for s in self.shards:
             if best == len(q):
                 break
-            n, _, _ = K.longest_suffix(s.tok, s.sa.words, s.sa.width, s.n, q, len(q))
-            best = max(best, int(n))
+            best = max(best, s.longest_suffix(q))
         return best
 
     def infgram_prob(self, prompt, cont) -> InfgramProbResult:

@@ -32,6 +32,8 @@ Index directory layout (FORMAT_VERSION 1):
     IDX/shards/NNNNNN/unigram.bin  uint64 count of each vocabulary id in the shard
     IDX/shards/NNNNNN/docs.jsonl   per-document metadata, the source of the LMDB store
     IDX/shards/NNNNNN.done         completion marker: file sizes, digests, input cursor
+    IDX/shards/NNNNNN/sa.parts/    while a shard is built only: sorted suffix-array parts
+                                   (kind "sa.part", uint32/uint64 positions) with markers
     IDX/features/MODE/NNNNNN/*.bin per-token features, aligned with tokens.bin
 """
 
@@ -163,6 +165,44 @@ def write_packed(path: Path, kind: str, words: np.ndarray, width: int, count: in
         f.write(encode_header(Header(kind, "packed", width, count)))
         words.astype("<u8", copy=False).tofile(f)
     _finish(tmp, path)
+
+
+class StreamWriter:
+    """Write a flat or packed array chunk by chunk, atomically: the header (with the final
+    count) first, the body appended, then fsync and rename on ``close``. A writer abandoned
+    before ``close`` leaves only its temporary file, which resume deletes.
+
+    ``count`` None means unknown until ``close`` (flat arrays only). ``dtype`` is a numpy
+    dtype name, or "packed" with ``width`` bits (chunks are then uint64
+    words from ``packed.pack``; their total must be ``packed.n_words(count, width)``).
+    """
+
+    def __init__(self, path: Path, kind: str, dtype: str, count: int | None, width: int = 0):
+        self.path = Path(path)
+        self.open_count = count is None  # the count is what was written, set on close
+        count = 0 if count is None else count
+        if dtype != "packed" and dtype not in _DTYPES:
+            raise ValueError(f"unsupported dtype {dtype}")
+        self.dtype = np.dtype("<u8") if dtype == "packed" else np.dtype(_DTYPES[dtype]).newbyteorder("<")
+        self.header = Header(kind, dtype, width if dtype == "packed" else self.dtype.itemsize * 8, count)
+        self.tmp = _tmp_name(self.path)
+        self.f = open(self.tmp, "wb")
+        self.f.write(encode_header(self.header))
+        self.written = 0
+
+    def write(self, chunk: np.ndarray) -> None:
+        self.f.write(np.ascontiguousarray(chunk, dtype=self.dtype).tobytes())
+        self.written += chunk.size
+
+    def close(self) -> None:
+        if self.open_count:
+            self.header = Header(self.header.kind, self.header.dtype, self.header.width, self.written)
+            self.f.seek(0)
+            self.f.write(encode_header(self.header))
+        self.f.close()
+        if self.written * self.dtype.itemsize != self.header.body_size:
+            raise ValueError(f"{self.path}: wrote {self.written} elements, header says {self.header.body_size // self.dtype.itemsize}")
+        _finish(self.tmp, self.path)
 
 
 def open_array(path: Path, kind: str) -> np.ndarray:

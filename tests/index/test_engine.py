@@ -120,3 +120,23 @@ def test_query_errors(random_index):
         idx.prob([1], "x")
     with pytest.raises(QueryError, match="list of integers"):
         idx.count(["a"])
+
+
+@pytest.mark.parametrize("threads, step_log2", [(1, 10), (1, 1), (3, 2), (3, 0)])
+def test_top_cache_and_threads_against_brute_force(random_index, monkeypatch, threads, step_log2):
+    """Searches through the in-memory samples (every 2^k-th rank, down to every rank) and over
+    shards in parallel give the brute-force answers."""
+    from teragram.index import top_cache
+
+    monkeypatch.setattr(top_cache, "STEP_LOG2", step_log2)
+    idx0, orc = random_index
+    idx = Index(idx0.path, threads=threads)
+    assert (idx._pool is None) == (threads == 1)
+    for s in idx.shards:
+        t = s.top
+        assert t.step_log2 == step_log2 and len(t.pos) == -(-s.n // (1 << step_log2))
+    rng = np.random.default_rng(11)
+    for q in _queries(rng, orc, 150, idx.vocab_size, max_len=16):
+        assert idx.count(q).count == orc.count(q), q
+        if q:
+            assert idx.longest_match(q).length == orc.suffix_len(q), q

@@ -1,0 +1,124 @@
+"""Build under a memory budget: wall time, peak RSS of the whole process tree, bytes per token.
+
+    python -m benchmarks.build_memory [--mb 400] [--memory 2,8] [--shard-tokens 1073741824]
+
+Runs `build-index` on the first MB of linux-source-6.1 (train split) once per --memory value,
+with the same tokenizer (trained once), and samples the summed RSS of the build and all its
+workers every 0.1 s (ru_maxrss alone reports the largest single process, also recorded).
+Writes benchmarks/results/build_memory.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+from teragram.index import format as fmt
+
+from benchmarks.common import default_workdir, linux_corpus, save, table
+
+
+def run_sampled(cmd: list[str]) -> dict:
+    """Run cmd; wall time, the peak of the summed RSS of its process tree, and ru_maxrss."""
+    t = time.time()
+    p = subprocess.Popen(cmd)
+    peak = 0
+    at_peak: list = []  # (process name and arguments, RSS MB) when the sum peaked
+    done = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        proc = psutil.Process(p.pid)
+        while not done.is_set():
+            try:
+                procs = [proc, *proc.children(recursive=True)]
+                rss = [(" ".join(q.cmdline())[:80], q.memory_info().rss / 2**20) for q in procs]
+                total = sum(r for _, r in rss) * 2**20
+                if total > peak:
+                    peak, at_peak[:] = total, rss
+            except psutil.Error:
+                pass
+            time.sleep(0.1)
+
+    th = threading.Thread(target=sample, daemon=True)
+    th.start()
+    _, status, ru = os.wait4(p.pid, 0)
+    done.set()
+    th.join()
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise subprocess.CalledProcessError(status, cmd)
+    cpu = ru.ru_utime + ru.ru_stime
+    return {
+        "wall_s": time.time() - t,
+        "cpu_s": cpu,
+        "peak_tree_rss_mb": peak / 2**20,
+        "ru_maxrss_mb": ru.ru_maxrss / 1024,
+        "at_peak": at_peak,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mb", type=float, default=400, help="MB of linux-source-6.1 text (train split)")
+    ap.add_argument("--memory", default="2,8", help="comma-separated --memory values (GB)")
+    ap.add_argument("--shard-tokens", type=int, default=1 << 30)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--workdir", default=str(default_workdir()))
+    ap.add_argument("--keep", action="store_true", help="keep the index of the last --memory value")
+    args = ap.parse_args()
+    w = Path(args.workdir)
+    corpus = linux_corpus(w, args.mb, "train")
+    tok = w / "tok32k.model"
+    if not tok.exists():
+        from teragram.index import readers
+        from teragram.index import tokenizer as tok_mod
+
+        texts = (d.text for d in readers.read_file(corpus) if isinstance(d, readers.Doc))
+        tok.write_bytes(tok_mod.train(texts, 32000, sample_bytes=32 << 20, threads=args.workers))
+    rows = []
+    for gb in [float(x) for x in args.memory.split(",")]:
+        out = w / f"build-memory-{gb:g}"
+        shutil.rmtree(out, ignore_errors=True)
+        cmd = [sys.executable, "-m", "teragram.builder.cli", str(corpus), "--out", str(out), "--tokenizer", str(tok)]
+        cmd += ["--shard-tokens", str(args.shard_tokens), "--workers", str(args.workers), "--memory", str(gb)]
+        r = run_sampled(cmd)
+        m = fmt.read_json(out / "manifest.json")
+        n = m["counts"]["tokens"]
+        sizes = {
+            name: sum((out / f["path"]).stat().st_size for s in m["shards"] for f in s["files"] if f["path"].endswith(name))
+            for name in ("tokens.bin", "sa.bin")
+        }
+        rep = fmt.read_json(out / "build-report.json")
+        rows.append(
+            {
+                "memory_gb": gb,
+                "tokens": n,
+                "shards": m["counts"]["shards"],
+                "wall_s": r["wall_s"],
+                "cpu_s": r["cpu_s"],
+                "index_s": rep["timings"]["index_task_s"],
+                "peak_tree_rss_mb": r["peak_tree_rss_mb"],
+                "ru_maxrss_mb": r["ru_maxrss_mb"],
+                "bytes_per_token": (sizes["tokens.bin"] + sizes["sa.bin"]) / n,
+                "at_peak": r["at_peak"],
+            }
+        )
+        print(rows[-1], flush=True)
+        if not (args.keep and gb == float(args.memory.split(",")[-1])):
+            shutil.rmtree(out)
+    cols = list(rows[0])
+    md = f"Build of {args.mb:g} MB of linux-source-6.1 (train split), --shard-tokens {args.shard_tokens}, --workers {args.workers}.\n\n"
+    cols.remove("at_peak")
+    save("build_memory", {"rows": rows}, md + table(rows, cols))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
