@@ -29,6 +29,40 @@ from pathlib import Path
 
 CODE = ("linux-source-6.1",)
 ENGLISH = ("linux-doc-6.1", "dict-gcide", "manpages", "manpages-dev", "jargon-text", "fortunes", "bible-kjv-text")
+# The large corpus of the scale and index-size benchmarks, beyond CODE and ENGLISH. Licenses (each
+# package's Debian copyright file is copied next to its export by export_buckets):
+#   gcc-12-source, gcc-11-source   GPL-3+ with the GCC runtime library exception; docs GFDL-1.3
+#   openjdk-17-source              GPL-2 with the Classpath exception
+#   glibc-source                   LGPL-2.1+ (some files GPL-2+, BSD)
+#   binutils-source, gdb-source    GPL-3+ (some files LGPL, GPL-2+)
+#   golang-1.19-src                BSD-3-clause
+#   rust-src                       MIT or Apache-2.0
+#   libboost1.74-dev               BSL-1.0 (Boost Software License)
+#   erlang-src                     Apache-2.0
+#   emacs-el                       GPL-3+
+#   perl-doc                       GPL-1+ or Artistic
+#   git-doc                        GPL-2
+EXTRA_CODE = (
+    "gcc-12-source",
+    "gcc-11-source",
+    "openjdk-17-source",
+    "glibc-source",
+    "binutils-source",
+    "gdb-source",
+    "golang-1.19-src",
+    "rust-src",
+    "libboost1.74-dev",
+    "erlang-src",
+    "emacs-el",
+)
+EXTRA_ENGLISH = ("perl-doc", "git-doc")
+# Evaluation-only corpora: never exported into a train split, never indexed.
+#   linux-source-6.12-new  C, header and rst files of linux-source-6.12 (GPL-2) whose path does
+#                          not exist in linux-source-6.1: files new in the later release
+#   python3.11-doc         the reStructuredText sources of Python's documentation (PSF-2.0)
+EVAL_ONLY = ("linux-source-6.12-new", "python3.11-doc")
+# Debian package of a corpus whose name is not a package name
+_PACKAGE = {"linux-source-6.12-new": "linux-source-6.12"}
 # extra packages a corpus needs unpacked beside it
 _NEEDS = {"bible-kjv-text": ("bible-kjv",)}
 _CHUNK = 32 << 10  # target size of chunks cut from single-file corpora
@@ -41,6 +75,7 @@ def cache_dir() -> Path:
 
 def fetch(name: str) -> Path:
     """Download and unpack a package (and what it needs); returns its unpacked root."""
+    name = _PACKAGE.get(name, name)
     root = cache_dir() / "root" / name
     if (root / ".done").exists():
         return root
@@ -77,10 +112,122 @@ def _read(path: Path) -> str | None:
         return None
 
 
+# Files of the extra corpora kept as documents (one per file), by extension or by name; files
+# over _MAX_DOC are generated data (tables, test vectors, intrinsics listings) and skipped.
+_EXTRA_EXT = (
+    *(".c", ".cc", ".cpp", ".cxx", ".h", ".hh", ".hpp", ".hxx", ".ipp", ".tcc", ".inc", ".def", ".md", ".S", ".s"),
+    *(".f", ".f90", ".F90", ".ads", ".adb", ".d", ".go", ".rs", ".java", ".py", ".sh", ".pl", ".pm", ".pod", ".m4"),
+    *(".ac", ".am", ".texi", ".txt", ".rst", ".el", ".erl", ".hrl", ".ml", ".mli", ".scm", ".awk", ".y", ".yrl"),
+    *(".l", ".tcl", ".exp", ".js", ".toml", ".cmake", ".m", ".mm", ".lisp", ".asm", ".yaml"),
+)
+_EXTRA_NAMES = ("ChangeLog", "README", "NEWS", "Makefile", "Kconfig", "TODO")
+_MAX_DOC = 1 << 20
+# where each extra corpus's files are: ("tar" | "zip" | "dir", glob under the unpacked package)
+_EXTRA_SOURCES = {
+    "gcc-12-source": ("tar", "usr/src/gcc-12/gcc-12*.tar.xz"),
+    "gcc-11-source": ("tar", "usr/src/gcc-11/gcc-11*.tar.xz"),
+    "openjdk-17-source": ("zip", "usr/lib/jvm/openjdk-17/lib/src.zip"),
+    "glibc-source": ("tar", "usr/src/glibc/glibc-*.tar.xz"),
+    "binutils-source": ("tar", "usr/src/binutils/binutils-*.tar.xz"),
+    "gdb-source": ("tar", "usr/src/gdb.tar.xz"),
+    "golang-1.19-src": ("dir", "usr/share/go-1.19"),
+    "rust-src": ("dir", "usr/src/rustc-1.63.0"),
+    "libboost1.74-dev": ("dir", "usr/include/boost"),
+    "erlang-src": ("dir", "usr/lib/erlang/lib"),
+    "emacs-el": ("dir", "usr/share/emacs/28.2/lisp"),
+    "perl-doc": ("dir", "usr/share/perl/5.36.0/pod"),
+    "git-doc": ("dir", "usr/share/doc/git-doc"),
+}
+_TIMESHIFT_EXT = (".c", ".h", ".rst")
+
+
+def _is_source(path: str) -> bool:
+    base = path.rsplit("/", 1)[-1].removesuffix(".gz")
+    return base.endswith(_EXTRA_EXT) or base.startswith(_EXTRA_NAMES)
+
+
+def _text(raw: bytes) -> str | None:
+    if b"\0" in raw[:8192]:
+        return None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return text if text.strip() else None
+
+
+def _tar_files(tarball: Path, keep) -> Iterator[tuple[str, str]]:
+    """(member name, text) of the regular files of a tarball that keep(name) accepts, streamed."""
+    with tarfile.open(tarball, "r|*") as tar:
+        for m in tar:
+            if m.isfile() and m.size <= _MAX_DOC and keep(m.name):
+                f = tar.extractfile(m)
+                text = _text(f.read()) if f else None
+                if text:
+                    yield m.name, text
+
+
+def _extra_documents(name: str, root: Path) -> Iterator[tuple[str, str]]:
+    kind, pattern = _EXTRA_SOURCES[name]
+    found = sorted(root.glob(pattern))
+    if not found:
+        raise FileNotFoundError(f"{name}: nothing matches {pattern} under {root}")
+    src = found[0]
+    if kind == "tar":
+        yield from _tar_files(src, _is_source)
+    elif kind == "zip":
+        import zipfile
+
+        with zipfile.ZipFile(src) as z:
+            for info in z.infolist():
+                if not info.is_dir() and info.file_size <= _MAX_DOC and _is_source(info.filename):
+                    text = _text(z.read(info))
+                    if text:
+                        yield f"openjdk-17/{info.filename}", text
+    else:
+        for p in sorted(src.rglob("*")):
+            if p.is_file() and not p.is_symlink() and _is_source(p.name) and p.stat().st_size <= _MAX_DOC:
+                raw = gzip.open(p).read() if p.suffix == ".gz" else p.read_bytes()
+                text = _text(raw) if len(raw) <= _MAX_DOC else None
+                if text:
+                    yield str(p.relative_to(root)), text
+
+
+def _strip_top(path: str) -> str:
+    return path.split("/", 1)[1] if "/" in path else path
+
+
+def tar_paths(name: str) -> set[str]:
+    """Paths of every member of a kernel tarball, its top directory stripped (cached)."""
+    cached = cache_dir() / "paths" / f"{name}.txt"
+    if not cached.exists():
+        root = fetch(name)
+        (tarball,) = root.glob("usr/src/linux-source-*.tar.xz")
+        with tarfile.open(tarball, "r|xz") as tar:
+            paths = sorted(_strip_top(m.name) for m in tar)
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(".tmp")
+        tmp.write_text("\n".join(paths) + "\n")
+        os.replace(tmp, cached)
+    return set(cached.read_text().splitlines())
+
+
 def documents(name: str) -> Iterator[tuple[str, str]]:
     """(path, text) of each document of a corpus, in a fixed order."""
     root = fetch(name)
-    if name == "linux-source-6.1":
+    if name in _EXTRA_SOURCES:
+        yield from _extra_documents(name, root)
+    elif name == "linux-source-6.12-new":
+        old = tar_paths("linux-source-6.1")
+        (tarball,) = root.glob("usr/src/linux-source-6.12.tar.xz")
+        yield from _tar_files(tarball, lambda p: p.endswith(_TIMESHIFT_EXT) and _strip_top(p) not in old)
+    elif name == "python3.11-doc":
+        base = root / "usr/share/doc/python3.11/html/_sources"
+        for p in sorted(base.rglob("*.rst.txt")):
+            text = _read(p) if p.is_file() else None
+            if text and text.strip():
+                yield str(p.relative_to(root)), text
+    elif name == "linux-source-6.1":
         with tarfile.open(root / "usr/src/linux-source-6.1.tar.xz", "r|xz") as tar:
             for m in tar:
                 if m.isfile() and m.name.endswith(_SOURCE_EXT):
@@ -125,7 +272,7 @@ def documents(name: str) -> Iterator[tuple[str, str]]:
             ).stdout
             yield f"bible-kjv/{book}", out
     else:
-        raise SystemExit(f"unknown corpus {name!r}; known: {', '.join(CODE + ENGLISH)}")
+        raise SystemExit(f"unknown corpus {name!r}; known: {', '.join(CODE + ENGLISH + EXTRA_CODE + EXTRA_ENGLISH + EVAL_ONLY)}")
 
 
 _BOOKS = (
@@ -141,6 +288,76 @@ def split_of(path: str, heldout_percent: int = 5, salt: str = "teragram-split-v1
     return "heldout" if h % 100 < heldout_percent else "train"
 
 
+def corpus_split(name: str, path: str, heldout_percent: int = 5) -> str:
+    """split_of, except that every document of an evaluation-only corpus is held-out."""
+    return "heldout" if name in EVAL_ONLY else split_of(path, heldout_percent)
+
+
+class EvalOnlyError(ValueError):
+    """An evaluation-only corpus was asked for in a split that may be trained on or indexed."""
+
+
+def _refuse_eval_only(names, split: str | None) -> None:
+    bad = [n for n in names if n in EVAL_ONLY]
+    if bad and split != "heldout":
+        raise EvalOnlyError(f"{', '.join(bad)} is evaluation-only: export it with split='heldout', never into train")
+
+
+def sample_bucket(path: str, buckets: int = 100, salt: str = "teragram-sample-v1") -> int:
+    """Bucket 0..buckets-1 of a document by a hash of its path, independent of split_of: the
+    documents of buckets < k are a uniform sample that grows (and nests) with k."""
+    h = int.from_bytes(hashlib.blake2b(f"{salt}:{path}".encode(), digest_size=8).digest(), "big")
+    return h % buckets
+
+
+def export_buckets(
+    name: str,
+    outdir: Path,
+    *,
+    exclude: frozenset[str] = frozenset(),
+    buckets: int = 100,
+    heldout_percent: int = 5,
+    level: int = 3,
+) -> dict:
+    """One pass over a corpus: its train-split documents, less the paths in `exclude`, written to
+    outdir/name/bNN.jsonl.zst by sample_bucket(path), with the package's copyright file beside
+    them and manifest.json (docs and bytes per bucket) written last, so that a finished export
+    is one with a manifest."""
+    import zstandard
+
+    _refuse_eval_only([name], "train")
+    d = outdir / name
+    done = d / "manifest.json"
+    if done.exists():
+        return json.loads(done.read_text())
+    d.mkdir(parents=True, exist_ok=True)
+    # one compressor per writer: stream writers sharing a compressor corrupt each other's frames
+    writers = [zstandard.ZstdCompressor(level=level).stream_writer(open(d / f"b{k:02d}.jsonl.zst.tmp", "wb")) for k in range(buckets)]
+    docs, nbytes = [0] * buckets, [0] * buckets
+    skipped = {"heldout": 0, "excluded": 0}
+    for path, text in documents(name):
+        if split_of(path, heldout_percent) != "train":
+            skipped["heldout"] += 1
+            continue
+        if path in exclude:
+            skipped["excluded"] += 1
+            continue
+        k = sample_bucket(path, buckets)
+        writers[k].write((json.dumps({"text": text, "path": path, "corpus": name}) + "\n").encode())
+        docs[k] += 1
+        nbytes[k] += len(text.encode())
+    for k, w in enumerate(writers):
+        w.close()  # closes the file too
+        os.replace(d / f"b{k:02d}.jsonl.zst.tmp", d / f"b{k:02d}.jsonl.zst")
+    pkg = _PACKAGE.get(name, name)
+    shutil.copy(fetch(name) / "usr/share/doc" / pkg / "copyright", d / "copyright")
+    manifest = {"corpus": name, "buckets": buckets, "docs": docs, "bytes": nbytes, "skipped": skipped}
+    tmp = d / "manifest.json.tmp"
+    tmp.write_text(json.dumps(manifest))
+    os.replace(tmp, done)
+    return manifest
+
+
 def export(
     names: list[str],
     out: Path,
@@ -152,9 +369,11 @@ def export(
     level: int = 19,
 ) -> dict:
     """Write documents as JSON lines {"text", "path", "corpus"} (zstd-compressed if out ends in
-    .zst): at most max_bytes in all, and per_corpus[name] bytes of a corpus named there."""
+    .zst): at most max_bytes in all, and per_corpus[name] bytes of a corpus named there.
+    Evaluation-only corpora are all held-out: exported with split="heldout" only."""
     import zstandard
 
+    _refuse_eval_only(names, split)
     out.parent.mkdir(parents=True, exist_ok=True)
     n_docs = n_bytes = 0
     raw = open(out, "wb")
@@ -164,7 +383,7 @@ def export(
             cap = (per_corpus or {}).get(name)
             mine = 0
             for path, text in documents(name):
-                if split is not None and split_of(path, heldout_percent) != split:
+                if split is not None and corpus_split(name, path, heldout_percent) != split:
                     continue
                 w.write(json.dumps({"text": text, "path": path, "corpus": name}) + "\n")
                 size = len(text.encode())
