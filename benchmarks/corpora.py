@@ -40,6 +40,12 @@ ENGLISH = ("linux-doc-6.1", "dict-gcide", "manpages", "manpages-dev", "jargon-te
 #   libboost1.74-dev               BSL-1.0 (Boost Software License)
 #   erlang-src                     Apache-2.0
 #   emacs-el                       GPL-3+
+#   emscripten                     MIT or NCSA (bundled musl MIT, libc++ Apache-2.0 with LLVM exception)
+#   fpc-source-3.2.2               GPL-2+; runtime library LGPL-2+ with a static-linking exception
+#   lazarus-src-2.2                GPL-2+; LCL LGPL-2+ with a static-linking exception
+#   gnulib                         GPL-3+ or LGPL-2+ per module
+#   vim-runtime                    the Vim license (GPL-compatible charityware)
+#   sbcl-source                    public domain and BSD-style
 #   perl-doc                       GPL-1+ or Artistic
 #   git-doc                        GPL-2
 EXTRA_CODE = (
@@ -54,6 +60,12 @@ EXTRA_CODE = (
     "libboost1.74-dev",
     "erlang-src",
     "emacs-el",
+    "emscripten",
+    "fpc-source-3.2.2",
+    "lazarus-src-2.2",
+    "gnulib",
+    "vim-runtime",
+    "sbcl-source",
 )
 EXTRA_ENGLISH = ("perl-doc", "git-doc")
 # Evaluation-only corpora: never exported into a train split, never indexed.
@@ -118,7 +130,8 @@ _EXTRA_EXT = (
     *(".c", ".cc", ".cpp", ".cxx", ".h", ".hh", ".hpp", ".hxx", ".ipp", ".tcc", ".inc", ".def", ".md", ".S", ".s"),
     *(".f", ".f90", ".F90", ".ads", ".adb", ".d", ".go", ".rs", ".java", ".py", ".sh", ".pl", ".pm", ".pod", ".m4"),
     *(".ac", ".am", ".texi", ".txt", ".rst", ".el", ".erl", ".hrl", ".ml", ".mli", ".scm", ".awk", ".y", ".yrl"),
-    *(".l", ".tcl", ".exp", ".js", ".toml", ".cmake", ".m", ".mm", ".lisp", ".asm", ".yaml"),
+    *(".l", ".tcl", ".exp", ".js", ".toml", ".cmake", ".m", ".mm", ".lisp", ".asm", ".yaml", ".pp", ".pas", ".lpr"),
+    *(".vim", ".texinfo", ".gperf"),
 )
 _EXTRA_NAMES = ("ChangeLog", "README", "NEWS", "Makefile", "Kconfig", "TODO")
 _MAX_DOC = 1 << 20
@@ -135,9 +148,17 @@ _EXTRA_SOURCES = {
     "libboost1.74-dev": ("dir", "usr/include/boost"),
     "erlang-src": ("dir", "usr/lib/erlang/lib"),
     "emacs-el": ("dir", "usr/share/emacs/28.2/lisp"),
+    "emscripten": ("dir", "usr/share/emscripten"),
+    "fpc-source-3.2.2": ("dir", "usr/share/fpcsrc/3.2.2"),
+    "lazarus-src-2.2": ("dir", "usr/lib/lazarus/2.2.6"),
+    "gnulib": ("dir", "usr/share/gnulib"),
+    "vim-runtime": ("dir", "usr/share/vim/vim90"),
+    "sbcl-source": ("dir", "usr/share/sbcl-source"),
     "perl-doc": ("dir", "usr/share/perl/5.36.0/pod"),
     "git-doc": ("dir", "usr/share/doc/git-doc"),
 }
+# directories of a dir corpus left out: emscripten's cache holds copies of its own system/ headers
+_SKIP_DIRS = {"emscripten": ("cache",)}
 _TIMESHIFT_EXT = (".c", ".h", ".rst")
 
 
@@ -185,7 +206,10 @@ def _extra_documents(name: str, root: Path) -> Iterator[tuple[str, str]]:
                     if text:
                         yield f"openjdk-17/{info.filename}", text
     else:
+        skip = _SKIP_DIRS.get(name, ())
         for p in sorted(src.rglob("*")):
+            if skip and any(part in skip for part in p.relative_to(src).parts):
+                continue
             if p.is_file() and not p.is_symlink() and _is_source(p.name) and p.stat().st_size <= _MAX_DOC:
                 raw = gzip.open(p).read() if p.suffix == ".gz" else p.read_bytes()
                 text = _text(raw) if len(raw) <= _MAX_DOC else None

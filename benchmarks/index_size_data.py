@@ -211,48 +211,126 @@ class _PeakRss:
         return self.peak
 
 
+def _run_build(data: Path, files: list[Path], out: Path, shard_tokens: int, workers: int) -> dict:
+    """build-index over files into out, with the peak RSS of its whole process tree."""
+    tokenizer = data / "idx-050m" / "tokenizer.model"
+    cmd = [str(Path(sys.executable).with_name("build-index")), *map(str, files), "--out", str(out), "--tokenizer", str(tokenizer)]
+    cmd += ["--workers", str(workers), "--shard-tokens", str(shard_tokens), "--quiet"]
+    t0 = time.time()
+    with open(data / "logs" / f"{out.name}.log", "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        rss = _PeakRss(proc.pid)
+        rc = proc.wait()
+        peak = rss.stop()
+    if rc != 0:
+        raise SystemExit(f"build-index failed ({rc}): see {data / 'logs' / f'{out.name}.log'}")
+    report = json.loads((out / "build-report.json").read_text())
+    return {"command": cmd, "wall_s": time.time() - t0, "peak_rss_tree_mb": peak / 2**20, "build_report": report}
+
+
+def _parts(data: Path) -> list[tuple[int, int, Path]]:
+    """Finished parts (lo, hi, dir): indexes of the extra corpus's buckets lo..hi-1, by lo."""
+    out = []
+    for d in sorted((data / "parts").glob("b*-b*")):
+        if (d / "part.json").exists():
+            lo, hi = (int(x[1:]) for x in d.name.split("-"))
+            out.append((lo, hi, d))
+    return sorted(out)
+
+
+def build_part(data: Path, lo: int, hi: int, shard_tokens: int, workers: int) -> Path:
+    out = data / "parts" / f"b{lo:02d}-b{hi:02d}"
+    files = [data / "extra" / n / f"b{b:02d}.jsonl.zst" for n in EXTRA for b in range(lo, hi)]
+    run = _run_build(data, files, out, shard_tokens, workers)
+    counts = json.loads((out / "manifest.json").read_text())["counts"]
+    (out / "part.json").write_text(json.dumps({"buckets": [lo, hi], "corpora": list(EXTRA), "counts": counts} | run, indent=1))
+    _ready(
+        data,
+        f"parts/{out.name} (extra-corpus buckets {lo}..{hi - 1}): {counts['tokens']:,} tokens, {counts['docs']:,} docs, "
+        f"{counts['shards']} shards; build {run['wall_s'] / 60:.1f} min, peak RSS {run['peak_rss_tree_mb'] / 1024:.1f} GiB (process tree)",
+    )
+    return out
+
+
+def compose(out: Path, parts: list[Path]) -> dict:
+    """An index whose shards are the shards of `parts` (same tokenizer), linked, not copied: the
+    exact answers of one index over all their documents, as a multi-shard build gives."""
+    from teragram.index import format as fmt
+    from teragram.index import meta as meta_store
+
+    manifests = [json.loads((p / "manifest.json").read_text()) for p in parts]
+    digests = {hashlib.blake2b((p / "tokenizer.model").read_bytes()).hexdigest() for p in parts}
+    if len(digests) != 1 or len({m["token_dtype"] for m in manifests}) != 1:
+        raise SystemExit(f"cannot compose {out.name}: its parts have different tokenizers or token types")
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    (out / "shards").mkdir(parents=True)
+    (out / "tokenizer.model").write_bytes((parts[0] / "tokenizer.model").read_bytes())
+    shards, markers, first_doc = [], [], 0
+    skipped: dict[str, int] = {}
+    for p, m in zip(parts, manifests, strict=True):
+        for s in m["shards"]:
+            k = len(shards)
+            (out / "shards" / f"{k:06d}").symlink_to(fmt.shard_dir(p.resolve(), s["shard"], s.get("dir")))
+            files = [f | {"path": f"shards/{k:06d}/{Path(f['path']).name}"} for f in s["files"]]
+            shards.append(s | {"shard": k, "dir": None, "files": files, "first_doc": first_doc})
+            markers.append({"shard": k, "dir": None})
+            first_doc += s["n_docs"]
+        for reason, n in m["skipped"]["counts"].items():
+            skipped[reason] = skipped.get(reason, 0) + n
+    manifest = manifests[0] | {
+        "counts": {
+            "shards": len(shards),
+            "docs": first_doc,
+            "tokens": sum(s["n_tokens"] for s in shards),
+            "positions": sum(s["n_positions"] for s in shards),
+        },
+        "shards": shards,
+        "build": {"composed_of": [str(p.resolve()) for p in parts], "parts": [m["build"] for m in manifests]},
+        "skipped": {"counts": skipped, "examples": {}},
+    }
+    meta_store.write(out, markers, manifest)
+    fmt.write_json(out / "manifest.json", manifest)
+    return manifest
+
+
 def build(data: Path, name: str, target: float | None, shard_tokens: int, workers: int) -> dict:
+    """idx-050m plus the extra corpus's buckets < k (k from the token target): the part of the
+    buckets not yet indexed is built, then the index is composed of idx-050m and the parts."""
     tokenizer = data / "idx-050m" / "tokenizer.model"
     base = json.loads((data / "idx-050m" / "manifest.json").read_text())["counts"]["tokens"]
     tpb = tokens_per_byte(data, tokenizer)
     k, est = plan(data, base, tpb, target)
-    files = [data / "ppl" / n for n in TRAIN]
-    files += [data / "extra" / n / f"b{b:02d}.jsonl.zst" for n in EXTRA for b in range(k)]
-    out = data / name
-    cmd = [str(Path(sys.executable).with_name("build-index")), *map(str, files), "--out", str(out), "--tokenizer", str(tokenizer)]
-    cmd += ["--workers", str(workers), "--shard-tokens", str(shard_tokens), "--quiet"]
+    parts = _parts(data)
+    have = parts[-1][1] if parts else 0
+    if any(a != b for (_, a, _), (b, _, _) in zip(parts, parts[1:], strict=False)) or (parts and parts[0][0] != 0):
+        raise SystemExit(f"{data / 'parts'}: the parts do not cover buckets 0.. without gaps")
+    bounds = {0} | {hi for _, hi, _ in parts}
+    if k < have and k not in bounds:
+        k = min(b for b in bounds if b >= k)  # nest on the parts already built
     print(f"{name}: buckets < {k} of each extra corpus, ~{est / 1e6:,.0f}M tokens estimated", flush=True)
-    t0 = time.time()
-    log = open(data / "logs" / f"{name}.log", "ab")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    rss = _PeakRss(proc.pid)
-    rc = proc.wait()
-    peak = rss.stop()
-    wall = time.time() - t0
-    if rc != 0:
-        raise SystemExit(f"build-index failed ({rc}): see {data / 'logs' / f'{name}.log'}")
-    counts = json.loads((out / "manifest.json").read_text())["counts"]
-    report = json.loads((out / "build-report.json").read_text())
-    disk = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-    sel = {
-        "buckets": k,
-        "of_buckets": 100,
-        "corpora": list(EXTRA),
-        "base": [str(data / "ppl" / n) for n in TRAIN],
-        "estimated_tokens": est,
-        "counts": counts,
-        "wall_s": wall,
-        "peak_rss_tree_mb": peak / 2**20,
-        "build_report_peak_rss_mb": report["peak_rss_mb"],
-        "timings": report["timings"],
-        "disk_bytes": disk,
-        "command": cmd,
-    }
-    (out / "selection.json").write_text(json.dumps(sel, indent=1))
+    if k > have:
+        build_part(data, have, k, shard_tokens, workers)
+        parts = _parts(data)
+    use = [d for _, hi, d in parts if hi <= k]
+    manifest = compose(data / name, [data / "idx-050m", *use])
+    runs = [json.loads((d / "part.json").read_text()) for d in use]
+    base_report = json.loads((data / "idx-050m" / "build-report.json").read_text())
+    wall = base_report["timings"]["total_s"] + sum(r["wall_s"] for r in runs)
+    peak = max([base_report["peak_rss_mb"]] + [r["peak_rss_tree_mb"] for r in runs])
+    counts = manifest["counts"]
+    disk = sum(f["size"] for s in manifest["shards"] for f in s["files"])
+    sel = {"buckets": k, "of_buckets": 100, "corpora": list(EXTRA), "estimated_tokens": est, "counts": counts}
+    sel |= {"parts": ["idx-050m"] + [d.name for d in use], "build_wall_s_sum_of_parts": wall, "peak_rss_mb_max_of_parts": peak}
+    sel |= {"shard_bytes": disk}
+    (data / name / "selection.json").write_text(json.dumps(sel, indent=1))
     _ready(
         data,
-        f"{name}: {counts['tokens']:,} tokens, {counts['docs']:,} docs, {counts['shards']} shards, {disk / 1e9:.2f} GB on disk; "
-        f"extra-corpus buckets < {k}/100; build {wall / 60:.1f} min, peak RSS {peak / 2**30:.1f} GiB (process tree)",
+        f"{name}: {counts['tokens']:,} tokens, {counts['docs']:,} docs, {counts['shards']} shards, {disk / 1e9:.2f} GB; "
+        f"idx-050m + extra-corpus buckets < {k}/100 (parts {', '.join(sel['parts'])}); "
+        f"build {wall / 60:.1f} min in all, peak RSS {peak / 1024:.1f} GiB",
     )
     return sel
 
