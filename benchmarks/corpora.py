@@ -70,7 +70,8 @@ EXTRA_CODE = (
 EXTRA_ENGLISH = ("perl-doc", "git-doc")
 # Evaluation-only corpora: never exported into a train split, never indexed.
 #   linux-source-6.12-new  C, header and rst files of linux-source-6.12 (GPL-2) whose path does
-#                          not exist in linux-source-6.1: files new in the later release
+#                          not exist in linux-source-6.1, nor its parent/name (moved files):
+#                          files new in the later release
 #   python3.11-doc         the reStructuredText sources of Python's documentation (PSF-2.0)
 EVAL_ONLY = ("linux-source-6.12-new", "python3.11-doc")
 # Debian package of a corpus whose name is not a package name
@@ -221,6 +222,10 @@ def _strip_top(path: str) -> str:
     return path.split("/", 1)[1] if "/" in path else path
 
 
+def _tail(path: str) -> str:
+    return "/".join(path.split("/")[-2:])
+
+
 def tar_paths(name: str) -> set[str]:
     """Paths of every member of a kernel tarball, its top directory stripped (cached)."""
     cached = cache_dir() / "paths" / f"{name}.txt"
@@ -242,9 +247,16 @@ def documents(name: str) -> Iterator[tuple[str, str]]:
     if name in _EXTRA_SOURCES:
         yield from _extra_documents(name, root)
     elif name == "linux-source-6.12-new":
+        # new: neither the path nor its last two components (a file moved to another directory,
+        # e.g. Documentation/arm/x.rst -> Documentation/arch/arm/x.rst) exist in 6.1
         old = tar_paths("linux-source-6.1")
+        old_tails = {_tail(p) for p in old}
         (tarball,) = root.glob("usr/src/linux-source-6.12.tar.xz")
-        yield from _tar_files(tarball, lambda p: p.endswith(_TIMESHIFT_EXT) and _strip_top(p) not in old)
+
+        def new(path: str) -> bool:
+            return path.endswith(_TIMESHIFT_EXT) and _strip_top(path) not in old and _tail(path) not in old_tails
+
+        yield from _tar_files(tarball, new)
     elif name == "python3.11-doc":
         base = root / "usr/share/doc/python3.11/html/_sources"
         for p in sorted(base.rglob("*.rst.txt")):
@@ -327,6 +339,21 @@ def _refuse_eval_only(names, split: str | None) -> None:
         raise EvalOnlyError(f"{', '.join(bad)} is evaluation-only: export it with split='heldout', never into train")
 
 
+def copyright_file(name: str) -> Path:
+    """The Debian copyright file of a corpus's package (or of the package it shares its docs with)."""
+    doc = fetch(name) / "usr/share/doc"
+    own = doc / _PACKAGE.get(name, name)
+    for _ in range(4):  # e.g. manpages-dev -> manpages: another package's docs (followed package by package)
+        if not own.is_symlink() or (own / "copyright").is_file():
+            break
+        other = os.readlink(own)
+        own = fetch(other) / "usr/share/doc" / other
+    found = [own / "copyright"] if (own / "copyright").is_file() else sorted(doc.glob("*/copyright"))
+    if not found:
+        raise FileNotFoundError(f"{name}: no copyright file under {doc}")
+    return found[0]
+
+
 def sample_bucket(path: str, buckets: int = 100, salt: str = "teragram-sample-v1") -> int:
     """Bucket 0..buckets-1 of a document by a hash of its path, independent of split_of: the
     documents of buckets < k are a uniform sample that grows (and nests) with k."""
@@ -373,8 +400,7 @@ def export_buckets(
     for k, w in enumerate(writers):
         w.close()  # closes the file too
         os.replace(d / f"b{k:02d}.jsonl.zst.tmp", d / f"b{k:02d}.jsonl.zst")
-    pkg = _PACKAGE.get(name, name)
-    shutil.copy(fetch(name) / "usr/share/doc" / pkg / "copyright", d / "copyright")
+    shutil.copy(copyright_file(name), d / "copyright")
     manifest = {"corpus": name, "buckets": buckets, "docs": docs, "bytes": nbytes, "skipped": skipped}
     tmp = d / "manifest.json.tmp"
     tmp.write_text(json.dumps(manifest))
