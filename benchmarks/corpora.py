@@ -10,6 +10,17 @@ are cut into chunks at entry boundaries so that a train/held-out split by path h
 something to split. `split_of(path)` puts a document in train or held-out by a hash of its
 path, never by position inside a document. Cached under $TERAGRAM_CACHE
 (default ~/.cache/teragram/corpora).
+
+The large corpus (EXTRA_CODE, EXTRA_ENGLISH: > 2B tokens with linux-source-6.1 and ENGLISH),
+its held-out sets (EVAL_ONLY corpora: never exported into train) and the nested indexes over it
+are made by benchmarks/index_size_data.py, one command per step (see its docstring):
+
+    python -m benchmarks.index_size_data export  --data DATA   # DATA/extra/NAME/bNN.jsonl.zst + copyright
+    python -m benchmarks.index_size_data heldout --data DATA   # DATA/heldout/{indist,timeshift,prose}
+    python -m benchmarks.index_size_data index   --data DATA --name idx-2b --all
+
+No Linux kernel newer than 6.1 is ever exported into a train split: linux-source-6.12 is read
+only as the evaluation-only corpus linux-source-6.12-new.
 """
 
 from __future__ import annotations
@@ -29,25 +40,39 @@ from pathlib import Path
 
 CODE = ("linux-source-6.1",)
 ENGLISH = ("linux-doc-6.1", "dict-gcide", "manpages", "manpages-dev", "jargon-text", "fortunes", "bible-kjv-text")
-# The large corpus of the scale and index-size benchmarks, beyond CODE and ENGLISH. Licenses (each
-# package's Debian copyright file is copied next to its export by export_buckets):
-#   gcc-12-source, gcc-11-source   GPL-3+ with the GCC runtime library exception; docs GFDL-1.3
-#   openjdk-17-source              GPL-2 with the Classpath exception
-#   glibc-source                   LGPL-2.1+ (some files GPL-2+, BSD)
-#   binutils-source, gdb-source    GPL-3+ (some files LGPL, GPL-2+)
-#   golang-1.19-src                BSD-3-clause
-#   rust-src                       MIT or Apache-2.0
-#   libboost1.74-dev               BSL-1.0 (Boost Software License)
-#   erlang-src                     Apache-2.0
-#   emacs-el                       GPL-3+
-#   emscripten                     MIT or NCSA (bundled musl MIT, libc++ Apache-2.0 with LLVM exception)
-#   fpc-source-3.2.2               GPL-2+; runtime library LGPL-2+ with a static-linking exception
-#   lazarus-src-2.2                GPL-2+; LCL LGPL-2+ with a static-linking exception
-#   gnulib                         GPL-3+ or LGPL-2+ per module
-#   vim-runtime                    the Vim license (GPL-compatible charityware)
-#   sbcl-source                    public domain and BSD-style
-#   perl-doc                       GPL-1+ or Artistic
-#   git-doc                        GPL-2
+# The large corpus of the scale and index-size benchmarks, beyond CODE and ENGLISH: one document
+# per source (or HTML) file. Licenses, as the packages' Debian copyright files state them (each
+# file is copied next to the package's export by export_buckets; mixed trees name the main ones):
+#   gcc-12-source, gcc-11-source     GPL-3+ with the GCC runtime library exception; docs GFDL-1.3
+#   openjdk-17-source, -doc          GPL-2 with the Classpath exception
+#   glibc-source                     LGPL-2.1+ (some files GPL-2+, BSD)
+#   binutils-source, gdb-source      GPL-3+ (some files LGPL, GPL-2+)
+#   golang-1.19-src                  BSD-3-clause
+#   rust-src, rust-doc               MIT or Apache-2.0
+#   libboost1.74-dev, 1.81-dev, doc  BSL-1.0
+#   erlang-src, erlang-doc           Apache-2.0
+#   emacs-el                         GPL-3+
+#   emscripten                       Expat (MIT), Zlib, BSD-3-clause; bundled libc++ Apache-2.0 with LLVM exception
+#   fpc-source-3.2.2                 GPL-2+; runtime library LGPL-2.1+ with a static-linking exception
+#   lazarus-src-2.2                  GPL-2+; LCL LGPL-2+ with a static-linking exception
+#   gnulib                           LGPL-2+, GPL-3+ or LGPL-3+/GPL-2+ per module
+#   vim-runtime                      the Vim license; some files Expat, public domain
+#   sbcl-source                      public domain and BSD-3-clause
+#   golang-github-aws-aws-sdk-go-dev Apache-2.0
+#   golang-github-azure-...-go-dev   Apache-2.0
+#   golang-google-api-dev            BSD-3-clause
+#   mediawiki                        GPL-2+; bundled libraries Expat, BSD-3-clause, Apache-2.0
+#   wordpress                        GPL-2+; bundled libraries LGPL-2+, BSD-3-clause, Expat
+#   racket-common                    MIT or Apache-2.0 (some LGPL-2.1+)
+#   gap-libs                         GPL-2+
+#   texlive-latex-extra, -pictures   LPPL-1.3c mostly, per package (some GPL, public domain)
+#   libcgal-dev                      GPL-3+ / LGPL-3+
+#   perl-doc                         GPL-1+ or Artistic
+#   git-doc                          GPL-2
+#   ghc-doc                          BSD-3-clause
+#   qtbase5-doc-html                 GFDL-1.3 (documentation); code LGPL-3 or GPL-2
+#   libstdc++-12-doc                 GPL-3+ with the runtime library exception; docs GFDL-1.3
+#   llvm-15-doc                      Apache-2.0 with the LLVM exception
 EXTRA_CODE = (
     "gcc-12-source",
     "gcc-11-source",
@@ -66,8 +91,23 @@ EXTRA_CODE = (
     "gnulib",
     "vim-runtime",
     "sbcl-source",
+    "golang-github-aws-aws-sdk-go-dev",
+    "golang-github-azure-azure-sdk-for-go-dev",
+    "golang-google-api-dev",
+    "libboost1.81-dev",
+    "mediawiki",
+    "wordpress",
+    "racket-common",
+    "gap-libs",
+    "texlive-latex-extra",
+    "texlive-pictures",
+    "libcgal-dev",
 )
-EXTRA_ENGLISH = ("perl-doc", "git-doc")
+# English API documentation, as the HTML files the packages ship
+EXTRA_ENGLISH = (
+    *("perl-doc", "git-doc", "rust-doc", "openjdk-17-doc", "ghc-doc", "qtbase5-doc-html"),
+    *("erlang-doc", "libstdc++-12-doc", "libboost1.74-doc", "llvm-15-doc"),
+)
 # Evaluation-only corpora: never exported into a train split, never indexed.
 #   linux-source-6.12-new  C, header and rst files of linux-source-6.12 (GPL-2) whose path does
 #                          not exist in linux-source-6.1, nor its parent/name (moved files):
@@ -126,16 +166,17 @@ def _read(path: Path) -> str | None:
 
 
 # Files of the extra corpora kept as documents (one per file), by extension or by name; files
-# over _MAX_DOC are generated data (tables, test vectors, intrinsics listings) and skipped.
+# over _MAX_DOC (4 MiB) are generated data (tables, test vectors, intrinsics listings) and skipped.
 _EXTRA_EXT = (
     *(".c", ".cc", ".cpp", ".cxx", ".h", ".hh", ".hpp", ".hxx", ".ipp", ".tcc", ".inc", ".def", ".md", ".S", ".s"),
     *(".f", ".f90", ".F90", ".ads", ".adb", ".d", ".go", ".rs", ".java", ".py", ".sh", ".pl", ".pm", ".pod", ".m4"),
     *(".ac", ".am", ".texi", ".txt", ".rst", ".el", ".erl", ".hrl", ".ml", ".mli", ".scm", ".awk", ".y", ".yrl"),
     *(".l", ".tcl", ".exp", ".js", ".toml", ".cmake", ".m", ".mm", ".lisp", ".asm", ".yaml", ".pp", ".pas", ".lpr"),
-    *(".vim", ".texinfo", ".gperf"),
+    *(".vim", ".texinfo", ".gperf", ".C", ".ada", ".html", ".htm", ".php", ".rkt", ".scrbl", ".gi", ".gd", ".g"),
+    *(".sty", ".cls", ".dtx", ".tex", ".hs", ".tikz"),
 )
 _EXTRA_NAMES = ("ChangeLog", "README", "NEWS", "Makefile", "Kconfig", "TODO")
-_MAX_DOC = 1 << 20
+_MAX_DOC = 4 << 20
 # where each extra corpus's files are: ("tar" | "zip" | "dir", glob under the unpacked package)
 _EXTRA_SOURCES = {
     "gcc-12-source": ("tar", "usr/src/gcc-12/gcc-12*.tar.xz"),
@@ -155,6 +196,25 @@ _EXTRA_SOURCES = {
     "gnulib": ("dir", "usr/share/gnulib"),
     "vim-runtime": ("dir", "usr/share/vim/vim90"),
     "sbcl-source": ("dir", "usr/share/sbcl-source"),
+    "golang-github-aws-aws-sdk-go-dev": ("dir", "usr/share/gocode/src"),
+    "golang-github-azure-azure-sdk-for-go-dev": ("dir", "usr/share/gocode/src"),
+    "golang-google-api-dev": ("dir", "usr/share/gocode/src"),
+    "libboost1.81-dev": ("dir", "usr/include/boost"),
+    "mediawiki": ("dir", "usr/share/mediawiki"),
+    "wordpress": ("dir", "usr/share/wordpress"),
+    "racket-common": ("dir", "usr/share/racket"),
+    "gap-libs": ("dir", "usr/share/gap"),
+    "texlive-latex-extra": ("dir", "usr/share/texlive/texmf-dist/tex"),
+    "rust-doc": ("dir", "usr/share/doc/rust-doc/html"),
+    "openjdk-17-doc": ("dir", "usr/share/doc/openjdk-17-jre-headless"),
+    "ghc-doc": ("dir", "usr/share/doc/ghc-doc/html"),
+    "qtbase5-doc-html": ("dir", "usr/share/qt5/doc"),
+    "texlive-pictures": ("dir", "usr/share/texlive/texmf-dist/tex"),
+    "libcgal-dev": ("dir", "usr/include/CGAL"),
+    "erlang-doc": ("dir", "usr/share/doc/erlang-doc"),
+    "libstdc++-12-doc": ("dir", "usr/share/doc/gcc-12-base/libstdc++"),
+    "libboost1.74-doc": ("dir", "usr/share/doc/libboost1.74-doc"),
+    "llvm-15-doc": ("dir", "usr/share/doc/llvm-15-doc/html"),
     "perl-doc": ("dir", "usr/share/perl/5.36.0/pod"),
     "git-doc": ("dir", "usr/share/doc/git-doc"),
 }
@@ -215,7 +275,7 @@ def _extra_documents(name: str, root: Path) -> Iterator[tuple[str, str]]:
                 raw = gzip.open(p).read() if p.suffix == ".gz" else p.read_bytes()
                 text = _text(raw) if len(raw) <= _MAX_DOC else None
                 if text:
-                    yield str(p.relative_to(root)), text
+                    yield f"{name}/{p.relative_to(root)}", text  # unique across packages (boost 1.74 and 1.81)
 
 
 def _strip_top(path: str) -> str:
