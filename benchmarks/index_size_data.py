@@ -335,12 +335,39 @@ def build(data: Path, name: str, target: float | None, shard_tokens: int, worker
     return sel
 
 
+def overlap(index: Path, data: Path, n: int = 13, stride: int = 4) -> dict:
+    """Per held-out set and half: the share of each document's n-grams (every stride-th) found in
+    the index, and how many documents reach 80% (infini-gram's decontamination criterion). A set
+    from a source no index holds has almost none."""
+    import numpy as np
+    from teragram.index.engine import Index
+
+    idx = Index(index)
+    out = {}
+    for set_dir in sorted((data / "heldout").iterdir()):
+        for half in ("valid", "test"):
+            f = set_dir / f"{half}.jsonl.zst"
+            if not f.exists():
+                continue
+            shares = []
+            for r in _read_jsonl(f):
+                ids = np.asarray(idx.tokenize(r["text"]), dtype=np.int64)
+                starts = range(0, max(len(ids) - n + 1, 0), stride)
+                if starts:
+                    shares.append(sum(idx.count(ids[i : i + n]).count > 0 for i in starts) / len(starts))
+            a = np.asarray(shares)
+            out[f"{set_dir.name}/{half}"] = {"docs": len(a), "mean_share": float(a.mean()), "docs_ge_80pct": int((a >= 0.8).sum())}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for c in ("export", "heldout", "index"):
+    for c in ("export", "heldout", "index", "overlap"):
         p = sub.add_parser(c)
         p.add_argument("--data", required=True)
+        if c == "overlap":
+            p.add_argument("--index", required=True)
         if c == "index":
             p.add_argument("--name", required=True)
             g = p.add_mutually_exclusive_group(required=True)
@@ -355,6 +382,14 @@ def main(argv: list[str] | None = None) -> int:
         export_all(data)
     elif args.cmd == "heldout":
         print(json.dumps(heldout(data), indent=1))
+    elif args.cmd == "overlap":
+        res = overlap(Path(args.index), data)
+        print(json.dumps(res, indent=1))
+        for k, v in res.items():
+            _ready(
+                data,
+                f"13-gram overlap of heldout/{k} with {Path(args.index).name}: mean {v['mean_share']:.1%} of a document's 13-grams, {v['docs_ge_80pct']} of {v['docs']} docs >= 80%",
+            )
     else:
         build(data, args.name, None if args.all else args.tokens, args.shard_tokens, args.workers)
     return 0

@@ -49,3 +49,22 @@ def test_compose_refuses_parts_with_different_tokenizers(tmp_path, tokenizer_mod
     (b / "tokenizer.model").write_bytes((b / "tokenizer.model").read_bytes() + b"\0")
     with pytest.raises(SystemExit, match="different tokenizers"):
         index_size_data.compose(tmp_path / "c", [a, b])
+
+
+def test_overlap_finds_indexed_documents_and_not_new_ones(tmp_path, real_index):
+    import json
+
+    import zstandard
+
+    from tests.conftest import real_texts
+
+    indexed = real_texts()[3][1][:3000]
+    novel = " ".join(f"zq{i * 7919 % 1000}x" for i in range(600))
+    d = tmp_path / "heldout" / "s"
+    d.mkdir(parents=True)
+    for half, text in (("valid", indexed), ("test", novel)):
+        with zstandard.open(d / f"{half}.jsonl.zst", "wt") as f:
+            f.write(json.dumps({"text": text, "path": half, "corpus": "c"}) + "\n")
+    res = index_size_data.overlap(real_index, tmp_path)
+    assert res["s/valid"]["mean_share"] == 1.0 and res["s/valid"]["docs_ge_80pct"] == 1
+    assert res["s/test"]["mean_share"] < 0.05 and res["s/test"]["docs_ge_80pct"] == 0
