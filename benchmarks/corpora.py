@@ -10,6 +10,17 @@ are cut into chunks at entry boundaries so that a train/held-out split by path h
 something to split. `split_of(path)` puts a document in train or held-out by a hash of its
 path, never by position inside a document. Cached under $TERAGRAM_CACHE
 (default ~/.cache/teragram/corpora).
+
+The large corpus (EXTRA_CODE, EXTRA_ENGLISH: > 2B tokens with linux-source-6.1 and ENGLISH),
+its held-out sets (EVAL_ONLY corpora: never exported into train) and the nested indexes over it
+are made by benchmarks/index_size_data.py, one command per step (see its docstring):
+
+    python -m benchmarks.index_size_data export  --data DATA   # DATA/extra/NAME/bNN.jsonl.zst + copyright
+    python -m benchmarks.index_size_data heldout --data DATA   # DATA/heldout/{indist,timeshift,prose}
+    python -m benchmarks.index_size_data index   --data DATA --name idx-2b --all
+
+No Linux kernel newer than 6.1 is ever exported into a train split: linux-source-6.12 is read
+only as the evaluation-only corpus linux-source-6.12-new.
 """
 
 from __future__ import annotations
@@ -29,6 +40,82 @@ from pathlib import Path
 
 CODE = ("linux-source-6.1",)
 ENGLISH = ("linux-doc-6.1", "dict-gcide", "manpages", "manpages-dev", "jargon-text", "fortunes", "bible-kjv-text")
+# The large corpus of the scale and index-size benchmarks, beyond CODE and ENGLISH: one document
+# per source (or HTML) file. Licenses, as the packages' Debian copyright files state them (each
+# file is copied next to the package's export by export_buckets; mixed trees name the main ones):
+#   gcc-12-source, gcc-11-source     GPL-3+ with the GCC runtime library exception; docs GFDL-1.3
+#   openjdk-17-source, -doc          GPL-2 with the Classpath exception
+#   glibc-source                     LGPL-2.1+ (some files GPL-2+, BSD)
+#   binutils-source, gdb-source      GPL-3+ (some files LGPL, GPL-2+)
+#   golang-1.19-src                  BSD-3-clause
+#   rust-src, rust-doc               MIT or Apache-2.0
+#   libboost1.74-dev, 1.81-dev, doc  BSL-1.0
+#   erlang-src, erlang-doc           Apache-2.0
+#   emacs-el                         GPL-3+
+#   emscripten                       Expat (MIT), Zlib, BSD-3-clause; bundled libc++ Apache-2.0 with LLVM exception
+#   fpc-source-3.2.2                 GPL-2+; runtime library LGPL-2.1+ with a static-linking exception
+#   lazarus-src-2.2                  GPL-2+; LCL LGPL-2+ with a static-linking exception
+#   gnulib                           LGPL-2+, GPL-3+ or LGPL-3+/GPL-2+ per module
+#   vim-runtime                      the Vim license; some files Expat, public domain
+#   sbcl-source                      public domain and BSD-3-clause
+#   golang-github-aws-aws-sdk-go-dev Apache-2.0
+#   golang-github-azure-...-go-dev   Apache-2.0
+#   golang-google-api-dev            BSD-3-clause
+#   mediawiki                        GPL-2+; bundled libraries Expat, BSD-3-clause, Apache-2.0
+#   wordpress                        GPL-2+; bundled libraries LGPL-2+, BSD-3-clause, Expat
+#   racket-common                    MIT or Apache-2.0 (some LGPL-2.1+)
+#   gap-libs                         GPL-2+
+#   texlive-latex-extra, -pictures   LPPL-1.3c mostly, per package (some GPL, public domain)
+#   libcgal-dev                      GPL-3+ / LGPL-3+
+#   perl-doc                         GPL-1+ or Artistic
+#   git-doc                          GPL-2
+#   ghc-doc                          BSD-3-clause
+#   qtbase5-doc-html                 GFDL-1.3 (documentation); code LGPL-3 or GPL-2
+#   libstdc++-12-doc                 GPL-3+ with the runtime library exception; docs GFDL-1.3
+#   llvm-15-doc                      Apache-2.0 with the LLVM exception
+EXTRA_CODE = (
+    "gcc-12-source",
+    "gcc-11-source",
+    "openjdk-17-source",
+    "glibc-source",
+    "binutils-source",
+    "gdb-source",
+    "golang-1.19-src",
+    "rust-src",
+    "libboost1.74-dev",
+    "erlang-src",
+    "emacs-el",
+    "emscripten",
+    "fpc-source-3.2.2",
+    "lazarus-src-2.2",
+    "gnulib",
+    "vim-runtime",
+    "sbcl-source",
+    "golang-github-aws-aws-sdk-go-dev",
+    "golang-github-azure-azure-sdk-for-go-dev",
+    "golang-google-api-dev",
+    "libboost1.81-dev",
+    "mediawiki",
+    "wordpress",
+    "racket-common",
+    "gap-libs",
+    "texlive-latex-extra",
+    "texlive-pictures",
+    "libcgal-dev",
+)
+# English API documentation, as the HTML files the packages ship
+EXTRA_ENGLISH = (
+    *("perl-doc", "git-doc", "rust-doc", "openjdk-17-doc", "ghc-doc", "qtbase5-doc-html"),
+    *("erlang-doc", "libstdc++-12-doc", "libboost1.74-doc", "llvm-15-doc"),
+)
+# Evaluation-only corpora: never exported into a train split, never indexed.
+#   linux-source-6.12-new  C, header and rst files of linux-source-6.12 (GPL-2) whose path does
+#                          not exist in linux-source-6.1, nor its parent/name (moved files):
+#                          files new in the later release
+#   python3.11-doc         the reStructuredText sources of Python's documentation (PSF-2.0)
+EVAL_ONLY = ("linux-source-6.12-new", "python3.11-doc")
+# Debian package of a corpus whose name is not a package name
+_PACKAGE = {"linux-source-6.12-new": "linux-source-6.12"}
 # extra packages a corpus needs unpacked beside it
 _NEEDS = {"bible-kjv-text": ("bible-kjv",)}
 _CHUNK = 32 << 10  # target size of chunks cut from single-file corpora
@@ -41,6 +128,7 @@ def cache_dir() -> Path:
 
 def fetch(name: str) -> Path:
     """Download and unpack a package (and what it needs); returns its unpacked root."""
+    name = _PACKAGE.get(name, name)
     root = cache_dir() / "root" / name
     if (root / ".done").exists():
         return root
@@ -77,10 +165,165 @@ def _read(path: Path) -> str | None:
         return None
 
 
+# Files of the extra corpora kept as documents (one per file), by extension or by name; files
+# over _MAX_DOC (4 MiB) are generated data (tables, test vectors, intrinsics listings) and skipped.
+_EXTRA_EXT = (
+    *(".c", ".cc", ".cpp", ".cxx", ".h", ".hh", ".hpp", ".hxx", ".ipp", ".tcc", ".inc", ".def", ".md", ".S", ".s"),
+    *(".f", ".f90", ".F90", ".ads", ".adb", ".d", ".go", ".rs", ".java", ".py", ".sh", ".pl", ".pm", ".pod", ".m4"),
+    *(".ac", ".am", ".texi", ".txt", ".rst", ".el", ".erl", ".hrl", ".ml", ".mli", ".scm", ".awk", ".y", ".yrl"),
+    *(".l", ".tcl", ".exp", ".js", ".toml", ".cmake", ".m", ".mm", ".lisp", ".asm", ".yaml", ".pp", ".pas", ".lpr"),
+    *(".vim", ".texinfo", ".gperf", ".C", ".ada", ".html", ".htm", ".php", ".rkt", ".scrbl", ".gi", ".gd", ".g"),
+    *(".sty", ".cls", ".dtx", ".tex", ".hs", ".tikz"),
+)
+_EXTRA_NAMES = ("ChangeLog", "README", "NEWS", "Makefile", "Kconfig", "TODO")
+_MAX_DOC = 4 << 20
+# where each extra corpus's files are: ("tar" | "zip" | "dir", glob under the unpacked package)
+_EXTRA_SOURCES = {
+    "gcc-12-source": ("tar", "usr/src/gcc-12/gcc-12*.tar.xz"),
+    "gcc-11-source": ("tar", "usr/src/gcc-11/gcc-11*.tar.xz"),
+    "openjdk-17-source": ("zip", "usr/lib/jvm/openjdk-17/lib/src.zip"),
+    "glibc-source": ("tar", "usr/src/glibc/glibc-*.tar.xz"),
+    "binutils-source": ("tar", "usr/src/binutils/binutils-*.tar.xz"),
+    "gdb-source": ("tar", "usr/src/gdb.tar.xz"),
+    "golang-1.19-src": ("dir", "usr/share/go-1.19"),
+    "rust-src": ("dir", "usr/src/rustc-1.63.0"),
+    "libboost1.74-dev": ("dir", "usr/include/boost"),
+    "erlang-src": ("dir", "usr/lib/erlang/lib"),
+    "emacs-el": ("dir", "usr/share/emacs/28.2/lisp"),
+    "emscripten": ("dir", "usr/share/emscripten"),
+    "fpc-source-3.2.2": ("dir", "usr/share/fpcsrc/3.2.2"),
+    "lazarus-src-2.2": ("dir", "usr/lib/lazarus/2.2.6"),
+    "gnulib": ("dir", "usr/share/gnulib"),
+    "vim-runtime": ("dir", "usr/share/vim/vim90"),
+    "sbcl-source": ("dir", "usr/share/sbcl-source"),
+    "golang-github-aws-aws-sdk-go-dev": ("dir", "usr/share/gocode/src"),
+    "golang-github-azure-azure-sdk-for-go-dev": ("dir", "usr/share/gocode/src"),
+    "golang-google-api-dev": ("dir", "usr/share/gocode/src"),
+    "libboost1.81-dev": ("dir", "usr/include/boost"),
+    "mediawiki": ("dir", "usr/share/mediawiki"),
+    "wordpress": ("dir", "usr/share/wordpress"),
+    "racket-common": ("dir", "usr/share/racket"),
+    "gap-libs": ("dir", "usr/share/gap"),
+    "texlive-latex-extra": ("dir", "usr/share/texlive/texmf-dist/tex"),
+    "rust-doc": ("dir", "usr/share/doc/rust-doc/html"),
+    "openjdk-17-doc": ("dir", "usr/share/doc/openjdk-17-jre-headless"),
+    "ghc-doc": ("dir", "usr/share/doc/ghc-doc/html"),
+    "qtbase5-doc-html": ("dir", "usr/share/qt5/doc"),
+    "texlive-pictures": ("dir", "usr/share/texlive/texmf-dist/tex"),
+    "libcgal-dev": ("dir", "usr/include/CGAL"),
+    "erlang-doc": ("dir", "usr/share/doc/erlang-doc"),
+    "libstdc++-12-doc": ("dir", "usr/share/doc/gcc-12-base/libstdc++"),
+    "libboost1.74-doc": ("dir", "usr/share/doc/libboost1.74-doc"),
+    "llvm-15-doc": ("dir", "usr/share/doc/llvm-15-doc/html"),
+    "perl-doc": ("dir", "usr/share/perl/5.36.0/pod"),
+    "git-doc": ("dir", "usr/share/doc/git-doc"),
+}
+# directories of a dir corpus left out: emscripten's cache holds copies of its own system/ headers
+_SKIP_DIRS = {"emscripten": ("cache",)}
+_TIMESHIFT_EXT = (".c", ".h", ".rst")
+
+
+def _is_source(path: str) -> bool:
+    base = path.rsplit("/", 1)[-1].removesuffix(".gz")
+    return base.endswith(_EXTRA_EXT) or base.startswith(_EXTRA_NAMES)
+
+
+def _text(raw: bytes) -> str | None:
+    if b"\0" in raw[:8192]:
+        return None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return text if text.strip() else None
+
+
+def _tar_files(tarball: Path, keep) -> Iterator[tuple[str, str]]:
+    """(member name, text) of the regular files of a tarball that keep(name) accepts, streamed."""
+    with tarfile.open(tarball, "r|*") as tar:
+        for m in tar:
+            if m.isfile() and m.size <= _MAX_DOC and keep(m.name):
+                f = tar.extractfile(m)
+                text = _text(f.read()) if f else None
+                if text:
+                    yield m.name, text
+
+
+def _extra_documents(name: str, root: Path) -> Iterator[tuple[str, str]]:
+    kind, pattern = _EXTRA_SOURCES[name]
+    found = sorted(root.glob(pattern))
+    if not found:
+        raise FileNotFoundError(f"{name}: nothing matches {pattern} under {root}")
+    src = found[0]
+    if kind == "tar":
+        yield from _tar_files(src, _is_source)
+    elif kind == "zip":
+        import zipfile
+
+        with zipfile.ZipFile(src) as z:
+            for info in z.infolist():
+                if not info.is_dir() and info.file_size <= _MAX_DOC and _is_source(info.filename):
+                    text = _text(z.read(info))
+                    if text:
+                        yield f"openjdk-17/{info.filename}", text
+    else:
+        skip = _SKIP_DIRS.get(name, ())
+        for p in sorted(src.rglob("*")):
+            if skip and any(part in skip for part in p.relative_to(src).parts):
+                continue
+            if p.is_file() and not p.is_symlink() and _is_source(p.name) and p.stat().st_size <= _MAX_DOC:
+                raw = gzip.open(p).read() if p.suffix == ".gz" else p.read_bytes()
+                text = _text(raw) if len(raw) <= _MAX_DOC else None
+                if text:
+                    yield f"{name}/{p.relative_to(root)}", text  # unique across packages (boost 1.74 and 1.81)
+
+
+def _strip_top(path: str) -> str:
+    return path.split("/", 1)[1] if "/" in path else path
+
+
+def _tail(path: str) -> str:
+    return "/".join(path.split("/")[-2:])
+
+
+def tar_paths(name: str) -> set[str]:
+    """Paths of every member of a kernel tarball, its top directory stripped (cached)."""
+    cached = cache_dir() / "paths" / f"{name}.txt"
+    if not cached.exists():
+        root = fetch(name)
+        (tarball,) = root.glob("usr/src/linux-source-*.tar.xz")
+        with tarfile.open(tarball, "r|xz") as tar:
+            paths = sorted(_strip_top(m.name) for m in tar)
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(".tmp")
+        tmp.write_text("\n".join(paths) + "\n")
+        os.replace(tmp, cached)
+    return set(cached.read_text().splitlines())
+
+
 def documents(name: str) -> Iterator[tuple[str, str]]:
     """(path, text) of each document of a corpus, in a fixed order."""
     root = fetch(name)
-    if name == "linux-source-6.1":
+    if name in _EXTRA_SOURCES:
+        yield from _extra_documents(name, root)
+    elif name == "linux-source-6.12-new":
+        # new: neither the path nor its last two components (a file moved to another directory,
+        # e.g. Documentation/arm/x.rst -> Documentation/arch/arm/x.rst) exist in 6.1
+        old = tar_paths("linux-source-6.1")
+        old_tails = {_tail(p) for p in old}
+        (tarball,) = root.glob("usr/src/linux-source-6.12.tar.xz")
+
+        def new(path: str) -> bool:
+            return path.endswith(_TIMESHIFT_EXT) and _strip_top(path) not in old and _tail(path) not in old_tails
+
+        yield from _tar_files(tarball, new)
+    elif name == "python3.11-doc":
+        base = root / "usr/share/doc/python3.11/html/_sources"
+        for p in sorted(base.rglob("*.rst.txt")):
+            text = _read(p) if p.is_file() else None
+            if text and text.strip():
+                yield str(p.relative_to(root)), text
+    elif name == "linux-source-6.1":
         with tarfile.open(root / "usr/src/linux-source-6.1.tar.xz", "r|xz") as tar:
             for m in tar:
                 if m.isfile() and m.name.endswith(_SOURCE_EXT):
@@ -125,7 +368,7 @@ def documents(name: str) -> Iterator[tuple[str, str]]:
             ).stdout
             yield f"bible-kjv/{book}", out
     else:
-        raise SystemExit(f"unknown corpus {name!r}; known: {', '.join(CODE + ENGLISH)}")
+        raise SystemExit(f"unknown corpus {name!r}; known: {', '.join(CODE + ENGLISH + EXTRA_CODE + EXTRA_ENGLISH + EVAL_ONLY)}")
 
 
 _BOOKS = (
@@ -141,6 +384,90 @@ def split_of(path: str, heldout_percent: int = 5, salt: str = "teragram-split-v1
     return "heldout" if h % 100 < heldout_percent else "train"
 
 
+def corpus_split(name: str, path: str, heldout_percent: int = 5) -> str:
+    """split_of, except that every document of an evaluation-only corpus is held-out."""
+    return "heldout" if name in EVAL_ONLY else split_of(path, heldout_percent)
+
+
+class EvalOnlyError(ValueError):
+    """An evaluation-only corpus was asked for in a split that may be trained on or indexed."""
+
+
+def _refuse_eval_only(names, split: str | None) -> None:
+    bad = [n for n in names if n in EVAL_ONLY]
+    if bad and split != "heldout":
+        raise EvalOnlyError(f"{', '.join(bad)} is evaluation-only: export it with split='heldout', never into train")
+
+
+def copyright_file(name: str) -> Path:
+    """The Debian copyright file of a corpus's package (or of the package it shares its docs with)."""
+    doc = fetch(name) / "usr/share/doc"
+    own = doc / _PACKAGE.get(name, name)
+    for _ in range(4):  # e.g. manpages-dev -> manpages: another package's docs (followed package by package)
+        if not own.is_symlink() or (own / "copyright").is_file():
+            break
+        other = os.readlink(own)
+        own = fetch(other) / "usr/share/doc" / other
+    found = [own / "copyright"] if (own / "copyright").is_file() else sorted(doc.glob("*/copyright"))
+    if not found:
+        raise FileNotFoundError(f"{name}: no copyright file under {doc}")
+    return found[0]
+
+
+def sample_bucket(path: str, buckets: int = 100, salt: str = "teragram-sample-v1") -> int:
+    """Bucket 0..buckets-1 of a document by a hash of its path, independent of split_of: the
+    documents of buckets < k are a uniform sample that grows (and nests) with k."""
+    h = int.from_bytes(hashlib.blake2b(f"{salt}:{path}".encode(), digest_size=8).digest(), "big")
+    return h % buckets
+
+
+def export_buckets(
+    name: str,
+    outdir: Path,
+    *,
+    exclude: frozenset[str] = frozenset(),
+    buckets: int = 100,
+    heldout_percent: int = 5,
+    level: int = 3,
+) -> dict:
+    """One pass over a corpus: its train-split documents, less the paths in `exclude`, written to
+    outdir/name/bNN.jsonl.zst by sample_bucket(path), with the package's copyright file beside
+    them and manifest.json (docs and bytes per bucket) written last, so that a finished export
+    is one with a manifest."""
+    import zstandard
+
+    _refuse_eval_only([name], "train")
+    d = outdir / name
+    done = d / "manifest.json"
+    if done.exists():
+        return json.loads(done.read_text())
+    d.mkdir(parents=True, exist_ok=True)
+    # one compressor per writer: stream writers sharing a compressor corrupt each other's frames
+    writers = [zstandard.ZstdCompressor(level=level).stream_writer(open(d / f"b{k:02d}.jsonl.zst.tmp", "wb")) for k in range(buckets)]
+    docs, nbytes = [0] * buckets, [0] * buckets
+    skipped = {"heldout": 0, "excluded": 0}
+    for path, text in documents(name):
+        if split_of(path, heldout_percent) != "train":
+            skipped["heldout"] += 1
+            continue
+        if path in exclude:
+            skipped["excluded"] += 1
+            continue
+        k = sample_bucket(path, buckets)
+        writers[k].write((json.dumps({"text": text, "path": path, "corpus": name}) + "\n").encode())
+        docs[k] += 1
+        nbytes[k] += len(text.encode())
+    for k, w in enumerate(writers):
+        w.close()  # closes the file too
+        os.replace(d / f"b{k:02d}.jsonl.zst.tmp", d / f"b{k:02d}.jsonl.zst")
+    shutil.copy(copyright_file(name), d / "copyright")
+    manifest = {"corpus": name, "buckets": buckets, "docs": docs, "bytes": nbytes, "skipped": skipped}
+    tmp = d / "manifest.json.tmp"
+    tmp.write_text(json.dumps(manifest))
+    os.replace(tmp, done)
+    return manifest
+
+
 def export(
     names: list[str],
     out: Path,
@@ -152,9 +479,11 @@ def export(
     level: int = 19,
 ) -> dict:
     """Write documents as JSON lines {"text", "path", "corpus"} (zstd-compressed if out ends in
-    .zst): at most max_bytes in all, and per_corpus[name] bytes of a corpus named there."""
+    .zst): at most max_bytes in all, and per_corpus[name] bytes of a corpus named there.
+    Evaluation-only corpora are all held-out: exported with split="heldout" only."""
     import zstandard
 
+    _refuse_eval_only(names, split)
     out.parent.mkdir(parents=True, exist_ok=True)
     n_docs = n_bytes = 0
     raw = open(out, "wb")
@@ -164,7 +493,7 @@ def export(
             cap = (per_corpus or {}).get(name)
             mine = 0
             for path, text in documents(name):
-                if split is not None and split_of(path, heldout_percent) != split:
+                if split is not None and corpus_split(name, path, heldout_percent) != split:
                     continue
                 w.write(json.dumps({"text": text, "path": path, "corpus": name}) + "\n")
                 size = len(text.encode())

@@ -1,0 +1,400 @@
+"""Data of the index-size benchmark (issue 14) and the scale benchmark (issue 13): a corpus of
+> 2B tokens from Debian packages, held-out sets kept out of every index, and nested indexes.
+
+Everything goes under DATA (large; outside the repository). One command per step, in order:
+
+    python -m benchmarks.perplexity_data --out DATA/ppl --scale gpu      # the 125M model's text
+    build-index DATA/ppl/train-code.jsonl.zst DATA/ppl/train-english.jsonl.zst \\
+        --out DATA/idx-050m --vocab-size 32000 --workers 2 --shard-tokens 134217728
+    python -m benchmarks.index_size_data export  --data DATA           # DATA/extra/CORPUS/bNN.jsonl.zst
+    python -m benchmarks.index_size_data heldout --data DATA           # DATA/heldout/{indist,timeshift,prose}
+    python -m benchmarks.index_size_data index   --data DATA --name idx-200m --tokens 200e6
+    python -m benchmarks.index_size_data index   --data DATA --name idx-1b --tokens 1e9
+    python -m benchmarks.index_size_data index   --data DATA --name idx-2b --all
+
+The extra corpus is every train-split document (corpora.split_of) of linux-source-6.1 and the
+English packages that the 125M model's training text does not already hold, plus the
+corpora.EXTRA_CODE and EXTRA_ENGLISH packages, one document per source file, exported once into
+100 buckets by a hash of the path (corpora.sample_bucket). An index of the extra corpus's buckets
+< k plus the model's training text holds every document of each smaller k: the indexes nest, and
+each is a uniform sample of documents of the next, never a prefix of a sorted list. All of them
+use idx-050m's tokenizer. Held-out documents never enter an index: the indist set is the
+perplexity benchmark's held-out documents (split_of == heldout, which the exports skip), the
+time-shifted and prose sets come from evaluation-only corpora (corpora.EVAL_ONLY) that no export
+accepts. Each step appends what it made to DATA/READY.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from benchmarks import corpora
+
+EXTRA = (*corpora.CODE, *corpora.ENGLISH, *corpora.EXTRA_CODE, *corpora.EXTRA_ENGLISH)
+TRAIN = ("train-code.jsonl.zst", "train-english.jsonl.zst")
+HELDOUT_HALF_BYTES = 2_500_000  # target size of each valid/test half of the timeshift and prose sets
+HELDOUT_MAX_DOC = 200_000  # one document must not dominate a held-out half
+
+
+def _ready(data: Path, line: str) -> None:
+    with open(data / "READY.md", "a") as f:
+        f.write(f"- {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} {line}\n")
+    print(line, flush=True)
+
+
+def _read_jsonl(path: Path):
+    import zstandard
+
+    with zstandard.open(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            yield json.loads(line)
+
+
+def _write_jsonl(path: Path, records: list[dict]) -> dict:
+    import zstandard
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with zstandard.open(tmp, "wt", encoding="utf-8", cctx=zstandard.ZstdCompressor(level=19)) as f:
+        for r in records:
+            f.write(json.dumps({"text": r["text"], "path": r["path"], "corpus": r["corpus"]}) + "\n")
+    tmp.replace(path)
+    return {"docs": len(records), "bytes": sum(len(r["text"].encode()) for r in records), "file_bytes": path.stat().st_size}
+
+
+# ---- export ----------------------------------------------------------------------------------
+
+
+def export_all(data: Path) -> dict:
+    """Every extra corpus into DATA/extra/NAME/bNN.jsonl.zst, less the model's training text."""
+    have = {rec["path"] for name in TRAIN for rec in _read_jsonl(data / "ppl" / name)}
+    out = {}
+    for name in EXTRA:
+        t0 = time.time()
+        m = corpora.export_buckets(name, data / "extra", exclude=frozenset(have))
+        _ready(
+            data,
+            f"extra/{name}: {sum(m['docs']):,} docs, {sum(m['bytes']) / 1e6:,.1f} MB of text, skipped {m['skipped']} ({time.time() - t0:.0f} s)",
+        )
+        out[name] = m
+    return out
+
+
+# ---- held-out sets ---------------------------------------------------------------------------
+
+
+def _hash(salt: str, path: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{salt}:{path}".encode(), digest_size=8).digest(), "big")
+
+
+def _halves(records: list[dict]) -> dict[str, list[dict]]:
+    """valid/test by the perplexity benchmark's rule (a second hash of the path)."""
+    from benchmarks.perplexity import _valid
+
+    out: dict[str, list[dict]] = {"valid": [], "test": []}
+    for r in records:
+        out["valid" if _valid(r["path"]) else "test"].append(r)
+    return out
+
+
+def _sample(records: list[dict], budget: int) -> list[dict]:
+    """Documents in the order of a hash of their path until `budget` bytes, then back in input order."""
+    keep, used = [], 0
+    for r in sorted(records, key=lambda r: _hash("teragram-heldout-order", r["path"])):
+        if used >= budget:
+            break
+        keep.append(r)
+        used += len(r["text"].encode())
+    order = {r["path"]: i for i, r in enumerate(records)}
+    return sorted(keep, key=lambda r: order[r["path"]])
+
+
+def heldout(data: Path) -> dict:
+    info = {}
+    ppl = [r for name in ("heldout-code.jsonl.zst", "heldout-english.jsonl.zst") for r in _read_jsonl(data / "ppl" / name)]
+    if any(corpora.split_of(r["path"]) != "heldout" for r in ppl):
+        raise SystemExit("ppl held-out files hold a train-split document")
+    sets = {"indist": _halves(ppl)}
+    for set_name, corpus in (("timeshift", "linux-source-6.12-new"), ("prose", "python3.11-doc")):
+        docs = [
+            {"text": t, "path": p, "corpus": corpus}
+            for p, t in corpora.documents(corpus)
+            if len(t.encode()) <= HELDOUT_MAX_DOC and corpora.corpus_split(corpus, p) == "heldout"
+        ]
+        sets[set_name] = {k: _sample(v, HELDOUT_HALF_BYTES) for k, v in _halves(docs).items()}
+        info[f"{set_name}_available"] = {"docs": len(docs), "bytes": sum(len(r["text"].encode()) for r in docs)}
+    for set_name, halves in sets.items():
+        for half, recs in halves.items():
+            st = _write_jsonl(data / "heldout" / set_name / f"{half}.jsonl.zst", recs)
+            info[f"{set_name}/{half}"] = st
+            _ready(data, f"heldout/{set_name}/{half}.jsonl.zst: {st['docs']:,} docs, {st['bytes'] / 1e6:.2f} MB of text")
+    for pkg in ("linux-source-6.12", "python3.11-doc"):
+        src = corpora.fetch(pkg) / "usr/share/doc" / pkg / "copyright"
+        (data / "heldout" / f"{pkg}.copyright").write_bytes(src.read_bytes())
+    (data / "heldout" / "heldout.json").write_text(json.dumps(info, indent=1))
+    return info
+
+
+# ---- nested indexes --------------------------------------------------------------------------
+
+
+def tokens_per_byte(data: Path, tokenizer: Path, sample_bytes: int = 2_000_000) -> dict[str, float]:
+    """Tokens per byte of text of each extra corpus, measured on the first documents of bucket 0."""
+    from teragram.builder import tokenizer as tok
+
+    cached = data / "extra" / "tokens_per_byte.json"
+    if cached.exists():
+        return json.loads(cached.read_text())
+    sp = tok.load(tokenizer)
+    out = {}
+    for name in EXTRA:
+        n_tok = n_bytes = 0
+        for r in _read_jsonl(data / "extra" / name / "b00.jsonl.zst"):
+            n_tok += len(sp.encode(r["text"]))
+            n_bytes += len(r["text"].encode())
+            if n_bytes >= sample_bytes:
+                break
+        out[name] = n_tok / max(n_bytes, 1)
+    cached.write_text(json.dumps(out, indent=1))
+    return out
+
+
+def plan(data: Path, base_tokens: int, tpb: dict[str, float], target: float | None) -> tuple[int, float]:
+    """The fewest buckets whose estimated tokens, with the base, reach target (all 100 if None)."""
+    manifests = {n: json.loads((data / "extra" / n / "manifest.json").read_text()) for n in EXTRA}
+    nb = manifests[EXTRA[0]]["buckets"]
+    est = base_tokens
+    for k in range(nb):
+        est += sum(tpb[n] * m["bytes"][k] for n, m in manifests.items())
+        if target is not None and est >= target:
+            return k + 1, est
+    return nb, est
+
+
+class _PeakRss:
+    """Peak of the summed RSS of a process and all its descendants, sampled every second."""
+
+    def __init__(self, pid: int):
+        import psutil
+
+        self.proc, self.peak, self._stop = psutil.Process(pid), 0, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        import psutil
+
+        while not self._stop.wait(1.0):
+            try:
+                procs = [self.proc, *self.proc.children(recursive=True)]
+                total = 0
+                for p in procs:
+                    try:
+                        total += p.memory_info().rss
+                    except psutil.Error:
+                        pass
+                self.peak = max(self.peak, total)
+            except psutil.Error:
+                return
+
+    def stop(self) -> int:
+        self._stop.set()
+        self.thread.join()
+        return self.peak
+
+
+def _run_build(data: Path, files: list[Path], out: Path, shard_tokens: int, workers: int) -> dict:
+    """build-index over files into out, with the peak RSS of its whole process tree."""
+    tokenizer = data / "idx-050m" / "tokenizer.model"
+    cmd = [str(Path(sys.executable).with_name("build-index")), *map(str, files), "--out", str(out), "--tokenizer", str(tokenizer)]
+    cmd += ["--workers", str(workers), "--shard-tokens", str(shard_tokens), "--quiet"]
+    t0 = time.time()
+    with open(data / "logs" / f"{out.name}.log", "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        rss = _PeakRss(proc.pid)
+        rc = proc.wait()
+        peak = rss.stop()
+    if rc != 0:
+        raise SystemExit(f"build-index failed ({rc}): see {data / 'logs' / f'{out.name}.log'}")
+    report = json.loads((out / "build-report.json").read_text())
+    return {"command": cmd, "wall_s": time.time() - t0, "peak_rss_tree_mb": peak / 2**20, "build_report": report}
+
+
+def _parts(data: Path) -> list[tuple[int, int, Path]]:
+    """Finished parts (lo, hi, dir): indexes of the extra corpus's buckets lo..hi-1, by lo."""
+    out = []
+    for d in sorted((data / "parts").glob("b*-b*")):
+        if (d / "part.json").exists():
+            lo, hi = (int(x[1:]) for x in d.name.split("-"))
+            out.append((lo, hi, d))
+    return sorted(out)
+
+
+def build_part(data: Path, lo: int, hi: int, shard_tokens: int, workers: int) -> Path:
+    out = data / "parts" / f"b{lo:02d}-b{hi:02d}"
+    files = [data / "extra" / n / f"b{b:02d}.jsonl.zst" for n in EXTRA for b in range(lo, hi)]
+    run = _run_build(data, files, out, shard_tokens, workers)
+    counts = json.loads((out / "manifest.json").read_text())["counts"]
+    (out / "part.json").write_text(json.dumps({"buckets": [lo, hi], "corpora": list(EXTRA), "counts": counts} | run, indent=1))
+    _ready(
+        data,
+        f"parts/{out.name} (extra-corpus buckets {lo}..{hi - 1}): {counts['tokens']:,} tokens, {counts['docs']:,} docs, "
+        f"{counts['shards']} shards; build {run['wall_s'] / 60:.1f} min, peak RSS {run['peak_rss_tree_mb'] / 1024:.1f} GiB (process tree)",
+    )
+    return out
+
+
+def compose(out: Path, parts: list[Path]) -> dict:
+    """An index whose shards are the shards of `parts` (same tokenizer), linked, not copied: the
+    exact answers of one index over all their documents, as a multi-shard build gives."""
+    from teragram.index import format as fmt
+    from teragram.index import meta as meta_store
+
+    manifests = [json.loads((p / "manifest.json").read_text()) for p in parts]
+    digests = {hashlib.blake2b((p / "tokenizer.model").read_bytes()).hexdigest() for p in parts}
+    if len(digests) != 1 or len({m["token_dtype"] for m in manifests}) != 1:
+        raise SystemExit(f"cannot compose {out.name}: its parts have different tokenizers or token types")
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    (out / "shards").mkdir(parents=True)
+    (out / "tokenizer.model").write_bytes((parts[0] / "tokenizer.model").read_bytes())
+    shards, markers, first_doc = [], [], 0
+    skipped: dict[str, int] = {}
+    for p, m in zip(parts, manifests, strict=True):
+        for s in m["shards"]:
+            k = len(shards)
+            (out / "shards" / f"{k:06d}").symlink_to(fmt.shard_dir(p.resolve(), s["shard"], s.get("dir")))
+            files = [f | {"path": f"shards/{k:06d}/{Path(f['path']).name}"} for f in s["files"]]
+            shards.append(s | {"shard": k, "dir": None, "files": files, "first_doc": first_doc})
+            markers.append({"shard": k, "dir": None})
+            first_doc += s["n_docs"]
+        for reason, n in m["skipped"]["counts"].items():
+            skipped[reason] = skipped.get(reason, 0) + n
+    manifest = manifests[0] | {
+        "counts": {
+            "shards": len(shards),
+            "docs": first_doc,
+            "tokens": sum(s["n_tokens"] for s in shards),
+            "positions": sum(s["n_positions"] for s in shards),
+        },
+        "shards": shards,
+        "build": {"composed_of": [str(p.resolve()) for p in parts], "parts": [m["build"] for m in manifests]},
+        "skipped": {"counts": skipped, "examples": {}},
+    }
+    meta_store.write(out, markers, manifest)
+    fmt.write_json(out / "manifest.json", manifest)
+    return manifest
+
+
+def build(data: Path, name: str, target: float | None, shard_tokens: int, workers: int) -> dict:
+    """idx-050m plus the extra corpus's buckets < k (k from the token target): the part of the
+    buckets not yet indexed is built, then the index is composed of idx-050m and the parts."""
+    tokenizer = data / "idx-050m" / "tokenizer.model"
+    base = json.loads((data / "idx-050m" / "manifest.json").read_text())["counts"]["tokens"]
+    tpb = tokens_per_byte(data, tokenizer)
+    k, est = plan(data, base, tpb, target)
+    parts = _parts(data)
+    have = parts[-1][1] if parts else 0
+    if any(a != b for (_, a, _), (b, _, _) in zip(parts, parts[1:], strict=False)) or (parts and parts[0][0] != 0):
+        raise SystemExit(f"{data / 'parts'}: the parts do not cover buckets 0.. without gaps")
+    bounds = {0} | {hi for _, hi, _ in parts}
+    if k < have and k not in bounds:
+        k = min(b for b in bounds if b >= k)  # nest on the parts already built
+    print(f"{name}: buckets < {k} of each extra corpus, ~{est / 1e6:,.0f}M tokens estimated", flush=True)
+    if k > have:
+        build_part(data, have, k, shard_tokens, workers)
+        parts = _parts(data)
+    use = [d for _, hi, d in parts if hi <= k]
+    manifest = compose(data / name, [data / "idx-050m", *use])
+    runs = [json.loads((d / "part.json").read_text()) for d in use]
+    base_report = json.loads((data / "idx-050m" / "build-report.json").read_text())
+    wall = base_report["timings"]["total_s"] + sum(r["wall_s"] for r in runs)
+    peak = max([base_report["peak_rss_mb"]] + [r["peak_rss_tree_mb"] for r in runs])
+    counts = manifest["counts"]
+    disk = sum(f["size"] for s in manifest["shards"] for f in s["files"])
+    sel = {"buckets": k, "of_buckets": 100, "corpora": list(EXTRA), "estimated_tokens": est, "counts": counts}
+    sel |= {"parts": ["idx-050m"] + [d.name for d in use], "build_wall_s_sum_of_parts": wall, "peak_rss_mb_max_of_parts": peak}
+    sel |= {"shard_bytes": disk}
+    (data / name / "selection.json").write_text(json.dumps(sel, indent=1))
+    _ready(
+        data,
+        f"{name}: {counts['tokens']:,} tokens, {counts['docs']:,} docs, {counts['shards']} shards, {disk / 1e9:.2f} GB; "
+        f"idx-050m + extra-corpus buckets < {k}/100 (parts {', '.join(sel['parts'])}); "
+        f"build {wall / 60:.1f} min in all, peak RSS {peak / 1024:.1f} GiB",
+    )
+    return sel
+
+
+def overlap(index: Path, data: Path, n: int = 13, stride: int = 4) -> dict:
+    """Per held-out set and half: the share of each document's n-grams (every stride-th) found in
+    the index, and how many documents reach 80% (infini-gram's decontamination criterion). A set
+    from a source no index holds has almost none."""
+    import numpy as np
+    from teragram.index.engine import Index
+
+    idx = Index(index)
+    out = {}
+    for set_dir in sorted((data / "heldout").iterdir()):
+        for half in ("valid", "test"):
+            f = set_dir / f"{half}.jsonl.zst"
+            if not f.exists():
+                continue
+            shares = []
+            for r in _read_jsonl(f):
+                ids = np.asarray(idx.tokenize(r["text"]), dtype=np.int64)
+                starts = range(0, max(len(ids) - n + 1, 0), stride)
+                if starts:
+                    shares.append(sum(idx.count(ids[i : i + n]).count > 0 for i in starts) / len(starts))
+            a = np.asarray(shares)
+            out[f"{set_dir.name}/{half}"] = {"docs": len(a), "mean_share": float(a.mean()), "docs_ge_80pct": int((a >= 0.8).sum())}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for c in ("export", "heldout", "index", "overlap"):
+        p = sub.add_parser(c)
+        p.add_argument("--data", required=True)
+        if c == "overlap":
+            p.add_argument("--index", required=True)
+        if c == "index":
+            p.add_argument("--name", required=True)
+            g = p.add_mutually_exclusive_group(required=True)
+            g.add_argument("--tokens", type=float, help="target token count (estimated from tokens per byte)")
+            g.add_argument("--all", action="store_true", help="every bucket of the extra corpus")
+            p.add_argument("--shard-tokens", type=int, default=1 << 28)
+            p.add_argument("--workers", type=int, default=2)
+    args = ap.parse_args(argv)
+    data = Path(args.data)
+    (data / "logs").mkdir(parents=True, exist_ok=True)
+    if args.cmd == "export":
+        export_all(data)
+    elif args.cmd == "heldout":
+        print(json.dumps(heldout(data), indent=1))
+    elif args.cmd == "overlap":
+        res = overlap(Path(args.index), data)
+        print(json.dumps(res, indent=1))
+        for k, v in res.items():
+            _ready(
+                data,
+                f"13-gram overlap of heldout/{k} with {Path(args.index).name}: mean {v['mean_share']:.1%} of a document's 13-grams, {v['docs_ge_80pct']} of {v['docs']} docs >= 80%",
+            )
+    else:
+        build(data, args.name, None if args.all else args.tokens, args.shard_tokens, args.workers)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.stdout = io.TextIOWrapper(sys.stdout.buffer, line_buffering=True)
+    sys.exit(main())
