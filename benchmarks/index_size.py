@@ -48,6 +48,7 @@ NAMES = {
     "a+c": "(a+c) cache gate, no index",
     "t": "(t) index + cache gate",
 }
+FIT_ROWS = 100_000  # each gate is fit on this many validation targets (a fixed random sample)
 LENGTH_BUCKETS = (0, 1, 4, 8, 16, 32)  # ∞-gram accuracy by match length: [0], [1, 4), ...
 
 
@@ -193,7 +194,7 @@ def _variants(o: dict, est: dict, cache_only: dict | None) -> dict[str, dict[str
         if v == "a+c" and cache_only is not None:
             nll[v] = cache_only
             continue
-        gate, nll_valid = gated_outputs(o["valid"], est["valid"], components=comps)
+        gate, nll_valid = gated_outputs(o["valid"], est["valid"], components=comps, fit_rows=FIT_ROWS)
         nll[v] = {"valid": nll_valid, "test": gated_outputs(o["test"], est["test"], gate)[1]}
     return nll
 
@@ -202,13 +203,13 @@ def _ppl(nll: np.ndarray) -> float:
     return float(np.exp(nll.mean())) if len(nll) else float("nan")
 
 
-def stage_eval(outputs: Path, indexes: list[Path], workers: int) -> dict:
+def stage_eval(outputs: Path, indexes: list[Path], workers: int, max_targets: int | None = None) -> dict:
     """Each index's figures, kept in OUTPUTS/eval/INDEX.json (keyed by the index's manifest) so
     that adding a larger index later evaluates only that one."""
     import hashlib
 
     from teragram.index import format as fmt
-    from teragram.model.outputs import load_outputs, outputs_estimates
+    from teragram.model.outputs import load_outputs, outputs_estimates, truncate_outputs
 
     unpacked = outputs / "unpacked"
     for name in SETS:
@@ -217,12 +218,18 @@ def stage_eval(outputs: Path, indexes: list[Path], workers: int) -> dict:
                 with tarfile.open(outputs / f"outputs-{name}-{h}.tgz") as tar:
                     tar.extractall(unpacked, filter="data")
     outs = {name: {h: load_outputs(unpacked / f"{name}-{h}") for h in HALVES} for name in SETS}
+    if max_targets:  # the first documents of each half (they were saved in hash order: a random sample)
+        outs = {
+            n: {h: truncate_outputs(o, unpacked / f"first{max_targets}" / f"{n}-{h}", max_targets) for h, o in oh.items()}
+            for n, oh in outs.items()
+        }
     results = []
     cache_only: dict[str, dict] = {}
     for root in indexes:
         manifest = (root / "manifest.json").read_bytes()
         key = hashlib.sha256(manifest).hexdigest()[:16]
-        saved = outputs / "eval" / f"{root.name}.json"
+        tag = f"-first{max_targets}" if max_targets else ""
+        saved = outputs / "eval" / f"{root.name}{tag}.json"
         if saved.exists() and json.loads(saved.read_text()).get("manifest_sha256") == key:
             results.append(json.loads(saved.read_text()))
             print(f"{root.name}: evaluated before ({saved})", flush=True)
@@ -321,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--outputs", type=Path)
     ap.add_argument("--index", type=Path, nargs="+")
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--max-targets", type=int, help="eval: only the first documents of each half, up to this many targets")
     ap.add_argument("--max-mb", type=float, default=1.2, help="prepare: text per held-out half")
     ap.add_argument("--scale", choices=["gpu", "cpu"], default="gpu", help="gpu: the 125M model; cpu: the tiny one")
     a = ap.parse_args(argv)
@@ -330,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         a.out.mkdir(parents=True, exist_ok=True)
         stage_gpu(a.carry, a.work, a.out, a.scale)
     else:
-        report(stage_eval(a.outputs, a.index, a.workers))
+        report(stage_eval(a.outputs, a.index, a.workers, a.max_targets))
     return 0
 
 

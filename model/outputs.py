@@ -138,6 +138,25 @@ def load_outputs(path: str | Path) -> ModelOutputs:
     return ModelOutputs(path, m, **arrays)
 
 
+def truncate_outputs(outputs: ModelOutputs, dst: str | Path, max_targets: int) -> ModelOutputs:
+    """The first documents of saved outputs, up to max_targets targets, as a new outputs
+    directory (documents are saved in the order they were given: a random sample stays one)."""
+    dst = Path(dst)
+    d, src = dst / "000000", outputs.path / "000000"
+    st = np.asarray(fmt.open_array(src / "docs.bin", "docs")).astype(np.int64)
+    k = max(1, int(np.searchsorted(st, max_targets, side="right")) - 1)
+    n = int(st[k])
+    d.mkdir(parents=True, exist_ok=True)
+    tok = np.asarray(fmt.open_array(src / "tokens.bin", "tokens"))
+    fmt.write_array(d / "tokens.bin", "tokens", tok[:n])
+    fmt.write_array(d / "docs.bin", "docs", np.asarray(fmt.open_array(src / "docs.bin", "docs"))[: k + 1])
+    for name in FIELDS:
+        fmt.write_array(d / f"out.{name}.bin", f"out.{name}", np.asarray(getattr(outputs, name))[:n])
+    shutil.copyfile(outputs.path / "tokenizer.model", dst / "tokenizer.model")
+    fmt.write_json(dst / "manifest.json", outputs.manifest | {"tokens": n, "docs": outputs.manifest["docs"][:k]})
+    return load_outputs(dst)
+
+
 def check_tokenizer(outputs: ModelOutputs, index_dir: str | Path) -> None:
     """Outputs are mixed only with an index of the same tokenizer."""
     mine = outputs.manifest["tokenizer_sha256"]
@@ -158,9 +177,10 @@ def outputs_estimates(outputs: ModelOutputs, index_dir: str | Path, *, workers: 
     return est
 
 
-def gated_outputs(outputs: ModelOutputs, est: dict[str, np.ndarray], gate=None, *, components=None):
+def gated_outputs(outputs: ModelOutputs, est: dict[str, np.ndarray], gate=None, *, components=None, fit_rows: int | None = None):
     """(gate, per-target nll of the gated mixture): the gate given, or one fit on these outputs
-    (which should then be validation text)."""
+    (which should then be validation text), on a fixed random sample of fit_rows of them when
+    there are more."""
     from .estimates import COMPONENTS
     from .gate import Gate, component_logp, gate_inputs, mix_nll_multi
 
@@ -168,5 +188,8 @@ def gated_outputs(outputs: ModelOutputs, est: dict[str, np.ndarray], gate=None, 
     nll = outputs.nll.astype(np.float64)
     X, logp = gate_inputs(est, outputs.maxp.astype(np.float64), outputs.top.astype(np.int64), comps), component_logp(est, nll, comps)
     if gate is None:
-        gate = Gate.fit(X, logp, components=comps)
+        rows = slice(None)
+        if fit_rows is not None and len(X) > fit_rows:
+            rows = np.sort(np.random.default_rng(0).choice(len(X), fit_rows, replace=False))
+        gate = Gate.fit(X[rows], logp[rows], components=comps)
     return gate, mix_nll_multi(logp, gate(X))
