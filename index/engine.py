@@ -471,6 +471,7 @@ class Index:
             tc = np.zeros(T, np.int64)
             for t in range(T):
                 nxt = int(q[t + 1]) if t + 1 < T else self.sep
+                nxt = self.sep if nxt == self.eos_id else nxt  # EOS is a document's end
                 L = int(out.length[t])
                 if L == 0:
                     tc[t] = self.unigram[self.eos_id if nxt == self.sep else nxt]

@@ -79,34 +79,41 @@ def narrow(tok, words, w, lo, hi, d, c):
 
 
 @nb.njit(**_NB)
+def block_end(tok, words, w, r, hi, d):
+    """End of the block of ranks from r (< hi) whose token at offset d equals rank r's: a
+    galloping search, O(log block) steps."""
+    c = tok[get(words, w, r) + d]
+    step = 1
+    while r + step < hi and tok[get(words, w, r + step) + d] == c:
+        step <<= 1
+    L = r + (step >> 1) + 1 if step > 1 else r + 1
+    R = r + step if r + step < hi else hi
+    while L < R:
+        mid = (L + R) >> 1
+        if tok[get(words, w, mid) + d] == c:
+            L = mid + 1
+        else:
+            R = mid
+    return L
+
+
+@nb.njit(**_NB)
 def next_token_blocks(tok, words, w, lo, hi, d, out_tok, out_cnt):
     """Exact next-token histogram of the interval [lo, hi) (prefix length d).
 
     In a suffix array the suffixes of an interval are sorted by their token at offset d, so
-    each distinct next token is one contiguous block: a galloping search finds each block's
-    end in O(log block) steps. Cost O(k log(count)) for k distinct tokens, not O(count).
+    each distinct next token is one contiguous block (block_end). Cost O(k log(count)) for k
+    distinct tokens, not O(count).
     Returns k; out_tok[:k] ascending (SEP, meaning end of document, last), out_cnt[:k].
     """
     k = 0
     r = lo
     while r < hi:
-        c = tok[get(words, w, r) + d]
-        # gallop: find step with tok at r+step != c (or past hi)
-        step = 1
-        while r + step < hi and tok[get(words, w, r + step) + d] == c:
-            step <<= 1
-        L = r + (step >> 1) + 1 if step > 1 else r + 1
-        R = r + step if r + step < hi else hi
-        while L < R:
-            mid = (L + R) >> 1
-            if tok[get(words, w, mid) + d] == c:
-                L = mid + 1
-            else:
-                R = mid
-        out_tok[k] = c
-        out_cnt[k] = L - r
+        e = block_end(tok, words, w, r, hi, d)
+        out_tok[k] = tok[get(words, w, r) + d]
+        out_cnt[k] = e - r
         k += 1
-        r = L
+        r = e
     return k
 
 
@@ -196,6 +203,15 @@ def match_lengths(tok, words, w, n, ids, max_len, out_len, out_lo, out_hi):
     state = np.array([0, 0, n], np.int64)
     for t in range(ids.shape[0]):
         out_len[t], out_lo[t], out_hi[t] = match_step(tok, words, w, n, ids, t, max_len, state)
+
+
+@nb.njit(**_NB)
+def match_lengths_docs(tok, words, w, n, ids, starts, max_len, out_len, out_lo, out_hi):
+    """match_lengths of each document ids[starts[k]:starts[k+1]], every one on its own."""
+    for k in range(starts.shape[0] - 1):
+        a = starts[k]
+        b = starts[k + 1]
+        match_lengths(tok, words, w, n, ids[a:b], max_len, out_len[a:b], out_lo[a:b], out_hi[a:b])
 
 
 @nb.njit(**_NB)

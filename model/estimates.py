@@ -46,20 +46,40 @@ def context_length(name: str) -> int:
 def index_estimates(idx, ids) -> dict[str, np.ndarray]:
     """The index's estimates for each target of a document read as EOS + ids (ids[0] ..
     ids[-1], then EOS). The first target sees no context: the unigram distribution."""
-    ids = np.asarray(ids, np.int64)
-    n = len(ids)
+    return index_estimates_docs(idx, [ids])
+
+
+def index_estimates_docs(idx, docs: list[np.ndarray], threads: int = 1) -> dict[str, np.ndarray]:
+    """index_estimates of each document, concatenated, computed for all of them at once
+    (index/bulk.py: each distinct context's continuations once, summed over the shards)."""
+    from teragram.index.bulk import continuations
+
+    lens = np.array([len(d) for d in docs], np.int64)
+    starts = np.concatenate([[0], np.cumsum(lens)])
+    ids = np.concatenate([np.asarray(d, np.int64) for d in docs]) if len(docs) else np.zeros(0, np.int64)
+    caps = {name: context_length(name) for name in INDEX}  # 0: uncapped, the ∞-gram
+    cont = continuations(idx, ids, starts, caps.values(), threads=threads)
+    first = starts[:-1] + np.arange(len(docs))  # each document's first target: no context
+    rest = np.ones(len(ids) + len(docs), bool)
+    rest[first] = False
     uni = idx.unigram
-    p0, share0, top0 = (uni[ids[0]] if n else 0) / idx.n_positions, uni.max() / idx.n_positions, int(np.argmax(uni))
-    out = {"index_length": np.concatenate([[0], np.zeros(n, np.int64)])}
-    for name in INDEX:
-        r = idx.score(ids, top_k=1, max_len=context_length(name), targets=True)  # max_len 0: uncapped, the ∞-gram
-        cnt = np.maximum(r.count, 1)
-        out[f"p_{name}"] = np.concatenate([[p0], r.target_cnt / cnt])
-        out[f"count_{name}"] = np.concatenate([[idx.n_positions], r.count])
-        out[f"share_{name}"] = np.concatenate([[share0], r.topk_cnt[:, 0] / cnt])
-        out[f"top_{name}"] = np.concatenate([[top0], r.topk_ids[:, 0]]).astype(np.int64)
-        if name == "index_infgram":
-            out["index_length"][1:] = r.length
+    t0 = np.full(len(docs), idx.eos_id)
+    t0[lens > 0] = ids[starts[:-1][lens > 0]]
+
+    def col(row0, values: np.ndarray) -> np.ndarray:
+        out = np.empty(len(rest), np.result_type(np.asarray(row0), values))
+        out[first], out[rest] = row0, values
+        return out
+
+    N = idx.n_positions
+    out = {"index_length": col(0, cont[0].length)}
+    for name, cap in caps.items():
+        r = cont[cap]
+        c = np.maximum(r.count, 1)
+        out[f"p_{name}"] = col(uni[t0] / N, r.target_cnt / c)
+        out[f"count_{name}"] = col(N, r.count)
+        out[f"share_{name}"] = col(uni.max() / N, r.top_cnt / c)
+        out[f"top_{name}"] = col(int(np.argmax(uni)), r.top)
     out["sparse"] = out["share_index_infgram"] >= 1.0
     return out
 
@@ -143,19 +163,6 @@ def estimates(idx, ids) -> dict[str, np.ndarray]:
     return index_estimates(idx, ids) | cache_estimates(ids, idx.eos_id)
 
 
-_OPEN: dict[str, object] = {}  # index directory -> open Index, per process
-
-
-def _estimates_doc(args):
-    index_dir, ids = args
-    from teragram.index.engine import Index
-
-    if index_dir not in _OPEN:
-        _OPEN.clear()  # one index open per process at a time
-        _OPEN[index_dir] = Index(index_dir)
-    return estimates(_OPEN[index_dir], ids)
-
-
 def heldout_docs(heldout) -> list[np.ndarray]:
     """The token ids of each document of a held-out feature directory (index/heldout.py)."""
     d = Path(heldout) / "000000"
@@ -166,16 +173,14 @@ def heldout_docs(heldout) -> list[np.ndarray]:
 
 def heldout_estimates(index_dir, heldout, workers: int = 1) -> dict[str, np.ndarray]:
     """estimates (index and document cache) of every document of a held-out feature directory,
-    concatenated in model.evaluate.token_eval's order; `workers` processes."""
-    from multiprocessing import get_context
+    concatenated in model.evaluate.token_eval's order; the index's on `workers` threads."""
+    from teragram.index.engine import Index
 
-    jobs = [(str(index_dir), ids) for ids in heldout_docs(heldout)]
-    if workers > 1:
-        with get_context("spawn").Pool(workers) as pool:
-            parts = pool.map(_estimates_doc, jobs, chunksize=4)
-    else:
-        parts = [_estimates_doc(j) for j in jobs]
-    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    idx = Index(index_dir)
+    docs = heldout_docs(heldout)
+    est = index_estimates_docs(idx, docs, threads=workers)
+    parts = [cache_estimates(ids, idx.eos_id) for ids in docs]
+    return est | {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
 def cache_live(q: np.ndarray, V: int, components) -> tuple[dict[str, tuple[np.ndarray, int]], int]:
