@@ -283,7 +283,7 @@ def compute_features(
     other text against the whole index (held-out). Resumable per shard; returns a report.
     Shards are computed in parallel, by local processes or as Ray tasks."""
     if corpus is not None:
-        return compute_held_out(index_dir, out, cfg, corpus, workers=workers, progress=progress)
+        return compute_held_out(index_dir, out, cfg, corpus, workers=workers)
     from .executors import make_executor
 
     idx = Index(index_dir)

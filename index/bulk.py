@@ -1,10 +1,11 @@
-"""Continuation statistics of many documents at once against a whole index, in bulk.
+"""Index features of many documents at once against a whole index, in bulk.
 
 For every position t of every document and each of several caps on the match length: the
 longest suffix of the document's text up to t (at most `cap` tokens) that occurs in the index,
-how often it occurs, how often the token after t follows it, and its most frequent
-continuation. These are the numbers `Index.score(doc, top_k=1, max_len=cap, targets=True)`
-gives position by position; here no step is taken per position in Python:
+how often it occurs, how often the token after t follows it, its top-k continuations and the
+token after its most recent occurrence: the `Features` that `Index.score(doc, top_k=k,
+max_len=cap, targets=True)` gives position by position. Here no step is taken per position in
+Python:
 
 1. per shard and cap, the match lengths and suffix-array intervals of every position in one
    two-pointer pass per document (kernels.match_lengths_docs);
@@ -21,42 +22,37 @@ Step 3 runs on `threads` threads (the kernel releases the GIL).
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import numba as nb
 import numpy as np
 
 from . import kernels as K
+from .features import FIELDS, SCORE_DTYPES, Features
 from .packed import get
 
 UNCAPPED = 1 << 62
 CHUNK = 1 << 19  # positions per pass: bounds the per-shard interval arrays
 
 
-@dataclass
-class Continuations:
-    """Per position: match length, its count, the count followed by the next token (EOS at a
-    document's end), and the most frequent continuation (count desc, then id asc) and its count.
-    Length 0: no suffix occurs; the statistics are the unigram's (count = all positions)."""
-
-    length: np.ndarray
-    count: np.ndarray
-    target_cnt: np.ndarray
-    top: np.ndarray
-    top_cnt: np.ndarray
-
-
 @nb.njit(cache=True, nogil=True)
-def _histograms(toks, words, widths, sep, eos, lo, hi, d, grp, pos, target, out_tcnt, out_top, out_topc, scratch, touched):
+def _histograms(toks, words, widths, samaxs, offs, sep, eos, lo, hi, d, grp, pos, target, o_tcnt, o_top, o_topc, o_cont, scratch, touched):
     """For each context u (rows of lo/hi: its interval per shard, empty where the shard lacks
     it; d[u] its length): its next-token histogram over the shards, then each of its positions
-    pos[grp[u]:grp[u+1]] reads its target's count and the top continuation. scratch is zero
-    on entry and exit; a document's end (SEP) counts as EOS, which the stream never holds."""
+    pos[grp[u]:grp[u+1]] reads its target's count, the top-k continuations (count desc, id
+    asc; k = o_top.shape[1]) and the token after the most recent occurrence (latest shard,
+    largest position). scratch is zero on entry and exit; a document's end (SEP) counts as
+    EOS, which the stream never holds."""
+    k = o_top.shape[1]
+    best = np.empty(k, np.int64)
+    bestc = np.empty(k, np.int64)
     for u in range(lo.shape[0]):
         nt = 0
+        cont = -1
         for s in range(len(toks)):
             a = lo[u, s]
             b = hi[u, s]
+            if b <= a:
+                continue
             tk = toks[s]
             wd = words[s]
             w = widths[s]
@@ -71,45 +67,67 @@ def _histograms(toks, words, widths, sep, eos, lo, hi, d, grp, pos, target, out_
                     nt += 1
                 scratch[c] += e - r
                 r = e
-        best = -1
-        bc = 0
-        for i in range(nt):
-            c = touched[i]
-            v = scratch[c]
-            if v > bc or (v == bc and c < best):
-                best, bc = c, v
+            p = K.range_max(wd, w, samaxs[s], offs[s, 0], offs[s, 1], a, b)
+            cont = np.int64(tk[p + d[u]])
+            if cont == sep:
+                cont = eos
+        for j in range(k):  # selection of the k best: k is small
+            best[j] = -1
+            bestc[j] = 0
+            for i in range(nt):
+                c = touched[i]
+                v = scratch[c]
+                if v > bestc[j] or (v == bestc[j] and v > 0 and c < best[j]):
+                    taken = False
+                    for m in range(j):
+                        if best[m] == c:
+                            taken = True
+                    if not taken:
+                        best[j] = c
+                        bestc[j] = v
         for j in range(grp[u], grp[u + 1]):
             p = pos[j]
-            out_tcnt[p] = scratch[target[p]]
-            out_top[p] = best
-            out_topc[p] = bc
+            o_tcnt[p] = scratch[target[p]]
+            o_cont[p] = cont
+            for m in range(k):
+                o_top[p, m] = best[m]
+                o_topc[p, m] = bestc[m]
         for i in range(nt):
             scratch[touched[i]] = 0
 
 
-def continuations(idx, ids: np.ndarray, starts: np.ndarray, caps, *, threads: int = 1) -> dict[int, Continuations]:
-    """Continuations of every position of the documents ids[starts[k]:starts[k+1]], for each
-    cap in caps (0: uncapped, the ∞-gram's longest match)."""
+def continuations(idx, ids: np.ndarray, starts: np.ndarray, caps, *, top_k: int = 1, threads: int = 1) -> dict[int, Features]:
+    """Features (with target_cnt) of every position of the documents ids[starts[k]:starts[k+1]],
+    for each cap in caps (0: uncapped, the ∞-gram's longest match)."""
     ids = np.ascontiguousarray(ids, dtype=np.int64)
     starts = np.asarray(starts, dtype=np.int64)
     caps = list(dict.fromkeys(caps))
-    parts: list[dict[int, Continuations]] = []
+    parts: list[dict[int, Features]] = []
     a = 0
     while a < len(starts) - 1:  # whole documents, about CHUNK positions at a time
         b = max(a + 1, int(np.searchsorted(starts, starts[a] + CHUNK, side="right")) - 1)
         b = min(b, len(starts) - 1)
-        st = starts[a : b + 1] - starts[a]
-        parts.append(_chunk(idx, ids[starts[a] : starts[b]], st, caps, threads))
+        parts.append(_chunk(idx, ids[starts[a] : starts[b]], starts[a : b + 1] - starts[a], caps, top_k, threads))
         a = b
     if not parts:
-        z = np.zeros(0, np.int64)
-        return {c: Continuations(z, z, z, z, z) for c in caps}
-    return {
-        c: Continuations(*(np.concatenate([getattr(p[c], f) for p in parts]) for f in Continuations.__dataclass_fields__)) for c in caps
-    }
+        return {c: _features(0, top_k) for c in caps}
+    return {c: _combine([p[c] for p in parts]) for c in caps}
 
 
-def _chunk(idx, ids: np.ndarray, starts: np.ndarray, caps: list[int], threads: int) -> dict[int, Continuations]:
+def _features(n: int, k: int) -> Features:
+    f = Features.empty(n, k, SCORE_DTYPES)
+    return Features(f.length, f.cont, f.count, f.topk_ids, f.topk_cnt, np.zeros(n, np.int64))
+
+
+def _combine(parts: list[Features]) -> Features:
+    return Features(*(np.concatenate([getattr(p, n) for p in parts]) for n in (*FIELDS, "target_cnt")))
+
+
+def _rows(f: Features, a: int, b: int) -> Features:
+    return Features(*(getattr(f, n)[a:b] for n in (*FIELDS, "target_cnt")))
+
+
+def _chunk(idx, ids: np.ndarray, starts: np.ndarray, caps: list[int], k: int, threads: int) -> dict[int, Features]:
     P, S, C = len(ids), len(idx.shards), len(caps)
     V = max(idx.vocab_size, idx.eos_id + 1, int(ids.max(initial=0)) + 1)
     target = np.append(ids[1:], 0)
@@ -127,7 +145,6 @@ def _chunk(idx, ids: np.ndarray, starts: np.ndarray, caps: list[int], threads: i
     lo = np.where(held, lo, 0).transpose(0, 2, 1).reshape(C * P, S)  # rows: (cap, position)
     hi = np.where(held, hi, 0).transpose(0, 2, 1).reshape(C * P, S)
     Lm = Lm.reshape(-1)
-    count = (hi - lo).sum(1)
     first = held.transpose(0, 2, 1).reshape(C * P, S).argmax(1)
     rows = np.nonzero(Lm > 0)[0]
     key = np.stack([Lm[rows], first[rows], lo[rows, first[rows]]], 1)
@@ -137,22 +154,23 @@ def _chunk(idx, ids: np.ndarray, starts: np.ndarray, caps: list[int], threads: i
     grp = np.searchsorted(inv[order], np.arange(len(rep) + 1))
     pos = rows[order]
     u_rows = rows[rep]
+    u_lo, u_hi, u_d = lo[u_rows], hi[u_rows], Lm[u_rows]
     tgt = np.tile(target, C)
-    tcnt = np.zeros(C * P, np.int64)
-    top = np.full(C * P, -1, np.int64)
-    topc = np.zeros(C * P, np.int64)
+    f = _features(C * P, k)
+    f.length[:] = Lm
+    f.count[:] = (hi - lo).sum(1)
+    tcnt, top, topc, cont = f.target_cnt, np.full((C * P, k), -1, np.int64), np.zeros((C * P, k), np.int64), np.full(C * P, -1, np.int64)
     toks = nb.typed.List([np.asarray(s.tok) for s in idx.shards])
     words = nb.typed.List([np.asarray(s.sa.words) for s in idx.shards])
+    samaxs = nb.typed.List([np.asarray(s.samax) for s in idx.shards])
     widths = np.array([s.sa.width for s in idx.shards], np.int64)
-    u_lo, u_hi, u_d = lo[u_rows], hi[u_rows], Lm[u_rows]
+    offs = np.array([[s.off2, s.off3] for s in idx.shards], np.int64).reshape(S, 2)
 
     def run(ua: int, ub: int) -> None:
         scratch = np.zeros(V, np.int64)
         touched = np.zeros(V, np.int64)
-        g = grp[ua : ub + 1]
-        _histograms(
-            toks, words, widths, idx.sep, idx.eos_id, u_lo[ua:ub], u_hi[ua:ub], u_d[ua:ub], g, pos, tgt, tcnt, top, topc, scratch, touched
-        )
+        args = (u_lo[ua:ub], u_hi[ua:ub], u_d[ua:ub], grp[ua : ub + 1], pos, tgt, tcnt, top, topc, cont, scratch, touched)
+        _histograms(toks, words, widths, samaxs, offs, idx.sep, idx.eos_id, *args)
 
     bounds = np.linspace(0, len(rep), max(1, min(threads, len(rep))) * 8 + 1).astype(int)
     if threads > 1:
@@ -163,8 +181,11 @@ def _chunk(idx, ids: np.ndarray, starts: np.ndarray, caps: list[int], threads: i
             run(ua, ub)
     none = Lm == 0  # no suffix occurs: the unigram distribution
     uni = idx.unigram
-    count[none] = idx.n_positions
+    f.count[none] = idx.n_positions
     tcnt[none] = np.append(uni, np.zeros(max(0, V - len(uni)), np.int64))[tgt[none]]
-    top[none] = int(np.argmax(uni))
-    topc[none] = int(uni.max())
-    return {cap: Continuations(*(x[ci * P : (ci + 1) * P] for x in (Lm, count, tcnt, top, topc))) for ci, cap in enumerate(caps)}
+    nz = np.nonzero(uni)[0]
+    best = nz[np.lexsort((nz, -uni[nz]))][:k]
+    top[none, : len(best)] = best
+    topc[none, : len(best)] = uni[best]
+    f.cont[:], f.topk_ids[:], f.topk_cnt[:] = cont, top, topc
+    return {cap: _rows(f, ci * P, (ci + 1) * P) for ci, cap in enumerate(caps)}

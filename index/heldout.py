@@ -2,45 +2,42 @@
 against the whole index, written in the feature-file format (index/features.py) with the
 text's tokens, document starts and tokenizer, so evaluation reads them on their own.
 
-They are the live `Index.score` of each document, the same features the builder computes in
-bulk for the indexed corpus in its leakage-controlled modes.
+They are `Index.score`'s features of each document (computed for all documents at once,
+index/bulk.py), the same features the builder computes in bulk for the indexed corpus in its
+leakage-controlled modes.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import shutil
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from . import features as ff
 from . import format as fmt
 from . import readers
+from .bulk import continuations
 from .engine import Index
 from .errors import BuildError
 
 
-def held_out_features(idx: Index, docs: list[np.ndarray], cfg: ff.FeatureConfig, progress: bool = False) -> ff.Features:
-    """Features of other text against the whole index: the live score, document by document."""
-    n = sum(len(d) + 1 for d in docs)
-    f = ff.Features.empty(n, cfg.top_k)
-    p = 0
-    for d in tqdm(docs, desc="held-out features", unit="doc", disable=not progress):
-        r = idx.score(d, top_k=cfg.top_k, max_len=cfg.max_len)
-        e = p + len(d)
-        f.length[p:e], f.cont[p:e], f.count[p:e] = r.length, r.cont, r.count
-        f.topk_ids[p:e], f.topk_cnt[p:e] = r.topk_ids, r.topk_cnt
-        p = e + 1  # the separator row stays empty
+def held_out_features(idx: Index, docs: list[np.ndarray], cfg: ff.FeatureConfig, threads: int = 1) -> ff.Features:
+    """Features of other text against the whole index, one row per position of the documents
+    laid out as doc0 SEP doc1 SEP ... (the separator rows stay empty): Index.score's, computed
+    for all documents at once (index/bulk.py)."""
+    lens = np.array([len(d) for d in docs], np.int64)
+    starts = np.concatenate([[0], np.cumsum(lens)])
+    ids = np.concatenate([np.asarray(d, np.int64) for d in docs]) if docs else np.zeros(0, np.int64)
+    r = continuations(idx, ids, starts, [cfg.max_len], top_k=cfg.top_k, threads=threads)[cfg.max_len]
+    f = ff.Features.empty(int(lens.sum() + len(docs)), cfg.top_k)
+    rows = np.ones(len(f.length), bool)
+    rows[starts[1:] + np.arange(len(docs))] = False  # each document's separator row
+    for name in ff.FIELDS:
+        getattr(f, name)[rows] = getattr(r, name)
     return f
-
-
-def _chunk(index_dir: str, docs: list[np.ndarray], cfg: ff.FeatureConfig) -> ff.Features:
-    return held_out_features(Index(index_dir), docs, cfg)
 
 
 def read_corpus(idx: Index, corpus: list[str]) -> tuple[list[np.ndarray], list[dict], int]:
@@ -58,9 +55,7 @@ def read_corpus(idx: Index, corpus: list[str]) -> tuple[list[np.ndarray], list[d
     return docs, metas, skipped
 
 
-def write_held_out(
-    idx: Index, out: Path, cfg: ff.FeatureConfig, docs: list[np.ndarray], metas: list[dict], *, progress: bool = False, workers: int = 1
-) -> dict:
+def write_held_out(idx: Index, out: Path, cfg: ff.FeatureConfig, docs: list[np.ndarray], metas: list[dict], *, workers: int = 1) -> dict:
     """Write the held-out documents' tokens and features as shard 000000 of `out`."""
     if not docs:
         raise BuildError("no readable documents in --corpus")
@@ -72,14 +67,7 @@ def write_held_out(
     fmt.write_array(d / "tokens.bin", "tokens", stream)
     fmt.write_array(d / "docs.bin", "docs", starts)
     t = time.time()
-    if workers > 1 and len(docs) > 1:
-        bounds = np.linspace(0, len(docs), min(len(docs), 4 * workers) + 1).astype(int)
-        with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
-            futs = [pool.submit(_chunk, str(idx.path), docs[a:b], cfg) for a, b in zip(bounds[:-1], bounds[1:])]
-            parts = [f.result() for f in futs]
-        f = ff.Features.combine(parts)
-    else:
-        f = held_out_features(idx, docs, cfg, progress)
+    f = held_out_features(idx, docs, cfg, threads=workers)
     dt = time.time() - t
     files = ff.write_features(d, f, dtype, idx.sep, cfg.top_k)
     files += [asdict(fmt.file_record(out, d / n)) for n in ("tokens.bin", "docs.bin")]
@@ -88,9 +76,7 @@ def write_held_out(
     return {"docs": len(docs), "positions": int(len(stream)), "features_s": dt}
 
 
-def compute_held_out(
-    index_dir: str | Path, out: str | Path, cfg: ff.FeatureConfig, corpus: list[str], *, workers: int = 1, progress: bool = True
-) -> dict:
+def compute_held_out(index_dir: str | Path, out: str | Path, cfg: ff.FeatureConfig, corpus: list[str], *, workers: int = 1) -> dict:
     """Held-out features of the corpus's text into `out` (a features directory); returns a report."""
     idx = Index(index_dir)
     out = Path(out)
@@ -99,7 +85,7 @@ def compute_held_out(
     ident = ff.begin(idx.path, out, cfg, corpus)
     t0 = time.time()
     docs, metas, skipped = read_corpus(idx, corpus)
-    report = write_held_out(idx, out, cfg, docs, metas, progress=progress, workers=workers)
+    report = write_held_out(idx, out, cfg, docs, metas, workers=workers)
     report = {"docs": report["docs"], "positions": report["positions"], "skipped": skipped, "features_s": report["features_s"]}
     report["total_s"] = time.time() - t0
     ff.finish(out, ident, [fmt.read_json(out / "000000.done")], report["positions"], report)

@@ -69,7 +69,7 @@ def cmd_eval(args) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             feats = args.features_out or tmp
             cfg = FeatureConfig("held-out", model.cfg.max_match, max(model.cfg.top_k, 1))
-            compute_held_out(args.index, feats, cfg, args.corpus, progress=not args.quiet)
+            compute_held_out(args.index, feats, cfg, args.corpus)
             if args.save_outputs:  # the model runs once: its outputs are saved, then mixed as asked
                 from .evaluate import mix_report
                 from .outputs import save_model_outputs

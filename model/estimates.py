@@ -72,14 +72,14 @@ def index_estimates_docs(idx, docs: list[np.ndarray], threads: int = 1) -> dict[
         return out
 
     N = idx.n_positions
-    out = {"index_length": col(0, cont[0].length)}
+    out = {"index_length": col(0, cont[0].length.astype(np.int64))}
     for name, cap in caps.items():
         r = cont[cap]
         c = np.maximum(r.count, 1)
         out[f"p_{name}"] = col(uni[t0] / N, r.target_cnt / c)
         out[f"count_{name}"] = col(N, r.count)
-        out[f"share_{name}"] = col(uni.max() / N, r.top_cnt / c)
-        out[f"top_{name}"] = col(int(np.argmax(uni)), r.top)
+        out[f"share_{name}"] = col(uni.max() / N, r.topk_cnt[:, 0] / c)
+        out[f"top_{name}"] = col(int(np.argmax(uni)), r.topk_ids[:, 0].astype(np.int64))
     out["sparse"] = out["share_index_infgram"] >= 1.0
     return out
 

@@ -98,9 +98,10 @@ def test_score_against_brute_force(which, request):
 
 
 @pytest.mark.parametrize("which", ["random_index", "real"])
-def test_bulk_continuations_against_brute_force(which, request):
-    """Many documents at once, every cap, one or two threads: the numbers of the per-position
-    oracle (match length, count, count followed by the next token, top continuation)."""
+def test_bulk_features_against_brute_force(which, request):
+    """Many documents at once, several caps, one or two threads: the per-position oracle's
+    features (match length, most recent continuation, count, top 3) and how often the next
+    token follows."""
     from teragram.index.bulk import continuations
 
     idx, orc = request.getfixturevalue(which)
@@ -109,17 +110,18 @@ def test_bulk_continuations_against_brute_force(which, request):
     e = d.copy()
     e[::7] = rng.integers(3, idx.vocab_size, size=len(e[::7]))
     docs = [d, e, rng.integers(3, idx.vocab_size, size=40), np.zeros(0, np.int64), orc.docs[5][:30], d[:20].copy()]
-    docs[-1][4] = idx.eos_id  # an id the stream never holds
+    docs[-1][4] = idx.eos_id  # EOS inside the text: a document's end
     starts = np.cumsum([0] + [len(x) for x in docs])
     for threads in (1, 2):
-        got = continuations(idx, np.concatenate(docs), starts, (0, 1, 3, 16), threads=threads)
+        got = continuations(idx, np.concatenate(docs), starts, (0, 1, 3, 16), top_k=3, threads=threads)
         for cap, r in got.items():
             for k, ids in enumerate(docs):
-                for t, (L, _, cnt, top) in enumerate(orc.features(ids, cap if cap else len(ids) + 1, 1)):
+                for t, (L, cont, cnt, top) in enumerate(orc.features(ids, cap if cap else len(ids) + 1, 3)):
                     p = starts[k] + t
                     nxt = int(ids[t + 1]) if t + 1 < len(ids) else orc.eos
-                    want = (L, cnt, orc.next_tokens(ids[t - L + 1 : t + 1] if L else []).get(nxt, 0), *top[0])
-                    assert (r.length[p], r.count[p], r.target_cnt[p], r.top[p], r.top_cnt[p]) == want, (cap, k, t)
+                    assert (r.length[p], r.cont[p], r.count[p]) == (L, cont, cnt), (cap, k, t)
+                    assert r.target_cnt[p] == orc.next_tokens(ids[t - L + 1 : t + 1] if L else []).get(nxt, 0), (cap, k, t)
+                    assert [(int(a), int(b)) for a, b in zip(r.topk_ids[p], r.topk_cnt[p]) if a >= 0] == top, (cap, k, t)
 
 
 def test_docs_returns_matching_documents(real):

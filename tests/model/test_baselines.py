@@ -32,7 +32,7 @@ def setup(real_index, tmp_path_factory):
     (corpus / "c_noise.txt").write_text(noise(60))
     (corpus / "d_half.txt").write_text(texts[1][:400] + " " + noise(40))
     (corpus / "e_short.txt").write_text("The kernel")
-    compute_held_out(real_index, d / "held", FeatureConfig("held-out", 64, 4), [str(corpus)], progress=False)
+    compute_held_out(real_index, d / "held", FeatureConfig("held-out", 64, 4), [str(corpus)])
     model, _ = load_model(d / "run")
     return model, d / "held"
 
@@ -55,7 +55,7 @@ def test_contamination_is_the_share_of_13_grams_in_the_index(real_index, setup, 
     np.testing.assert_allclose(got, want)
     assert got.max() >= 0.8 and got.min() == 0.0 and 0.2 < sorted(got)[2] < 0.8  # copies, noise and the mix
     # features capped below 13 tokens: scored against the index instead
-    compute_held_out(real_index, tmp_path / "h8", FeatureConfig("held-out", 8, 0), [str(held.parent / "corpus")], progress=False)
+    compute_held_out(real_index, tmp_path / "h8", FeatureConfig("held-out", 8, 0), [str(held.parent / "corpus")])
     np.testing.assert_allclose(contamination(tmp_path / "h8", real_index), want)
 
 
