@@ -113,7 +113,7 @@ def main() -> int:
     rows.append(
         {
             "features": "all, top-4",
-            "mode": "held-out (live score path)",
+            "mode": "held-out (bulk, one thread)",
             "compute s": rep["features_s"],
             "M tokens/s/core": rep["positions"] / rep["features_s"] / 1e6,
             "peak RSS MB": m["peak_rss_mb"],
