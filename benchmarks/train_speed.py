@@ -71,7 +71,46 @@ SETTINGS = {
     "int8": {"precision": "int8"},
     "modern block, AdamW": {"arch": "modern"},
     "modern block, Muon": {"arch": "modern", "optimizer": "muon"},
+    "modern block, tied head, Muon": {"arch": "modern", "optimizer": "muon", "tie_head": True},
 }
+
+
+def _vocab_topk(cfg) -> tuple[int, int]:
+    vocab = json.loads((Path(cfg.index) / "manifest.json").read_text())["tokenizer"]["vocab_size"]
+    top_k = json.loads((Path(cfg.features) / "manifest.json").read_text())["top_k"]
+    return vocab, top_k
+
+
+def convergence(data: dict, shapes: list[str], window: int = 50) -> str:
+    """Per setting: the mean training loss of the last 100 steps against bf16's (same tokens), and
+    the first step where the loss, averaged over `window` steps, reaches bf16's final mean."""
+    rows = []
+    for shape in shapes:
+        base = data["settings"].get(f"{shape} / bf16")
+        if not base or "curve" not in base:
+            continue
+        for key, d in data["settings"].items():
+            if not key.startswith(f"{shape} /") or "curve" not in d:
+                continue
+            losses = [v for _, v in d["curve"]]
+            steps = [st for st, _ in d["curve"]]
+            avg = [
+                sum(losses[max(0, i - window // 2 + 1) : i + 1]) / len(losses[max(0, i - window // 2 + 1) : i + 1])
+                for i in range(len(losses))
+            ]
+            reach = next((st for st, a in zip(steps, avg) if st >= window and a <= base["loss_last100"]), None)
+            rows.append(
+                {
+                    "setting": key,
+                    "parameters": f"{d['params'] / 1e6:.1f}M",
+                    "loss, last 100 steps": f"{d['loss_last100']:.4f}",
+                    "vs bf16": f"{100 * (d['loss_last100'] / base['loss_last100'] - 1):+.2f}%",
+                    "steps to bf16's final loss": reach if reach is not None else "not reached",
+                }
+            )
+    if not rows:
+        return ""
+    return "Convergence at equal tokens (training loss; steps measured on a moving average):\n\n" + table(rows, list(rows[0]))
 
 
 def features_suite(args, w: Path) -> int:
@@ -87,6 +126,8 @@ def features_suite(args, w: Path) -> int:
     warm = args.warmup_steps
     for shape in args.shapes.split(","):
         for name, kw in SETTINGS.items():
+            if args.settings and name not in args.settings.split(","):
+                continue
             steps = args.offload_steps if "offload" in kw else args.steps
             out = w / "features" / f"{shape}-{name.replace(' ', '_').replace(',', '')}"
             shutil.rmtree(out, ignore_errors=True)
@@ -124,6 +165,7 @@ def features_suite(args, w: Path) -> int:
                 data["settings"][key] = {"error": msg}
                 rows.append({"shape": shape, "setting": name, "note": msg})
                 print(key, "failed:", msg, flush=True)
+                _report_features(args, rows, data, warm)
                 continue
             tps, n = rate(out / "log.jsonl", min(warm, steps // 3))  # after the first steps (allocation, warm-up)
             peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
@@ -134,7 +176,10 @@ def features_suite(args, w: Path) -> int:
                     data.setdefault(shape, {})[f"params_{arch}"] = m.num_params()
                     data[shape][f"block_params_{arch}"] = sum(p.numel() for p in m.transformer.h[0].parameters())
             base = data["settings"].get(f"{shape} / bf16", {}).get("tokens_per_s")
-            d = {"tokens_per_s": tps, "timed_steps": n, "loss": r["loss"], "steps": steps, "peak_gib": peak}
+            curve = [(x["step"], x["loss"]) for x in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if "loss" in x]
+            last = [v for st, v in curve if st > steps - 100]  # the mean of the last 100 steps' training loss
+            d = {"tokens_per_s": tps, "timed_steps": n, "loss": r["loss"], "loss_last100": sum(last) / len(last), "steps": steps}
+            d |= {"peak_gib": peak, "curve": curve, "params": GPT(model_config(cfg, *_vocab_topk(cfg))).num_params()}
             data["settings"][key] = d
             rows.append(
                 {
@@ -148,7 +193,14 @@ def features_suite(args, w: Path) -> int:
                 }
             )
             print(key, d, flush=True)
+            _report_features(args, rows, data, warm)
+    return 0
+
+
+def _report_features(args, rows: list[dict], data: dict, warm: int) -> None:
+    """Save the features suite's table so far (after every setting: a run cut short keeps what it measured)."""
     md = table(rows, ["shape", "setting", "tokens/s", "vs bf16", "peak GiB", "loss after N steps", "N", "note"])
+    md += "\n\n" + convergence(data, args.shapes.split(","))
     counts = "; ".join(
         f"{s}: {data[s]['params_gpt2'] / 1e6:.1f}M parameters (GPT-2 block), {data[s]['params_modern'] / 1e6:.1f}M (modern block, untied head); "
         f"per block {data[s]['block_params_gpt2']:,} vs {data[s]['block_params_modern']:,}"
@@ -159,7 +211,7 @@ def features_suite(args, w: Path) -> int:
         f"\n\n{args.batch_size} sequences of {args.block_size} tokens per step, index inputs + mixture, "
         f"{'torch.compile' if args.compile else 'eager (no torch.compile)'}, bf16 autocast, fused AdamW unless stated; tokens/s after the "
         f"first {warm} steps (a third of the offload runs); peak GPU memory of the whole run. Parameters without learned positions: {counts}. "
-        "The loss after N steps is one short run per setting (same data and seed), not the 1,500-step comparison of issue 16."
+        "The loss after N steps is one run per setting (same data and seed)."
     )
     import matplotlib
 
@@ -171,8 +223,8 @@ def features_suite(args, w: Path) -> int:
     ax.barh([f"{r['shape']} {r['setting']}" for r in ok], [r["tokens/s"] / 1e3 for r in ok])
     ax.invert_yaxis()
     ax.set_xlabel("thousand tokens/s")
-    save("train_speed_features", data, md, fig)
-    return 0
+    save(args.name, data, md, fig)
+    plt.close(fig)
 
 
 def main() -> int:
@@ -185,6 +237,8 @@ def main() -> int:
     ap.add_argument("--batch-size", type=int, default=16, help="features suite: sequences per step")
     ap.add_argument("--block-size", type=int, default=1024, help="features suite: context")
     ap.add_argument("--offload-steps", type=int, default=12, help="features suite: steps of the (slow) offload runs")
+    ap.add_argument("--settings", help="features suite: only these settings (comma-separated names)")
+    ap.add_argument("--name", default="train_speed_features", help="features suite: results file name")
     ap.add_argument("--compile", action="store_true", help="features suite: torch.compile each run")
     ap.add_argument("--index", help="an existing index (with --features) instead of building one in --work")
     ap.add_argument("--features", help="its exclude-doc features")

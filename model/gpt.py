@@ -43,6 +43,7 @@ class GPTConfig:
     top_k: int = 4
     max_match: int = 64
     arch: str = "gpt2"  # "gpt2" | "modern" (rotary, RMSNorm, QK-norm, ReLU^2 MLP, untied head)
+    tie_head: bool | None = None  # the head shares the token embedding; None: the arch's (gpt2 tied, modern untied)
 
     @classmethod
     def preset(cls, name: str, **kw) -> GPTConfig:
@@ -178,7 +179,7 @@ class GPT(nn.Module):
             layers["wpe"] = nn.Embedding(cfg.block_size, cfg.n_embd)  # modern: rotary positions in attention
         self.transformer = nn.ModuleDict(layers)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        if cfg.arch == "gpt2":
+        if self.tied:
             self.transformer.wte.weight = self.lm_head.weight  # weight tying
         if cfg.use_index:
             self.wlen = nn.Embedding(cfg.max_match + 1, cfg.n_embd)
@@ -222,7 +223,7 @@ class GPT(nn.Module):
 
     @property
     def tied(self) -> bool:
-        return self.cfg.arch == "gpt2"
+        return self.cfg.arch == "gpt2" if self.cfg.tie_head is None else self.cfg.tie_head
 
     def num_params(self) -> int:
         """Parameters without the learned positions (as nanoGPT counts)."""

@@ -13,6 +13,7 @@ and before any work, a value or a combination that cannot work):
   offload = none | optimizer        fp32 masters and Adam moments in CPU memory (model/offload.py)
   precision = bf16 | fp8 | int8     the blocks' linear layers in fp8 or int8 (model/lowp.py)
   arch = gpt2 | modern              rotary, RMSNorm, QK-norm, ReLU^2, untied head (model/gpt.py)
+  tie_head = true | false           override the arch's head tying (modern + true: GPT-2's parameter count)
   optimizer = adamw | muon          Muon for the blocks' matrices (model/muon.py)
 Checkpoints of every setting use one layout and resume under any other setting that uses the
 same optimizer (adamw's state resumes with or without zero1 and offload, on any world size).
@@ -75,6 +76,7 @@ class TrainConfig:
     checkpoint: bool = True  # false: no checkpoints at all (speed benchmarks)
     progress: bool = True
     arch: str = "gpt2"  # "gpt2" | "modern": rotary, RMSNorm, QK-norm, ReLU^2 MLP, untied head
+    tie_head: bool | None = None  # head tied to the token embedding; None: the arch's default (gpt2 tied, modern untied)
     optimizer: str = "adamw"  # "adamw" | "muon": Muon for the blocks' matrices, AdamW for the rest
     muon_lr: float = 0.02  # Muon's peak learning rate (follows lr's warmup and cosine)
     muon_momentum: float = 0.95
@@ -125,6 +127,7 @@ def model_config(cfg: TrainConfig, vocab_size: int, top_k: int) -> GPTConfig:
         mixture=cfg.mixture,
         top_k=top_k,
         arch=cfg.arch,
+        tie_head=cfg.tie_head,
     )
     if cfg.block_size:
         g = replace(g, block_size=cfg.block_size)

@@ -179,7 +179,17 @@ def test_block_is_causal(arch):
     assert (h[:, s:] - h2[:, s:]).abs().max() > 1e-3  # the later positions do see the change
 
 
-def test_muon_orthogonalizes_and_the_modern_model_trains_deterministically(data_root):
+def test_modern_block_with_a_tied_head_has_the_gpt2_parameter_count():
+    counts = {
+        (arch, tie): GPT(GPTConfig.preset("tiny", vocab_size=60, block_size=32, arch=arch, tie_head=tie)).num_params()
+        for arch, tie in (("gpt2", None), ("modern", None), ("modern", True))
+    }
+    assert counts["modern", True] == counts["gpt2", None]
+    assert counts["modern", None] == counts["gpt2", None] + 60 * 128  # the untied head
+
+
+@pytest.mark.parametrize("tie_head", [None, True])
+def test_muon_orthogonalizes_and_the_modern_model_trains_deterministically(data_root, tie_head):
     from teragram.model.muon import orthogonalize
 
     g = torch.randn(48, 160, generator=torch.Generator().manual_seed(0))
@@ -188,15 +198,16 @@ def test_muon_orthogonalizes_and_the_modern_model_trains_deterministically(data_
     sv = torch.linalg.svdvals(o)
     assert sv.min() > 0.5 and sv.max() < 1.3
     assert float((o * (u @ vt)).sum() / (o.norm() * (u @ vt).norm())) > 0.95  # close to U V^T
-    kw = dict(arch="modern", optimizer="muon", max_steps=20, ckpt_every=10)
-    train(_cfg(data_root, "modern-a", **kw))
-    train(_cfg(data_root, "modern-b", **kw))
-    a, b = _losses(data_root, "modern-a"), _losses(data_root, "modern-b")
+    kw = dict(arch="modern", optimizer="muon", max_steps=20, ckpt_every=10, tie_head=tie_head)
+    run = f"modern-{tie_head}"
+    train(_cfg(data_root, f"{run}-a", **kw))
+    train(_cfg(data_root, f"{run}-b", **kw))
+    a, b = _losses(data_root, f"{run}-a"), _losses(data_root, f"{run}-b")
     assert a == b  # the same seed gives the same run
     assert sum(a[s] for s in range(16, 21)) < sum(a[s] for s in range(1, 6)) - 0.5  # it learns
-    _resume_from(data_root / "modern-a", 10, data_root / "modern-resumed")
-    train(_cfg(data_root, "modern-resumed", **kw))
-    resumed = _losses(data_root, "modern-resumed")
+    _resume_from(data_root / f"{run}-a", 10, data_root / f"{run}-resumed")
+    train(_cfg(data_root, f"{run}-resumed", **kw))
+    resumed = _losses(data_root, f"{run}-resumed")
     assert [resumed[s] for s in range(11, 21)] == [a[s] for s in range(11, 21)]
 
 
