@@ -126,7 +126,7 @@ def features_suite(args, w: Path) -> int:
     warm = args.warmup_steps
     for shape in args.shapes.split(","):
         for name, kw in SETTINGS.items():
-            if args.settings and name not in args.settings.split(","):
+            if args.settings and name not in args.settings.split(";"):
                 continue
             steps = args.offload_steps if "offload" in kw else args.steps
             out = w / "features" / f"{shape}-{name.replace(' ', '_').replace(',', '')}"
@@ -237,7 +237,7 @@ def main() -> int:
     ap.add_argument("--batch-size", type=int, default=16, help="features suite: sequences per step")
     ap.add_argument("--block-size", type=int, default=1024, help="features suite: context")
     ap.add_argument("--offload-steps", type=int, default=12, help="features suite: steps of the (slow) offload runs")
-    ap.add_argument("--settings", help="features suite: only these settings (comma-separated names)")
+    ap.add_argument("--settings", help="features suite: only these settings (names separated by ;)")
     ap.add_argument("--name", default="train_speed_features", help="features suite: results file name")
     ap.add_argument("--compile", action="store_true", help="features suite: torch.compile each run")
     ap.add_argument("--index", help="an existing index (with --features) instead of building one in --work")
