@@ -60,6 +60,24 @@ def prepare(w: Path, index: str | None, features: str | None) -> None:
             check=True,
             env=env,
         )
+    if not (w / "held" / "manifest.json").exists():  # the embedded held-out documents: the suite's held-out loss
+        subprocess.run(
+            [
+                py,
+                "-m",
+                "teragram.serve.cli",
+                "features",
+                str(w / "idx"),
+                "--out",
+                str(w / "held"),
+                "--corpus",
+                "data/default/heldout",
+                "--quiet",
+            ],
+            cwd=repo,
+            check=True,
+            env=env,
+        )
 
 
 SETTINGS = {
@@ -108,9 +126,15 @@ def convergence(data: dict, shapes: list[str], window: int = 50) -> str:
                     "steps to bf16's final loss": reach if reach is not None else "not reached",
                 }
             )
+            if "heldout_loss" in d and "heldout_loss" in base:
+                rows[-1]["held-out loss"] = f"{d['heldout_loss']:.4f} ({100 * (d['heldout_loss'] / base['heldout_loss'] - 1):+.2f}%)"
     if not rows:
         return ""
-    return "Convergence at equal tokens (training loss; steps measured on a moving average):\n\n" + table(rows, list(rows[0]))
+    cols = list(dict.fromkeys(c for r in rows for c in r))
+    return (
+        "Convergence at equal tokens (training loss, steps measured on its moving average; held-out loss: the embedded corpus's "
+        "held-out documents after the last step):\n\n" + table(rows, cols)
+    )
 
 
 def features_suite(args, w: Path) -> int:
@@ -134,6 +158,7 @@ def features_suite(args, w: Path) -> int:
             cfg = TrainConfig(
                 index=str(args.index or w / "idx"),
                 features=str(args.features or w / "feats"),
+                heldout=None if args.index else str(w / "held"),
                 out=str(out),
                 preset=shape,
                 batch_size=args.batch_size,
@@ -180,6 +205,8 @@ def features_suite(args, w: Path) -> int:
             last = [v for st, v in curve if st > steps - 100]  # the mean of the last 100 steps' training loss
             d = {"tokens_per_s": tps, "timed_steps": n, "loss": r["loss"], "loss_last100": sum(last) / len(last), "steps": steps}
             d |= {"peak_gib": peak, "curve": curve, "params": GPT(model_config(cfg, *_vocab_topk(cfg))).num_params()}
+            if "eval" in r:
+                d["heldout_loss"] = r["eval"]["loss"]
             data["settings"][key] = d
             rows.append(
                 {
