@@ -315,6 +315,25 @@ def report(res: dict) -> None:
             f"- {name}, largest index ({big['index_tokens'] / 1e6:,.0f}M tokens): (t-c) is {100 * (1 - p['t-c'] / p['a']):.1f}% below (a); "
             f"(t) is {100 * (1 - p['t'] / p['a+c']):.1f}% below the cache-only gate (a+c)."
         )
+    acc = []
+    for name in SETS:
+        by = big["sets"][name]["infgram_accuracy_by_length"]
+        acc.append(
+            {"set": name}
+            | {
+                f"L {k}": f"{100 * v['share']:.0f}% / {100 * v['accuracy']:.0f}%" if v["accuracy"] is not None else "0%"
+                for k, v in by.items()
+            }
+        )
+    md.append(
+        "∞-gram argmax accuracy by match length at the largest index (share of test targets / accuracy):\n\n" + table(acc, list(acc[0]))
+    )
+    lines.append(
+        "- Index side of the evaluation (bulk estimates of both halves of a set, index/bulk.py, "
+        f"{res['workers']} threads): "
+        + "; ".join(f"{r['index']} {sum(s['estimates_s'] for s in r['sets'].values()):.0f} s" for r in rows)
+        + f" for all {sum(r['sets'][n]['test_tokens'] for n in SETS for r in rows[:1]):,} test tokens and their validation halves."
+    )
     save("index_size", res, "\n\n".join(md) + "\n\n" + "\n".join(lines), fig)
 
 
