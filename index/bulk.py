@@ -16,7 +16,7 @@ Python:
    computed once, summed over the shards in a dense scratch (one galloping search per distinct
    next token, kernels.block_end), and read by every position in its group.
 
-Step 3 runs on `threads` threads (the kernel releases the GIL).
+Steps 1 and 3 run on `threads` threads (the kernels release the GIL).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from .features import FIELDS, SCORE_DTYPES, Features
 from .packed import get
 
 UNCAPPED = 1 << 62
-CHUNK = 1 << 19  # positions per pass: bounds the per-shard interval arrays
+CHUNK = 1 << 18  # positions per pass: bounds the per-shard interval arrays (24 bytes per position, cap and shard)
 
 
 @nb.njit(cache=True, nogil=True)
@@ -114,6 +114,16 @@ def continuations(idx, ids: np.ndarray, starts: np.ndarray, caps, *, top_k: int 
     return {c: _combine([p[c] for p in parts]) for c in caps}
 
 
+def _map(fn, jobs: list, threads: int) -> None:
+    """fn over the jobs, on `threads` threads (the kernels release the GIL)."""
+    if threads > 1:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(fn, jobs))
+    else:
+        for j in jobs:
+            fn(j)
+
+
 def _features(n: int, k: int) -> Features:
     f = Features.empty(n, k, SCORE_DTYPES)
     return Features(f.length, f.cont, f.count, f.topk_ids, f.topk_cnt, np.zeros(n, np.int64))
@@ -135,11 +145,15 @@ def _chunk(idx, ids: np.ndarray, starts: np.ndarray, caps: list[int], k: int, th
     L = np.zeros((C, S, P), np.int64)
     lo = np.zeros((C, S, P), np.int64)
     hi = np.zeros((C, S, P), np.int64)
-    for ci, cap in enumerate(caps):
-        for si, s in enumerate(idx.shards):
-            K.match_lengths_docs(
-                s.tok, s.sa.words, s.sa.width, s.n, ids, starts, cap if cap > 0 else UNCAPPED, L[ci, si], lo[ci, si], hi[ci, si]
-            )
+
+    def lengths(job: tuple[int, int]) -> None:
+        ci, si = job
+        s, cap = idx.shards[si], caps[ci]
+        K.match_lengths_docs(
+            s.tok, s.sa.words, s.sa.width, s.n, ids, starts, cap if cap > 0 else UNCAPPED, L[ci, si], lo[ci, si], hi[ci, si]
+        )
+
+    _map(lengths, [(ci, si) for ci in range(C) for si in range(S)], threads)
     Lm = L.max(1)  # (C, P)
     held = (L == Lm[:, None, :]) & (Lm[:, None, :] > 0)
     lo = np.where(held, lo, 0).transpose(0, 2, 1).reshape(C * P, S)  # rows: (cap, position)
@@ -173,12 +187,7 @@ def _chunk(idx, ids: np.ndarray, starts: np.ndarray, caps: list[int], k: int, th
         _histograms(toks, words, widths, samaxs, offs, idx.sep, idx.eos_id, *args)
 
     bounds = np.linspace(0, len(rep), max(1, min(threads, len(rep))) * 8 + 1).astype(int)
-    if threads > 1:
-        with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(run, bounds[:-1], bounds[1:]))
-    else:
-        for ua, ub in zip(bounds[:-1], bounds[1:]):
-            run(ua, ub)
+    _map(lambda ab: run(*ab), list(zip(bounds[:-1], bounds[1:])), threads)
     none = Lm == 0  # no suffix occurs: the unigram distribution
     uni = idx.unigram
     f.count[none] = idx.n_positions
