@@ -152,19 +152,30 @@ def measure_index(root: Path, qs: dict, heldout: Path, n_cold: int, bulk_tokens:
     return row
 
 
+_RESHARD = """
+import sys, time
+from benchmarks.build import doc_ids
+from teragram.builder.build import build_from_ids
+docs = doc_ids({of!r})
+t = time.time()
+build_from_ids(docs, {out!r}, {of!r} + "/tokenizer.model", shard_tokens={shard}, workers=2, memory_gb=8)
+print("INDEX_S", time.time() - t)
+"""
+
+
 def reshard(of: Path, out: Path, shards: int) -> dict:
-    """The ids of index `of` rebuilt as `shards` shards (timed)."""
-    from teragram.builder.build import build_from_ids
+    """The ids of index `of` rebuilt as `shards` shards with --memory 8, timed (the ids are read
+    first, outside the timed part; peak RSS is the whole process's)."""
     from teragram.index.engine import Index
 
-    from benchmarks.build import doc_ids
-
-    if (out / "manifest.json").exists():
+    if (out / "reshard.json").exists():
         return json.loads((out / "reshard.json").read_text())
-    idx = Index(of)
-    t = time.time()
-    build_from_ids(doc_ids(of), out, of / "tokenizer.model", shard_tokens=-(-idx.n_positions // shards) + 1, workers=2)
-    m = {"of": of.name, "shards": len(Index(out).shards), "build_s": time.time() - t}
+    n = Index(of).n_positions
+    code = _RESHARD.format(of=str(of), out=str(out), shard=-(-n // shards) + 1)
+    log = out.parent / f"{out.name}.log"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    m = run_measured([sys.executable, "-c", code], stdout=open(log, "w"))
+    m |= {"of": of.name, "shards": len(Index(out).shards), "index_s": float(log.read_text().split("INDEX_S")[1])}
     (out / "reshard.json").write_text(json.dumps(m))
     return m
 
@@ -222,16 +233,18 @@ def report(res: dict) -> None:
             tr[f"{op} warm / cold ms"] = f"{lat['warm_median_ms']:.3g} / {lat['cold_median_ms']:.3g}"
         tr["bulk estimates tok/s/core"] = f"{r['bulk_estimates']['tokens_per_s_core']:,.0f}"
         rows.append(tr)
-    r = res.get("reshard")
-    if r:
+    res["reshard_warm_ratio"] = {}
+    for r in res.get("reshard", []):
         one = next(x for x in res["indexes"] if x["index"] == r["of"])
-        ratios = {op: r["latency"][op]["warm_median_ms"] / one["latency"][op]["warm_median_ms"] for op in OPS}
-        rows.append({"index": f"{r['of']} as {r['shards']} shards", "tokens": f"{r['tokens'] / 1e6:,.0f}M", "shards": r["shards"]})
-        rows[-1] |= {
-            f"{op} warm / cold ms": f"{r['latency'][op]['warm_median_ms']:.3g} / {r['latency'][op]['cold_median_ms']:.3g}" for op in OPS
+        res["reshard_warm_ratio"][f"{r['of']}:{r['shards']}"] = {
+            op: r["latency"][op]["warm_median_ms"] / one["latency"][op]["warm_median_ms"] for op in OPS
         }
-        rows[-1]["bulk estimates tok/s/core"] = f"{r['bulk_estimates']['tokens_per_s_core']:,.0f}"
-        res["reshard_warm_ratio"] = ratios
+        tr = {"index": f"{r['of']} rebuilt as {r['shards']} shards", "tokens": f"{r['tokens'] / 1e6:,.0f}M", "shards": r["shards"]}
+        tr |= {f"{op} warm / cold ms": f"{r['latency'][op]['warm_median_ms']:.3g} / {r['latency'][op]['cold_median_ms']:.3g}" for op in OPS}
+        tr["B/token (tokens+SA / all)"] = f"{r['bytes_per_token_tokens_sa']:.2f} / {r['bytes_per_token_all']:.2f}"
+        tr["bulk estimates tok/s/core"] = f"{r['bulk_estimates']['tokens_per_s_core']:,.0f}"
+        tr["build from ids"] = f"{r['index_s']:.0f} s, {r['peak_rss_mb'] / 1024:.1f} GiB"
+        rows.append(tr)
     ig = res.get("infinigram")
     if ig:
         tr = {"index": f"infini-gram, ids of {ig['of']}", "tokens": "", "shards": 1}
@@ -239,10 +252,11 @@ def report(res: dict) -> None:
             lat = ig["latency"][op]
             tr[f"{op} warm / cold ms"] = f"{lat['warm_median_ms']:.3g} / {lat['cold_median_ms']:.3g}"
         rows.append(tr)
-    md = "Median latency per query, warm and cold (index pages evicted before each cold query):\n\n" + table(rows, list(rows[0]))
+    cols = list(dict.fromkeys(c for r in rows for c in r))
+    md = "Median latency per query, warm and cold (index pages evicted before each cold query):\n\n" + table(rows, cols)
     if ig and ig.get("build"):
         b = ig["build"]
-        md += f"\n\ninfini-gram's indexer on the ids of {ig['of']}: {b['wall_s']:.0f} s, peak RSS {b['peak_rss_mb'] / 1024:.1f} GiB."
+        md += f"\n\ninfini-gram's indexer on the ids of {ig['of']} (--cpus 2 --mem 8): {b['wall_s']:.0f} s, peak RSS {b['peak_rss_mb'] / 1024:.1f} GiB."
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     x = [r["tokens"] for r in res["indexes"]]
     for op in OPS:
@@ -265,8 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--queries", type=int, default=1000)
     ap.add_argument("--cold", type=int, default=200, help="queries timed cold per operation")
     ap.add_argument("--bulk-tokens", type=int, default=100_000)
-    ap.add_argument("--reshard", type=Path, help="also measure the ids of this index rebuilt as --reshard-shards shards")
-    ap.add_argument("--reshard-shards", type=int, default=16)
+    ap.add_argument("--reshard", nargs="+", default=[], help="IDX:N: also measure the ids of index IDX rebuilt as N shards")
     ap.add_argument("--work", type=Path, default=Path("/tmp/index-scale"), help="where --reshard's index goes")
     ap.add_argument("--infinigram", type=Path, help="an infini-gram index of the ids of --infinigram-of")
     ap.add_argument("--infinigram-of", type=Path)
@@ -278,9 +291,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.infinigram and a.build_infinigram:
         build_infinigram(a.infinigram_of, a.infinigram, a.infinigram_mem, 2)
     res["indexes"] = [measure_index(r, qs, a.heldout, a.cold, a.bulk_tokens) for r in a.index]
-    if a.reshard:
-        out = a.work / f"{a.reshard.name}-{a.reshard_shards}shards"
-        res["reshard"] = reshard(a.reshard, out, a.reshard_shards) | measure_index(out, qs, a.heldout, a.cold, a.bulk_tokens)
+    res["reshard"] = []
+    for spec in a.reshard:
+        of, n = Path(spec.rsplit(":", 1)[0]), int(spec.rsplit(":", 1)[1])
+        out = a.work / f"{of.name}-{n}shards"
+        res["reshard"].append(reshard(of, out, n) | measure_index(out, qs, a.heldout, a.cold, a.bulk_tokens))
     if a.infinigram:
         res["infinigram"] = measure_infinigram(a.infinigram, a.infinigram_of, qs, a.cold)
     report(res)
