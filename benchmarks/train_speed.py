@@ -128,12 +128,15 @@ def convergence(data: dict, shapes: list[str], window: int = 50) -> str:
             )
             if "heldout_loss" in d and "heldout_loss" in base:
                 rows[-1]["held-out loss"] = f"{d['heldout_loss']:.4f} ({100 * (d['heldout_loss'] / base['heldout_loss'] - 1):+.2f}%)"
+            if len(d.get("heldout_curve", [])) > 1 and "heldout_loss" in base:
+                hit = next((st for st, v in d["heldout_curve"] if v <= base["heldout_loss"]), None)
+                rows[-1]["steps to bf16's final held-out loss"] = hit if hit is not None else "not reached"
     if not rows:
         return ""
     cols = list(dict.fromkeys(c for r in rows for c in r))
     return (
         "Convergence at equal tokens (training loss, steps measured on its moving average; held-out loss: the embedded corpus's "
-        "held-out documents after the last step):\n\n" + table(rows, cols)
+        "held-out documents, after the last step and, with --eval-every, along the way):\n\n" + table(rows, cols)
     )
 
 
@@ -159,6 +162,7 @@ def features_suite(args, w: Path) -> int:
                 index=str(args.index or w / "idx"),
                 features=str(args.features or w / "feats"),
                 heldout=None if args.index else str(w / "held"),
+                eval_every=args.eval_every,
                 out=str(out),
                 preset=shape,
                 batch_size=args.batch_size,
@@ -207,6 +211,8 @@ def features_suite(args, w: Path) -> int:
             d |= {"peak_gib": peak, "curve": curve, "params": GPT(model_config(cfg, *_vocab_topk(cfg))).num_params()}
             if "eval" in r:
                 d["heldout_loss"] = r["eval"]["loss"]
+                rows_log = map(json.loads, (out / "log.jsonl").read_text().splitlines())
+                d["heldout_curve"] = sorted({x["step"]: x["eval"]["loss"] for x in rows_log if "eval" in x}.items())
             data["settings"][key] = d
             rows.append(
                 {
@@ -264,6 +270,7 @@ def main() -> int:
     ap.add_argument("--batch-size", type=int, default=16, help="features suite: sequences per step")
     ap.add_argument("--block-size", type=int, default=1024, help="features suite: context")
     ap.add_argument("--offload-steps", type=int, default=12, help="features suite: steps of the (slow) offload runs")
+    ap.add_argument("--eval-every", type=int, default=0, help="features suite: held-out loss every N steps (0: after the last)")
     ap.add_argument("--settings", help="features suite: only these settings (names separated by ;)")
     ap.add_argument("--name", default="train_speed_features", help="features suite: results file name")
     ap.add_argument("--compile", action="store_true", help="features suite: torch.compile each run")
