@@ -55,10 +55,6 @@ def index_maps(idx) -> list:
     return out
 
 
-def index_files(root: Path) -> list[Path]:
-    return [p for p in root.rglob("*") if p.is_file() and p.suffix == ".bin"]
-
-
 def queries(heldout: Path, n: int, seed: int = 0) -> dict[str, list[tuple]]:
     from teragram.index import format as fmt
 
@@ -134,6 +130,8 @@ def measure_index(root: Path, qs: dict, heldout: Path, n_cold: int, bulk_tokens:
             name = Path(f["path"]).name
             sizes[name] = sizes.get(name, 0) + f["size"]
     n = man["counts"]["tokens"]
+    maps = index_maps(idx)
+    files = [Path(m.filename) for m in maps]  # the files the queries read (shards may be symlinks elsewhere)
     fns = {
         "count": idx.count,
         "infgram_prob": idx.infgram_prob,
@@ -145,7 +143,7 @@ def measure_index(root: Path, qs: dict, heldout: Path, n_cold: int, bulk_tokens:
         "shards": len(idx.shards),
         "bytes_per_token_tokens_sa": (sizes["tokens.bin"] + sizes["sa.bin"]) / n,
         "bytes_per_token_all": sum(sizes.values()) / n,
-        "latency": latencies(fns, qs, lambda op: evict(index_files(root), index_maps(idx)), n_cold),
+        "latency": latencies(fns, qs, lambda op: evict(files, maps), n_cold),
         "bulk_estimates": bulk_rate(idx, heldout, bulk_tokens),
     }
     print(json.dumps(row), flush=True)
