@@ -158,6 +158,9 @@ docs = doc_ids({of!r})
 t = time.time()
 build_from_ids(docs, {out!r}, {of!r} + "/tokenizer.model", shard_tokens={shard}, workers=2, memory_gb=8)
 print("INDEX_S", time.time() - t)
+import resource
+hwm = next(int(x.split()[1]) for x in open("/proc/self/status") if x.startswith("VmHWM"))
+print("RSS_KB", hwm, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
 """
 
 
@@ -173,7 +176,13 @@ def reshard(of: Path, out: Path, shards: int) -> dict:
     log = out.parent / f"{out.name}.log"
     out.parent.mkdir(parents=True, exist_ok=True)
     m = run_measured([sys.executable, "-c", code], stdout=open(log, "w"))
-    m |= {"of": of.name, "shards": len(Index(out).shards), "index_s": float(log.read_text().split("INDEX_S")[1])}
+    text = log.read_text()
+    own, kids = (int(x) / 1024 for x in text.split("RSS_KB")[1].split()[:2])
+    # wait4's peak RSS counts the parent's pages mapped when the child was forked: read the
+    # builder's own high-water mark and its workers' instead (their sum bounds the tree's peak)
+    m.pop("peak_rss_mb")
+    m |= {"of": of.name, "shards": len(Index(out).shards), "index_s": float(text.split("INDEX_S")[1].split()[0])}
+    m |= {"rss_own_mb": own, "rss_workers_mb": kids}
     (out / "reshard.json").write_text(json.dumps(m))
     return m
 
@@ -241,7 +250,8 @@ def report(res: dict) -> None:
         tr |= {f"{op} warm / cold ms": f"{r['latency'][op]['warm_median_ms']:.3g} / {r['latency'][op]['cold_median_ms']:.3g}" for op in OPS}
         tr["B/token (tokens+SA / all)"] = f"{r['bytes_per_token_tokens_sa']:.2f} / {r['bytes_per_token_all']:.2f}"
         tr["bulk estimates tok/s/core"] = f"{r['bulk_estimates']['tokens_per_s_core']:,.0f}"
-        tr["build from ids"] = f"{r['index_s']:.0f} s, {r['peak_rss_mb'] / 1024:.1f} GiB"
+        rss = f", {(r['rss_own_mb'] + r['rss_workers_mb']) / 1024:.1f} GiB" if "rss_own_mb" in r else " (RSS not measured)"
+        tr["build from ids"] = f"{r['index_s']:.0f} s{rss}"
         rows.append(tr)
     ig = res.get("infinigram")
     if ig:
