@@ -235,36 +235,48 @@ def merge_parts(shard_dir: Path, plan_counts: list[int], tok: np.ndarray, sep: i
         lens[i], pos[i] = readers[i].fill(bufs[i], lcps[i]), 0
         done[i] = readers[i].left == 0
 
-    for i in range(n_parts):
-        fill(i)
-    loser, loser_lcp, winner = _tree(n_parts)
-    hints = new_hints()
-    build_tree(tok, sep, loser, loser_lcp, winner, bufs, pos, lens, done, hints)
     out = np.empty(CHUNK, dtype=np.int64)
     bm_dtype = np.uint32 if len(tok) < 2**32 else np.uint64
     levels: list[list[np.ndarray]] = [[] for _ in fmt.SAMAX_BLOCKS]
     writer = fmt.StreamWriter(shard_dir / "sa.bin", "sa", "packed", total, width)
     bar = tqdm(total=total, unit="suf", unit_scale=True, desc=f"merge {n_parts} parts", disable=not progress)
-    n_out = 0
+
+    def emit(n_out: int) -> None:
+        """Pack and write out[:n_out] (out full, or the last entries) and its block maxima."""
+        chunk = out[:n_out]
+        words = packed.pack(chunk, width)
+        # a full chunk is a whole number of words (CHUNK % 64 == 0); the last one keeps
+        # pack's spare word, which ends the stream
+        writer.write(words if n_out < CHUNK else words[: CHUNK * width // 64])
+        for lv, m in zip(levels, _levels(chunk)):
+            lv.append(m.astype(bm_dtype))
+        bar.update(n_out)
+
     try:
-        while True:
-            n_out, p = merge_some(tok, sep, loser, loser_lcp, winner, bufs, lcps, pos, lens, done, out, n_out, hints)
-            if p >= 0:
-                fill(p)  # its first entry's lcp is with the entry just output
-                replay(tok, sep, loser, loser_lcp, winner, bufs, pos, lens, done, p, int(lcps[p, 0]) if lens[p] else 0, hints)
-                continue
-            # out is full, or every part is merged
-            chunk = out[:n_out]
-            words = packed.pack(chunk, width)
-            # a full chunk is a whole number of words (CHUNK % 64 == 0); the last one keeps
-            # pack's spare word, which ends the stream
-            writer.write(words if n_out < CHUNK else words[: CHUNK * width // 64])
-            for lv, m in zip(levels, _levels(chunk)):
-                lv.append(m.astype(bm_dtype))
-            bar.update(n_out)
-            if n_out < CHUNK:
-                break
+        if n_parts == 1:  # nothing to merge: the part's order is the shard's
+            scratch = np.empty(CHUNK, dtype=np.uint16)
+            while True:
+                k = readers[0].fill(out, scratch)
+                emit(k)
+                if k < CHUNK:
+                    break
+        else:
+            for i in range(n_parts):
+                fill(i)
+            loser, loser_lcp, winner = _tree(n_parts)
+            hints = new_hints()
+            build_tree(tok, sep, loser, loser_lcp, winner, bufs, pos, lens, done, hints)
             n_out = 0
+            while True:
+                n_out, p = merge_some(tok, sep, loser, loser_lcp, winner, bufs, lcps, pos, lens, done, out, n_out, hints)
+                if p >= 0:
+                    fill(p)  # its first entry's lcp is with the entry just output
+                    replay(tok, sep, loser, loser_lcp, winner, bufs, pos, lens, done, p, int(lcps[p, 0]) if lens[p] else 0, hints)
+                    continue
+                emit(n_out)  # out is full, or every part is merged
+                if n_out < CHUNK:
+                    break
+                n_out = 0
         writer.close()
     finally:
         bar.close()
