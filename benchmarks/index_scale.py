@@ -225,7 +225,7 @@ def measure_infinigram(ig_dir: Path, of: Path, qs: dict, n_cold: int) -> dict:
     return {"of": of.name, "latency": lat, "build": built}
 
 
-def report(res: dict) -> None:
+def report(res: dict, name: str = "index_scale") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -277,7 +277,7 @@ def report(res: dict) -> None:
         ax.set_xlabel("index tokens")
         ax.set_ylabel("ms")
         ax.legend()
-    save("index_scale", res, md, fig)
+    save(name, res, md, fig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -293,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--infinigram-of", type=Path)
     ap.add_argument("--build-infinigram", action="store_true", help="build --infinigram first with infini-gram's indexer")
     ap.add_argument("--infinigram-mem", type=int, default=8)
+    ap.add_argument("--name", default="index_scale", help="results file name")
     a = ap.parse_args(argv)
     qs = queries(a.heldout, a.queries)
     res = {"queries": a.queries, "cold_queries": a.cold, "heldout": str(a.heldout)}
@@ -306,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         res["reshard"].append(reshard(of, out, n) | measure_index(out, qs, a.heldout, a.cold, a.bulk_tokens))
     if a.infinigram:
         res["infinigram"] = measure_infinigram(a.infinigram, a.infinigram_of, qs, a.cold)
-    report(res)
+    report(res, a.name)
     return 0
 
 
