@@ -326,7 +326,7 @@ class Index:
     def _count(self, q: np.ndarray) -> tuple[int, list[tuple[int, int]]]:
         if q.size == 0:
             return self.n_positions, [(0, s.n) for s in self.shards]
-        if self._pool is None:
+        if self._pool is None and len(self.shards) > 1:  # one shard: its own call is cheaper
             out = np.zeros((len(self.shards), 2), np.int64)
             top_cache.find_all(*self._fused, q, len(q), out)
             segs = [(int(a), int(b)) for a, b in out]
@@ -406,6 +406,8 @@ class Index:
     def _suffix_len(self, q: np.ndarray) -> int:
         if self._pool is not None:
             return max(self._per_shard(lambda s: s.longest_suffix(q)))
+        if len(self.shards) == 1:
+            return self.shards[0].longest_suffix(q)
         return int(top_cache.longest_suffix_all(*self._fused, q, len(q))) if len(q) else 0
 
     def infgram_prob(self, prompt, cont) -> InfgramProbResult:
