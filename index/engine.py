@@ -36,7 +36,6 @@ from functools import cached_property
 from pathlib import Path
 from typing import TypeVar
 
-import numba as nb
 import numpy as np
 
 from . import format as fmt
@@ -307,31 +306,10 @@ class Index:
             return [fn(s) for s in self.shards]
         return list(self._pool.map(fn, self.shards))
 
-    @cached_property
-    def _fused(self) -> tuple:
-        """Every shard's arrays and top-level cache as typed lists, for the kernels that search
-        all shards in one call (a shard costs no Python per query)."""
-        tops = [s.top for s in self.shards]
-        L = nb.typed.List
-        return (
-            L([np.asarray(s.tok) for s in self.shards]),
-            L([np.asarray(s.sa.words) for s in self.shards]),
-            np.array([s.sa.width for s in self.shards], np.int64),
-            np.array([s.n for s in self.shards], np.int64),
-            L([t.pos for t in tops]),
-            L([t.prefix for t in tops]),
-            tops[0].step_log2 if tops else top_cache.STEP_LOG2,
-        )
-
     def _count(self, q: np.ndarray) -> tuple[int, list[tuple[int, int]]]:
         if q.size == 0:
             return self.n_positions, [(0, s.n) for s in self.shards]
-        if self._pool is None and len(self.shards) > 1:  # one shard: its own call is cheaper
-            out = np.zeros((len(self.shards), 2), np.int64)
-            top_cache.find_all(*self._fused, q, len(q), out)
-            segs = [(int(a), int(b)) for a, b in out]
-        else:
-            segs = self._per_shard(lambda s: s.find(q))
+        segs = self._per_shard(lambda s: s.find(q))
         return sum(b - a for a, b in segs), segs
 
     def count(self, ids) -> CountResult:
@@ -406,9 +384,12 @@ class Index:
     def _suffix_len(self, q: np.ndarray) -> int:
         if self._pool is not None:
             return max(self._per_shard(lambda s: s.longest_suffix(q)))
-        if len(self.shards) == 1:
-            return self.shards[0].longest_suffix(q)
-        return int(top_cache.longest_suffix_all(*self._fused, q, len(q))) if len(q) else 0
+        best = 0
+        for s in self.shards:
+            if best == len(q):
+                break
+            best = max(best, s.longest_suffix(q))
+        return best
 
     def infgram_prob(self, prompt, cont) -> InfgramProbResult:
         q = self._ids(prompt, allow_empty=True, what="prompt")

@@ -87,7 +87,11 @@ def find(tok, words, w, n, pos, prefix, step_log2, q, m):
 
 @nb.njit(cache=True, nogil=True)
 def longest_suffix(tok, words, w, n, pos, prefix, step_log2, q, m):
-    """As kernels.longest_suffix, each probe searched through the samples."""
+    """Longest l such that q[m-l:] occurs; returns (l, lo, hi) with its interval.
+
+    Occurrence is monotone in l (a suffix of an occurring string occurs), so a binary search
+    over l with one find per probe (through the samples) suffices.
+    """
     lo_l = 0
     hi_l = m
     best_lo = 0
@@ -104,31 +108,3 @@ def longest_suffix(tok, words, w, n, pos, prefix, step_log2, q, m):
     if lo_l == 0:
         return 0, 0, n
     return lo_l, best_lo, best_hi
-
-
-@nb.njit(cache=True, nogil=True)
-def find_all(toks, words, widths, ns, poss, prefixes, step_log2, q, m, out):
-    """find in every shard at once (one call, no per-shard overhead): out[s] = (lo, hi)."""
-    for s in range(len(toks)):
-        out[s, 0], out[s, 1] = find(toks[s], words[s], widths[s], ns[s], poss[s], prefixes[s], step_log2, q, m)
-
-
-@nb.njit(cache=True, nogil=True)
-def longest_suffix_all(toks, words, widths, ns, poss, prefixes, step_log2, q, m):
-    """The longest suffix of q[:m] that occurs in any shard (shards searched in turn, each
-    from the best length so far)."""
-    best = 0
-    for s in range(len(toks)):
-        if best == m:
-            break
-        lo_l = best
-        hi_l = m
-        while lo_l < hi_l:
-            mid = (lo_l + hi_l + 1) >> 1
-            a, b = find(toks[s], words[s], widths[s], ns[s], poss[s], prefixes[s], step_log2, q[m - mid :], mid)
-            if b > a:
-                lo_l = mid
-            else:
-                hi_l = mid - 1
-        best = lo_l
-    return best
