@@ -281,12 +281,7 @@ def compose(out: Path, parts: list[Path]) -> dict:
         for reason, n in m["skipped"]["counts"].items():
             skipped[reason] = skipped.get(reason, 0) + n
     manifest = manifests[0] | {
-        "counts": {
-            "shards": len(shards),
-            "docs": first_doc,
-            "tokens": sum(s["n_tokens"] for s in shards),
-            "positions": sum(s["n_positions"] for s in shards),
-        },
+        "counts": fmt.manifest_counts(shards, first_doc),
         "shards": shards,
         "build": {"composed_of": [str(p.resolve()) for p in parts], "parts": [m["build"] for m in manifests]},
         "skipped": {"counts": skipped, "examples": {}},

@@ -484,12 +484,7 @@ def _finalize(cfg: BuildConfig, out: Path, sp, dtype: np.dtype, markers: list[di
         "tokenizer": {"file": tok_rec, "vocab_size": sp.get_piece_size(), "eos_id": tok_mod.eos_id(sp)},
         "token_dtype": dtype.name,
         "separator": fmt.separator(dtype),
-        "counts": {
-            "shards": len(shards),
-            "docs": first_doc,
-            "tokens": sum(s["n_tokens"] for s in shards),
-            "positions": sum(s["n_positions"] for s in shards),
-        },
+        "counts": fmt.manifest_counts(shards, first_doc),
         "shards": shards,
         "build": cfg.identity(),
         "skipped": skips.to_json(),

@@ -299,6 +299,16 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size < 0xFFFF else np.dtype(np.uint32)
 
 
+def manifest_counts(shards: list[dict], docs: int) -> dict:
+    """The manifest's "counts" block for these shard records."""
+    return {
+        "shards": len(shards),
+        "docs": docs,
+        "tokens": sum(s["n_tokens"] for s in shards),
+        "positions": sum(s["n_positions"] for s in shards),
+    }
+
+
 def separator(dtype: np.dtype) -> int:
     """The document separator: the largest value of the token dtype, never a vocabulary id."""
     return int(np.iinfo(dtype).max)

@@ -170,31 +170,6 @@ def range_max(words, w, samax, off2, off3, lo, hi):
 
 
 @nb.njit(**_NB)
-def longest_suffix(tok, words, w, n, q, m):
-    """Longest l such that q[m-l:] occurs; returns (l, lo, hi) with its interval.
-
-    Occurrence is monotone in l (a suffix of an occurring string occurs), so a binary search
-    over l with one find per probe suffices.
-    """
-    lo_l = 0
-    hi_l = m  # answer in [lo_l, hi_l]
-    best_lo = 0
-    best_hi = n
-    while lo_l < hi_l:
-        mid = (lo_l + hi_l + 1) >> 1
-        a, b = find(tok, words, w, n, q[m - mid :], mid)
-        if b > a:
-            lo_l = mid
-            best_lo = a
-            best_hi = b
-        else:
-            hi_l = mid - 1
-    if lo_l == 0:
-        return 0, 0, n
-    return lo_l, best_lo, best_hi
-
-
-@nb.njit(**_NB)
 def match_lengths(tok, words, w, n, ids, max_len, out_len, out_lo, out_hi):
     """For every position t of ids: the longest l <= max_len such that ids[t-l+1..t] occurs in
     the shard, and its interval. One pass with two pointers (see match_step): the match start
