@@ -107,6 +107,29 @@ class LongestMatch:
 
 
 @dataclass(frozen=True)
+class Occurrence:
+    """Where a match occurs: shard (its place in Index.shards), start position, match length."""
+
+    shard: int
+    pos: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """The document an occurrence lies in, from the LMDB metadata."""
+
+    doc_id: int
+    source: str  # the file it was read from
+    record: int  # its record number in that file (0 for a plain text file)
+    offset: int  # token offset of the match's start inside the document
+    length: int  # match length, in tokens
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
 class DocHit:
     doc_id: int
     shard: int
@@ -446,6 +469,20 @@ class Index:
                 hits.append(DocHit(s.first_doc + d, s.id, p - ds, self.meta.doc(s.first_doc + d), snippet))
         return DocsResult(cnt, hits, approx)
 
+    def following(self, occ: Occurrence, n: int) -> np.ndarray:
+        """Up to n tokens that follow the occurrence in its document (fewer at the document's end): (<= n,) int64."""
+        s = self.shards[occ.shard]
+        a = occ.pos + occ.length
+        t = np.asarray(s.tok[a : a + max(n, 0)], np.int64)
+        end = np.flatnonzero(t == self.sep)
+        return t[: end[0]] if len(end) else t
+
+    def provenance(self, occ: Occurrence) -> Provenance:
+        s = self.shards[occ.shard]
+        d = s.doc_of(occ.pos)
+        m = self.meta.doc(s.first_doc + d)
+        return Provenance(s.first_doc + d, m["source"], int(m["record"]), occ.pos - int(s.starts[d]), occ.length)
+
     # ---- per-position features ---------------------------------------------------------------
 
     def score(self, ids, *, top_k: int = 4, max_len: int = 64, targets: bool = False) -> Features:
@@ -524,6 +561,28 @@ class Scorer:
         out = _empty_score(1, self.top_k)
         self.idx._position(self.ids[: self.n], t, per, self.top_k, out, 0)
         return out
+
+    def snapshot(self) -> tuple[int, list[np.ndarray]]:
+        """The scorer's state after the tokens so far; restore() returns to it (speculative
+        decoding appends drafted tokens, then drops those the model rejects)."""
+        return self.n, [st.copy() for st in self.state]
+
+    def restore(self, snap: tuple[int, list[np.ndarray]]) -> None:
+        self.n, states = snap
+        self.state = [st.copy() for st in states]
+
+    def occurrence(self) -> Occurrence | None:
+        """The most recent occurrence of the last position's longest match -- the one whose
+        next token is that position's `cont` feature -- or None when nothing matched."""
+        if self.n == 0:
+            return None
+        lens = [self.n - int(st[0]) for st in self.state]  # state [start, lo, hi]: match ids[start:n]
+        L = max(lens)
+        if L == 0:
+            return None
+        j = max(j for j, x in enumerate(lens) if x == L)  # the latest shard, as the cont feature
+        s, st = self.idx.shards[j], self.state[j]
+        return Occurrence(j, s.most_recent(int(st[1]), int(st[2])), L)
 
 
 def _empty_score(T: int, k: int) -> Features:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -110,6 +111,7 @@ def cmd_eval(args) -> int:
 def cmd_sample(args) -> int:
     from teragram.index.engine import Index
 
+    from .draft import Drafter
     from .gate import Gate
     from .sample import generate
     from .train import load_model
@@ -126,11 +128,49 @@ def cmd_sample(args) -> int:
         top_p=args.top_p,
         seed=args.seed,
         gate=Gate.load(args.gate) if args.gate else None,
+        draft=Drafter(max_tokens=args.draft),
+        provenance=args.provenance,
     )
     print(idx.decode(g.ids))
+    if args.provenance:
+        print(provenance_table(idx, g.new_ids, g.provenance))
     if args.verbose:
+        st = g.stats.to_json()
         print(f"[{len(g.new_ids)} tokens, {g.long_matches()} with an index match of >= 16 tokens; stopped: {g.stopped}]", file=sys.stderr)
+        print(
+            f"[{st['forward_passes']} forward passes, {st['tokens_per_forward']:.2f} tokens each; "
+            f"{st['accepted']} of {st['drafted']} drafted tokens accepted; by match length: {json.dumps(st['by_match_length'])}]",
+            file=sys.stderr,
+        )
     return 0
+
+
+def draft_length(text: str) -> int:
+    from .draft import MAX_DRAFT
+
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of tokens") from None
+    if not 0 <= n <= MAX_DRAFT:
+        raise argparse.ArgumentTypeError(f"{n}: expected 0 (no drafts) to {MAX_DRAFT} tokens")
+    return n
+
+
+def provenance_table(idx, ids: list[int], prov: list) -> str:
+    """Runs of generated tokens whose longest index match lies in one document, one line each."""
+    lines = ["provenance (tokens whose context matches >= 8 tokens of an indexed document):"]
+    run: list[int] = []
+    for j, p in enumerate(prov + [None]):
+        prev = prov[j - 1] if j else None
+        if run and (p is None or prev is None or p.doc_id != prev.doc_id):
+            q = prov[run[-1]]
+            text = idx.decode([ids[k] for k in run]).replace("\n", "\\n")
+            lines.append(f"  {text[:60]!r:64} {q.source}#{q.record} token {q.offset} (match {q.length})")
+            run = []
+        if p is not None:
+            run.append(j)
+    return "\n".join(lines)
 
 
 def cmd_dense(args) -> int:
@@ -187,7 +227,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     sa.add_argument("--seed", type=int, default=0)
     sa.add_argument("--device", default="cpu")
     sa.add_argument("--gate", help="mix in the index's and the document cache's estimates with this gate (eval --fit-gate)")
-    sa.add_argument("--verbose", action="store_true")
+    sa.add_argument(
+        "--draft", type=draft_length, default=0, metavar="N", help="draft up to N tokens from exact matches, verified in one forward pass"
+    )
+    sa.add_argument("--provenance", action="store_true", help="list the indexed documents the generated text matches")
+    sa.add_argument("--verbose", action="store_true", help="match and draft statistics")
     sa.set_defaults(run=cmd_sample)
 
     de = sub.add_parser("dense", help="kNN-LM datastore (FAISS IVF-PQ) of a model's hidden states at training positions")

@@ -112,7 +112,13 @@ class CausalSelfAttention(nn.Module):
         if kv is not None:  # incremental decoding: attend to the cached keys/values too
             k = torch.cat([kv[0], k], dim=2)
             v = torch.cat([kv[1], v], dim=2)
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=kv is None or T > 1)
+        S = k.shape[2]
+        # causal, aligned at the end: query t sees the cache and the new positions up to t
+        # (is_causal alone aligns at the start, wrong for T > 1 new positions after a cache)
+        mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T) if 1 < T < S else None
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=mask is None and T > 1
+        )
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.c_proj(y), (k, v)
 

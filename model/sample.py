@@ -2,6 +2,14 @@
 scorer, whose features for it feed the next step; keys and values are cached.
 
     teragram sample --checkpoint RUN --index IDX "prompt" [--max-tokens 100] [--temperature 0.8]
+                    [--draft 8] [--provenance] [--verbose]
+
+With drafts (model/draft.py) each forward pass verifies up to N tokens read off the longest
+exact match of the context, in the index or earlier in the text, and keeps the longest prefix
+the model agrees with plus one token of its own: greedy decoding gives the same tokens as
+without drafts, and sampling the same distribution (speculative sampling with a draft that is
+one token for sure: accept it with the target's probability of it, else sample the target
+without it).
 """
 
 from __future__ import annotations
@@ -9,11 +17,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from teragram.index.engine import Index
+from teragram.index.engine import Index, Provenance
 from teragram.index.features import Features
 
+from .draft import Draft, Drafter, DraftStats
 from .gate import next_distribution
 from .gpt import GPT, to_torch
+
+PROVENANCE_MIN = 8  # a token's provenance is reported when its context matches this many tokens
+
+
+@dataclass(frozen=True)
+class Token:
+    id: int
+    features: Features  # the index features of the new position (one row)
+    provenance: Provenance | None  # the document of its longest match (>= PROVENANCE_MIN), when asked for
+    drafted: bool  # an accepted draft token (else the model's own pick)
 
 
 @dataclass
@@ -22,6 +41,8 @@ class Generation:
     n_prompt: int
     features: list[Features]  # one row per position, as seen while generating
     stopped: str  # "eos", "stop", "length"
+    provenance: list[Provenance | None]  # per generated token (empty unless asked for)
+    stats: DraftStats
 
     @property
     def new_ids(self) -> list[int]:
@@ -36,10 +57,8 @@ def _batch(rows: list[Features], device) -> Features:
     return to_torch(Features.combine(rows).map(lambda a: a[None]), device)  # (1, T) / (1, T, k)
 
 
-def _pick(p: torch.Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator) -> int:
-    """Sample from probabilities p (V,) with temperature, top-k and nucleus filtering."""
-    if temperature <= 0:
-        return int(p.argmax())
+def _target(p: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """The distribution sampled from (V,): p with temperature, top-k and nucleus filtering."""
     logp = torch.log(p.clamp_min(1e-30)) / temperature
     if top_k > 0:
         kth = torch.topk(logp, min(top_k, logp.numel())).values[-1]
@@ -50,7 +69,29 @@ def _pick(p: torch.Tensor, temperature: float, top_k: int, top_p: float, gen: to
         keep = torch.cumsum(srt, 0) - srt < top_p
         q = torch.zeros_like(q).scatter(0, order[keep], srt[keep])
         q = q / q.sum()
-    return int(torch.multinomial(q, 1, generator=gen))
+    return q
+
+
+def _verify(p: torch.Tensor, draft: list[int], temperature: float, top_k: int, top_p: float, gen: torch.Generator) -> tuple[int, int]:
+    """How many draft tokens to keep, and the token after them, from the distributions p
+    (n + 1, V) at the draft's positions (row j predicts draft[j]; the last row follows the
+    whole draft). Greedy: the drafts the argmax agrees with, then the argmax. Sampling: draft
+    token d is kept with probability q(d) (q: the filtered target); at the first rejection the
+    token is drawn from q without d -- together exactly a draw from q."""
+    if temperature <= 0:
+        best = p.argmax(-1).tolist()
+        j = 0
+        while j < len(draft) and best[j] == draft[j]:
+            j += 1
+        return j, best[j]
+    p = p.float().cpu()
+    for j, d in enumerate(draft):
+        q = _target(p[j], temperature, top_k, top_p)
+        if float(torch.rand((), generator=gen)) < float(q[d]):
+            continue
+        q[d] = 0.0
+        return j, int(torch.multinomial(q / q.sum(), 1, generator=gen))
+    return len(draft), int(torch.multinomial(_target(p[-1], temperature, top_k, top_p), 1, generator=gen))
 
 
 @torch.no_grad()
@@ -67,13 +108,18 @@ def stream(
     seed: int = 0,
     state: dict | None = None,
     gate=None,
+    draft: int | Drafter = 0,
+    provenance: bool = False,
 ):
-    """Yield (token, features of the new position) one generated token at a time.
-    `state` (a dict, optional) receives "features" (all positions so far) and "stopped".
-    With `gate` (model.gate.Gate) the model's distribution is mixed with the index's ∞-gram
-    and fixed-order estimates, and the document cache's, for the document so far."""
+    """Yield a Token per generated token.
+    `state` (a dict, optional) receives "features" (all positions so far), "stopped" and
+    "stats" (DraftStats of this call). With `gate` (model.gate.Gate) the model's distribution
+    is mixed with the index's ∞-gram and fixed-order estimates, and the document cache's, for
+    the document so far. `draft`: the longest draft (0: none), or a Drafter to use (and to
+    keep learning in). `provenance`: give each token the document of its longest index match."""
     if not prompt:
         prompt = [idx.eos_id]  # an empty prompt starts a document
+    drafter = draft if isinstance(draft, Drafter) else Drafter(max_tokens=int(draft))
     state = {} if state is None else state
     device = next(model.parameters()).device
     was = model.training
@@ -81,41 +127,70 @@ def stream(
     use_index = model.cfg.use_index
     sc = idx.scorer(top_k=model.cfg.top_k, max_len=model.cfg.max_match)
     feats = [sc.append(t) for t in prompt]
-    state["features"] = feats
-    state["stopped"] = "length"
+    stats = DraftStats()
+    state.update(features=feats, stopped="length", stats=stats)
     ids = list(prompt)
     gen = torch.Generator().manual_seed(seed)
     B = model.cfg.block_size
-    kv = None
-    pos0 = 0
-    x = torch.tensor([ids[-B:]], device=device)
-    f = _batch(feats[-B:], device) if use_index else None
+    start = max(0, len(ids) - B)  # the window: keys/values of ids[start : start + cached] are cached
+    kv, cached = None, 0
+    made = 0
+    occ = sc.occurrence()
+
+    def distributions(h: torch.Tensor, rows: list[Features], toks: list[int]) -> torch.Tensor:
+        """Next-token distributions (n, V) from the last n hidden states h (n, C), rows their
+        positions' features, toks the text up to the first of them (greedy: what is argmaxed)."""
+        if temperature <= 0 and gate is None and not (use_index and model.cfg.mixture):
+            return model.lm_head(h)  # greedy from the model alone: its logits have the same argmax
+        f = to_torch(Features.combine(rows).map(lambda a: a[:, None]), device) if use_index else None
+        p = model.next_distribution(h, f)
+        if gate is None:
+            return p
+        soft = torch.softmax(model.lm_head(h).float(), -1).cpu().double().numpy()
+        out = []
+        for j in range(len(h)):
+            doc = toks[: len(toks) - len(h) + 1 + j]
+            doc = doc[1:] if doc[0] == idx.eos_id else doc
+            out.append(torch.from_numpy(next_distribution(idx, doc, p[j].cpu().double().numpy(), gate, soft[j])).float())
+        return torch.stack(out)
+
     try:
-        for _ in range(max_new_tokens):
-            h, kv = model.hidden(x, f, kv, pos0)
-            pos0 += x.shape[1]
-            p = model.next_distribution(h[:, -1], _batch(feats[-1:], device) if use_index else None)[0].cpu()
-            if gate is not None:
-                doc = ids[1:] if ids[0] == idx.eos_id else ids
-                soft = torch.softmax(model.lm_head(h[:, -1]).float(), -1)[0].cpu().double().numpy()
-                p = torch.from_numpy(next_distribution(idx, doc, p.double().numpy(), gate, soft)).float()
-            tok = _pick(p, temperature, top_k, top_p, gen)
-            ids.append(tok)
-            feats.append(sc.append(tok))
-            yield tok, feats[-1]
-            if tok == idx.eos_id:
-                state["stopped"] = "eos"
-                return
-            if stop and any(len(s) and ids[-len(s) :] == s for s in stop):
-                state["stopped"] = "stop"
-                return
-            if pos0 >= B:  # context full: recompute the last B tokens without the cache
-                kv, pos0 = None, 0
-                x = torch.tensor([ids[-B:]], device=device)
-                f = _batch(feats[-B:], device) if use_index else None
-            else:
-                x = torch.tensor([[tok]], device=device)
-                f = _batch(feats[-1:], device) if use_index else None
+        while made < max_new_tokens:
+            if len(ids) - start > B:  # the context is full: a window of the last B tokens, recomputed
+                start, kv, cached = len(ids) - B, None, 0
+            pending = ids[start + cached :]
+            room = min(B - (len(ids) - start), max_new_tokens - made - 1)  # predictions this window still allows
+            d: Draft | None = drafter.propose(idx, occ, ids, room) if drafter.max_tokens else None
+            dt = d.tokens if d else []
+            drows = []
+            if dt and use_index:  # the model reads the drafted positions' features
+                snap = sc.snapshot()
+                drows = [sc.append(t) for t in dt]
+                sc.restore(snap)
+            x = torch.tensor([pending + dt], device=device)
+            f = _batch(feats[len(feats) - len(pending) :] + drows, device) if use_index else None
+            h, kv = model.hidden(x, f, kv, cached)
+            p = distributions(h[0, -(len(dt) + 1) :], [feats[-1], *drows], ids + dt)
+            n_ok, nxt = _verify(p, dt, temperature, top_k, top_p, gen)
+            cached += len(pending) + n_ok
+            if n_ok < len(dt):
+                kv = [(k[:, :, :cached], v[:, :, :cached]) for k, v in kv]
+            new = dt[:n_ok] + [nxt]
+            stats.record(d, n_ok, len(new))
+            drafter.stats.record(d, n_ok, len(new))
+            for j, tok in enumerate(new):
+                ids.append(tok)
+                feats.append(sc.append(tok))
+                occ = sc.occurrence()
+                prov = idx.provenance(occ) if provenance and occ is not None and occ.length >= PROVENANCE_MIN else None
+                made += 1
+                yield Token(tok, feats[-1], prov, j < n_ok)
+                if tok == idx.eos_id:
+                    state["stopped"] = "eos"
+                    return
+                if stop and any(len(s) and ids[-len(s) :] == s for s in stop):
+                    state["stopped"] = "stop"
+                    return
     finally:
         model.train(was)
 
@@ -123,6 +198,7 @@ def stream(
 def generate(model: GPT, idx: Index, prompt: list[int], **kw) -> Generation:
     """Generate to the end (see stream for the arguments)."""
     state: dict = {}
-    new = [tok for tok, _ in stream(model, idx, prompt, state=state, **kw)]
+    toks = list(stream(model, idx, prompt, state=state, **kw))
     prompt = prompt or [idx.eos_id]
-    return Generation(list(prompt) + new, len(prompt), state["features"], state["stopped"])
+    prov = [t.provenance for t in toks] if kw.get("provenance") else []
+    return Generation(list(prompt) + [t.id for t in toks], len(prompt), state["features"], state["stopped"], prov, state["stats"])

@@ -3,7 +3,9 @@
     teragram serve --index IDX [--checkpoint CKPT] [--host 127.0.0.1] [--port 8080] [--api-key KEY]
 
 Endpoints: POST / (infini-gram's request/response shape), POST /v1/completions (prompt,
-max_tokens, temperature, top_p, stop, stream as server-sent events), POST /v1/score,
+max_tokens, temperature, top_p, stop, stream as server-sent events; draft: up to N tokens
+drafted from exact matches and verified in one pass; provenance: each token's indexed document),
+POST /v1/score,
 GET /health, GET /stats. Every bad request gets a 4xx with {"error": "<one line>"}.
 Index queries run concurrently in the worker threads (the kernels release the GIL); model
 calls are serialized by a lock (one model, one device).
@@ -25,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from teragram.index.engine import Index, with_tokens
 from teragram.index.errors import QueryError, TeragramError
+from teragram.model.draft import DraftStats
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,8 @@ class CompletionRequest(_Strict):
     stop: str | list[str] | None = None
     stream: bool = False
     seed: int = 0
+    draft: int = Field(default=0, ge=0, le=256)  # draft up to this many tokens from exact matches (model/draft.py)
+    provenance: bool = False  # each token's indexed document, where its context matches >= 8 tokens
 
 
 class ScoreRequest(_Strict):
@@ -122,6 +127,7 @@ def create_app(cfg: ServeConfig) -> FastAPI:
             raise TeragramError("--gate needs --checkpoint")
         gate = Gate.load(cfg.gate)
     model_lock = threading.Lock()
+    draft_stats = DraftStats()  # what drafting has learnt (acceptance by match length) and done, across requests
     stats = _Stats()
     app = FastAPI(title="teragram", version="0.1.0")
 
@@ -179,6 +185,7 @@ def create_app(cfg: ServeConfig) -> FastAPI:
                 "vocab_size": idx.vocab_size,
             },
             "model": m,
+            "drafts": draft_stats.to_json() if model is not None else None,
             "uptime_s": time.time() - stats.start,
             "endpoints": stats.summary(),
         }
@@ -222,17 +229,32 @@ def create_app(cfg: ServeConfig) -> FastAPI:
             raise QueryError(f"prompt of {len(ids)} tokens does not fit the context of {model.cfg.block_size}")
         return ids
 
+    def _prov(tok) -> dict:
+        """A generated token with the indexed document its context matches (null below 8 tokens)."""
+        return {"token": tok.id, "text": idx.piece(tok.id), "document": tok.provenance.to_json() if tok.provenance else None}
+
     @app.post("/v1/completions")
     def completions(req: CompletionRequest):
         _need_model()
         if req.max_tokens > cfg.max_tokens:
             raise QueryError(f"max_tokens {req.max_tokens} is over the cap of {cfg.max_tokens}")
+        from teragram.model.draft import Drafter
         from teragram.model.sample import stream
 
         ids = _prompt_ids(req.prompt)
         stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
         stop_ids = [idx.tokenize(s) for s in stops if s]
-        kw = dict(max_new_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, stop=stop_ids, seed=req.seed, gate=gate)
+        drafter = Drafter(max_tokens=req.draft, stats=draft_stats)
+        kw = dict(
+            max_new_tokens=req.max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            stop=stop_ids,
+            seed=req.seed,
+            gate=gate,
+            draft=drafter,
+            provenance=req.provenance,
+        )
         created = int(time.time())
         name = req.model or "teragram"
 
@@ -244,13 +266,13 @@ def create_app(cfg: ServeConfig) -> FastAPI:
 
         if not req.stream:
             out = list(run())
-            new = [t for t, _ in out]
+            new = [t.id for t in out]
             text = idx.decode(new)
             for s in stops:
                 if s and s in text:
                     text = text[: text.index(s)]
             finish = "stop" if run.state["stopped"] in ("eos", "stop") else "length"  # type: ignore[attr-defined]
-            long = sum(int(f.length[0]) >= 16 for _, f in out[:-1]) + (
+            long = sum(int(t.features.length[0]) >= 16 for t in out[:-1]) + (
                 1 if ids and out and int(run.state["features"][len(ids) - 1].length[0]) >= 16 else 0
             )  # type: ignore[attr-defined]
             return {
@@ -261,13 +283,13 @@ def create_app(cfg: ServeConfig) -> FastAPI:
                 "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
                 "usage": {"prompt_tokens": len(ids), "completion_tokens": len(new), "total_tokens": len(ids) + len(new)},
                 "index_matches": {"long_match_tokens": long, "min_match": 16},
-            }
+            } | ({"provenance": [_prov(t) for t in out]} if req.provenance else {})
 
         def sse():
             prev = ""
             new: list[int] = []
-            for tok, _ in run():
-                new.append(tok)
+            for tok in run():
+                new.append(tok.id)
                 text = idx.decode(new)
                 delta, prev = text[len(prev) :], text
                 chunk = {
@@ -276,7 +298,7 @@ def create_app(cfg: ServeConfig) -> FastAPI:
                     "created": created,
                     "model": name,
                     "choices": [{"index": 0, "text": delta, "finish_reason": None}],
-                }
+                } | ({"provenance": _prov(tok)} if req.provenance else {})
                 yield f"data: {json.dumps(chunk)}\n\n"
             finish = "stop" if run.state["stopped"] in ("eos", "stop") else "length"  # type: ignore[attr-defined]
             yield f"data: {json.dumps({'id': f'cmpl-{created}', 'object': 'text_completion', 'choices': [{'index': 0, 'text': '', 'finish_reason': finish}]})}\n\n"

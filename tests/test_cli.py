@@ -54,6 +54,13 @@ def test_every_verb_runs(capsys, tmp_path, corpus_dir, tokenizer_model, real_ind
     ev = ["--checkpoint", run, "--index", idx_dir, "--corpus", held, "--quiet", "--json"]
     assert json.loads(_run(capsys, "eval", *ev))["tokens"] == len(idx.tokenize((held / "a.txt").read_text())) + 1
     assert _run(capsys, "sample", "--checkpoint", run, "--index", idx_dir, "The", "--max-tokens", 3).startswith("The")
+    sample = ["sample", "--checkpoint", run, "--index", idx_dir, "The kernel is the core", "--max-tokens", 12, "--temperature", 0]
+    assert main([str(a) for a in sample] + ["--draft", "4", "--provenance", "--verbose"]) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("The kernel") and "provenance (tokens whose context" in out.out and "forward passes" in out.err
+    with pytest.raises(SystemExit):
+        main([str(a) for a in sample] + ["--draft", "-1"])
+    assert "expected 0 (no drafts)" in capsys.readouterr().err
     assert "dense store of 512 keys" in _run(capsys, "dense", idx_dir, "--checkpoint", run, "--features", feats, "--positions", 512)
     # evaluation options: decontamination, the peers' interpolations (fit, then loaded)
     dc = json.loads(_run(capsys, "eval", *ev, "--decontaminate"))["decontaminated"]

@@ -60,12 +60,14 @@ def test_kv_cache_matches_full_forward(arch):
     f = _rand_feats(1, 20, 50, 4, g)
     full, _ = m.hidden(x, f)
     sl = lambda a, b: f.map(lambda v: v[:, a:b])  # noqa: E731
-    h, kv = m.hidden(x[:, :12], sl(0, 12))
-    steps = [h]
-    for t in range(12, 20):
-        h, kv = m.hidden(x[:, t : t + 1], sl(t, t + 1), kv, pos0=t)
-        steps.append(h)
-    assert torch.allclose(torch.cat(steps, 1), full, atol=1e-5)
+    for chunk in (1, 3):  # one token at a time (decoding), or several (verifying drafts)
+        h, kv = m.hidden(x[:, :12], sl(0, 12))
+        steps = [h]
+        for t in range(12, 20, chunk):
+            e = min(t + chunk, 20)
+            h, kv = m.hidden(x[:, t:e], sl(t, e), kv, pos0=t)
+            steps.append(h)
+        assert torch.allclose(torch.cat(steps, 1), full, atol=1e-5), chunk
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,8 @@ from teragram.index.features import FeatureConfig
 from teragram.model.train import TrainConfig, train
 from teragram.serve.app import ServeConfig, create_app
 
+from tests.conftest import real_texts
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -130,6 +132,34 @@ def test_streaming(server):
     assert streamed == full["choices"][0]["text"]
 
 
+def test_drafts_and_provenance(server, real_index):
+    """Greedy completions with drafts equal those without; streamed provenance per token names
+    indexed text that really ends with the token; /stats counts the drafts."""
+    idx = Index(real_index)
+    text = real_texts(1)[0][1]
+    prompt = text[:80]
+    body = {"prompt": prompt, "max_tokens": 24, "temperature": 0}
+    plain = httpx.post(server + "/v1/completions", json=body, headers=H).json()
+    fast = httpx.post(server + "/v1/completions", json=body | {"draft": 6}, headers=H).json()
+    assert fast["choices"][0]["text"] == plain["choices"][0]["text"]
+    with httpx.stream("POST", server + "/v1/completions", json=body | {"draft": 6, "provenance": True, "stream": True}, headers=H) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    prov = [c["provenance"] for c in chunks if "provenance" in c]
+    assert len(prov) == plain["usage"]["completion_tokens"]
+    ids = idx.tokenize(prompt) + [p["token"] for p in prov]
+    for j, p in enumerate(prov):
+        if p["document"] is None:
+            continue
+        d = p["document"]
+        m = idx.meta.doc(d["doc_id"])
+        s = next(s for s in idx.shards if s.id == m["shard"])
+        a = int(m["start"]) + d["offset"]
+        end = len(ids) - len(prov) + j + 1
+        assert d["length"] >= 8 and list(np.asarray(s.tok[a : a + d["length"]])) == ids[end - d["length"] : end]
+    st = httpx.get(server + "/stats", headers=H).json()["drafts"]
+    assert st["forward_passes"] > 0 and st["tokens"] >= st["forward_passes"]
+
+
 def test_auth(server):
     assert httpx.get(server + "/health").status_code == 401
     r = httpx.post(server + "/", json={"query_type": "count", "query": "x"}, headers={"Authorization": "Bearer wrong"})
@@ -148,6 +178,8 @@ def test_auth(server):
         ("/v1/completions", {"prompt": "x", "max_tokens": 100000}, 400, "over the cap"),
         ("/v1/completions", {"prompt": "word " * 200, "max_tokens": 1}, 400, "does not fit the context"),
         ("/v1/completions", {"prompt": "x", "bogus": 1}, 400, "bogus"),
+        ("/v1/completions", {"prompt": "x", "draft": -1}, 400, "draft"),
+        ("/v1/completions", {"prompt": "x", "draft": 100000}, 400, "draft"),
         ("/v1/score", {"ids": []}, 400, "nothing to score"),
         ("/", {"query_type": "count", "query": "x " * 5000}, 400, "over the cap"),
     ],

@@ -1,0 +1,349 @@
+"""Faster generation from exact matches: greedy decoding at batch 1 with drafts read off the
+index's longest match and the document cache (model/draft.py), against plain decoding.
+
+    python -m benchmarks.generation prepare --data DATA --carry .carry19            # here
+    python -m benchmarks.generation setup --carry .carry19 --work W --out OUT        # GPU: index, 125M, tiny
+    python -m benchmarks.generation tune --work W --carry .carry19 --device cuda     # validation prompts
+    python -m benchmarks.generation run --work W --carry .carry19 --device cuda --modes plain,ours
+    python -m benchmarks.generation report --parts P... --name generation_gpu
+
+Prompts: 128 tokens from a hash-chosen place in held-out documents, 100 test and 30 validation
+documents per set: `code` (kernel files new in linux-source-6.12, absent from the indexed 6.1)
+and `english` (prose from a source no index holds); DATA is benchmarks/index_size_data.py's.
+Models: the perplexity benchmark's 125M (a) (no index inputs, 1,500 steps on the ~47M tokens
+of DATA/ppl/train-*), and a tiny model for CPU runs; the index is that training text.
+Modes, each 256 new tokens per prompt: plain (no drafts), ours (index + document cache), pld
+(document cache only: prompt-lookup decoding, the peer), prov (ours with per-token provenance).
+The draft length and threshold are chosen on the validation prompts (`tune`); the test
+prompts are only reported. Every mode's tokens are compared with plain's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import save, table
+
+SETS = {"code": "timeshift", "english": "prose"}
+PROMPT_TOKENS = 128
+MODES = {
+    "plain": dict(max_tokens=0),
+    "ours": dict(),
+    "pld": dict(sources=("cache",)),
+    "prov": dict(),
+}
+GRID = [dict(max_tokens=n, min_prob=p) for n in (8, 16, 32) for p in (0.03, 0.1, 0.3)]
+
+
+def sh(*cmd) -> None:
+    print("+", " ".join(map(str, cmd)), flush=True)
+    subprocess.run([str(c) for c in cmd], check=True)
+
+
+def _hash(s: str) -> int:
+    return int.from_bytes(hashlib.sha1(s.encode()).digest()[:8], "big")
+
+
+def _read_jsonl_zst(path: Path) -> list[dict]:
+    import zstandard
+
+    with open(path, "rb") as f:
+        text = io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(f), encoding="utf-8")
+        return [json.loads(line) for line in text if line.strip()]
+
+
+def stage_prepare(data: Path, carry: Path, n_test: int, n_valid: int) -> None:
+    """Prompts (token ids) and what the GPU machine needs to rebuild index and models."""
+    from teragram.index.tokenizer import load
+
+    carry.mkdir(parents=True, exist_ok=True)
+    for name in ("train-code.jsonl.zst", "train-english.jsonl.zst"):
+        shutil.copyfile(data / "ppl" / name, carry / name)
+    shutil.copyfile(data / "idx-050m" / "tokenizer.model", carry / "tokenizer.model")
+    sp = load(carry / "tokenizer.model")
+    prompts: dict = {}
+    for name, held in SETS.items():
+        for half, n in (("valid", n_valid), ("test", n_test)):
+            docs = sorted(_read_jsonl_zst(data / "heldout" / held / f"{half}.jsonl.zst"), key=lambda d: _hash(d["path"]))
+            out = []
+            for d in docs:
+                ids = sp.encode(d["text"])
+                if len(ids) < PROMPT_TOKENS:
+                    continue
+                o = _hash(d["path"] + ":prompt") % (len(ids) - PROMPT_TOKENS + 1)
+                out.append({"path": d["path"], "offset": o, "ids": [int(t) for t in ids[o : o + PROMPT_TOKENS]]})
+                if len(out) == n:
+                    break
+            prompts.setdefault(name, {})[half] = out
+            print(f"{name}/{half}: {len(out)} prompts")
+    (carry / "prompts.json").write_text(json.dumps(prompts))
+    print(f"{carry}: {sum(p.stat().st_size for p in carry.rglob('*') if p.is_file()) / 1e6:.1f} MB")
+
+
+def stage_setup(carry: Path, work: Path, out: Path | None, tiny_steps: int) -> None:
+    """The index of the training text, the 125M (a) and a tiny model (exported in bf16 to OUT)."""
+    from benchmarks.perplexity import SCALES, train_cmd
+
+    t = time.time()
+    train = [carry / "train-code.jsonl.zst", carry / "train-english.jsonl.zst"]
+    tk = carry / "tokenizer.model"
+    sh(
+        sys.executable,
+        "-m",
+        "teragram.builder.cli",
+        *train,
+        "--out",
+        work / "idx",
+        "--tokenizer",
+        tk,
+        "--workers",
+        os.cpu_count(),
+        "--quiet",
+    )
+    phases = {"index_s": time.time() - t}
+    t = time.time()
+    sh(*train_cmd("a", work, SCALES["gpu"]))
+    phases["train_125m_s"] = time.time() - t
+    t = time.time()
+    tiny = dict(preset="tiny", block_size=512, batch_size=32, steps=tiny_steps, lr=3e-3, min_lr=3e-4, warmup=50)
+    sh(*[f"--out={work / 'runs' / 'tiny'}" if c.startswith("--out=") else c for c in train_cmd("a", work, tiny)])
+    phases["train_tiny_s"] = time.time() - t
+    if out is not None:
+        export_bf16(work / "runs" / "tiny", out / "tiny")
+    (work / "setup.json").write_text(json.dumps(phases))
+    print(json.dumps(phases))
+
+
+def export_bf16(run: Path, dst: Path) -> None:
+    """A checkpoint's weights in bf16 (half the bytes; load_model reads them back into fp32)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from teragram.index import format as fmt
+
+    src = run / fmt.read_json(run / "latest.json")["checkpoint"]
+    dst.mkdir(parents=True, exist_ok=True)
+    sd = load_file(str(src / "model.safetensors"))
+    save_file({k: v.to(torch.bfloat16) for k, v in sd.items()}, str(dst / "model.safetensors"))
+    shutil.copyfile(src / "config.json", dst / "config.json")
+
+
+def _self_repeats(ids: list[int], n0: int, k: int = 8) -> float:
+    """Share of generated tokens whose preceding k tokens occurred earlier in the text."""
+    seen, hits = set(), 0
+    for i in range(k, len(ids)):
+        key = tuple(ids[i - k : i])
+        if i >= n0 and key in seen:
+            hits += 1
+        seen.add(key)
+    return hits / max(len(ids) - n0, 1)
+
+
+def decode(model, idx, prompts: list[list[int]], modes: dict[str, dict], new_tokens: int, deadline: float) -> dict:
+    """Each prompt in every mode in turn (so that a deadline cuts all modes at the same prompt):
+    per mode, the tokens, seconds, and the drafts' statistics (one Drafter per mode and set,
+    so it learns over the prompts as a server does)."""
+    import torch
+    from teragram.model.draft import Drafter
+    from teragram.model.sample import generate
+
+    drafters = {m: Drafter(**kw) for m, kw in modes.items()}
+    out = {m: {"seconds": [], "tokens": [], "ids": [], "repeats": []} for m in modes}
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for i, p in enumerate(prompts):
+        if time.time() > deadline:
+            print(f"deadline: {i} of {len(prompts)} prompts", flush=True)
+            break
+        for m in modes:
+            sync()
+            t = time.perf_counter()
+            g = generate(model, idx, p, max_new_tokens=new_tokens, temperature=0, draft=drafters[m], provenance=m == "prov")
+            sync()
+            out[m]["seconds"].append(time.perf_counter() - t)
+            out[m]["tokens"].append(len(g.new_ids))
+            out[m]["ids"].append(g.new_ids)
+            out[m]["repeats"].append(_self_repeats(g.ids, g.n_prompt))
+    for m in modes:
+        out[m]["stats"] = drafters[m].stats.to_json()
+    return out
+
+
+def _load(work: Path, checkpoint: Path | None, index: Path | None, device: str):
+    import torch
+    from teragram.index.engine import Index
+    from teragram.model.train import load_model
+
+    torch.manual_seed(0)
+    model, _ = load_model(checkpoint or work / "runs" / "a", device)
+    idx = Index(index or work / "idx")
+    return model, idx
+
+
+def _warm(model, idx, prompt: list[int]) -> None:
+    """JIT compilation, CUDA context and the pages of the index, before anything is timed."""
+    from teragram.model.draft import Drafter
+    from teragram.model.sample import generate
+
+    for d in (0, Drafter(max_tokens=8)):
+        generate(model, idx, prompt, max_new_tokens=32, temperature=0, draft=d, provenance=True)
+
+
+def stage_tune(a) -> None:
+    model, idx = _load(a.work, a.checkpoint, a.index, a.device)
+    prompts = json.loads((a.carry / "prompts.json").read_text())
+    _warm(model, idx, prompts["code"]["valid"][0]["ids"])
+    deadline = time.time() + a.seconds
+    rows = []
+    modes = {"plain": MODES["plain"]} | {f"n{g['max_tokens']}-p{g['min_prob']}": g for g in GRID}
+    res = {}
+    for name in SETS:
+        ps = [p["ids"] for p in prompts[name]["valid"][: a.prompts]]
+        res[name] = decode(model, idx, ps, modes, a.new_tokens, deadline)
+    for m, kw in modes.items():
+        r = {"mode": m} | kw
+        for name in SETS:
+            n = len(res[name]["plain"]["seconds"])
+            r[f"{name}_tok_s"] = sum(res[name][m]["tokens"][:n]) / sum(res[name][m]["seconds"][:n])
+            r[f"{name}_speedup"] = r[f"{name}_tok_s"] / (sum(res[name]["plain"]["tokens"][:n]) / sum(res[name]["plain"]["seconds"][:n]))
+            r[f"{name}_identical"] = sum(x == y for x, y in zip(res[name][m]["ids"], res[name]["plain"]["ids"]))
+        r["score"] = float(np.sqrt(r["code_speedup"] * r["english_speedup"]))
+        rows.append(r)
+    best = max((r for r in rows if r["mode"] != "plain"), key=lambda r: r["score"])
+    choice = {"max_tokens": best["max_tokens"], "min_prob": best["min_prob"]}
+    (a.work / "tuned.json").write_text(json.dumps(choice))
+    cols = ["mode", "code_tok_s", "code_speedup", "english_tok_s", "english_speedup", "score", "code_identical", "english_identical"]
+    md = f"Validation prompts ({a.prompts} per set, {a.new_tokens} new tokens, greedy); chosen: {choice} (best geometric mean of the two speedups)\n\n"
+    save(a.name, {"rows": rows, "choice": choice, "prompts": a.prompts, "new_tokens": a.new_tokens}, md + table(rows, cols))
+    print(md + table(rows, cols))
+
+
+def stage_run(a) -> None:
+    model, idx = _load(a.work, a.checkpoint, a.index, a.device)
+    prompts = json.loads((a.carry / "prompts.json").read_text())
+    tuned = json.loads((a.tuned or a.work / "tuned.json").read_text())
+    _warm(model, idx, prompts["code"]["valid"][0]["ids"])
+    modes = {m: (MODES[m] if m == "plain" else tuned | MODES[m]) for m in a.modes.split(",")}
+    deadline = time.time() + a.seconds
+    res = {}
+    for name in a.sets.split(","):
+        ps = [p["ids"] for p in prompts[name]["test"][: a.prompts]]
+        res[name] = decode(model, idx, ps, modes, a.new_tokens, deadline)
+    part = {"device": a.device, "checkpoint": str(a.checkpoint or "125m (a)"), "tuned": tuned, "new_tokens": a.new_tokens, "sets": res}
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(part))
+    print(f"wrote {a.out}")
+
+
+def stage_report(a) -> None:
+    """Merge run parts (same prompts, other modes) into one table: tokens/s, speedup over
+    plain, outputs identical to plain, tokens per forward pass, acceptance by match length."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sets: dict = {}
+    meta = {}
+    for p in a.parts:
+        part = json.loads(Path(p).read_text())
+        meta = {k: v for k, v in part.items() if k != "sets"}
+        for name, modes in part["sets"].items():
+            sets.setdefault(name, {}).update(modes)
+    rows = []
+    for name, modes in sets.items():
+        n = min(len(m["seconds"]) for m in modes.values())
+        base = modes["plain"]
+        base_rate = sum(base["tokens"][:n]) / sum(base["seconds"][:n])
+        for m, r in modes.items():
+            rate = sum(r["tokens"][:n]) / sum(r["seconds"][:n])
+            same = sum(x == y for x, y in zip(r["ids"][:n], base["ids"][:n]))
+            st = r["stats"]
+            rows.append(
+                {
+                    "set": name,
+                    "mode": m,
+                    "prompts": n,
+                    "tok_s": rate,
+                    "speedup": rate / base_rate,
+                    "identical": f"{same}/{n}",
+                    "tok_per_fwd": st["tokens_per_forward"],
+                    "accept": st["acceptance_rate"],
+                    "self_repeat": float(np.mean(r["repeats"][:n])),
+                }
+            )
+    cols = ["set", "mode", "prompts", "tok_s", "speedup", "identical", "tok_per_fwd", "accept", "self_repeat"]
+    by = {f"{name}/{m}": sets[name][m]["stats"]["by_match_length"] for name in sets for m in sets[name] if m != "plain"}
+    acc = ["", "Drafted tokens accepted, by source and length of the match they continue:", ""]
+    for k, v in by.items():
+        acc.append(f"- {k}: " + ", ".join(f"{b} {x['accepted']}/{x['drafted']}" for b, x in v.items()))
+    md = (
+        f"Greedy decoding, batch 1, {meta.get('new_tokens')} new tokens per prompt, on {meta.get('device')}; "
+        f"model {meta.get('checkpoint')}; drafts {meta.get('tuned')} (chosen on validation prompts). "
+        "plain: no drafts; ours: drafts from the index's longest match or the document cache, whichever "
+        "match is longer; pld: the document cache only (prompt-lookup decoding); prov: ours with per-token "
+        "provenance. identical: prompts whose tokens equal plain's; self_repeat: share of generated tokens "
+        "whose preceding 8 tokens occurred earlier in the text (repetition loops make drafting easy).\n\n"
+    )
+    md += table(rows, cols) + "\n" + "\n".join(acc)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    names = list(sets)
+    ms = [m for m in ("plain", "pld", "ours", "prov") if all(m in sets[s] for s in names)]
+    w = 0.8 / max(len(ms), 1)
+    for j, m in enumerate(ms):
+        ax.bar(
+            np.arange(len(names)) + j * w, [next(r["tok_s"] for r in rows if r["set"] == s and r["mode"] == m) for s in names], w, label=m
+        )
+    ax.set_xticks(np.arange(len(names)) + w * (len(ms) - 1) / 2, names)
+    ax.set_ylabel("generated tokens / s")
+    ax.set_title(f"greedy decoding, batch 1, {meta.get('device')}")
+    ax.legend()
+    fig.tight_layout()
+    save(a.name, {"rows": rows, "meta": meta, "by_match_length": by}, md, fig)
+    print(md)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("stage", choices=["prepare", "setup", "tune", "run", "report"])
+    ap.add_argument("--data", type=Path, default=Path("/work/data14"))
+    ap.add_argument("--carry", type=Path, default=Path(".carry19"))
+    ap.add_argument("--work", type=Path, default=Path("/tmp/gen"))
+    ap.add_argument("--out", type=Path, help="setup: where the tiny model goes; run: the part's JSON file")
+    ap.add_argument("--checkpoint", type=Path, help="default WORK/runs/a (the 125M)")
+    ap.add_argument("--index", type=Path, help="default WORK/idx")
+    ap.add_argument("--tuned", type=Path, help="default WORK/tuned.json")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--modes", default="plain,ours,pld,prov")
+    ap.add_argument("--sets", default="code,english")
+    ap.add_argument("--prompts", type=int, default=100, help="prompts per set (tune: validation prompts per set)")
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--seconds", type=float, default=1e9, help="start no prompt after this many seconds")
+    ap.add_argument("--tiny-steps", type=int, default=2000)
+    ap.add_argument("--n-valid", type=int, default=30)
+    ap.add_argument("--parts", nargs="+", default=[])
+    ap.add_argument("--name", default="generation")
+    a = ap.parse_args()
+    if a.stage == "prepare":
+        stage_prepare(a.data, a.carry, a.prompts, a.n_valid)
+    elif a.stage == "setup":
+        stage_setup(a.carry, a.work, a.out, a.tiny_steps)
+    elif a.stage == "tune":
+        stage_tune(a)
+    elif a.stage == "run":
+        stage_run(a)
+    else:
+        stage_report(a)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""Drafts for speculative decoding, read off exact matches: what followed the longest match of
+the context in the index (its most recent occurrence), or earlier in the text being written
+(the document cache, as prompt-lookup decoding does). The model verifies a draft in one forward
+pass (model/sample.py) and keeps the longest prefix it agrees with.
+
+How far to follow a match is learnt while generating: every drafted token's fate is counted by
+where it came from (index or cache) and by the length of the match it extends; a draft goes on
+while the estimated probability that all its tokens are accepted stays above `min_prob`, so
+drafting stops early where matches are short or have not been trusted so far.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+SOURCES = ("index", "cache")
+N_BUCKETS = 8  # match lengths by powers of two: 0-1, 2-3, 4-7, ..., >= 128
+MAX_DRAFT = 256
+PRIOR = (1.0, 2.0)  # (accepted, proposed) pseudo-counts of a bucket before it has data
+
+
+def length_bucket(length: int) -> int:
+    return min(max(int(length), 1).bit_length() - 1, N_BUCKETS - 1)
+
+
+def cache_match(q: np.ndarray, max_len: int = 64) -> tuple[int, int]:
+    """The longest suffix of q (at most max_len tokens) that also ends earlier in q, and the
+    end e of its most recent earlier occurrence (q[e - L : e] == q[len(q) - L :], e < len(q),
+    so q[e] is what followed it); (0, -1) when the last token never occurred before."""
+    n = len(q)
+    ends = np.arange(1, n)
+    length, end = 0, -1
+    for k in range(1, min(max_len, n - 1) + 1):
+        ends = ends[ends >= k]
+        ends = ends[q[ends - k] == q[n - k]]
+        if not len(ends):
+            break
+        length, end = k, int(ends[-1])
+    return length, end
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    source: str  # "index" | "cache"
+    length: int  # length of the match the draft continues
+
+
+@dataclass
+class DraftStats:
+    """Counts of drafted and accepted tokens by source and match-length bucket, and of
+    forward passes and the tokens they produced."""
+
+    proposed: np.ndarray = field(default_factory=lambda: np.zeros((len(SOURCES), N_BUCKETS), np.int64))
+    accepted: np.ndarray = field(default_factory=lambda: np.zeros((len(SOURCES), N_BUCKETS), np.int64))
+    forwards: int = 0
+    tokens: int = 0
+
+    def rate(self, source: str, length: int) -> float:
+        s, b = SOURCES.index(source), length_bucket(length)
+        return (self.accepted[s, b] + PRIOR[0]) / (self.proposed[s, b] + PRIOR[1])
+
+    def record(self, draft: Draft | None, n_accepted: int, n_emitted: int) -> None:
+        self.forwards += 1
+        self.tokens += n_emitted
+        if draft is None:
+            return
+        s = SOURCES.index(draft.source)
+        for j in range(len(draft.tokens)):
+            b = length_bucket(draft.length + j)
+            self.proposed[s, b] += 1
+            self.accepted[s, b] += j < n_accepted
+
+    def merge(self, other: DraftStats) -> None:
+        self.proposed += other.proposed
+        self.accepted += other.accepted
+        self.forwards += other.forwards
+        self.tokens += other.tokens
+
+    def to_json(self) -> dict:
+        by = {}
+        for s, name in enumerate(SOURCES):
+            for b in range(N_BUCKETS):
+                if self.proposed[s, b]:
+                    lo = 0 if b == 0 else 1 << b
+                    key = f"{name} {lo}+" if b == N_BUCKETS - 1 else f"{name} {lo}-{(2 << b) - 1}"
+                    by[key] = {"drafted": int(self.proposed[s, b]), "accepted": int(self.accepted[s, b])}
+        drafted = int(self.proposed.sum())
+        return {
+            "forward_passes": self.forwards,
+            "tokens": self.tokens,
+            "tokens_per_forward": self.tokens / max(self.forwards, 1),
+            "drafted": drafted,
+            "accepted": int(self.accepted.sum()),
+            "acceptance_rate": float(self.accepted.sum()) / max(drafted, 1),
+            "by_match_length": by,
+        }
+
+
+@dataclass
+class Drafter:
+    """Proposes drafts of up to max_tokens tokens; its stats carry over between calls (a
+    server keeps one, so that what it learnt about a workload is not lost per request)."""
+
+    max_tokens: int = 8
+    min_prob: float = 0.1  # draft while P(all drafted tokens accepted) stays at least this
+    max_match: int = 64  # longest cache match looked for
+    sources: tuple[str, ...] = SOURCES  # ("cache",) alone is prompt-lookup decoding
+    stats: DraftStats = field(default_factory=DraftStats)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.max_tokens <= MAX_DRAFT:
+            raise ValueError(f"draft length {self.max_tokens} outside [0, {MAX_DRAFT}]")
+        if not 0.0 <= self.min_prob <= 1.0:
+            raise ValueError(f"min_prob {self.min_prob} outside [0, 1]")
+        if not self.sources or set(self.sources) - set(SOURCES):
+            raise ValueError(f"draft sources {self.sources}: expected some of {SOURCES}")
+
+    def propose(self, idx, occurrence, ids: list[int], limit: int) -> Draft | None:
+        """A draft after ids (the text so far): the continuation of the longer of the index's
+        longest match (its `occurrence`, from the scorer) and the text's own earlier match,
+        cut where the estimated chance that every token is accepted drops below min_prob."""
+        n = min(self.max_tokens, limit)
+        if n <= 0:
+            return None
+        q = np.asarray(ids, np.int64)
+        c_len, c_end = cache_match(q, self.max_match) if "cache" in self.sources else (0, -1)
+        i_len = occurrence.length if occurrence is not None and "index" in self.sources else 0
+        if c_len == 0 and i_len == 0:
+            return None
+        if c_len >= i_len:
+            d = Draft([int(t) for t in q[c_end : c_end + n]], "cache", c_len)
+        else:
+            d = Draft([int(t) for t in idx.following(occurrence, n)], "index", i_len)
+        p, keep = 1.0, 0
+        for j in range(len(d.tokens)):
+            p *= self.stats.rate(d.source, d.length + j)
+            if p < self.min_prob:
+                break
+            keep = j + 1
+        d.tokens = d.tokens[:keep]
+        return d if d.tokens else None
