@@ -6,6 +6,7 @@ index's longest match and the document cache (model/draft.py), against plain dec
     python -m benchmarks.generation tune --work W --carry .carry19 --device cuda     # validation prompts
     python -m benchmarks.generation run --work W --carry .carry19 --device cuda --modes plain,ours
     python -m benchmarks.generation report --parts P... --name generation_gpu
+    python -m benchmarks.generation replay --parts P --index IDX --name generation_policies  # here
 
 Prompts: 128 tokens from a hash-chosen place in held-out documents, 100 test and 30 validation
 documents per set: `code` (kernel files new in linux-source-6.12, absent from the indexed 6.1)
@@ -312,9 +313,87 @@ def stage_report(a) -> None:
     print(md)
 
 
+POLICIES = {
+    "pld": dict(sources=("cache",)),
+    "ours": dict(),
+    "ours-top": dict(index_draft="top"),
+    "index": dict(sources=("index",)),
+    "index-top": dict(sources=("index",), index_draft="top"),
+}
+
+
+def replay(idx, prompt: list[int], out: list[int], drafter) -> tuple[int, float]:
+    """Greedy decoding's drafts and verifications without the model: with the model's greedy
+    tokens `out` known, a drafted token is accepted exactly when it equals the next of them.
+    Forward passes taken, and seconds spent drafting."""
+    sc = idx.scorer(top_k=4, max_len=64)
+    for t in prompt:
+        sc.append(t)
+    ids, i, forwards, spent = list(prompt), 0, 0, 0.0
+    while i < len(out):
+        t = time.perf_counter()
+        d = drafter.propose(sc, sc.occurrence(), ids, len(out) - i - 1)
+        spent += time.perf_counter() - t
+        dt = d.tokens if d else []
+        k = 0
+        while k < len(dt) and dt[k] == out[i + k]:
+            k += 1
+        new = out[i : i + k + 1]
+        drafter.stats.record(d, k, len(new))
+        for tok in new:
+            ids.append(tok)
+            sc.append(tok)
+        i += len(new)
+        forwards += 1
+    return forwards, spent
+
+
+def stage_replay(a) -> None:
+    """Draft policies compared on a run's greedy outputs (plain mode), here, with the index:
+    tokens per forward pass and drafting time, for the same prompts and the same draft length
+    and threshold."""
+    from teragram.index.engine import Index
+    from teragram.model.draft import Drafter
+
+    idx = Index(a.index)
+    prompts = json.loads((a.carry / "prompts.json").read_text())
+    rows, by = [], {}
+    for p in a.parts:
+        part = json.loads(Path(p).read_text())
+        tuned = part["tuned"]
+        for name, modes in part["sets"].items():
+            outs = modes["plain"]["ids"]
+            ps = [x["ids"] for x in prompts[name]["test"][: len(outs)]]
+            for pol, kw in POLICIES.items():
+                dr = Drafter(**(tuned | kw))
+                fw = sec = 0
+                for pr, o in zip(ps, outs):
+                    f, t = replay(idx, pr, o, dr)
+                    fw, sec = fw + f, sec + t
+                st = dr.stats.to_json()
+                tok = sum(len(o) for o in outs)
+                rows.append(
+                    {"set": name, "policy": pol, "prompts": len(outs), "tok_per_fwd": tok / fw, "accept": st["acceptance_rate"]}
+                    | {"draft_ms_per_fwd": 1e3 * sec / fw}
+                )
+                by[f"{name}/{pol}"] = st["by_match_length"]
+                print(rows[-1], flush=True)
+    cols = ["set", "policy", "prompts", "tok_per_fwd", "accept", "draft_ms_per_fwd"]
+    md = (
+        "Draft policies replayed on the greedy outputs of a run (`run --modes plain`): a drafted token is accepted exactly "
+        "when it equals the model's next greedy token, so tokens per forward pass are those decoding would get, without "
+        f"the model. Draft length and threshold {tuned}. pld: the document cache only; ours: the longer of the index's "
+        "longest match (its most recent occurrence's continuation) and the cache's; ours-top: the same with the index's "
+        "draft the ∞-gram's argmax token by token; index / index-top: the index alone. These are the test prompts' "
+        "outputs: a diagnostic, not a tuning step.\n\n"
+    )
+    save(a.name, {"rows": rows, "by_match_length": by, "parts": a.parts}, md + table(rows, cols))
+    print(md + table(rows, cols))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=["prepare", "setup", "tune", "run", "report"])
+    ap.add_argument("stage", choices=["prepare", "setup", "tune", "run", "report", "replay"])
     ap.add_argument("--data", type=Path, default=Path("/work/data14"))
     ap.add_argument("--carry", type=Path, default=Path(".carry19"))
     ap.add_argument("--work", type=Path, default=Path("/tmp/gen"))
@@ -341,6 +420,8 @@ def main() -> None:
         stage_tune(a)
     elif a.stage == "run":
         stage_run(a)
+    elif a.stage == "replay":
+        stage_replay(a)
     else:
         stage_report(a)
 

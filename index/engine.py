@@ -384,7 +384,11 @@ class Index:
             u = self.unigram
             nz = np.nonzero(u)[0]
             return nz, u[nz]
-        parts = [self._shard_dist(s, a, b, len(q)) for s, (a, b) in zip(self.shards, segs) if b > a]
+        return self._segs_dist(segs, len(q))
+
+    def _segs_dist(self, segs: list[tuple[int, int]], d: int) -> tuple[np.ndarray, np.ndarray]:
+        """Next-token histogram after the shards' intervals of one d-token pattern, summed."""
+        parts = [self._shard_dist(s, a, b, d) for s, (a, b) in zip(self.shards, segs) if b > a]
         if not parts:
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
         if len(parts) == 1:
@@ -570,6 +574,30 @@ class Scorer:
     def restore(self, snap: tuple[int, list[np.ndarray]]) -> None:
         self.n, states = snap
         self.state = [st.copy() for st in states]
+
+    def top_continuation(self, n: int) -> np.ndarray:
+        """Up to n tokens continuing the last position's longest match by the ∞-gram's most
+        frequent next token (ties: the smaller id), again and again: what a model that had
+        learnt the corpus by heart would write greedily. Stops at a document end: (<= n,) int64."""
+        if self.n == 0:
+            return np.zeros(0, np.int64)
+        lens = [self.n - int(st[0]) for st in self.state]
+        L = max(lens)
+        if L == 0:
+            return np.zeros(0, np.int64)
+        idx = self.idx
+        segs = [(int(st[1]), int(st[2])) if x == L else (0, 0) for st, x in zip(self.state, lens)]
+        out = []
+        for d in range(L, L + n):
+            toks, cnts = idx._segs_dist(segs, d)
+            if not len(toks):
+                break
+            t = int(toks[np.lexsort((toks, -cnts))[0]])
+            if t == idx.eos_id:
+                break
+            out.append(t)
+            segs = [K.narrow(s.tok, s.sa.words, s.sa.width, a, b, d, t) if b > a else (0, 0) for s, (a, b) in zip(idx.shards, segs)]
+        return np.asarray(out, np.int64)
 
     def occurrence(self) -> Occurrence | None:
         """The most recent occurrence of the last position's longest match -- the one whose

@@ -108,6 +108,7 @@ class Drafter:
     min_prob: float = 0.1  # draft while P(all drafted tokens accepted) stays at least this
     max_match: int = 64  # longest cache match looked for
     sources: tuple[str, ...] = SOURCES  # ("cache",) alone is prompt-lookup decoding
+    index_draft: str = "recent"  # "recent": what followed the match's most recent occurrence; "top": the ∞-gram's argmax, token by token
     stats: DraftStats = field(default_factory=DraftStats)
 
     def __post_init__(self) -> None:
@@ -115,13 +116,16 @@ class Drafter:
             raise ValueError(f"draft length {self.max_tokens} outside [0, {MAX_DRAFT}]")
         if not 0.0 <= self.min_prob <= 1.0:
             raise ValueError(f"min_prob {self.min_prob} outside [0, 1]")
+        if self.index_draft not in ("recent", "top"):
+            raise ValueError(f"index_draft {self.index_draft!r}: expected 'recent' or 'top'")
         if not self.sources or set(self.sources) - set(SOURCES):
             raise ValueError(f"draft sources {self.sources}: expected some of {SOURCES}")
 
-    def propose(self, idx, occurrence, ids: list[int], limit: int) -> Draft | None:
-        """A draft after ids (the text so far): the continuation of the longer of the index's
-        longest match (its `occurrence`, from the scorer) and the text's own earlier match,
-        cut where the estimated chance that every token is accepted drops below min_prob."""
+    def propose(self, scorer, occurrence, ids: list[int], limit: int) -> Draft | None:
+        """A draft after ids (the text so far; `scorer` has read them, `occurrence` is its
+        occurrence()): the continuation of the longer of the index's longest match and the
+        text's own earlier match, as long as the estimated chance that every token is
+        accepted stays at least min_prob."""
         n = min(self.max_tokens, limit)
         if n <= 0:
             return None
@@ -130,15 +134,19 @@ class Drafter:
         i_len = occurrence.length if occurrence is not None and "index" in self.sources else 0
         if c_len == 0 and i_len == 0:
             return None
-        if c_len >= i_len:
-            d = Draft([int(t) for t in q[c_end : c_end + n]], "cache", c_len)
-        else:
-            d = Draft([int(t) for t in idx.following(occurrence, n)], "index", i_len)
+        source, length = ("cache", c_len) if c_len >= i_len else ("index", i_len)
         p, keep = 1.0, 0
-        for j in range(len(d.tokens)):
-            p *= self.stats.rate(d.source, d.length + j)
+        while keep < n:
+            p *= self.stats.rate(source, length + keep)
             if p < self.min_prob:
                 break
-            keep = j + 1
-        d.tokens = d.tokens[:keep]
-        return d if d.tokens else None
+            keep += 1
+        if keep == 0:
+            return None
+        if source == "cache":
+            toks = q[c_end : c_end + keep]
+        elif self.index_draft == "top":
+            toks = scorer.top_continuation(keep)
+        else:
+            toks = scorer.idx.following(occurrence, keep)
+        return Draft([int(t) for t in toks], source, length) if len(toks) else None

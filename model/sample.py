@@ -160,7 +160,7 @@ def stream(
                 start, kv, cached = len(ids) - B, None, 0
             pending = ids[start + cached :]
             room = min(B - (len(ids) - start), max_new_tokens - made - 1)  # predictions this window still allows
-            d: Draft | None = drafter.propose(idx, occ, ids, room) if drafter.max_tokens else None
+            d: Draft | None = drafter.propose(sc, occ, ids, room) if drafter.max_tokens else None
             dt = d.tokens if d else []
             drows = []
             if dt and use_index:  # the model reads the drafted positions' features

@@ -169,3 +169,43 @@ def test_top_cache_and_threads_against_brute_force(random_index, monkeypatch, th
         assert idx.count(q).count == orc.count(q), q
         if q:
             assert idx.longest_match(q).length == orc.suffix_len(q), q
+
+
+@pytest.mark.parametrize("which", ["random_index", "real"])
+def test_draft_continuations_against_brute_force(which, request):
+    """The scorer's occurrence / following / top_continuation (drafts for speculative
+    decoding) against brute force: the most recent occurrence of the longest match and the
+    tokens after it; the ∞-gram's argmax, extended one token at a time."""
+    idx, orc = request.getfixturevalue(which)
+    rng = np.random.default_rng(11)
+    for _ in range(40):
+        d = orc.docs[rng.integers(len(orc.docs))]
+        q = [int(x) for x in d[: int(rng.integers(1, min(len(d), 30) + 1))]]
+        if rng.random() < 0.3:
+            q[-1] = int(rng.integers(3, idx.vocab_size))
+        sc = idx.scorer(max_len=64)
+        for t in q:
+            sc.append(t)
+        L = orc.suffix_len(q)
+        occ = sc.occurrence()
+        if L == 0:
+            assert occ is None and len(sc.top_continuation(5)) == 0
+            continue
+        suf = q[len(q) - L :]
+        where = orc.occurrences(suf)
+        doc, start = where[-1]  # corpus order: the last is the most recent
+        assert occ.length == L
+        s = idx.shards[occ.shard]
+        got_doc = s.first_doc + s.doc_of(occ.pos)
+        assert (got_doc, occ.pos - int(s.starts[s.doc_of(occ.pos)])) == (doc, start)
+        after = orc.docs[doc][start + L : start + L + 7]
+        assert list(idx.following(occ, 7)) == [int(x) for x in after]
+        want, ctx = [], list(suf)
+        for _ in range(6):
+            nt = orc.next_tokens(ctx)
+            top = min(nt, key=lambda t: (-nt[t], t)) if nt else None
+            if top is None or top == idx.eos_id:
+                break
+            want.append(top)
+            ctx.append(top)
+        assert list(sc.top_continuation(6)) == want

@@ -79,7 +79,7 @@ def test_sampling_with_drafts_draws_from_the_model(dup_setup, models):  # noqa: 
         sc = idx.scorer()
         for t in ids:
             sc.append(t)
-        d = Drafter(max_tokens=1, min_prob=0.0).propose(idx, sc.occurrence(), ids, 1)
+        d = Drafter(max_tokens=1, min_prob=0.0).propose(sc, sc.occurrence(), ids, 1)
         return d.tokens[0] if d else None
 
     # a prompt from the training text whose first draft token the model gives a middling chance
