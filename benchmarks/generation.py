@@ -237,9 +237,16 @@ def stage_run(a) -> None:
     deadline = time.time() + a.seconds
     res = {}
     for name in a.sets.split(","):
-        ps = [p["ids"] for p in prompts[name]["test"][: a.prompts]]
+        ps = [p["ids"] for p in prompts[name][a.half][: a.prompts]]
         res[name] = decode(model, idx, ps, modes, a.new_tokens, deadline)
-    part = {"device": a.device, "checkpoint": str(a.checkpoint or "125m (a)"), "tuned": tuned, "new_tokens": a.new_tokens, "sets": res}
+    part = {
+        "half": a.half,
+        "device": a.device,
+        "checkpoint": str(a.checkpoint or "125m (a)"),
+        "tuned": tuned,
+        "new_tokens": a.new_tokens,
+        "sets": res,
+    }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(part))
     print(f"wrote {a.out}")
@@ -315,9 +322,11 @@ def stage_report(a) -> None:
 
 POLICIES = {
     "pld": dict(sources=("cache",)),
-    "ours": dict(),
-    "ours-top": dict(index_draft="top"),
-    "index": dict(sources=("index",)),
+    "longer-recent": dict(index_draft="recent", choose="longer"),
+    "longer-top": dict(index_draft="top", choose="longer"),
+    "expected-recent": dict(index_draft="recent", choose="expected"),
+    "ours": dict(),  # the defaults: expected-top
+    "index-recent": dict(sources=("index",), index_draft="recent"),
     "index-top": dict(sources=("index",), index_draft="top"),
 }
 
@@ -357,13 +366,14 @@ def stage_replay(a) -> None:
 
     idx = Index(a.index)
     prompts = json.loads((a.carry / "prompts.json").read_text())
-    rows, by = [], {}
+    rows, by, halves = [], {}, set()
     for p in a.parts:
         part = json.loads(Path(p).read_text())
         tuned = part["tuned"]
+        halves.add(part.get("half", "test"))
         for name, modes in part["sets"].items():
             outs = modes["plain"]["ids"]
-            ps = [x["ids"] for x in prompts[name]["test"][: len(outs)]]
+            ps = [x["ids"] for x in prompts[name][part.get("half", "test")][: len(outs)]]
             for pol, kw in POLICIES.items():
                 dr = Drafter(**(tuned | kw))
                 fw = sec = 0
@@ -382,10 +392,12 @@ def stage_replay(a) -> None:
     md = (
         "Draft policies replayed on the greedy outputs of a run (`run --modes plain`): a drafted token is accepted exactly "
         "when it equals the model's next greedy token, so tokens per forward pass are those decoding would get, without "
-        f"the model. Draft length and threshold {tuned}. pld: the document cache only; ours: the longer of the index's "
-        "longest match (its most recent occurrence's continuation) and the cache's; ours-top: the same with the index's "
-        "draft the ∞-gram's argmax token by token; index / index-top: the index alone. These are the test prompts' "
-        "outputs: a diagnostic, not a tuning step.\n\n"
+        f"the model. Draft length and threshold {tuned}. pld: the document cache only (prompt-lookup decoding); "
+        "longer-*: the longer of the index's longest match and the cache's; expected-*: the one with more expected "
+        "accepted tokens (by the acceptance counts so far); *-recent: the index's draft is what followed its match's "
+        "most recent occurrence; *-top: the ∞-gram's argmax, token by token; ours: the defaults (expected-top); "
+        "index-*: the index alone. Prompts: the "
+        f"{'/'.join(sorted(halves))} half.\n\n"
     )
     save(a.name, {"rows": rows, "by_match_length": by, "parts": a.parts}, md + table(rows, cols))
     print(md + table(rows, cols))
@@ -404,6 +416,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--modes", default="plain,ours,pld,prov")
     ap.add_argument("--sets", default="code,english")
+    ap.add_argument("--half", default="test", choices=["valid", "test"], help="run: the prompts' half")
     ap.add_argument("--prompts", type=int, default=100, help="prompts per set (tune: validation prompts per set)")
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--seconds", type=float, default=1e9, help="start no prompt after this many seconds")

@@ -108,7 +108,12 @@ class Drafter:
     min_prob: float = 0.1  # draft while P(all drafted tokens accepted) stays at least this
     max_match: int = 64  # longest cache match looked for
     sources: tuple[str, ...] = SOURCES  # ("cache",) alone is prompt-lookup decoding
-    index_draft: str = "recent"  # "recent": what followed the match's most recent occurrence; "top": the ∞-gram's argmax, token by token
+    # the index's draft: "top", the ∞-gram's argmax token by token, or "recent", what followed the
+    # match's most recent occurrence; between index and cache, the one with more "expected"
+    # accepted tokens (from the stats) or the "longer" match. Defaults chosen on validation
+    # prompts (benchmarks/results/generation_policies_valid.md).
+    index_draft: str = "top"
+    choose: str = "expected"
     stats: DraftStats = field(default_factory=DraftStats)
 
     def __post_init__(self) -> None:
@@ -118,8 +123,22 @@ class Drafter:
             raise ValueError(f"min_prob {self.min_prob} outside [0, 1]")
         if self.index_draft not in ("recent", "top"):
             raise ValueError(f"index_draft {self.index_draft!r}: expected 'recent' or 'top'")
+        if self.choose not in ("longer", "expected"):
+            raise ValueError(f"choose {self.choose!r}: expected 'longer' or 'expected'")
         if not self.sources or set(self.sources) - set(SOURCES):
             raise ValueError(f"draft sources {self.sources}: expected some of {SOURCES}")
+
+    def _plan(self, source: str, length: int, n: int) -> tuple[int, float]:
+        """How many tokens to draft from a match of this length (while the estimated chance
+        that all are accepted is at least min_prob), and how many are expected to be accepted."""
+        p, keep, expected = 1.0, 0, 0.0
+        while keep < n:
+            p *= self.stats.rate(source, length + keep)
+            if p < self.min_prob:
+                break
+            keep += 1
+            expected += p
+        return keep, expected
 
     def propose(self, scorer, occurrence, ids: list[int], limit: int) -> Draft | None:
         """A draft after ids (the text so far; `scorer` has read them, `occurrence` is its
@@ -134,13 +153,13 @@ class Drafter:
         i_len = occurrence.length if occurrence is not None and "index" in self.sources else 0
         if c_len == 0 and i_len == 0:
             return None
-        source, length = ("cache", c_len) if c_len >= i_len else ("index", i_len)
-        p, keep = 1.0, 0
-        while keep < n:
-            p *= self.stats.rate(source, length + keep)
-            if p < self.min_prob:
-                break
-            keep += 1
+        plans = {s: self._plan(s, L, n) for s, L in (("cache", c_len), ("index", i_len)) if L}
+        if self.choose == "longer":
+            source = "cache" if c_len >= i_len else "index"
+        else:
+            source = max(plans, key=lambda s: (plans[s][1], s == "cache"))
+        length = c_len if source == "cache" else i_len
+        keep = plans[source][0]
         if keep == 0:
             return None
         if source == "cache":
