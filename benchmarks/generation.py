@@ -116,6 +116,9 @@ def stage_setup(carry: Path, work: Path, out: Path | None, tiny_steps: int) -> N
     t = time.time()
     sh(*train_cmd("a", work, SCALES["gpu"]))
     phases["train_125m_s"] = time.time() - t
+    if tiny_steps <= 0:
+        (work / "setup.json").write_text(json.dumps(phases))
+        return
     t = time.time()
     tiny = dict(preset="tiny", block_size=512, batch_size=32, steps=tiny_steps, lr=3e-3, min_lr=3e-4, warmup=50)
     sh(*[f"--out={work / 'runs' / 'tiny'}" if c.startswith("--out=") else c for c in train_cmd("a", work, tiny)])
