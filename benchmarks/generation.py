@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import save, table
+from benchmarks.common import commit, save, table
 
 SETS = {"code": "timeshift", "english": "prose"}
 PROMPT_TOKENS = 128
@@ -242,7 +242,12 @@ def stage_run(a) -> None:
     for name in a.sets.split(","):
         ps = [p["ids"] for p in prompts[name][a.half][: a.prompts]]
         res[name] = decode(model, idx, ps, modes, a.new_tokens, deadline)
+    from teragram.model.draft import Drafter
+
+    default = Drafter()
     part = {
+        "commit": commit(),
+        "policy": {"index_draft": default.index_draft, "choose": default.choose},
         "half": a.half,
         "device": a.device,
         "checkpoint": str(a.checkpoint or "125m (a)"),
@@ -264,10 +269,12 @@ def stage_report(a) -> None:
     import matplotlib.pyplot as plt
 
     sets: dict = {}
-    meta = {}
+    meta: dict = {}
+    runs = []
     for p in a.parts:
         part = json.loads(Path(p).read_text())
         meta = {k: v for k, v in part.items() if k != "sets"}
+        runs.append(f"{Path(p).name} ({', '.join(next(iter(part['sets'].values())))}) at commit {part.get('commit', '?')}")
         for name, modes in part["sets"].items():
             sets.setdefault(name, {}).update(modes)
     rows = []
@@ -300,10 +307,13 @@ def stage_report(a) -> None:
     md = (
         f"Greedy decoding, batch 1, {meta.get('new_tokens')} new tokens per prompt, on {meta.get('device')}; "
         f"model {meta.get('checkpoint')}; drafts {meta.get('tuned')} (chosen on validation prompts). "
-        "plain: no drafts; ours: drafts from the index's longest match or the document cache, whichever "
-        "match is longer; pld: the document cache only (prompt-lookup decoding); prov: ours with per-token "
+        f"plain: no drafts; ours: drafts from the index's longest match or the document cache ({meta.get('policy')}: "
+        "the index's draft is the ∞-gram's argmax token by token (top) or what followed the match's most recent "
+        "occurrence (recent); the source is the one with more expected accepted tokens (expected) or the longer "
+        "match (longer)); pld: the document cache only (prompt-lookup decoding); prov: ours with per-token "
         "provenance. identical: prompts whose tokens equal plain's; self_repeat: share of generated tokens "
-        "whose preceding 8 tokens occurred earlier in the text (repetition loops make drafting easy).\n\n"
+        "whose preceding 8 tokens occurred earlier in the text (repetition loops make drafting easy). "
+        f"Runs: {'; '.join(runs)}.\n\n"
     )
     md += table(rows, cols) + "\n" + "\n".join(acc)
     fig, ax = plt.subplots(figsize=(7, 4))
