@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from teragram.index.cli import print_json
 
@@ -173,6 +174,44 @@ def provenance_table(idx, ids: list[int], prov: list) -> str:
     return "\n".join(lines)
 
 
+def cmd_evals(args) -> int:
+    from teragram.index.engine import Index
+    from tqdm import tqdm
+
+    from .evals import TASKS, run_task
+    from .gate import Gate
+    from .train import load_model
+
+    tasks = list(TASKS) if args.tasks == "all" else args.tasks.split(",")
+    model, _ = load_model(args.checkpoint, args.device)
+    idx = Index(args.index)
+    gate = Gate.load(args.gate) if args.gate else None
+    rows = []
+    for name in tqdm(tasks, desc="tasks", disable=args.quiet):
+        rows.append(run_task(model, idx, name, gate=gate, limit=args.limit, device=args.device, batch=args.batch, threads=args.workers))
+    if args.out:
+        Path(args.out).write_text(
+            json.dumps({"checkpoint": args.checkpoint, "index": args.index, "gate": args.gate, "tasks": rows}, indent=1)
+        )
+    if args.json:
+        print_json(rows)
+        return 0
+    cols = ["model"] + (["gated"] if gate is not None else [])
+    print(
+        "| task | examples | "
+        + " | ".join(f"{c} acc | {c} acc_norm" for c in cols)
+        + " | contaminated | "
+        + " | ".join(f"{c} acc_norm (clean)" for c in cols)
+        + " |"
+    )
+    print("|---" * (3 + 3 * len(cols)) + "|")
+    for r in rows:
+        accs = " | ".join(f"{r[c]['acc']:.4f} | {r[c]['acc_norm']:.4f}" for c in cols)
+        clean = " | ".join(f"{r[c + '_clean']['acc_norm']:.4f}" for c in cols)
+        print(f"| {r['task']} | {r['examples']} | {accs} | {r['contaminated_share']:.1%} | {clean} |")
+    return 0
+
+
 def cmd_dense(args) -> int:
     from .dense import build_store
 
@@ -216,6 +255,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--quiet", action="store_true")
     ev.set_defaults(run=cmd_eval)
 
+    es = sub.add_parser("evals", help="multiple-choice accuracy (HellaSwag, ARC, ...) with and without the index")
+    es.add_argument("--checkpoint", required=True)
+    es.add_argument(
+        "--index", required=True, help="its tokenizer reads the tasks; its estimates feed --gate; contamination is checked against it"
+    )
+    es.add_argument("--gate", help="also score through the gated mixture (eval --fit-gate)")
+    es.add_argument(
+        "--tasks",
+        default="hellaswag",
+        help="comma-separated, or all: " + "hellaswag, arc_easy, arc_challenge, piqa, winogrande, sciq, openbookqa, boolq, social_iqa",
+    )
+    es.add_argument("--limit", type=int, help="the first N examples of each task")
+    es.add_argument("--device", default="cpu")
+    es.add_argument("--batch", type=int, default=32)
+    es.add_argument("--workers", type=int, default=1, help="threads for the index estimates")
+    es.add_argument("--out", help="write the results as JSON here")
+    es.add_argument("--json", action="store_true")
+    es.add_argument("--quiet", action="store_true")
+    es.set_defaults(run=cmd_evals)
     sa = sub.add_parser("sample", help="generate text with live index lookups")
     sa.add_argument("--checkpoint", required=True)
     sa.add_argument("--index", required=True)

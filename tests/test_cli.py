@@ -14,7 +14,7 @@ import pytest
 from teragram.index.engine import Index
 from teragram.serve.cli import build_parser, main
 
-VERBS = ("build", "features", "verify", "stats", "tokenize", "query", "train", "eval", "sample", "dense", "serve")
+VERBS = ("build", "features", "verify", "stats", "tokenize", "query", "train", "eval", "evals", "sample", "dense", "serve")
 
 
 def test_every_verb_is_registered_with_help(capsys):
@@ -61,6 +61,16 @@ def test_every_verb_runs(capsys, tmp_path, corpus_dir, tokenizer_model, real_ind
     with pytest.raises(SystemExit):
         main([str(a) for a in sample] + ["--draft", "-1"])
     assert "expected 0 (no drafts)" in capsys.readouterr().err
+    plain = tmp_path / "plain"
+    assert "trained" in _run(
+        capsys, "train", *cfg[:1], f"--out={plain}", *cfg[3:], "--use_index=false", "--max_steps=2", "--progress=false"
+    )
+    r = json.loads(
+        _run(capsys, "evals", "--checkpoint", plain, "--index", idx_dir, "--tasks", "piqa,winogrande", "--limit", 3, "--quiet", "--json")
+    )
+    assert [x["task"] for x in r] == ["piqa", "winogrande"] and all(x["model"]["n"] == 3 for x in r)
+    assert main(["evals", "--checkpoint", str(run), "--index", str(idx_dir), "--limit", "1", "--quiet"]) == 2
+    assert "without index inputs" in capsys.readouterr().err
     assert "dense store of 512 keys" in _run(capsys, "dense", idx_dir, "--checkpoint", run, "--features", feats, "--positions", 512)
     # evaluation options: decontamination, the peers' interpolations (fit, then loaded)
     dc = json.loads(_run(capsys, "eval", *ev, "--decontaminate"))["decontaminated"]
