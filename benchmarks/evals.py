@@ -19,7 +19,9 @@ from benchmarks.common import save, table
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--checkpoint", help="the model, or --outputs")
+    ap.add_argument("--outputs", help="the model's outputs (teragram evals --save-outputs)")
+    ap.add_argument("--model-name", help="what the model is, for the table (default: the checkpoint)")
     ap.add_argument("--index", required=True)
     ap.add_argument("--gate")
     ap.add_argument("--tasks", default="all")
@@ -39,14 +41,14 @@ def main() -> None:
     from teragram.model.gate import Gate
     from teragram.model.train import load_model
 
-    model, meta = load_model(a.checkpoint, a.device)
+    model = load_model(a.checkpoint, a.device)[0] if a.checkpoint else None
     idx = Index(a.index)
     gate = Gate.load(a.gate) if a.gate else None
     tasks = list(TASKS) if a.tasks == "all" else a.tasks.split(",")
     rows, raw = [], []
     for name in tasks:
         t = time.time()
-        r = run_task(model, idx, name, gate=gate, limit=a.limit, device=a.device, batch=a.batch, threads=a.workers)
+        r = run_task(model, idx, name, gate=gate, limit=a.limit, device=a.device, batch=a.batch, threads=a.workers, outputs_dir=a.outputs)
         r["seconds"] = time.time() - t
         raw.append(r)
         row = {"task": name, "examples": r["examples"], "acc": r["model"]["acc"], "acc_norm": r["model"]["acc_norm"]}
@@ -59,7 +61,7 @@ def main() -> None:
         print(row, flush=True)
     cols = list(rows[0])
     md = (
-        f"Model {a.checkpoint} ({model.num_params() / 1e6:.1f}M parameters, preset {meta['train'].get('preset')}), index {a.index} "
+        f"Model {a.model_name or a.checkpoint or a.outputs}, index {a.index} "
         f"({idx.n_tokens:,} tokens), gate {a.gate}. acc: the candidate with the highest summed log-probability; acc_norm: "
         "per character of the completion; gated: the same through the gated mixture of the model and the index's and "
         "document cache's estimates; in_index: share of examples with a 13-gram of context + answer in the index; clean_*: "
@@ -76,7 +78,12 @@ def main() -> None:
     ax.set_ylabel("acc_norm")
     ax.legend()
     fig.tight_layout()
-    save(a.name, {"rows": rows, "raw": raw, "checkpoint": a.checkpoint, "index": a.index, "gate": a.gate}, md + table(rows, cols), fig)
+    save(
+        a.name,
+        {"rows": rows, "raw": raw, "checkpoint": a.checkpoint, "outputs": a.outputs, "index": a.index, "gate": a.gate},
+        md + table(rows, cols),
+        fig,
+    )
     print(md + table(rows, cols))
 
 

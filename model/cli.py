@@ -176,6 +176,7 @@ def provenance_table(idx, ids: list[int], prov: list) -> str:
 
 def cmd_evals(args) -> int:
     from teragram.index.engine import Index
+    from teragram.index.errors import TeragramError
     from tqdm import tqdm
 
     from .evals import TASKS, run_task
@@ -183,12 +184,20 @@ def cmd_evals(args) -> int:
     from .train import load_model
 
     tasks = list(TASKS) if args.tasks == "all" else args.tasks.split(",")
-    model, _ = load_model(args.checkpoint, args.device)
+    if (args.checkpoint is None) == (args.outputs is None):
+        raise TeragramError("give --checkpoint (run the model) or --outputs (its saved outputs), not both")
+    model = load_model(args.checkpoint, args.device)[0] if args.checkpoint else None
     idx = Index(args.index)
     gate = Gate.load(args.gate) if args.gate else None
     rows = []
     for name in tqdm(tasks, desc="tasks", disable=args.quiet):
-        rows.append(run_task(model, idx, name, gate=gate, limit=args.limit, device=args.device, batch=args.batch, threads=args.workers))
+        kw = dict(gate=gate, limit=args.limit, device=args.device, batch=args.batch, threads=args.workers)
+        kw |= dict(save_dir=args.save_outputs, outputs_dir=args.outputs, index_side=not args.model_only)
+        rows.append(run_task(model, idx, name, **kw))
+    if args.model_only:
+        for r in rows:
+            print(f"{r['task']}: {r['examples']} examples, acc {r['model']['acc']:.4f}, acc_norm {r['model']['acc_norm']:.4f}")
+        return 0
     if args.out:
         Path(args.out).write_text(
             json.dumps({"checkpoint": args.checkpoint, "index": args.index, "gate": args.gate, "tasks": rows}, indent=1)
@@ -256,7 +265,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     ev.set_defaults(run=cmd_eval)
 
     es = sub.add_parser("evals", help="multiple-choice accuracy (HellaSwag, ARC, ...) with and without the index")
-    es.add_argument("--checkpoint", required=True)
+    es.add_argument("--checkpoint", help="the model (or --outputs)")
+    es.add_argument("--outputs", metavar="DIR", help="the model's outputs saved by --save-outputs, instead of a model")
+    es.add_argument("--save-outputs", metavar="DIR", help="save the model's per-candidate outputs here (for the index side elsewhere)")
+    es.add_argument("--model-only", action="store_true", help="only the model's accuracy: no contamination check, no gate")
     es.add_argument(
         "--index", required=True, help="its tokenizer reads the tasks; its estimates feed --gate; contamination is checked against it"
     )

@@ -231,8 +231,36 @@ def contaminated(idx, examples: list[Example], tokenize, n: int = 13) -> np.ndar
     return out
 
 
+def save_outputs(path: str | Path, outs: list[dict], *, task: str, limit: int | None, tokenizer: str) -> None:
+    """A task's per-candidate model outputs (a few bytes per completion token), so that the
+    index side (gate, contamination) can run where the index lives."""
+    lens = np.array([len(o["nll"]) for o in outs], np.int64)
+    cat = {k: np.concatenate([o[k] for o in outs]) if outs else np.zeros(0) for k in ("nll", "maxp", "top")}
+    np.savez_compressed(
+        path,
+        lens=lens,
+        nll=cat["nll"].astype(np.float32),
+        maxp=cat["maxp"].astype(np.float32),
+        top=cat["top"].astype(np.int32),
+        task=task,
+        limit=-1 if limit is None else limit,
+        tokenizer=tokenizer,
+    )
+
+
+def load_outputs(path: str | Path, *, task: str, limit: int | None, tokenizer: str) -> list[dict]:
+    z = np.load(path)
+    if str(z["task"]) != task or int(z["limit"]) != (-1 if limit is None else limit) or str(z["tokenizer"]) != tokenizer:
+        raise TeragramError(f"{path}: outputs of {z['task']} (limit {int(z['limit'])}), not of this task and limit, or another tokenizer")
+    ends = np.cumsum(z["lens"])[:-1]
+    return [
+        {"nll": n.astype(np.float64), "maxp": m.astype(np.float64), "top": t.astype(np.int64)}
+        for n, m, t in zip(np.split(z["nll"], ends), np.split(z["maxp"], ends), np.split(z["top"], ends), strict=True)
+    ]
+
+
 def run_task(
-    model: GPT,
+    model: GPT | None,
     idx,
     name: str,
     *,
@@ -241,13 +269,31 @@ def run_task(
     device: str = "cpu",
     batch: int = 32,
     threads: int = 1,
+    save_dir: str | Path | None = None,
+    outputs_dir: str | Path | None = None,
+    index_side: bool = True,
 ) -> dict:
-    """One task: accuracy of the model (and of the gated mixture), and contamination."""
+    """One task: accuracy of the model (and of the gated mixture), and contamination. The
+    model's outputs are computed (model), or read from outputs_dir (saved by an earlier call
+    with save_dir, e.g. on a GPU machine); index_side=False stops at the model's accuracy."""
+    from .outputs import tokenizer_digest
+
     examples = load_task(name, limit)
     tok = idx.tokenize
     docs = candidates(examples, tok)
-    outs = model_outputs(model, docs, idx.eos_id, device, batch)
+    digest = tokenizer_digest(idx.path / "tokenizer.model")
+    if outputs_dir is not None:
+        outs = load_outputs(Path(outputs_dir) / f"{name}.npz", task=name, limit=limit, tokenizer=digest)
+        if len(outs) != len(docs):
+            raise TeragramError(f"{outputs_dir}/{name}.npz: {len(outs)} candidates saved, {len(docs)} in the task")
+    else:
+        outs = model_outputs(model, docs, idx.eos_id, device, batch)
+    if save_dir is not None:
+        Path(save_dir).mkdir(parents=True, exist_ok=True)
+        save_outputs(Path(save_dir) / f"{name}.npz", outs, task=name, limit=limit, tokenizer=digest)
     r = {"task": name, "examples": len(examples), "model": accuracy(examples, [o["nll"] for o in outs])}
+    if not index_side:
+        return r
     clean = ~contaminated(idx, examples, tok)
     r["contaminated_share"] = float(1 - clean.mean()) if len(clean) else 0.0
     r["model_clean"] = accuracy(examples, [o["nll"] for o in outs], clean)

@@ -84,3 +84,24 @@ def test_gated_scores_equal_the_live_mixture(setup):
         for j, t in enumerate(range(n_ctx, len(d))):
             q = next_distribution(idx, d[:t], p[off + t], gate)
             assert g[j] == pytest.approx(-np.log(q[d[t]]), rel=1e-6, abs=1e-9)
+
+
+def test_saved_outputs_give_the_same_results(setup, tmp_path):
+    """The split evaluation (model outputs saved on one machine, the index side on another)
+    equals the joint one."""
+    from teragram.model.evals import run_task
+
+    idx, model, _, _ = setup
+    gate = Gate(np.random.default_rng(1).normal(scale=0.5, size=(_n_features(idx), len(COMPONENTS))))
+    joint = run_task(model, idx, "winogrande", gate=gate, limit=6, save_dir=tmp_path)
+    split = run_task(None, idx, "winogrande", gate=gate, limit=6, outputs_dir=tmp_path)
+    assert split == joint and joint["examples"] == 6
+    with pytest.raises(Exception, match="not of this task"):
+        run_task(None, idx, "winogrande", gate=gate, limit=5, outputs_dir=tmp_path)
+
+
+def _n_features(idx) -> int:
+    from teragram.model.estimates import estimates
+
+    est = estimates(idx, [5, 6, 7])
+    return gate_inputs(est, np.full(4, 0.5), np.zeros(4, np.int64)).shape[1]
