@@ -1,12 +1,14 @@
-"""Drafts for speculative decoding, read off exact matches: what followed the longest match of
-the context in the index (its most recent occurrence), or earlier in the text being written
-(the document cache, as prompt-lookup decoding does). The model verifies a draft in one forward
-pass (model/sample.py) and keeps the longest prefix it agrees with.
+"""Drafts for speculative decoding, read off exact matches: the continuation of the longest
+match of the context in the index (the ∞-gram's most frequent next token, token by token, or
+what followed the match's most recent occurrence), or of its longest match earlier in the text
+being written (the document cache, as prompt-lookup decoding does). The model verifies a draft
+in one forward pass (model/sample.py) and keeps the longest prefix it agrees with.
 
-How far to follow a match is learnt while generating: every drafted token's fate is counted by
-where it came from (index or cache) and by the length of the match it extends; a draft goes on
-while the estimated probability that all its tokens are accepted stays above `min_prob`, so
-drafting stops early where matches are short or have not been trusted so far.
+How far to trust a match is learnt while generating: every drafted token's fate is counted by
+where it came from (index or cache) and by the length of the match it extends. A draft goes on
+while the estimated probability that all its tokens are accepted stays at least `min_prob`, so
+drafting stops early where matches are short or have not been trusted so far; between the
+index and the cache, the source with more expected accepted tokens drafts.
 """
 
 from __future__ import annotations
@@ -142,8 +144,8 @@ class Drafter:
 
     def propose(self, scorer, occurrence, ids: list[int], limit: int) -> Draft | None:
         """A draft after ids (the text so far; `scorer` has read them, `occurrence` is its
-        occurrence()): the continuation of the longer of the index's longest match and the
-        text's own earlier match, as long as the estimated chance that every token is
+        occurrence()): the continuation of the index's longest match or of the text's own
+        earlier match (see `choose`), as long as the estimated chance that every token is
         accepted stays at least min_prob."""
         n = min(self.max_tokens, limit)
         if n <= 0:
