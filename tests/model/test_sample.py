@@ -135,3 +135,22 @@ def test_provenance_points_at_the_matching_text(dup_setup, models):  # noqa: F81
         assert p.length == L and p.source == m["source"]
         assert np.array_equal(np.asarray(s.tok[a : a + L], np.int64), np.asarray(g.ids[i - L + 1 : i + 1]))
     assert found > 0
+
+
+def test_greedy_with_drafts_and_a_gate_equals_plain_greedy(dup_setup, models):  # noqa: F811
+    """The gated mixture's greedy tokens are the same with drafts (each verified position's
+    estimates computed for its own prefix)."""
+    from teragram.model.estimates import COMPONENTS, estimates
+    from teragram.model.gate import Gate, gate_inputs
+
+    model = models["modern"]
+    idx = Index(dup_setup / "idx")
+    est = estimates(idx, [5, 6, 7])
+    F = gate_inputs(est, np.full(4, 0.5), np.zeros(4, np.int64)).shape[1]
+    gate = Gate(np.random.default_rng(2).normal(scale=0.5, size=(F, len(COMPONENTS))))
+    prompt = _prompts(idx, dup_setup)[0]
+    plain = generate(model, idx, prompt, max_new_tokens=30, temperature=0, gate=gate)
+    fast = generate(model, idx, prompt, max_new_tokens=30, temperature=0, gate=gate, draft=Drafter(max_tokens=6, min_prob=0.0))
+    assert fast.ids == plain.ids
+    st = fast.stats.to_json()
+    assert st["accepted"] > 0 and st["forward_passes"] < len(fast.new_ids)
