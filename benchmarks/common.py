@@ -57,6 +57,21 @@ def machine() -> dict:
     return info
 
 
+def sh(*cmd) -> None:
+    """Run a command (echoed first), failing on a non-zero exit."""
+    print("+", " ".join(map(str, cmd)), flush=True)
+    subprocess.run([str(c) for c in cmd], check=True)
+
+
+def read_jsonl(path: Path):
+    """The records of a .jsonl.zst file, one at a time."""
+    import zstandard
+
+    with zstandard.open(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            yield json.loads(line)
+
+
 def run_measured(cmd: list[str], **kw) -> dict:
     """Run a command; its wall time and peak RSS (MB, the child and its waited-for children)."""
     t = time.time()

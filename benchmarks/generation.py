@@ -23,18 +23,16 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import io
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import commit, save, table
+from benchmarks.common import commit, read_jsonl, save, sh, table
 
 SETS = {"code": "timeshift", "english": "prose"}
 PROMPT_TOKENS = 128
@@ -47,21 +45,8 @@ MODES = {
 GRID = [dict(max_tokens=n, min_prob=p) for n in (8, 16, 32) for p in (0.03, 0.1, 0.3)]
 
 
-def sh(*cmd) -> None:
-    print("+", " ".join(map(str, cmd)), flush=True)
-    subprocess.run([str(c) for c in cmd], check=True)
-
-
 def _hash(s: str) -> int:
     return int.from_bytes(hashlib.sha1(s.encode()).digest()[:8], "big")
-
-
-def _read_jsonl_zst(path: Path) -> list[dict]:
-    import zstandard
-
-    with open(path, "rb") as f:
-        text = io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(f), encoding="utf-8")
-        return [json.loads(line) for line in text if line.strip()]
 
 
 def stage_prepare(data: Path, carry: Path, n_test: int, n_valid: int) -> None:
@@ -76,7 +61,7 @@ def stage_prepare(data: Path, carry: Path, n_test: int, n_valid: int) -> None:
     prompts: dict = {}
     for name, held in SETS.items():
         for half, n in (("valid", n_valid), ("test", n_test)):
-            docs = sorted(_read_jsonl_zst(data / "heldout" / held / f"{half}.jsonl.zst"), key=lambda d: _hash(d["path"]))
+            docs = sorted(read_jsonl(data / "heldout" / held / f"{half}.jsonl.zst"), key=lambda d: _hash(d["path"]))
             out = []
             for d in docs:
                 ids = sp.encode(d["text"])

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 import tarfile
 import time
@@ -37,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import save, table
+from benchmarks.common import save, sh, table
 
 SETS = ("indist", "timeshift", "prose")
 HALVES = ("valid", "test")
@@ -50,11 +49,6 @@ NAMES = {
 }
 FIT_ROWS = 100_000  # each gate is fit on this many validation targets (a fixed random sample)
 LENGTH_BUCKETS = (0, 1, 4, 8, 16, 32)  # ∞-gram accuracy by match length: [0], [1, 4), ...
-
-
-def sh(*cmd) -> None:
-    print("+", " ".join(map(str, cmd)), flush=True)
-    subprocess.run([str(c) for c in cmd], check=True)
 
 
 # ---- prepare (here) and gpu (on the GPU machine) -----------------------------------------------

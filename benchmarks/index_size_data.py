@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 from benchmarks import corpora
+from benchmarks.common import read_jsonl
 
 EXTRA = (*corpora.CODE, *corpora.ENGLISH, *corpora.EXTRA_CODE, *corpora.EXTRA_ENGLISH)
 TRAIN = ("train-code.jsonl.zst", "train-english.jsonl.zst")
@@ -48,14 +49,6 @@ def _ready(data: Path, line: str) -> None:
     with open(data / "READY.md", "a") as f:
         f.write(f"- {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} {line}\n")
     print(line, flush=True)
-
-
-def _read_jsonl(path: Path):
-    import zstandard
-
-    with zstandard.open(path, "rt", encoding="utf-8") as f:
-        for line in f:
-            yield json.loads(line)
 
 
 def _write_jsonl(path: Path, records: list[dict]) -> dict:
@@ -75,7 +68,7 @@ def _write_jsonl(path: Path, records: list[dict]) -> dict:
 
 def export_all(data: Path) -> dict:
     """Every extra corpus into DATA/extra/NAME/bNN.jsonl.zst, less the model's training text."""
-    have = {rec["path"] for name in TRAIN for rec in _read_jsonl(data / "ppl" / name)}
+    have = {rec["path"] for name in TRAIN for rec in read_jsonl(data / "ppl" / name)}
     out = {}
     for name in EXTRA:
         t0 = time.time()
@@ -119,7 +112,7 @@ def _sample(records: list[dict], budget: int) -> list[dict]:
 
 def heldout(data: Path) -> dict:
     info = {}
-    ppl = [r for name in ("heldout-code.jsonl.zst", "heldout-english.jsonl.zst") for r in _read_jsonl(data / "ppl" / name)]
+    ppl = [r for name in ("heldout-code.jsonl.zst", "heldout-english.jsonl.zst") for r in read_jsonl(data / "ppl" / name)]
     if any(corpora.split_of(r["path"]) != "heldout" for r in ppl):
         raise SystemExit("ppl held-out files hold a train-split document")
     sets = {"indist": _halves(ppl)}
@@ -157,7 +150,7 @@ def tokens_per_byte(data: Path, tokenizer: Path, sample_bytes: int = 2_000_000) 
     out = {}
     for name in EXTRA:
         n_tok = n_bytes = 0
-        for r in _read_jsonl(data / "extra" / name / "b00.jsonl.zst"):
+        for r in read_jsonl(data / "extra" / name / "b00.jsonl.zst"):
             n_tok += len(sp.encode(r["text"]))
             n_bytes += len(r["text"].encode())
             if n_bytes >= sample_bytes:
@@ -345,7 +338,7 @@ def overlap(index: Path, data: Path, n: int = 13, stride: int = 4) -> dict:
             if not f.exists():
                 continue
             shares = []
-            for r in _read_jsonl(f):
+            for r in read_jsonl(f):
                 ids = np.asarray(idx.tokenize(r["text"]), dtype=np.int64)
                 starts = range(0, max(len(ids) - n + 1, 0), stride)
                 if starts:

@@ -575,18 +575,21 @@ class Scorer:
         self.n, states = snap
         self.state = [st.copy() for st in states]
 
+    def _longest(self) -> tuple[int, list[tuple[int, int]]]:
+        """The last position's longest match length and each shard's interval of it ((0, 0)
+        in a shard where the match is shorter)."""
+        lens = [self.n - int(st[0]) for st in self.state]  # state [start, lo, hi]: match ids[start:n]
+        L = max(lens, default=0)
+        return L, [(int(st[1]), int(st[2])) if x == L and L > 0 else (0, 0) for st, x in zip(self.state, lens)]
+
     def top_continuation(self, n: int) -> np.ndarray:
         """Up to n tokens continuing the last position's longest match by the ∞-gram's most
         frequent next token (ties: the smaller id), again and again: what a model that had
         learnt the corpus by heart would write greedily. Stops at a document end: (<= n,) int64."""
-        if self.n == 0:
-            return np.zeros(0, np.int64)
-        lens = [self.n - int(st[0]) for st in self.state]
-        L = max(lens)
+        L, segs = self._longest()
         if L == 0:
             return np.zeros(0, np.int64)
         idx = self.idx
-        segs = [(int(st[1]), int(st[2])) if x == L else (0, 0) for st, x in zip(self.state, lens)]
         out = []
         for d in range(L, L + n):
             toks, cnts = idx._segs_dist(segs, d)
@@ -602,15 +605,11 @@ class Scorer:
     def occurrence(self) -> Occurrence | None:
         """The most recent occurrence of the last position's longest match -- the one whose
         next token is that position's `cont` feature -- or None when nothing matched."""
-        if self.n == 0:
-            return None
-        lens = [self.n - int(st[0]) for st in self.state]  # state [start, lo, hi]: match ids[start:n]
-        L = max(lens)
+        L, segs = self._longest()
         if L == 0:
             return None
-        j = max(j for j, x in enumerate(lens) if x == L)  # the latest shard, as the cont feature
-        s, st = self.idx.shards[j], self.state[j]
-        return Occurrence(j, s.most_recent(int(st[1]), int(st[2])), L)
+        j = max(j for j, (a, b) in enumerate(segs) if b > a)  # the latest shard, as the cont feature
+        return Occurrence(j, self.idx.shards[j].most_recent(*segs[j]), L)
 
 
 def _empty_score(T: int, k: int) -> Features:

@@ -135,7 +135,9 @@ def stream(
     start = max(0, len(ids) - B)  # the window: keys/values of ids[start : start + cached] are cached
     kv, cached = None, 0
     made = 0
-    occ = sc.occurrence()
+    # the index's longest match is looked up only for what needs it: drafts, provenance
+    want_occ = (drafter.max_tokens > 0 and "index" in drafter.sources) or provenance
+    occ = sc.occurrence() if want_occ else None
 
     def distributions(h: torch.Tensor, rows: list[Features], toks: list[int]) -> torch.Tensor:
         """Next-token distributions (n, V) from the last n hidden states h (n, C), rows their
@@ -181,7 +183,7 @@ def stream(
             for j, tok in enumerate(new):
                 ids.append(tok)
                 feats.append(sc.append(tok))
-                occ = sc.occurrence()
+                occ = sc.occurrence() if want_occ else None
                 prov = idx.provenance(occ) if provenance and occ is not None and occ.length >= PROVENANCE_MIN else None
                 made += 1
                 yield Token(tok, feats[-1], prov, j < n_ok)

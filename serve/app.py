@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from teragram.index.engine import Index, with_tokens
 from teragram.index.errors import QueryError, TeragramError
-from teragram.model.draft import DraftStats
+from teragram.model.draft import MAX_DRAFT, DraftStats
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class CompletionRequest(_Strict):
     stop: str | list[str] | None = None
     stream: bool = False
     seed: int = 0
-    draft: int = Field(default=0, ge=0, le=256)  # draft up to this many tokens from exact matches (model/draft.py)
+    draft: int = Field(default=0, ge=0, le=MAX_DRAFT)  # draft up to this many tokens from exact matches (model/draft.py)
     provenance: bool = False  # each token's indexed document, where its context matches >= 8 tokens
 
 
