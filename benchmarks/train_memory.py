@@ -264,7 +264,7 @@ def main() -> int:
     z = None
     if ngpu >= 2 or args.tiny:
         out = Path("/tmp") / f"tg-zero1-{os.getpid()}.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29541", "-m", "benchmarks.train_memory"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "benchmarks.train_memory"]
         cmd += ["--zero1-worker", str(out), "--steps", str(args.steps), "--batch-size", str(B), "--block-size", str(T)]
         r = subprocess.run(
             cmd + (["--tiny"] if args.tiny else ["--shape", args.shape]), cwd=repo, env=dict(os.environ, OMP_NUM_THREADS="1")

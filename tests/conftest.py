@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import gzip
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -72,3 +75,23 @@ def random_docs(rng: np.random.Generator, n_docs: int, alphabet: int, max_len: i
 def copytree(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst
+
+
+def torchrun(script: Path, nproc: int = 2, timeout: float = 900) -> None:
+    """Run `script` on `nproc` local processes under torchrun (gloo; a free port from --standalone).
+    On failure the test fails with every rank's own output, not only the launcher's."""
+    logs = script.parent / f"{script.stem}-logs"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        f"--log-dir={logs}",
+        "--redirects=3",
+        str(script),
+    ]
+    r = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=timeout)
+    if r.returncode:
+        ranks = "\n".join(f"--- {p.relative_to(logs)}\n{p.read_text()[-2000:]}" for p in sorted(logs.rglob("std*.log")))
+        pytest.fail(f"torchrun exited {r.returncode}\n{ranks}\n--- launcher\n{r.stderr[-1000:]}", pytrace=False)

@@ -2,7 +2,6 @@
 
 import json
 import math
-import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -17,6 +16,8 @@ from teragram.index.features import FeatureConfig, Features
 from teragram.model.gpt import GPT, GPTConfig
 from teragram.model.sample import generate
 from teragram.model.train import TrainConfig, load_model, train
+
+from tests.conftest import torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = dict(preset="tiny", block_size=64, batch_size=8, log_every=1, progress=False, warmup=5, lr=3e-3, min_lr=3e-4)
@@ -147,18 +148,11 @@ loss, _ = ddp(x, y, f)
 loss.mean().backward()
 if rank == 0:
     torch.save({{n: p.grad for n, p in m.named_parameters()}}, {str(tmp_path / "ddp.pt")!r})
+dist.barrier()  # leave together: a rank that tears gloo down while its peer still talks aborts
 dist.destroy_process_group()
 """
     )
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29517", str(script)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert r.returncode == 0, r.stderr[-2000:]
+    torchrun(script)
     from teragram.model.data import TrainData
 
     data = TrainData(dup_setup / "idx", dup_setup / "feats", 32)

@@ -3,7 +3,6 @@ low-precision linears, and the refusal of combinations that cannot work. Oracles
 training loop (same losses and gradients) and float references."""
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -16,6 +15,7 @@ import torch
 from teragram.model.gpt import GPT, GPTConfig
 from teragram.model.train import TrainConfig, train
 
+from tests.conftest import torchrun
 from tests.model.test_model import REPO, TINY, _rand_feats
 
 SMALL = TINY | {"block_size": 32, "batch_size": 4}
@@ -131,15 +131,7 @@ train(replace(cfg["zero1-resumed"], zero1=True))
 dist.destroy_process_group()
 """.replace("from pathlib import Path", "from pathlib import Path\nfrom dataclasses import replace")
     )
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29531", str(script)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
+    torchrun(script)
     ddp, zero, resumed = (_losses(data_root, "z-" + n) for n in runs)
     assert [zero[s] for s in range(1, 21)] == pytest.approx([ddp[s] for s in range(1, 21)], rel=1e-5)
     assert [resumed[s] for s in range(11, 21)] == [zero[s] for s in range(11, 21)]
