@@ -13,6 +13,41 @@ import torch
 import torch.nn as nn
 
 
+class AdamW(torch.optim.AdamW):
+    """torch's AdamW, with the second stage of 1-bit Adam (Tang et al. 2021): after
+    freeze_variance() the second moment v stays as it is, and the "gradient" handed to step() is
+    the new first moment m, which the 1-bit hook (model/comm.py) computes on each rank from its
+    own gradient, b1 m + (1 - b1) g, and averages compressed. Compressing the momentum rather than
+    the gradient, and freezing v (a second moment of sign-compressed values is one value per
+    row), is what keeps Adam converging like uncompressed Adam. The update is AdamW's:
+    p -= lr (wd p + (m / bc1) / (sqrt(v / bc2) + eps)), bc2 that of the step v froze at. The
+    state dict is AdamW's, the freeze step a key of each group."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if not any("variance_frozen_at" in g for g in self.param_groups):
+            return super().step(closure)
+        for g in self.param_groups:
+            b1 = g["betas"][0]
+            bc2 = 1 - g["betas"][1] ** g["variance_frozen_at"]
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                st["step"] += 1
+                st["exp_avg"].copy_(p.grad)
+                p.mul_(1 - g["lr"] * g["weight_decay"])
+                p.addcdiv_(st["exp_avg"], (st["exp_avg_sq"] / bc2).sqrt_().add_(g["eps"]), value=-g["lr"] / (1 - b1 ** float(st["step"])))
+
+
+def freeze_variance(opt: AdamW) -> None:
+    """From now on opt keeps its second moment and takes momenta for gradients (no-op when frozen)."""
+    for g in opt.param_groups:
+        steps = [float(opt.state[p]["step"]) for p in g["params"] if p in opt.state]
+        if steps and "variance_frozen_at" not in g:
+            g["variance_frozen_at"] = steps[0]
+
+
 def adamw_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Matrices (>= 2 dims) decay; gains and biases do not."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -34,15 +69,19 @@ def build(
     muon: bool = False,
     muon_lr: float = 0.02,
     muon_momentum: float = 0.95,
+    sgd: bool = False,
 ):
     """The optimizer of a training run. zero1 needs an initialised process group; offload keeps
     fp32 masters and moments in CPU memory (build it before the model is cast to bf16); muon
-    (neither zero1 nor offload) trains the blocks' matrices with Muon (model/muon.py)."""
+    (neither zero1 nor offload) trains the blocks' matrices with Muon (model/muon.py); sgd is
+    plain SGD."""
     if muon:
         from .muon import MuonAdamW
 
         return MuonAdamW(model, lr=lr, muon_lr=muon_lr, momentum=muon_momentum, weight_decay=weight_decay, betas=betas, cuda=cuda)
     groups = adamw_groups(model, weight_decay)
+    if sgd:  # plain SGD (weight decay as L2): linear in the gradient, so averaging its steps averages gradients
+        return torch.optim.SGD(groups, lr=lr)
     if offload:
         from .offload import CPUOffloadAdamW
 
@@ -51,7 +90,7 @@ def build(
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=lr, betas=betas, fused=cuda)
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=cuda)
+    return AdamW(groups, lr=lr, betas=betas, fused=cuda)
 
 
 def full_state_dict(opt) -> dict | None:

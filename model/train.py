@@ -14,7 +14,13 @@ and before any work, a value or a combination that cannot work):
   precision = bf16 | fp8 | int8     the blocks' linear layers in fp8 or int8 (model/lowp.py)
   arch = gpt2 | modern              rotary, RMSNorm, QK-norm, ReLU^2, untied head (model/gpt.py)
   tie_head = true | false           override the arch's head tying (modern + true: GPT-2's parameter count)
-  optimizer = adamw | muon          Muon for the blocks' matrices (model/muon.py)
+  optimizer = adamw | muon | sgd    Muon for the blocks' matrices (model/muon.py); plain SGD
+Across ranks and hosts (model/comm.py; torchrun, NCCL or gloo; bytes sent logged for every mode):
+  compress = none | 1bit            signs + a scale per row, with error feedback (a DDP comm hook), after
+                                    compress_after plain steps; AdamW then sends momenta (1-bit Adam)
+  sync = every-step | local         local: DiLoCo, an outer Nesterov step every outer_every steps
+  straggler = deadline | wait       local: a slow worker's round ends at the fast ones' pace, or all wait
+  link_gbps = 0                     > 0: simulate a link of that bandwidth (benchmarks)
 Checkpoints of every setting use one layout and resume under any other setting that uses the
 same optimizer (adamw's state resumes with or without zero1 and offload, on any world size).
 """
@@ -36,7 +42,7 @@ from teragram.index import format as fmt
 from teragram.index.features import Features
 from tqdm import tqdm
 
-from . import lowp, optim
+from . import comm, lowp, optim
 from .config import ConfigError
 from .data import TrainData
 from .evaluate import evaluate
@@ -84,14 +90,26 @@ class TrainConfig:
     precision: str = "bf16"  # "bf16" (autocast; fp32 on CPU) | "fp8" | "int8" matmuls in the blocks' linears
     zero1: bool = False  # shard the optimizer state across data-parallel ranks (ZeRO stage 1)
     offload: str = "none"  # "optimizer": fp32 master weights and Adam moments in CPU memory
+    compress: str = "none"  # "1bit": gradients as signs + one scale per row, with error feedback
+    compress_after: int = 50  # 1bit: plain steps first; then AdamW's variance freezes and its momentum is sent (1-bit Adam)
+    sync: str = "every-step"  # "local": local SGD (DiLoCo), workers exchange weight deltas every outer_every steps
+    outer_every: int = 50  # H: inner steps per round (sync = local)
+    outer_lr: float = 0.7  # the outer Nesterov SGD's learning rate (DiLoCo's)
+    outer_momentum: float = 0.9
+    straggler: str = "deadline"  # local: "deadline" (a slow worker's round ends early) | "wait" (every worker takes H steps)
+    straggler_slack: float = 0.1  # deadline = (1 + slack) x the fastest worker's time for H steps
+    link_gbps: float = 0.0  # > 0: simulate a link of this bandwidth (a sleep per byte sent)
 
 
 CHOICES = {
     "arch": ("gpt2", "modern"),
-    "optimizer": ("adamw", "muon"),
+    "optimizer": ("adamw", "muon", "sgd"),
     "recompute": ("none", "attn", "block"),
     "offload": ("none", "optimizer"),
     "precision": ("bf16", "fp8", "int8"),
+    "compress": ("none", "1bit"),
+    "sync": ("every-step", "local"),
+    "straggler": ("deadline", "wait"),
 }
 
 
@@ -109,6 +127,35 @@ def check(cfg: TrainConfig) -> None:
         raise ConfigError("optimizer = muon and zero1 cannot be combined (Muon needs whole matrices); use adamw with zero1")
     if cfg.optimizer == "muon" and cfg.offload != "none":
         raise ConfigError("optimizer = muon and offload = optimizer cannot be combined; offload supports adamw only")
+    if cfg.optimizer == "sgd" and (cfg.zero1 or cfg.offload != "none"):
+        raise ConfigError("optimizer = sgd has no state to shard or offload; use adamw with zero1 or offload")
+    if cfg.outer_every < 1:
+        raise ConfigError(f"outer_every must be >= 1, not {cfg.outer_every}")
+    if cfg.link_gbps < 0 or cfg.straggler_slack < 0:
+        raise ConfigError("link_gbps and straggler_slack must be >= 0")
+    if cfg.compress == "1bit" and (cfg.optimizer not in ("adamw", "sgd") or cfg.zero1 or cfg.offload != "none"):
+        raise ConfigError("compress = 1bit needs optimizer = adamw or sgd, without zero1 or offload (it freezes AdamW's variance)")
+    if cfg.sync == "local":
+        if cfg.compress != "none":
+            raise ConfigError(
+                "compress = 1bit compresses every step's gradients; sync = local exchanges weight deltas, use compress = none"
+            )
+        if cfg.zero1 or cfg.offload != "none":
+            raise ConfigError("sync = local keeps a whole optimizer on every worker; it cannot be combined with zero1 or offload")
+        if cfg.ckpt_every % cfg.outer_every:
+            raise ConfigError(
+                f"sync = local checkpoints at the end of a round: ckpt_every must be a multiple of outer_every ({cfg.outer_every})"
+            )
+
+
+def agree(cfg: TrainConfig) -> None:
+    """Refuse, on every rank, ranks started with different settings (collective)."""
+    mine = {k: v for k, v in asdict(cfg).items() if k != "progress"}
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    keys = sorted({k for c in every for k in c if c.get(k) != every[0].get(k)})
+    if keys:
+        raise ConfigError(f"ranks disagree on the training config ({', '.join(keys)}): start every rank with the same settings")
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -150,8 +197,11 @@ def _commit() -> str:
         return "unknown"
 
 
-def _save(out: Path, model: GPT, opt_state: dict, step: int, cfg: TrainConfig, opt_weights: dict | None = None) -> Path:
-    """A checkpoint of the model (opt_weights: the fp32 masters, when the optimizer keeps them)."""
+def _save(
+    out: Path, model: GPT, opt_state: dict, step: int, cfg: TrainConfig, opt_weights: dict | None = None, extra: dict | None = None
+) -> Path:
+    """A checkpoint of the model (opt_weights: the fp32 masters, when the optimizer keeps them;
+    extra: more state for state.pt, e.g. the communication's)."""
     d = out / "checkpoints" / f"step-{step:07d}"
     tmp = d.with_name(d.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -161,7 +211,7 @@ def _save(out: Path, model: GPT, opt_state: dict, step: int, cfg: TrainConfig, o
     if model.tied:
         sd.pop("lm_head.weight", None)  # tied to wte
     save_file(sd, str(tmp / "model.safetensors"))
-    torch.save({"optimizer": opt_state, "step": step, "torch_rng": torch.get_rng_state()}, tmp / "state.pt")
+    torch.save({"optimizer": opt_state, "step": step, "torch_rng": torch.get_rng_state(), **(extra or {})}, tmp / "state.pt")
     (tmp / "config.json").write_text(
         json.dumps({"model": asdict(model.cfg), "train": asdict(cfg), "step": step, "commit": _commit()}, indent=1)
     )
@@ -221,6 +271,8 @@ def _to(x, device):
 def train(cfg: TrainConfig) -> dict:
     check(cfg)
     rank, world, device, own_group = _setup(cfg)
+    if world > 1:
+        agree(cfg)
     master = rank == 0
     torch.manual_seed(cfg.seed + rank)
     use_index = cfg.use_index and cfg.features is not None
@@ -251,6 +303,7 @@ def train(cfg: TrainConfig) -> dict:
         muon=cfg.optimizer == "muon",
         muon_lr=cfg.muon_lr,
         muon_momentum=cfg.muon_momentum,
+        sgd=cfg.optimizer == "sgd",
     )
     if cfg.offload == "optimizer" and cuda:
         model.to(torch.bfloat16)  # the fp32 masters live in CPU memory
@@ -262,9 +315,32 @@ def train(cfg: TrainConfig) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps({"model": asdict(mcfg), "train": asdict(cfg), "commit": _commit()}, indent=1))
     fwd = torch.compile(model) if cuda and cfg.compile else model
-    ddp = None
-    if world > 1:
+    ddp = onebit = local = None
+    link = comm.Link(world, cfg.link_gbps)
+    if world > 1 and cfg.sync == "local":  # no DDP: each worker steps on its own gradients
+        local = comm.LocalSGD(
+            model,
+            every=cfg.outer_every,
+            lr=cfg.outer_lr,
+            momentum=cfg.outer_momentum,
+            straggler=cfg.straggler,
+            slack=cfg.straggler_slack,
+            link=link,
+        )
+        if st is not None and st.get("local", {}).get("world") == world:
+            local.load_state_dict(st["local"])
+            opt.load_state_dict(st["local"]["inner"][rank])
+        elif st is not None and master:
+            print("local SGD starts a new outer optimizer: the checkpoint has none for this world size")
+    elif world > 1:
         ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[torch.cuda.current_device()] if cuda else None)
+        if cfg.compress == "1bit":
+            onebit = comm.OneBit(model, link)
+            ddp.register_comm_hook(onebit, comm.OneBit.hook)
+            if st is not None and not onebit.load_state_dict(st.get("onebit", {"world": 0})) and master:
+                print("1-bit compression starts with zero residuals: the checkpoint has none for this world size")
+        else:
+            ddp.register_comm_hook(link, comm.counted_allreduce)
         fwd = torch.compile(ddp) if cuda and cfg.compile else ddp
     tokens_per_step = cfg.batch_size * mcfg.block_size * cfg.grad_accum * world
     log = open(out / "log.jsonl", "a") if master else None
@@ -277,8 +353,13 @@ def train(cfg: TrainConfig) -> dict:
         for g in opt.param_groups:
             g["lr"] = lr * g.get("lr_scale", 1.0)
         loss_sum = 0.0
+        skip = local is not None and local.skip()  # this worker's round is out of time
+        if onebit is not None and step >= cfg.compress_after and not onebit.active:
+            onebit.start(model, opt)  # AdamW: its variance freezes (kept frozen when resumed)
         for micro in range(cfg.grad_accum):
             x, y, f = next(batches)
+            if skip:
+                continue
             if f is not None and cfg.index_dropout > 0:
                 f = blind(f, cfg.index_dropout, torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 64 + micro * 8 + rank))
             x, y, f = _to(x, device), _to(y, device), _to(f, device)
@@ -289,26 +370,39 @@ def train(cfg: TrainConfig) -> dict:
                 loss = loss.mean() / cfg.grad_accum
             loss.backward()
             loss_sum += loss.item() if not cuda or (step + 1) % cfg.log_every == 0 else 0.0
-        if isinstance(opt, CPUOffloadAdamW):
-            opt.step(cfg.grad_clip)  # clips the fp32 gradients on the CPU
-        else:
-            if cfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            opt.step()
-        opt.zero_grad(set_to_none=True)
+        if not skip:
+            if isinstance(opt, CPUOffloadAdamW):
+                opt.step(cfg.grad_clip)  # clips the fp32 gradients on the CPU
+            else:
+                if cfg.grad_clip > 0 and not (onebit is not None and onebit.momentum is not None):  # not momenta
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                opt.step()
+            opt.zero_grad(set_to_none=True)
         bar.update(1)
-        if (step + 1) % cfg.log_every == 0 or step == start or step + 1 == cfg.max_steps:
+        took = None
+        if local is not None:
+            local.done += not skip
+            if (step + 1) % cfg.outer_every == 0 or step + 1 == cfg.max_steps:
+                took = local.exchange()  # collective
+        if took is not None or ((step + 1) % cfg.log_every == 0 or step == start or step + 1 == cfg.max_steps) and not skip:
             el = time.time() - t0
+            done_tokens = tokens_per_step // world * (step + 1 - start)  # this rank's
             tps = tokens_per_step * (step + 1 - start) / max(el, 1e-9)
             last = {"step": step + 1, "loss": loss_sum, "lr": lr, "tokens_per_s": tps, "elapsed_s": el}
+            if world > 1:
+                last |= {"comm_bytes": link.sent, "comm_bytes_per_token": link.sent / max(1, done_tokens)}
+            if took is not None:
+                last["round_steps"] = took  # inner steps each worker took in the round that ended
+            if skip:
+                del last["loss"]
             if master:
                 log.write(json.dumps(last) + "\n")
                 log.flush()
                 bar.set_postfix(loss=f"{loss_sum:.3f}", tok_s=f"{tps:,.0f}")
         if cfg.checkpoint and cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.max_steps:
-            opt_state = optim.full_state_dict(opt)  # collective under ZeRO-1
+            opt_state, extra = _states(opt, onebit, local)  # collective under ZeRO-1, 1bit, local
             if master:
-                _save(out, model, opt_state, step + 1, cfg, _masters(opt))
+                _save(out, model, opt_state, step + 1, cfg, _masters(opt), extra)
         if master and cfg.heldout and cfg.eval_every and (step + 1) % cfg.eval_every == 0:
             ev = evaluate(model, cfg.heldout, data.eos, data.sep, device)
             log.write(json.dumps({"step": step + 1, "eval": ev}) + "\n")
@@ -316,10 +410,10 @@ def train(cfg: TrainConfig) -> dict:
     bar.close()
     result = dict(last)
     final = cfg.checkpoint and cfg.max_steps > start
-    opt_state = optim.full_state_dict(opt) if final else None
+    opt_state, extra = _states(opt, onebit, local) if final else (None, None)
     if master:
         if final:
-            _save(out, model, opt_state, cfg.max_steps, cfg, _masters(opt))
+            _save(out, model, opt_state, cfg.max_steps, cfg, _masters(opt), extra)
         if cfg.heldout:
             result["eval"] = evaluate(model, cfg.heldout, data.eos, data.sep, device)
             log.write(json.dumps({"step": cfg.max_steps, "eval": result["eval"]}) + "\n")
@@ -330,6 +424,20 @@ def train(cfg: TrainConfig) -> dict:
         if own_group:
             dist.destroy_process_group()
     return result
+
+
+def _states(opt, onebit: comm.OneBit | None, local: comm.LocalSGD | None) -> tuple[dict | None, dict]:
+    """The optimizer's whole state and the communication's, on rank 0 (collective): the 1-bit
+    residuals of every rank; under local SGD the outer optimizer and every worker's inner state
+    (the checkpoint's "optimizer" is rank 0's, so it also resumes in the other modes)."""
+    opt_state, extra = optim.full_state_dict(opt), {}
+    if onebit is not None:
+        extra["onebit"] = onebit.state_dict()
+    if local is not None:
+        inner: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(opt_state, inner, dst=0)
+        extra["local"] = {"world": dist.get_world_size(), "inner": inner, **local.state_dict()}
+    return opt_state, extra
 
 
 def _masters(opt) -> dict | None:
