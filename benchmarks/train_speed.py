@@ -310,7 +310,18 @@ def main() -> int:
         out = w / "ddp"
         subprocess.run(["rm", "-rf", str(out)])
         subprocess.run(
-            [py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "teragram.serve.cli", "train", *common, f"--out={out}"],
+            [
+                py,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node=2",
+                "-m",
+                "teragram.serve.cli",
+                "train",
+                *common,
+                f"--out={out}",
+            ],
             cwd=repo,
             check=True,
             env=env,
