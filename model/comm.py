@@ -11,7 +11,8 @@ all-reduce of 1-bit Adam (Tang et al. 2021) / TScale:
   2. rank r averages the W decoded chunks it received, adds its own (server) residual, quantises
      the average the same way and keeps that residual; an all-gather of the packed bits gives
      every rank the whole averaged gradient.
-What is compressed: with SGD the gradient; with AdamW (after compress_after uncompressed steps)
+What is compressed: with SGD the gradient; with AdamW (after compress_after steps whose gradients
+are all-reduced in bf16)
 the momentum, as 1-bit Adam does: AdamW's second moment freezes (optim.AdamW), each rank forms
 b1 m + (1 - b1) g from its own gradient, and the compressed average becomes everyone's m.
 Compressing gradients into Adam fails (measured, tiny model, 200 steps: loss 4.28 vs 3.50): the
@@ -166,7 +167,7 @@ class OneBit:
         self.layouts: dict[tuple[str, ...], _Layout] = {}
         self.worker: dict[str, torch.Tensor] = {}  # name -> view of this rank's residual
         self.server: dict[str, torch.Tensor] = {}  # name -> view of the residual of this rank's chunk
-        self.active = False  # False: DDP's all-reduce (the warm-up that the optimizer's variance needs)
+        self.active = False  # False: a bf16 all-reduce (the warm-up that the optimizer's variance needs)
         self.momentum: tuple[float, dict[str, torch.Tensor]] | None = None  # (b1, name -> AdamW's m): send momenta
 
     def start(self, model: nn.Module, opt) -> None:
@@ -201,8 +202,12 @@ class OneBit:
     @staticmethod
     def hook(state, bucket):  # no annotations: DDP checks them, and they are strings here
         self, buf = state, bucket.buffer()
-        if not self.active:
-            return counted_allreduce(self.link, bucket)
+        if not self.active:  # the warm-up: DDP's all-reduce in bf16 (torch's hook), half the bytes
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            fut = default_hooks.bf16_compress_hook(None, bucket)
+            self.link.send(self.link.allreduce_bytes(buf) / buf.element_size() * 2)
+            return fut
         L, W, r = state._layout(bucket), state.world, state.rank
         g = buf.float()
         if self.momentum is not None:  # this rank's momentum from its own gradient

@@ -17,7 +17,7 @@ and before any work, a value or a combination that cannot work):
   optimizer = adamw | muon | sgd    Muon for the blocks' matrices (model/muon.py); plain SGD
 Across ranks and hosts (model/comm.py; torchrun, NCCL or gloo; bytes sent logged for every mode):
   compress = none | 1bit            signs + a scale per row, with error feedback (a DDP comm hook), after
-                                    compress_after plain steps; AdamW then sends momenta (1-bit Adam)
+                                    compress_after bf16 steps; AdamW then sends momenta (1-bit Adam)
   sync = every-step | local         local: DiLoCo, an outer Nesterov step every outer_every steps
   straggler = deadline | wait       local: a slow worker's round ends at the fast ones' pace, or all wait
   link_gbps = 0                     > 0: simulate a link of that bandwidth (benchmarks)
@@ -91,7 +91,7 @@ class TrainConfig:
     zero1: bool = False  # shard the optimizer state across data-parallel ranks (ZeRO stage 1)
     offload: str = "none"  # "optimizer": fp32 master weights and Adam moments in CPU memory
     compress: str = "none"  # "1bit": gradients as signs + one scale per row, with error feedback
-    compress_after: int = 50  # 1bit: plain steps first; then AdamW's variance freezes and its momentum is sent (1-bit Adam)
+    compress_after: int = 50  # 1bit: steps all-reduced in bf16 first; then AdamW's variance freezes and its momentum is sent (1-bit Adam)
     sync: str = "every-step"  # "local": local SGD (DiLoCo), workers exchange weight deltas every outer_every steps
     outer_every: int = 50  # H: inner steps per round (sync = local)
     outer_lr: float = 0.7  # the outer Nesterov SGD's learning rate (DiLoCo's)
@@ -135,6 +135,8 @@ def check(cfg: TrainConfig) -> None:
         raise ConfigError("link_gbps and straggler_slack must be >= 0")
     if cfg.compress == "1bit" and (cfg.optimizer not in ("adamw", "sgd") or cfg.zero1 or cfg.offload != "none"):
         raise ConfigError("compress = 1bit needs optimizer = adamw or sgd, without zero1 or offload (it freezes AdamW's variance)")
+    if cfg.compress == "1bit" and cfg.optimizer == "adamw" and cfg.compress_after < 1:
+        raise ConfigError("compress = 1bit with adamw needs compress_after >= 1: the variance it freezes is learnt in those steps")
     if cfg.sync == "local":
         if cfg.compress != "none":
             raise ConfigError(
