@@ -12,9 +12,12 @@ all-reduce of 1-bit Adam (Tang et al. 2021) / TScale:
      the average the same way and keeps that residual; an all-gather of the packed bits gives
      every rank the whole averaged gradient.
 What is compressed: with SGD the gradient; with AdamW (after compress_after steps whose gradients
-are all-reduced in bf16)
-the momentum, as 1-bit Adam does: AdamW's second moment freezes (optim.AdamW), each rank forms
-b1 m + (1 - b1) g from its own gradient, and the compressed average becomes everyone's m.
+are all-reduced in bf16) the momentum, as 1-bit Adam does: each rank forms b1 m + (1 - b1) g
+from its own gradient and the compressed average becomes everyone's m. AdamW's second moment v
+is not updated by the step (optim.AdamW, frozen); instead each rank keeps its own v from its
+own gradient, and every variance_every steps the ranks' v are averaged (a bf16 all-reduce) into
+AdamW's: a v frozen once (1-bit Adam) goes stale as the gradients shrink (measured: 1,500 steps,
+loss 4.24 vs 4.07 at step 500), and all ranks must divide by the same v to stay in step.
 Compressing gradients into Adam fails (measured, tiny model, 200 steps: loss 4.28 vs 3.50): the
 second moment of sign-compressed values is one value per row, and sign noise on small gradients
 is what Adam's per-element scaling amplifies; the momentum is smooth and v stays per element.
@@ -131,6 +134,7 @@ class _Layout:
         cnt = torch.tensor([sum((c[r] for c in count), []) for r in range(world)], device=device)
         self.count = cnt.float().clamp(min=1)  # (W, S)
         self.worker = torch.zeros(sum(self.numels), device=device)
+        self.vlocal = torch.zeros(sum(self.numels), device=device)  # this rank's own second moment (AdamW)
         self.server = torch.zeros(self.C, device=device)
         self.rank = rank
 
@@ -139,6 +143,9 @@ class _Layout:
 
     def worker_slices(self) -> list[torch.Tensor]:
         return list(torch.split(self.worker, self.numels))
+
+    def vlocal_slices(self) -> list[torch.Tensor]:
+        return list(torch.split(self.vlocal, self.numels))
 
 
 def _quantise(
@@ -169,6 +176,8 @@ class OneBit:
         self.server: dict[str, torch.Tensor] = {}  # name -> view of the residual of this rank's chunk
         self.active = False  # False: a bf16 all-reduce (the warm-up that the optimizer's variance needs)
         self.momentum: tuple[float, dict[str, torch.Tensor]] | None = None  # (b1, name -> AdamW's m): send momenta
+        self.variance: tuple[float, dict[str, torch.Tensor]] | None = None  # (b2, name -> AdamW's v)
+        self.vlocal: dict[str, torch.Tensor] = {}  # name -> view of this rank's own second moment
 
     def start(self, model: nn.Module, opt) -> None:
         """Compress from now on. With AdamW (optim.AdamW): freeze its variance and compress the
@@ -180,6 +189,20 @@ class OneBit:
             freeze_variance(opt)
             b1 = opt.param_groups[0]["betas"][0]
             self.momentum = (b1, {n: opt.state[p]["exp_avg"] for n, p in model.named_parameters() if p in opt.state})
+            b2 = opt.param_groups[0]["betas"][1]
+            self.variance = (b2, {n: opt.state[p]["exp_avg_sq"] for n, p in model.named_parameters() if p in opt.state})
+
+    def sync_variance(self, opt) -> None:
+        """AdamW's second moment := the mean of the ranks' own (collective; one bf16 all-reduce)."""
+        names = sorted(self.vlocal)
+        flat = torch.cat([self.vlocal[n].reshape(-1) for n in names]).to(torch.bfloat16)
+        dist.all_reduce(flat)
+        self.link.send(self.link.allreduce_bytes(flat))
+        for n, v in zip(names, torch.split(flat.float() / self.world, [self.vlocal[n].numel() for n in names])):
+            self.variance[1][n].copy_(v.view_as(self.variance[1][n]))
+        for g in opt.param_groups:
+            steps = [float(opt.state[p]["step"]) for p in g["params"] if p in opt.state]
+            g["variance_frozen_at"] = steps[0]  # its bias correction
 
     def _layout(self, bucket) -> _Layout:
         params = bucket.parameters()
@@ -192,6 +215,12 @@ class OneBit:
                 if name in self.worker:
                     w.copy_(self.worker[name].reshape(-1))
                 self.worker[name] = w
+                v = L.vlocal_slices()[i]
+                if name in self.vlocal:
+                    v.copy_(self.vlocal[name].reshape(-1))
+                elif self.variance is not None:
+                    v.copy_(self.variance[1][name].reshape(-1))
+                self.vlocal[name] = v
                 s = L.server_slice(i)
                 if name in self.server:
                     s.copy_(self.server[name])
@@ -210,6 +239,8 @@ class OneBit:
             return fut
         L, W, r = state._layout(bucket), state.world, state.rank
         g = buf.float()
+        if self.variance is not None:  # this rank's second moment from its own gradient
+            L.vlocal.mul_(self.variance[0]).addcmul_(g, g, value=1 - self.variance[0])
         if self.momentum is not None:  # this rank's momentum from its own gradient
             b1, m = self.momentum
             g = torch.cat([m[n].reshape(-1) for n in L.names]).float().lerp_(g, 1 - b1)
@@ -244,6 +275,7 @@ class OneBit:
         mine = {
             "worker": {n: t.detach().cpu().clone() for n, t in self.worker.items()},
             "server": {n: t.detach().cpu().clone() for n, t in self.server.items()},
+            "vlocal": {n: t.detach().cpu().clone() for n, t in self.vlocal.items()},
         }
         every = [None] * self.world if self.rank == 0 else None
         dist.gather_object(mine, every, dst=0)
@@ -259,6 +291,7 @@ class OneBit:
         mine = sd["ranks"][self.rank]
         self.worker = {n: t.to(dev) if dev else t for n, t in mine["worker"].items()}
         self.server = {n: t.to(dev) if dev else t for n, t in mine["server"].items()}
+        self.vlocal = {n: t.to(dev) if dev else t for n, t in mine.get("vlocal", {}).items()}
         return True
 
 

@@ -37,7 +37,10 @@ class AdamW(torch.optim.AdamW):
                 st["step"] += 1
                 st["exp_avg"].copy_(p.grad)
                 p.mul_(1 - g["lr"] * g["weight_decay"])
-                p.addcdiv_(st["exp_avg"], (st["exp_avg_sq"] / bc2).sqrt_().add_(g["eps"]), value=-g["lr"] / (1 - b1 ** float(st["step"])))
+                m = st["exp_avg"] / (1 - b1 ** float(st["step"]))
+                # |update| <= lr per element, as Adam's is when v is current: an element that v has
+                # not seen yet (an embedding row of a token new since the last average) must not jump
+                p.addcdiv_(m, torch.maximum((st["exp_avg_sq"] / bc2).sqrt_().add_(g["eps"]), m.abs()), value=-g["lr"])
 
 
 def freeze_variance(opt: AdamW) -> None:

@@ -91,7 +91,8 @@ class TrainConfig:
     zero1: bool = False  # shard the optimizer state across data-parallel ranks (ZeRO stage 1)
     offload: str = "none"  # "optimizer": fp32 master weights and Adam moments in CPU memory
     compress: str = "none"  # "1bit": gradients as signs + one scale per row, with error feedback
-    compress_after: int = 50  # 1bit: steps all-reduced in bf16 first; then AdamW's variance freezes and its momentum is sent (1-bit Adam)
+    compress_after: int = 50  # 1bit: steps all-reduced in bf16 first; then AdamW's momentum is sent (1-bit Adam)
+    variance_every: int = 100  # 1bit + adamw: the ranks' own second moments averaged into AdamW's every this many steps
     sync: str = "every-step"  # "local": local SGD (DiLoCo), workers exchange weight deltas every outer_every steps
     outer_every: int = 50  # H: inner steps per round (sync = local)
     outer_lr: float = 0.7  # the outer Nesterov SGD's learning rate (DiLoCo's)
@@ -129,6 +130,8 @@ def check(cfg: TrainConfig) -> None:
         raise ConfigError("optimizer = muon and offload = optimizer cannot be combined; offload supports adamw only")
     if cfg.optimizer == "sgd" and (cfg.zero1 or cfg.offload != "none"):
         raise ConfigError("optimizer = sgd has no state to shard or offload; use adamw with zero1 or offload")
+    if cfg.variance_every < 1:
+        raise ConfigError(f"variance_every must be >= 1, not {cfg.variance_every}")
     if cfg.outer_every < 1:
         raise ConfigError(f"outer_every must be >= 1, not {cfg.outer_every}")
     if cfg.link_gbps < 0 or cfg.straggler_slack < 0:
@@ -380,6 +383,8 @@ def train(cfg: TrainConfig) -> dict:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
                 opt.step()
             opt.zero_grad(set_to_none=True)
+            if onebit is not None and onebit.variance is not None and (step + 1) % cfg.variance_every == 0:
+                onebit.sync_variance(opt)  # collective
         bar.update(1)
         took = None
         if local is not None:

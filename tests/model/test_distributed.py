@@ -112,13 +112,15 @@ def test_1bit_and_local_sgd_on_two_gloo_processes(data_root, tmp_path):  # noqa:
     assert tail(onebit) == pytest.approx(tail(ddp), rel=0.05), (tail(onebit), tail(ddp))
     assert tail(onebit) < 0.8 * onebit[1]  # it learned
     assert [resumed[s] for s in range(101, 201)] == [onebit[s] for s in range(101, 201)]  # residuals resume exactly
-    # bytes: once compressing (step 50 on), the payload is a 32nd of the fp32 all-reduce's, plus
-    # one 4-byte scale per 128-wide row (1/25.6) and padding; before, half DDP's (bf16)
+    # bytes: a compressed step sends a 32nd of the fp32 all-reduce, plus one 4-byte scale per
+    # 128-wide row (1/25.6) and padding; the first 50 steps half DDP's (bf16); every 100 steps
+    # the second moments' bf16 all-reduce
     sent = lambda n: {r["step"]: r["comm_bytes"] for r in _rows(data_root, n) if "comm_bytes" in r}  # noqa: E731
     b_ddp, b_1bit = sent("d-ddp"), sent("d-1bit")
     assert b_1bit[50] == b_ddp[50] / 2
-    ratio = (b_1bit[200] - b_1bit[100]) / (b_ddp[200] - b_ddp[100])
+    ratio = (b_1bit[102] - b_1bit[101]) / (b_ddp[102] - b_ddp[101])
     assert 1 / 32 < ratio < 1.3 / 32, ratio
+    assert b_1bit[100] - b_1bit[99] == pytest.approx((b_ddp[100] - b_ddp[99]) * (ratio + 1 / 2), rel=1e-6)
     # local SGD with H = 1, outer lr 1 and no momentum averages SGD steps: DDP's SGD step
     sgd, local1 = _losses(data_root, "d-sgd"), _losses(data_root, "d-local1")
     assert [local1[s] for s in range(1, 11)] == pytest.approx([sgd[s] for s in range(1, 11)], rel=1e-4)
