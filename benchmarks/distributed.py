@@ -96,6 +96,9 @@ def main() -> int:
     ap.add_argument("--eval-every", type=int, default=250)
     ap.add_argument("--compress-after", type=int, default=50)
     ap.add_argument("--outer-every", type=int, default=50)
+    ap.add_argument(
+        "--outer", default="0.7:0.9,1:0,1:0.5,0.35:0.9", help="local SGD's outer lr:momentum, each one run (the first: DiLoCo's)"
+    )
     ap.add_argument("--links", default="0,1,0.1", help="simulated link speeds, Gbit/s (0: none)")
     ap.add_argument("--link-steps", type=int, default=100)
     ap.add_argument("--work", type=Path, default=None)
@@ -115,14 +118,14 @@ def main() -> int:
         "min_lr": 3e-4,
         "warmup": 50,
     }
-    modes = {
-        "ddp": {},
-        "1bit": {"compress": "1bit", "compress_after": a.compress_after},
-        f"local H={a.outer_every}": {"sync": "local", "outer_every": a.outer_every},
-    }
+    modes = {"ddp": {}, "1bit": {"compress": "1bit", "compress_after": a.compress_after}}
+    for i, pair in enumerate(a.outer.split(",")):
+        lr, mom = (float(x) for x in pair.split(":"))
+        name = f"local H={a.outer_every}" + ("" if i == 0 else f" lr{lr:g} m{mom:g}")
+        modes[name] = {"sync": "local", "outer_every": a.outer_every, "outer_lr": lr, "outer_momentum": mom}
     res = {m: summary(train(w, m.replace(" ", "_").replace("=", ""), a.ranks, base | o)) for m, o in modes.items()}
     links = [float(x) for x in a.links.split(",") if x]
-    for m, o in modes.items():
+    for m, o in list(modes.items())[:3]:  # speed: the outer step's settings do not change it
         for g in links:
             o2 = base | o | {"max_steps": a.link_steps, "heldout": "", "eval_every": 0, "link_gbps": g, "compress_after": 1}
             rows = train(w, f"link{g:g}-" + m.replace(" ", "_").replace("=", ""), a.ranks, o2)
@@ -139,7 +142,7 @@ def main() -> int:
             "loss vs ddp": f"{100 * (r['valid_loss'] / d['valid_loss'] - 1):+.2f}%",
         }
         for g in links:
-            row[f"tokens/s at {g:g} Gbit/s" if g else "tokens/s, no link"] = r[f"tokens_per_s_at_{g:g}gbps"]
+            row[f"tokens/s at {g:g} Gbit/s" if g else "tokens/s, no link"] = r.get(f"tokens_per_s_at_{g:g}gbps", "")
         rows.append(row)
     cols = list(rows[0])
     import torch
@@ -151,6 +154,8 @@ def main() -> int:
         f"1bit: {a.compress_after} uncompressed steps, then AdamW's variance frozen and momenta sent as signs + one fp32 scale per row. "
         f"Bytes: what one rank sent, under the ring algorithms. Link columns: {a.link_steps} steps over a simulated link "
         "(a sleep per byte after each collective, no overlap with compute), 1bit compressing from the second step.\n\n"
+        "Local SGD rows: the outer step's lr and Nesterov momentum (first row: DiLoCo's 0.7 and 0.9); the choice among them is "
+        "made on this same validation loss, so the best row is optimistic by the selection.\n\n"
         "Bars (issue 17): 1bit bytes <= 1/16 of DDP's with validation loss within 2%; local SGD (H = 50) <= 1/40 with loss within 3%."
     )
     import matplotlib

@@ -180,8 +180,9 @@ class OneBit:
         self.vlocal: dict[str, torch.Tensor] = {}  # name -> view of this rank's own second moment
 
     def start(self, model: nn.Module, opt) -> None:
-        """Compress from now on. With AdamW (optim.AdamW): freeze its variance and compress the
-        momentum b1 m + (1 - b1) g instead of the gradient (1-bit Adam); with SGD the gradient."""
+        """Compress from now on. With AdamW (optim.AdamW): its step stops updating v (each rank
+        tracks its own, averaged in by sync_variance) and the hook sends the momentum
+        b1 m + (1 - b1) g instead of the gradient (1-bit Adam); with SGD the gradient."""
         from .optim import AdamW, freeze_variance
 
         self.active = True

@@ -15,13 +15,14 @@ import torch.nn as nn
 
 class AdamW(torch.optim.AdamW):
     """torch's AdamW, with the second stage of 1-bit Adam (Tang et al. 2021): after
-    freeze_variance() the second moment v stays as it is, and the "gradient" handed to step() is
-    the new first moment m, which the 1-bit hook (model/comm.py) computes on each rank from its
-    own gradient, b1 m + (1 - b1) g, and averages compressed. Compressing the momentum rather than
-    the gradient, and freezing v (a second moment of sign-compressed values is one value per
-    row), is what keeps Adam converging like uncompressed Adam. The update is AdamW's:
-    p -= lr (wd p + (m / bc1) / (sqrt(v / bc2) + eps)), bc2 that of the step v froze at. The
-    state dict is AdamW's, the freeze step a key of each group."""
+    freeze_variance() the step leaves the second moment v alone (the 1-bit hook, model/comm.py,
+    replaces it now and then by the ranks' average of their own), and the "gradient" handed to
+    step() is the new first moment m, which the hook computes on each rank from its own gradient,
+    b1 m + (1 - b1) g, and averages compressed. Compressing the momentum rather than the gradient,
+    and keeping v out of it (a second moment of sign-compressed values is one value per row), is
+    what keeps Adam converging like uncompressed Adam. The update is AdamW's,
+    p -= lr (wd p + (m / bc1) / (sqrt(v / bc2) + eps)), bc2 that of the step v was last set at,
+    bounded by lr per element. The state dict is AdamW's, that step a key of each group."""
 
     @torch.no_grad()
     def step(self, closure=None):
