@@ -192,3 +192,24 @@ def test_bad_distributed_settings_are_refused_on_every_rank(data_root, tmp_path)
     assert r.returncode != 0
     errs = [p.read_text() for p in sorted(logs.rglob("stderr.log"))]
     assert len(errs) == 2 and all("ranks disagree on the training config (lr)" in e and "Traceback" not in e for e in errs), errs
+
+
+def test_two_launchers_meet_through_torchruns_rendezvous(data_root, tmp_path):  # noqa: F811
+    """The README's two-host command, with both "hosts" on this machine: two torchrun launchers
+    (one process each) find each other through the c10d rendezvous and train with 1-bit."""
+    import os
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    run = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d"]
+    run += [f"--rdzv-endpoint=localhost:{port}", "--rdzv-id=two-hosts", "-m", "teragram.serve.cli", "train"]
+    run += [f"--index={data_root / 'idx'}", f"--out={tmp_path / 'run'}", "--preset=tiny", "--max_steps=6", "--block_size=32"]
+    run += ["--batch_size=4", "--compress=1bit", "--compress_after=2", "--progress=false", "--log_every=1"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    hosts = [subprocess.Popen(run, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outs = [h.communicate(timeout=300)[0] for h in hosts]
+    assert [h.returncode for h in hosts] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
+    rows = [json.loads(x) for x in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 6 and rows[-1]["comm_bytes"] > 0
