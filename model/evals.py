@@ -259,6 +259,21 @@ def load_outputs(path: str | Path, *, task: str, limit: int | None, tokenizer: s
     ]
 
 
+def prepare(names: tuple[str, ...], limit: int, tokenize) -> dict[str, tuple[list[Example], list]]:
+    """Each task's first `limit` examples and their candidates' tokens: the fixed subset that
+    training evaluates every eval_every steps."""
+    out = {}
+    for n in names:
+        ex = load_task(n, limit)
+        out[n] = (ex, candidates(ex, tokenize))
+    return out
+
+
+def downstream(model: GPT, tasks: dict[str, tuple[list[Example], list]], eos: int, device: str = "cpu") -> dict[str, dict]:
+    """acc and acc_norm of the model on each prepared task (no index)."""
+    return {n: accuracy(ex, [o["nll"] for o in model_outputs(model, docs, eos, device)]) for n, (ex, docs) in tasks.items()}
+
+
 def run_task(
     model: GPT | None,
     idx,

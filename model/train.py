@@ -75,6 +75,8 @@ class TrainConfig:
     seed: int = 1337
     log_every: int = 10
     eval_every: int = 0  # 0: only at the end
+    evals: tuple[str, ...] = ()  # downstream tasks (model/evals.py: hellaswag, arc_easy, ...) run with each evaluation
+    evals_limit: int = 500  # each task's first N validation examples: a fixed subset
     ckpt_every: int = 0  # 0: only at the end
     device: str = "auto"
     compile: bool = True  # on CUDA
@@ -130,6 +132,15 @@ def check(cfg: TrainConfig) -> None:
         raise ConfigError("optimizer = muon and offload = optimizer cannot be combined; offload supports adamw only")
     if cfg.optimizer == "sgd" and (cfg.zero1 or cfg.offload != "none"):
         raise ConfigError("optimizer = sgd has no state to shard or offload; use adamw with zero1 or offload")
+    if cfg.evals:
+        from . import evals
+
+        unknown = [t for t in cfg.evals if t not in evals.TASKS]
+        if unknown:
+            raise ConfigError(f"unknown evals task(s) {', '.join(unknown)}; known: {', '.join(evals.TASKS)}")
+        if cfg.use_index and cfg.features is not None:
+            raise ConfigError("evals during training score models without index inputs (features unset or use_index = false)")
+        evals.data_root()  # the evaluation sets are installed, or one line saying how
     if cfg.variance_every < 1:
         raise ConfigError(f"variance_every must be >= 1, not {cfg.variance_every}")
     if cfg.outer_every < 1:
@@ -353,6 +364,13 @@ def train(cfg: TrainConfig) -> dict:
     t0 = time.time()
     last = {"step": start}
     batches = _prefetch(data, cfg, rank, start, pin=cuda)
+    tasks = None
+    if master and cfg.evals:
+        from teragram.index.engine import Index
+
+        from .evals import prepare
+
+        tasks = prepare(cfg.evals, cfg.evals_limit, Index(cfg.index).tokenize)
     for step in range(start, cfg.max_steps):
         lr = lr_at(cfg, step)
         for g in opt.param_groups:
@@ -410,9 +428,8 @@ def train(cfg: TrainConfig) -> dict:
             opt_state, extra = _states(opt, onebit, local)  # collective under ZeRO-1, 1bit, local
             if master:
                 _save(out, model, opt_state, step + 1, cfg, _masters(opt), extra)
-        if master and cfg.heldout and cfg.eval_every and (step + 1) % cfg.eval_every == 0:
-            ev = evaluate(model, cfg.heldout, data.eos, data.sep, device)
-            log.write(json.dumps({"step": step + 1, "eval": ev}) + "\n")
+        if master and (cfg.heldout or tasks) and cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.max_steps:
+            log.write(json.dumps(_evaluate(cfg, model, data, device, tasks, step + 1)) + "\n")
             log.flush()
     bar.close()
     result = dict(last)
@@ -421,9 +438,10 @@ def train(cfg: TrainConfig) -> dict:
     if master:
         if final:
             _save(out, model, opt_state, cfg.max_steps, cfg, _masters(opt), extra)
-        if cfg.heldout:
-            result["eval"] = evaluate(model, cfg.heldout, data.eos, data.sep, device)
-            log.write(json.dumps({"step": cfg.max_steps, "eval": result["eval"]}) + "\n")
+        if cfg.heldout or tasks:
+            row = _evaluate(cfg, model, data, device, tasks, cfg.max_steps)
+            result |= {k: v for k, v in row.items() if k != "step"}
+            log.write(json.dumps(row) + "\n")
         log.close()
         plot_log(out)
     if world > 1:
@@ -445,6 +463,18 @@ def _states(opt, onebit: comm.OneBit | None, local: comm.LocalSGD | None) -> tup
         dist.gather_object(opt_state, inner, dst=0)
         extra["local"] = {"world": dist.get_world_size(), "inner": inner, **local.state_dict()}
     return opt_state, extra
+
+
+def _evaluate(cfg: TrainConfig, model: GPT, data: TrainData, device: str, tasks: dict | None, step: int) -> dict:
+    """A log row: the held-out loss ("eval") and the downstream tasks' accuracy ("evals")."""
+    row: dict = {"step": step}
+    if cfg.heldout:
+        row["eval"] = evaluate(model, cfg.heldout, data.eos, data.sep, device)
+    if tasks:
+        from .evals import downstream
+
+        row["evals"] = downstream(model, tasks, data.eos, device)
+    return row
 
 
 def _masters(opt) -> dict | None:
@@ -501,7 +531,9 @@ def plot_log(out: Path) -> None:
     rows = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines() if x.strip()]
     tr = [(r["step"], r["loss"]) for r in rows if "loss" in r and r.get("loss")]
     ev = [(r["step"], r["eval"]["loss"]) for r in rows if "eval" in r]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ds = [r for r in rows if "evals" in r]
+    fig, axes = plt.subplots(1, 2 if ds else 1, figsize=(11 if ds else 6, 3.5), squeeze=False)
+    ax = axes[0, 0]
     if tr:
         ax.plot(*zip(*tr), label="train")
     if ev:
@@ -509,5 +541,12 @@ def plot_log(out: Path) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
     ax.legend()
+    if ds:
+        bx = axes[0, 1]
+        for t in ds[-1]["evals"]:
+            bx.plot([r["step"] for r in ds], [r["evals"][t]["acc_norm"] for r in ds], "o-", label=f"{t} ({ds[-1]['evals'][t]['n']})")
+        bx.set_xlabel("step")
+        bx.set_ylabel("acc_norm")
+        bx.legend()
     fig.savefig(out / "loss.png", dpi=110, bbox_inches="tight")
     plt.close(fig)

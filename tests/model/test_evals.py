@@ -105,3 +105,30 @@ def _n_features(idx) -> int:
 
     est = estimates(idx, [5, 6, 7])
     return gate_inputs(est, np.full(4, 0.5), np.zeros(4, np.int64)).shape[1]
+
+
+def test_training_logs_the_tasks_on_a_fixed_subset(real_index, tmp_path):
+    """evals = (...) in training: each evaluation logs every task's accuracy on its first
+    evals_limit examples, equal to `teragram evals` on the saved checkpoint, and plots it;
+    a model with index inputs or an unknown task is refused at start."""
+    from teragram.model.config import ConfigError
+    from teragram.model.evals import run_task
+    from teragram.model.train import TrainConfig, load_model, train
+
+    cfg = TrainConfig(
+        index=str(real_index), out=str(tmp_path / "run"), preset="tiny", block_size=64, batch_size=4, max_steps=4, eval_every=2,
+        evals=("hellaswag", "piqa"), evals_limit=6, progress=False, log_every=1,
+    )  # fmt: skip
+    result = train(cfg)
+    import json
+
+    rows = [json.loads(x) for x in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    ev = [r for r in rows if "evals" in r]
+    assert [r["step"] for r in ev] == [2, 4] and all(r["evals"][t]["n"] == 6 for r in ev for t in ("hellaswag", "piqa"))
+    model, _ = load_model(tmp_path / "run")
+    for t in ("hellaswag", "piqa"):
+        assert result["evals"][t] == run_task(model, Index(real_index), t, limit=6, index_side=False)["model"]
+    assert (tmp_path / "run" / "loss.png").exists()
+    for bad, msg in [({"evals": ("nope",)}, "unknown evals task"), ({"features": str(real_index)}, "without index inputs")]:
+        with pytest.raises(ConfigError, match=msg):
+            train(TrainConfig(**{**cfg.__dict__, **bad}))
