@@ -30,13 +30,14 @@ checkpoint, residuals included, continues exactly.
 
 sync = "local" (LocalSGD): DiLoCo (Douillard et al. 2023): every worker takes H inner steps
 with its own optimizer on its own data, then the workers average their parameter deltas from
-the last exchange (the pseudo-gradient) and apply an outer SGD step with Nesterov momentum to
-the shared weights. Workers of different speeds (straggler = "deadline"): a round ends for a
-worker after H inner steps or when it has run (1 + slack) times as long as the fastest worker
-needs for H steps (measured in the previous round), whichever is first; the outer step averages
-whatever each worker did. A fast worker so waits at most slack * H of its own steps plus one of
-the slow worker's per round (the first round has no measurement and waits). straggler = "wait":
-every worker takes all H steps (deterministic; exact resume).
+the last exchange (the pseudo-gradient), each weighted by the inner steps it took, and apply an
+outer SGD step with Nesterov momentum to the shared weights. Workers of different speeds
+(straggler = "deadline"): a round ends for a worker after H inner steps or when it has run
+(1 + slack) times as long as the fastest worker needs for H steps (measured in the previous
+round), whichever is first, and the outer step uses whatever each worker did. A fast worker so
+waits at most slack * H of its own steps plus one of the slow worker's per round (the first
+round has no measurement and waits). straggler = "wait": every worker takes all H steps
+(deterministic; exact resume).
 
 Bytes a rank sends are counted from the buffers each collective moves, under the ring
 algorithms (all-reduce 2 (W-1)/W of the buffer, all-to-all and all-gather (W-1)/W of what the
@@ -321,25 +322,27 @@ class LocalSGD:
         return self.straggler == "deadline" and self.done > 0 and time.time() > self.deadline
 
     def exchange(self) -> list[int]:
-        """Average the workers' deltas, take the outer step, start the next round. Returns the
-        inner steps each worker took in the round that ends."""
+        """Average the workers' deltas, each weighted by the inner steps it took (a worker cut
+        short by the deadline counts for what it did), take the outer step, start the next round.
+        Returns the inner steps each worker took in the round that ends."""
         took = self.done
         per_step = (time.time() - self.round_start) / max(1, took)
+        dev = self.shared[0].device
+        stats = torch.tensor([took, per_step], dtype=torch.float64, device=dev)
+        every = [torch.zeros_like(stats) for _ in range(self.world)]
+        dist.all_gather(every, stats)
+        self.link.send(stats.numel() * 8 * (self.world - 1))
+        took_all = [int(t[0]) for t in every]
         flat = torch.cat([(s - p.detach().float()).reshape(-1) for s, p in zip(self.shared, self.params)])
+        flat *= took / sum(took_all)
         dist.all_reduce(flat)
         self.link.send(self.link.allreduce_bytes(flat))
-        flat /= self.world
         for s, d in zip(self.shared, torch.split(flat, [s.numel() for s in self.shared])):
             s.grad = d.view_as(s)
         self.outer.step()
         with torch.no_grad():
             for s, p in zip(self.shared, self.params):
                 p.copy_(s)
-        stats = torch.tensor([took, per_step], dtype=torch.float64, device=flat.device)
-        every = [torch.zeros_like(stats) for _ in range(self.world)]
-        dist.all_gather(every, stats)
-        self.link.send(stats.numel() * 8 * (self.world - 1))
-        took_all = [int(t[0]) for t in every]
         fastest = min(float(t[1]) for t in every if t[0] > 0)
         self.round_start = time.time()
         self.deadline = self.round_start + self.every * fastest * (1 + self.slack)
