@@ -313,9 +313,8 @@ class LocalSGD:
         self.outer = torch.optim.SGD(self.shared, lr=lr, momentum=momentum, nesterov=momentum > 0)
         self.every, self.straggler, self.slack, self.link = every, straggler, slack, link
         self.world = dist.get_world_size()
-        self.deadline = math.inf
-        self.round_start = time.time()
-        self.done = 0  # inner steps taken this round
+        self.budget = math.inf  # the first round has no measurement
+        self.restart()
 
     def skip(self) -> bool:
         """Whether this worker's round is out of time (straggler = deadline): skip the inner step."""
@@ -343,11 +342,16 @@ class LocalSGD:
         with torch.no_grad():
             for s, p in zip(self.shared, self.params):
                 p.copy_(s)
-        fastest = min(float(t[1]) for t in every if t[0] > 0)
-        self.round_start = time.time()
-        self.deadline = self.round_start + self.every * fastest * (1 + self.slack)
-        self.done = 0
+        self.budget = self.every * min(float(t[1]) for t in every if t[0] > 0) * (1 + self.slack)
+        self.restart()
         return took_all
+
+    def restart(self) -> None:
+        """Start the round's clock (after the exchange, and again after work outside the round,
+        such as rank 0's evaluation, so that it does not eat into the round)."""
+        self.round_start = time.time()
+        self.deadline = self.round_start + self.budget
+        self.done = 0
 
     def state_dict(self) -> dict:
         return {"outer": self.outer.state_dict(), "shared": [s.detach().cpu() for s in self.shared]}

@@ -100,7 +100,7 @@ class TrainConfig:
     outer_lr: float = 0.7  # the outer Nesterov SGD's learning rate (DiLoCo's)
     outer_momentum: float = 0.9
     straggler: str = "deadline"  # local: "deadline" (a slow worker's round ends early) | "wait" (every worker takes H steps)
-    straggler_slack: float = 0.1  # deadline = (1 + slack) x the fastest worker's time for H steps
+    straggler_slack: float = 0.25  # deadline = (1 + slack) x the fastest worker's time for H steps
     link_gbps: float = 0.0  # > 0: simulate a link of this bandwidth (a sleep per byte sent)
 
 
@@ -431,6 +431,8 @@ def train(cfg: TrainConfig) -> dict:
         if master and (cfg.heldout or tasks) and cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.max_steps:
             log.write(json.dumps(_evaluate(cfg, model, data, device, tasks, step + 1)) + "\n")
             log.flush()
+        if took is not None:
+            local.restart()  # the evaluation and checkpoint are not the next round's time
     bar.close()
     result = dict(last)
     final = cfg.checkpoint and cfg.max_steps > start
