@@ -148,9 +148,9 @@ def check(cfg: TrainConfig) -> None:
     if cfg.link_gbps < 0 or cfg.straggler_slack < 0:
         raise ConfigError("link_gbps and straggler_slack must be >= 0")
     if cfg.compress == "1bit" and (cfg.optimizer not in ("adamw", "sgd") or cfg.zero1 or cfg.offload != "none"):
-        raise ConfigError("compress = 1bit needs optimizer = adamw or sgd, without zero1 or offload (it freezes AdamW's variance)")
+        raise ConfigError("compress = 1bit needs optimizer = adamw or sgd, without zero1 or offload (it takes over AdamW's moments)")
     if cfg.compress == "1bit" and cfg.optimizer == "adamw" and cfg.compress_after < 1:
-        raise ConfigError("compress = 1bit with adamw needs compress_after >= 1: the variance it freezes is learnt in those steps")
+        raise ConfigError("compress = 1bit with adamw needs compress_after >= 1: AdamW's moments start in those steps")
     if cfg.sync == "local":
         if cfg.compress != "none":
             raise ConfigError(
@@ -378,7 +378,7 @@ def train(cfg: TrainConfig) -> dict:
         loss_sum = 0.0
         skip = local is not None and local.skip()  # this worker's round is out of time
         if onebit is not None and step >= cfg.compress_after and not onebit.active:
-            onebit.start(model, opt)  # AdamW: its variance freezes (kept frozen when resumed)
+            onebit.start(model, opt)  # AdamW: momenta from now on; its own step leaves v to the hook
         for micro in range(cfg.grad_accum):
             x, y, f = next(batches)
             if skip:
