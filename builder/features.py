@@ -260,7 +260,7 @@ def _merge_others(idx: Index, shard: int, cfg: FeatureConfig, f: Features, aux: 
 
 def _feature_task(index_dir: str, out: str, shard: int, cfg: FeatureConfig) -> dict:
     """Compute, write and mark one shard's features (the unit an executor runs)."""
-    idx = Index(index_dir)
+    idx = Index(index_dir, access="normal")  # scans its shards in order
     f, stats = shard_features(idx, shard, cfg)
     d = Path(out) / f"{shard:06d}"
     files = write_features(d, f, np.dtype(idx.manifest["token_dtype"]), idx.sep, cfg.top_k)
@@ -286,7 +286,7 @@ def compute_features(
         return compute_held_out(index_dir, out, cfg, corpus, workers=workers)
     from .executors import make_executor
 
-    idx = Index(index_dir)
+    idx = Index(index_dir, access="normal")  # scans its shards in order
     out = Path(out)
     if cfg.mode not in MODES:
         raise BuildError("held-out features need --corpus")

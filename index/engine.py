@@ -29,6 +29,7 @@ next tokens, never O(count). ``approx`` is therefore always False.
 from __future__ import annotations
 
 import dataclasses
+import mmap
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -185,6 +186,7 @@ class Shard:
     sa: fmt.PackedArray
     samax: np.ndarray
     unigram: np.ndarray
+    random: bool = False  # the searched arrays are advised MADV_RANDOM (Index(access="random"))
     off2: int = field(init=False)
     off3: int = field(init=False)
 
@@ -197,10 +199,22 @@ class Shard:
     def n(self) -> int:
         return self.sa.count
 
+    @property
+    def searched(self) -> tuple[np.ndarray, ...]:
+        """The arrays a search reads at random: tokens, suffix array, its range maxima."""
+        return (self.tok, self.sa.words, self.samax)
+
     @cached_property
     def top(self) -> top_cache.TopCache:
-        """The top levels of the suffix array, in memory (built on first use)."""
-        return top_cache.build(self.tok, self.sa.words, self.sa.width, self.n, top_cache.STEP_LOG2)
+        """The top levels of the suffix array, in memory (built on first use: a strided read of
+        the whole suffix array, done with the kernel's read-ahead even when searches go without)."""
+        if self.random:
+            advise(self.searched, mmap.MADV_NORMAL)
+        try:
+            return top_cache.build(self.tok, self.sa.words, self.sa.width, self.n, top_cache.STEP_LOG2)
+        finally:
+            if self.random:
+                advise(self.searched, mmap.MADV_RANDOM)
 
     def find(self, q: np.ndarray) -> tuple[int, int]:
         t = self.top
@@ -229,8 +243,22 @@ class Shard:
         return int(np.searchsorted(self.starts, pos, side="right")) - 1
 
 
+def advise(arrays, advice: int) -> None:
+    """madvise the memory maps under numpy memmaps (arrays not memory-mapped are left alone)."""
+    for a in arrays:
+        m = getattr(a, "_mmap", None)
+        if m is not None:
+            m.madvise(advice)
+
+
 class Index:
     """A teragram index opened for queries. Cheap to open: every array is memory-mapped.
+
+    access: "random" (the default) advises the kernel that the tokens and the suffix array are
+    read at random (MADV_RANDOM): a search on a cold page cache then reads the pages it needs
+    and not the read-ahead around each (count on 2.43B tokens in 12 shards, cold: 624 ms ->
+    15 ms; benchmarks/results/index_scale.md). "normal" keeps the kernel's read-ahead, for code
+    that scans the arrays in order (the builder's features).
 
     threads: how many shards are searched at once (the kernels release the GIL). The default,
     1, searches them one after another: on a warm page cache a search takes tens of
@@ -238,7 +266,9 @@ class Index:
     threads pay when searches wait on the disk (a cold or larger-than-memory index).
     """
 
-    def __init__(self, path: str | Path, *, threads: int = 1):
+    def __init__(self, path: str | Path, *, threads: int = 1, access: str = "random"):
+        if access not in ("random", "normal"):
+            raise ValueError(f"access must be 'random' or 'normal', not {access!r}")
         self.path = Path(path)
         if not (self.path / "manifest.json").exists():
             raise IndexFormatError(f"{self.path}: not a teragram index (no manifest.json)")
@@ -254,6 +284,10 @@ class Index:
         self.n_docs: int = c["docs"]
         self.n_positions: int = c["positions"]
         self.shards = [self._open_shard(s) for s in self.manifest["shards"]]
+        if access == "random":
+            for sh in self.shards:
+                sh.random = True
+                advise(sh.searched, mmap.MADV_RANDOM)
         n_threads = min(threads, len(self.shards))
         self._pool = ThreadPoolExecutor(n_threads, thread_name_prefix="shard") if n_threads >= 2 else None
         self._dist_cache: dict[tuple[int, int, int, int], tuple[np.ndarray, np.ndarray]] = {}

@@ -209,3 +209,34 @@ def test_draft_continuations_against_brute_force(which, request):
             want.append(top)
             ctx.append(top)
         assert list(sc.top_continuation(6)) == want
+
+
+def _vmflags(path) -> set[str]:
+    """The VmFlags of this process's mapping of path (/proc/self/smaps)."""
+    lines = open("/proc/self/smaps").read().splitlines()
+    for i, line in enumerate(lines):
+        if line.endswith(str(path)):
+            for rest in lines[i + 1 :]:
+                if rest.startswith("VmFlags:"):
+                    return set(rest.split()[1:])
+    raise AssertionError(f"{path} is not mapped")
+
+
+def test_searched_arrays_are_advised_random_unless_scanned(real_index):
+    """access="random" (queries) marks the tokens and the suffix array MADV_RANDOM ("rr" in
+    smaps), and the answers do not change; "normal" (the builder's scans) leaves read-ahead on;
+    building the top-level cache, a strided scan, does not leave the advice off."""
+    rnd, nrm = Index(real_index), Index(real_index, access="normal")
+    q = [int(t) for t in rnd.shards[0].tok[:2]]  # the first document's first two tokens
+    assert rnd.count(q).count == nrm.count(q).count > 0
+    sa, tok = rnd.shards[0].sa.words.filename, rnd.shards[0].tok.filename
+    del nrm
+    import gc
+
+    gc.collect()
+    assert "rr" in _vmflags(sa) and "rr" in _vmflags(tok)
+    del rnd
+    gc.collect()
+    nrm = Index(real_index, access="normal")
+    nrm.count(q)
+    assert "rr" not in _vmflags(sa)
