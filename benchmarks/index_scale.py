@@ -119,10 +119,10 @@ def bulk_rate(idx, heldout: Path, max_tokens: int) -> dict:
     return {"tokens": n, "s": dt, "tokens_per_s_core": n / dt}
 
 
-def measure_index(root: Path, qs: dict, heldout: Path, n_cold: int, bulk_tokens: int) -> dict:
+def measure_index(root: Path, qs: dict, heldout: Path, n_cold: int, bulk_tokens: int, threads: int = 1) -> dict:
     from teragram.index.engine import Index
 
-    idx = Index(root)
+    idx = Index(root, threads=threads)
     man = idx.manifest
     sizes: dict[str, int] = {}
     for s in man["shards"]:
@@ -294,12 +294,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--build-infinigram", action="store_true", help="build --infinigram first with infini-gram's indexer")
     ap.add_argument("--infinigram-mem", type=int, default=8)
     ap.add_argument("--name", default="index_scale", help="results file name")
+    ap.add_argument("--threads", type=int, default=1, help="shards searched at once (Index(threads=...))")
     a = ap.parse_args(argv)
     qs = queries(a.heldout, a.queries)
     res = {"queries": a.queries, "cold_queries": a.cold, "heldout": str(a.heldout)}
     if a.infinigram and a.build_infinigram:
         build_infinigram(a.infinigram_of, a.infinigram, a.infinigram_mem, 2)
-    res["indexes"] = [measure_index(r, qs, a.heldout, a.cold, a.bulk_tokens) for r in a.index]
+    res["indexes"] = [measure_index(r, qs, a.heldout, a.cold, a.bulk_tokens, a.threads) for r in a.index]
     res["reshard"] = []
     for spec in a.reshard:
         of, n = Path(spec.rsplit(":", 1)[0]), int(spec.rsplit(":", 1)[1])
