@@ -104,11 +104,12 @@ def continuations(idx, ids: np.ndarray, starts: np.ndarray, caps, *, top_k: int 
     caps = list(dict.fromkeys(caps))
     parts: list[dict[int, Features]] = []
     a = 0
-    while a < len(starts) - 1:  # whole documents, about CHUNK positions at a time
-        b = max(a + 1, int(np.searchsorted(starts, starts[a] + CHUNK, side="right")) - 1)
-        b = min(b, len(starts) - 1)
-        parts.append(_chunk(idx, ids[starts[a] : starts[b]], starts[a : b + 1] - starts[a], caps, top_k, threads))
-        a = b
+    with idx.readahead():  # many searches, neighbours in suffix-array order: read-ahead pays
+        while a < len(starts) - 1:  # whole documents, about CHUNK positions at a time
+            b = max(a + 1, int(np.searchsorted(starts, starts[a] + CHUNK, side="right")) - 1)
+            b = min(b, len(starts) - 1)
+            parts.append(_chunk(idx, ids[starts[a] : starts[b]], starts[a : b + 1] - starts[a], caps, top_k, threads))
+            a = b
     if not parts:
         return {c: _features(0, top_k) for c in caps}
     return {c: _combine([p[c] for p in parts]) for c in caps}

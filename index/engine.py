@@ -32,6 +32,7 @@ import dataclasses
 import mmap
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -292,6 +293,20 @@ class Index:
         self._pool = ThreadPoolExecutor(n_threads, thread_name_prefix="shard") if n_threads >= 2 else None
         self._dist_cache: dict[tuple[int, int, int, int], tuple[np.ndarray, np.ndarray]] = {}
         self._uni_top: tuple[np.ndarray, np.ndarray] | None = None
+
+    @contextmanager
+    def readahead(self):
+        """Bulk work with the kernel's read-ahead back on: many searches whose neighbours in
+        suffix-array order come next read pages the next searches need (bulk held-out
+        estimates on a cold 1.09B index: 2.1k tokens/s/core under MADV_RANDOM, 5.1k with it)."""
+        advised = [s for s in self.shards if s.random]
+        for s in advised:
+            advise(s.searched, mmap.MADV_NORMAL)
+        try:
+            yield self
+        finally:
+            for s in advised:
+                advise(s.searched, mmap.MADV_RANDOM)
 
     def _open_shard(self, s: dict) -> Shard:
         d = fmt.shard_dir(self.path, s["shard"], s.get("dir"))

@@ -225,7 +225,8 @@ def _vmflags(path) -> set[str]:
 def test_searched_arrays_are_advised_random_unless_scanned(real_index):
     """access="random" (queries) marks the tokens and the suffix array MADV_RANDOM ("rr" in
     smaps), and the answers do not change; "normal" (the builder's scans) leaves read-ahead on;
-    building the top-level cache, a strided scan, does not leave the advice off."""
+    building the top-level cache, a strided scan, and bulk work (readahead()) do not leave the
+    advice off."""
     rnd, nrm = Index(real_index), Index(real_index, access="normal")
     q = [int(t) for t in rnd.shards[0].tok[:2]]  # the first document's first two tokens
     assert rnd.count(q).count == nrm.count(q).count > 0
@@ -235,6 +236,9 @@ def test_searched_arrays_are_advised_random_unless_scanned(real_index):
 
     gc.collect()
     assert "rr" in _vmflags(sa) and "rr" in _vmflags(tok)
+    with rnd.readahead():  # bulk work: read-ahead on for its duration
+        assert "rr" not in _vmflags(sa)
+    assert "rr" in _vmflags(sa)
     del rnd
     gc.collect()
     nrm = Index(real_index, access="normal")
