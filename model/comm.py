@@ -1,32 +1,32 @@
 """Data-parallel communication for `teragram train` on ordinary networks (torch.distributed: NCCL on
 GPUs, gloo on CPU).
 
-compress = "1bit" (OneBit): a DDP communication hook that sends one sign bit per gradient element
-and one fp32 scale per row of each matrix (per chunk of a vector), with error feedback, in the two-phase compressed
-all-reduce of 1-bit Adam (Tang et al. 2021) / TScale:
-  1. each rank adds its residual to its gradient, cuts every parameter of the bucket into W
-     chunks (chunk r belongs to rank r), quantises each row of a chunk to scale * sign (scale =
-     mean |g| over the row, which keeps its L1 norm) and keeps what the quantisation lost as its residual;
-     an all-to-all of the packed bits sends chunk r to rank r;
-  2. rank r averages the W decoded chunks it received, adds its own (server) residual, quantises
-     the average the same way and keeps that residual; an all-gather of the packed bits gives
-     every rank the whole averaged gradient.
-What is compressed: with SGD the gradient; with AdamW (after compress_after steps whose gradients
-are all-reduced in bf16) the momentum, as 1-bit Adam does: each rank forms b1 m + (1 - b1) g
-from its own gradient and the compressed average becomes everyone's m. AdamW's second moment v
-is not updated by the step (optim.AdamW, frozen); instead each rank keeps its own v from its
+compress = "1bit" (OneBit): a DDP communication hook that sends one sign bit per element and
+one fp32 scale per row of each matrix (per chunk of a vector), with error feedback, in the
+two-phase compressed all-reduce of 1-bit Adam (Tang et al. 2021) / TScale:
+  1. each rank adds its residual to its values, cuts every parameter of the bucket by rows into
+     W chunks (chunk r belongs to rank r), quantises each row to scale * sign (scale = mean |x|
+     over the row, which keeps its L1 norm) and keeps what the quantisation lost as its
+     residual; an all-to-all of the packed bits sends chunk r to rank r;
+  2. rank r averages the W decoded chunks it received, adds its own (server) residual,
+     quantises the average the same way and keeps that residual; an all-gather of the packed
+     bits gives every rank the whole average.
+What is compressed: with SGD the gradient; with AdamW (after compress_after steps whose
+gradients are all-reduced in bf16) the momentum, as 1-bit Adam does: each rank forms
+b1 m + (1 - b1) g from its own gradient and the compressed average becomes everyone's m.
+AdamW's step leaves its second moment v alone (optim.AdamW); each rank keeps its own v from its
 own gradient, and every variance_every steps the ranks' v are averaged (a bf16 all-reduce) into
-AdamW's: a v frozen once (1-bit Adam) goes stale as the gradients shrink (measured: 1,500 steps,
-loss 4.24 vs 4.07 at step 500), and all ranks must divide by the same v to stay in step.
-Compressing gradients into Adam fails (measured, tiny model, 200 steps: loss 4.28 vs 3.50): the
-second moment of sign-compressed values is one value per row, and sign noise on small gradients
-is what Adam's per-element scaling amplifies; the momentum is smooth and v stays per element.
-A rank sends 2 (W-1)/W * n/8 bytes (+ scales) per n gradient elements, 1/32 of the ring
-all-reduce's 2 (W-1)/W * 4n for fp32 gradients, on any number of ranks (the scales add 4 bytes
-per row: 1/25.6 with 128-wide rows, 1/30.7 with 768). Chunks are cut per
-parameter (chunk size a multiple of 8 elements), so the arithmetic does not depend on how DDP
-groups parameters into buckets (it regroups them after the first step): a run resumed from a
-checkpoint, residuals included, continues exactly.
+AdamW's, so that all ranks divide by the same v; an update moves no element by more than lr.
+Measured on the way (tiny model): compressed gradients into Adam lose (200 steps: loss 4.28 vs
+DDP's 3.50; a second moment of sign-compressed values is one value per row, and Adam's
+per-element scaling amplifies the sign noise of small gradients); momenta with a v frozen once
+lag and then diverge (1,500 steps: 4.24 vs 4.07 at step 500, NaN at the end: an embedding row
+first seen after the freeze has v = 0).
+A rank sends 2 (W-1)/W * n/8 bytes (+ scales) per n elements, 1/32 of the ring all-reduce's
+2 (W-1)/W * 4n for fp32 gradients, on any number of ranks (the scales add 4 bytes per row:
+1/25.6 with 128-wide rows, 1/30.7 with 768). Chunks are cut per parameter, so the arithmetic
+does not depend on how DDP groups parameters into buckets (it regroups them after the first
+step): a run resumed from a checkpoint, residuals included, continues exactly.
 
 sync = "local" (LocalSGD): DiLoCo (Douillard et al. 2023): every worker takes H inner steps
 with its own optimizer on its own data, then the workers average their parameter deltas from
