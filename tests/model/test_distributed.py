@@ -138,15 +138,15 @@ def test_1bit_and_local_sgd_on_two_gloo_processes(data_root, tmp_path):  # noqa:
 
 
 def test_a_slow_worker_does_not_hold_back_the_fast_one(data_root, tmp_path):  # noqa: F811
-    """Rank 1 sleeps 0.25 s in every forward: under straggler = deadline rank 0 keeps taking H
-    steps per round, rank 1 as many as fit, and a round takes rank 0 far less than the 2 s that
-    waiting for rank 1's 8 steps would."""
+    """Rank 1 sleeps 0.5 s in every forward: under straggler = deadline rank 0 keeps taking H
+    steps per round, rank 1 as many as fit, and a round takes rank 0 at most half the 4 s that
+    waiting for rank 1's 8 steps would (the policy: 1.25 x rank 0's 8 steps plus one of rank 1's)."""
     runs = {"slow": _cfg(data_root, "d-slow", max_steps=40, sync="local", outer_every=8, straggler="deadline")}
     body = (
         "from teragram.model.gpt import GPT\n"
         "if dist.get_rank() == 1:\n"
         "    fwd = GPT.forward\n"
-        "    GPT.forward = lambda self, *a, **k: (time.sleep(0.25), fwd(self, *a, **k))[1]\n" + _configs(runs) + "train(cfg['slow'])"
+        "    GPT.forward = lambda self, *a, **k: (time.sleep(0.5), fwd(self, *a, **k))[1]\n" + _configs(runs) + "train(cfg['slow'])"
     )
     torchrun(_script(tmp_path, body))
     rounds = [r for r in _rows(data_root, "d-slow") if "round_steps" in r]
@@ -154,7 +154,7 @@ def test_a_slow_worker_does_not_hold_back_the_fast_one(data_root, tmp_path):  # 
     assert rounds[0]["round_steps"][1] == 8  # the first round has no measurement: all wait
     assert all(r["round_steps"][1] < 8 for r in rounds[1:]), [r["round_steps"] for r in rounds]
     per_round = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(rounds[1:], rounds[2:])]
-    assert max(per_round) < 1.0, per_round
+    assert max(per_round) < 2.0, per_round
 
 
 def test_bad_distributed_settings_are_refused_on_every_rank(data_root, tmp_path):  # noqa: F811
