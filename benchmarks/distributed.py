@@ -48,7 +48,8 @@ def prepare(w: Path, vocab: int) -> None:
 
 
 def train(w: Path, name: str, ranks: int, over: dict) -> list[dict]:
-    """One run under torchrun; the rows of its log."""
+    """One run under torchrun (kept, and reused by a later call); the rows of its log, the
+    first row the commit the run trained at."""
     out = w / "runs" / name
     if not (out / "done").exists():
         subprocess.run(["rm", "-rf", str(out)], check=True)
@@ -68,7 +69,8 @@ def train(w: Path, name: str, ranks: int, over: dict) -> list[dict]:
             cmd + [f"--index={w / 'idx'}", f"--out={out}", "--progress=false", "--checkpoint=false"] + args, cwd=REPO, check=True, env=env
         )
         (out / "done").touch()
-    return [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
+    commit = json.loads((out / "config.json").read_text()).get("commit", "unknown")
+    return [{"commit": commit}] + [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
 
 
 def summary(rows: list[dict]) -> dict:
@@ -77,6 +79,7 @@ def summary(rows: list[dict]) -> dict:
     at = {r["step"]: r["comm_bytes"] for r in tr}
     last = tr[-1]
     return {
+        "commit": rows[0]["commit"],
         "bytes": last["comm_bytes"],
         "bytes_per_token": last["comm_bytes_per_token"],
         "tokens_per_s": last["tokens_per_s"],
@@ -140,6 +143,7 @@ def main() -> int:
             "1 / that": d["bytes"] / r["bytes"],
             "validation loss": r["valid_loss"],
             "loss vs ddp": f"{100 * (r['valid_loss'] / d['valid_loss'] - 1):+.2f}%",
+            "trained at": r["commit"],
         }
         for g in links:
             row[f"tokens/s at {g:g} Gbit/s" if g else "tokens/s, no link"] = r.get(f"tokens_per_s_at_{g:g}gbps", "")
