@@ -257,8 +257,8 @@ class Index:
 
     access: "random" (the default) advises the kernel that the tokens and the suffix array are
     read at random (MADV_RANDOM): a search on a cold page cache then reads the pages it needs
-    and not the read-ahead around each (count on 2.43B tokens in 12 shards, cold: 624 ms ->
-    15 ms; benchmarks/results/index_scale.md). "normal" keeps the kernel's read-ahead, for code
+    and not the read-ahead around each (count on 2.43B tokens in 12 shards, cold: 889 ms ->
+    10 ms; benchmarks/results/index_scale_random.md). "normal" keeps the kernel's read-ahead, for code
     that scans the arrays in order (the builder's features).
 
     threads: how many shards are searched at once (the kernels release the GIL). The default,
@@ -298,7 +298,7 @@ class Index:
     def readahead(self):
         """Bulk work with the kernel's read-ahead back on: many searches whose neighbours in
         suffix-array order come next read pages the next searches need (bulk held-out
-        estimates on a cold 1.09B index: 2.1k tokens/s/core under MADV_RANDOM, 5.1k with it)."""
+        estimates on a cold 1.09B index: 2.1k tokens/s/core under MADV_RANDOM, 4.7k with it)."""
         advised = [s for s in self.shards if s.random]
         for s in advised:
             advise(s.searched, mmap.MADV_NORMAL)
