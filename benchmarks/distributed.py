@@ -23,28 +23,26 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.common import REPO, default_workdir, save, table
+from benchmarks.common import REPO, default_workdir, save, sh, table
 
 
 def prepare(w: Path, vocab: int) -> None:
-    py, env = sys.executable, dict(os.environ, PYTHONUNBUFFERED="1")
+    py = sys.executable
     if not (w / "idx" / "manifest.json").exists():
-        cmd = [py, "-m", "teragram.builder.cli", "data/default/train", "--out", str(w / "idx"), "--vocab-size", str(vocab), "--quiet"]
-        subprocess.run(cmd, cwd=REPO, check=True, env=env)
+        sh(py, "-m", "teragram.builder.cli", REPO / "data/default/train", "--out", w / "idx", "--vocab-size", vocab, "--quiet")
     if not (w / "valid" / "manifest.json").exists():
-        cmd = [
+        sh(
             py,
             "-m",
             "teragram.serve.cli",
             "features",
-            str(w / "idx"),
+            w / "idx",
             "--out",
-            str(w / "valid"),
+            w / "valid",
             "--corpus",
-            "data/default/heldout/valid",
+            REPO / "data/default/heldout/valid",
             "--quiet",
-        ]
-        subprocess.run(cmd, cwd=REPO, check=True, env=env)
+        )
 
 
 def train(w: Path, name: str, ranks: int, over: dict) -> list[dict]:

@@ -28,7 +28,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from benchmarks.common import save, table
+from benchmarks.common import save, sh, table
 
 
 def rate(log: Path, after: int) -> tuple[float, int]:
@@ -61,22 +61,17 @@ def prepare(w: Path, index: str | None, features: str | None) -> None:
             env=env,
         )
     if not (w / "held" / "manifest.json").exists():  # the embedded held-out documents: the suite's held-out loss
-        subprocess.run(
-            [
-                py,
-                "-m",
-                "teragram.serve.cli",
-                "features",
-                str(w / "idx"),
-                "--out",
-                str(w / "held"),
-                "--corpus",
-                "data/default/heldout",
-                "--quiet",
-            ],
-            cwd=repo,
-            check=True,
-            env=env,
+        sh(
+            py,
+            "-m",
+            "teragram.serve.cli",
+            "features",
+            w / "idx",
+            "--out",
+            w / "held",
+            "--corpus",
+            Path(repo) / "data/default/heldout",
+            "--quiet",
         )
 
 

@@ -53,6 +53,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 # ---- bit packing ----------------------------------------------------------------------------------
 
@@ -89,8 +90,6 @@ class Link:
 
 def counted_allreduce(link: Link, bucket):  # no annotations: DDP checks them, and they are strings here
     """DDP's own all-reduce (gradient / world, summed), with its bytes counted."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
     fut = default_hooks.allreduce_hook(None, bucket)
     link.send(link.allreduce_bytes(bucket.buffer()))
     return fut
@@ -213,11 +212,10 @@ class OneBit:
         if L is None:  # a new bucket (DDP regroups once after the first step): carry the residuals over
             buf = bucket.buffer()
             L = _Layout(list(key), [tuple(p.shape) for p in params], self.world, self.rank, buf.device)
-            for i, (name, w) in enumerate(zip(key, L.worker_slices())):
+            for i, (name, w, v) in enumerate(zip(key, L.worker_slices(), L.vlocal_slices())):
                 if name in self.worker:
                     w.copy_(self.worker[name].reshape(-1))
                 self.worker[name] = w
-                v = L.vlocal_slices()[i]
                 if name in self.vlocal:
                     v.copy_(self.vlocal[name].reshape(-1))
                 elif self.variance is not None:
@@ -234,8 +232,6 @@ class OneBit:
     def hook(state, bucket):  # no annotations: DDP checks them, and they are strings here
         self, buf = state, bucket.buffer()
         if not self.active:  # the warm-up: DDP's all-reduce in bf16 (torch's hook), half the bytes
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
             fut = default_hooks.bf16_compress_hook(None, bucket)
             self.link.send(self.link.allreduce_bytes(buf) / buf.element_size() * 2)
             return fut

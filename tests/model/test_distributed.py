@@ -13,15 +13,11 @@ from teragram.model import comm
 
 from tests.conftest import torchrun
 from tests.model.test_model import REPO
-from tests.model.test_train_features import _cfg, data_root  # noqa: F401  (fixture)
+from tests.model.test_train_features import _cfg, _losses, data_root  # noqa: F401  (fixture)
 
 
 def _rows(root, name) -> list[dict]:
     return [json.loads(x) for x in (root / name / "log.jsonl").read_text().splitlines()]
-
-
-def _losses(root, name) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in _rows(root, name) if "loss" in r}
 
 
 def test_bits_pack_and_unpack():
