@@ -15,19 +15,41 @@ import torch
 from teragram.index.errors import TeragramError
 from teragram.index.features import Features
 
+from . import joint
 from .data import EvalData
-from .estimates import COMPONENTS, heldout_estimates
+from .estimates import COMPONENTS, heldout_docs, heldout_estimates
 from .gate import Gate, component_logp, gate_inputs, mix_nll_multi
 from .gpt import GPT, to_torch
 
 
 @torch.no_grad()
-def token_eval(model: GPT, heldout: str | Path, eos: int, sep: int, device: str = "cpu", *, batch: int = 16, hidden: bool = False) -> dict:
+def token_eval(
+    model: GPT,
+    heldout: str | Path,
+    eos: int,
+    sep: int,
+    device: str = "cpu",
+    *,
+    batch: int = 16,
+    hidden: bool = False,
+    index=None,
+    threads: int = 1,
+) -> dict:
     """Per predicted token: nll (mixture when the model has one), nll_model (the model's own
     softmax), maxp and top (its most likely token and that token's probability), target, doc
     (document number), pos (index of the target in EOS+doc+EOS order minus one), and with
-    hidden=True the final hidden state (for kNN-LM queries)."""
+    hidden=True the final hidden state (for kNN-LM queries). A jointly trained model mixes in
+    its estimates against `index` (an Index or its directory), computed on `threads` threads."""
     ev = EvalData(heldout, model.cfg.block_size, eos, sep)
+    est = None
+    if model.cfg.joint:
+        from teragram.index.engine import Index
+
+        if index is None:
+            raise TeragramError("a jointly trained model is evaluated with its index (--index)")
+        idx = index if isinstance(index, Index) else Index(index)
+        est = joint.heldout_est(idx, heldout_docs(heldout), model.cfg.joint, model.cfg.joint_top_k, threads)
+        row0 = np.concatenate([[0], np.cumsum(np.diff(ev.starts))])  # each document's first row (len + 1 rows each)
     was = model.training
     model.eval()
     cuda = str(device).startswith("cuda")
@@ -46,10 +68,15 @@ def token_eval(model: GPT, heldout: str | Path, eos: int, sep: int, device: str 
             x[i, :m], y[i, :m], mask[i, :m] = torch.from_numpy(xx), torch.from_numpy(yy), True
             padded.append(Features.combine([ff, Features.empty(T - m, ev.k, (np.int64,) * 5)]))
         f = to_torch(Features.combine(padded, np.stack), device) if model.cfg.use_index else None
+        e = None
+        if est is not None:  # each window's rows, padded with "nothing found"
+            rows = [est.rows(int(row0[d] + s0), int(row0[d] + s0 + len(xx))) for xx, _, _, d, s0 in buf]
+            rows = [joint.Est.combine([r, joint.empty(T - len(r), len(model.cfg.joint))]) for r in rows]
+            e = joint.to_torch(joint.Est.combine(rows, np.stack), device)
         xd, yd = x.to(device), y.to(device)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
             h, _ = model.hidden(xd, f)
-            nll, logp = model.head_losses(h, yd, f)
+            nll, logp = model.head_losses(h, yd, f, e)
         nll_model = -logp.gather(-1, yd.unsqueeze(-1)).squeeze(-1)
         maxlp, top = logp.max(-1)
         mk = mask.to(device)
@@ -98,11 +125,12 @@ def summarize(nll: np.ndarray, nbytes: int) -> dict:
     }
 
 
-def evaluate(model: GPT, heldout: str | Path, eos: int, sep: int, device: str = "cpu", batch: int = 16) -> dict:
-    """Perplexity and bits per byte of the held-out features' text."""
+def evaluate(model: GPT, heldout: str | Path, eos: int, sep: int, device: str = "cpu", batch: int = 16, index=None) -> dict:
+    """Perplexity and bits per byte of the held-out features' text (a joint model's mixture
+    with its estimates against `index`)."""
     from teragram.index.tokenizer import load
 
-    r = token_eval(model, heldout, eos, sep, device, batch=batch)
+    r = token_eval(model, heldout, eos, sep, device, batch=batch, index=index)
     ev = EvalData(heldout, model.cfg.block_size, eos, sep)
     sp = load(Path(heldout) / "tokenizer.model")
     return summarize(r["nll"], int(doc_bytes(ev, sp.decode).sum()))

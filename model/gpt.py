@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from teragram.index.features import Features
 from torch.utils.checkpoint import checkpoint
 
+from .joint import Est, JointGate, mixture_nll, mixture_probs
+
 N_CNT_BUCKETS = 33  # floor(log2(count + 1)) for counts below 2^32
 
 
@@ -44,6 +46,9 @@ class GPTConfig:
     max_match: int = 64
     arch: str = "gpt2"  # "gpt2" | "modern" (rotary, RMSNorm, QK-norm, ReLU^2 MLP, untied head)
     tie_head: bool | None = None  # the head shares the token embedding; None: the arch's (gpt2 tied, modern untied)
+    joint: tuple[str, ...] = ()  # estimates mixed in by a gate trained with the LM (model/joint.py); () none
+    joint_top_k: int = 4  # continuations kept per index estimate
+    joint_hidden: bool = True  # the joint gate reads the final hidden state
 
     @classmethod
     def preset(cls, name: str, **kw) -> GPTConfig:
@@ -194,6 +199,8 @@ class GPT(nn.Module):
                 self.gate = nn.Linear(cfg.n_embd, 1)
                 self.gate_len = nn.Embedding(cfg.max_match + 1, 1)
                 self.gate_cnt = nn.Embedding(N_CNT_BUCKETS, 1)
+        if cfg.joint:
+            self.joint_gate = JointGate(cfg.n_embd, len(cfg.joint), cfg.joint_hidden)
         self.recompute = "none"
         self.apply(self._init_weights)
         for pn, p in self.named_parameters():
@@ -207,6 +214,8 @@ class GPT(nn.Module):
                 torch.nn.init.constant_(self.gate.bias, -2.0)  # start mostly on the model
                 torch.nn.init.zeros_(self.gate_len.weight)
                 torch.nn.init.zeros_(self.gate_cnt.weight)
+        if cfg.joint:
+            self.joint_gate.reset()
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:
@@ -281,18 +290,28 @@ class GPT(nn.Module):
         q = (f.topk_cnt.float() * (f.topk_ids >= 0)) / f.count.float().clamp_min(1.0).unsqueeze(-1)
         return g, q
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, f: Features | None = None):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, f: Features | None = None, e: Est | None = None):
         """logits (B, T, V) when targets is None; else (per-token loss (B, T), None)."""
         h, _ = self.hidden(idx, f)
         if targets is None:
             return self.lm_head(h)
-        return self.head_losses(h, targets, f)[0], None
+        return self.head_losses(h, targets, f, e)[0], None
 
-    def head_losses(self, h: torch.Tensor, targets: torch.Tensor, f: Features | None = None):
+    def joint_weights(self, h: torch.Tensor, logp: torch.Tensor, e: Est) -> torch.Tensor:
+        """The joint gate's log-weights (..., 1 + M) from hidden states and the model's log-softmax."""
+        with torch.no_grad():
+            maxlp, top = logp.max(-1)
+        return self.joint_gate(h.float(), e, maxlp.exp(), top)
+
+    def head_losses(self, h: torch.Tensor, targets: torch.Tensor, f: Features | None = None, e: Est | None = None):
         """From final hidden states: the per-token loss (B, T) under the final distribution (the
         mixture when the model has one) and the model's own log-softmax (B, T, V), float32."""
         logp = F.log_softmax(self.lm_head(h).float(), dim=-1)
         lp_y = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, T)
+        if self.cfg.joint:
+            if e is None:
+                raise ValueError("a jointly trained model needs its estimates (model/joint.py) with every batch")
+            return mixture_nll(self.joint_weights(h, logp, e), lp_y, e), logp
         if not (self.cfg.use_index and self.cfg.mixture):
             return -lp_y, logp
         g, q = self._gate_and_index(h.float(), f)
@@ -303,8 +322,12 @@ class GPT(nn.Module):
         return -torch.logaddexp(a, b), logp
 
     @torch.no_grad()
-    def next_distribution(self, h_last: torch.Tensor, f_last: Features | None) -> torch.Tensor:
-        """Probabilities (B, V) of the next token from the last hidden state (mixture applied)."""
+    def next_distribution(self, h_last: torch.Tensor, f_last: Features | None, e_last: Est | None = None, dense=None) -> torch.Tensor:
+        """Probabilities (B, V) of the next token from the last hidden state (mixture applied;
+        a joint model's from its estimates e_last (B rows) and their distributions dense (B, M, V))."""
+        if self.cfg.joint:
+            logp = F.log_softmax(self.lm_head(h_last).float(), dim=-1)
+            return mixture_probs(self.joint_weights(h_last, logp, e_last), logp.exp(), e_last, dense)
         p = F.softmax(self.lm_head(h_last).float(), dim=-1)
         if not (self.cfg.use_index and self.cfg.mixture):
             return p

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from teragram.index.engine import Index, Provenance
 from teragram.index.features import Features
 
+from . import joint
 from .draft import Draft, Drafter, DraftStats
 from .gate import next_distribution
 from .gpt import GPT, to_torch
@@ -142,17 +144,25 @@ def stream(
     def distributions(h: torch.Tensor, rows: list[Features], toks: list[int]) -> torch.Tensor:
         """Next-token distributions (n, V) from the last n hidden states h (n, C), rows their
         positions' features, toks the text up to the first of them (greedy: what is argmaxed)."""
-        if temperature <= 0 and gate is None and not (use_index and model.cfg.mixture):
+        if temperature <= 0 and gate is None and not (use_index and model.cfg.mixture) and not model.cfg.joint:
             return model.lm_head(h)  # greedy from the model alone: its logits have the same argmax
         f = to_torch(Features.combine(rows).map(lambda a: a[:, None]), device) if use_index else None
+        if model.cfg.joint:  # the model's own gate, with live estimates of the document so far
+            lv = [
+                joint.live(
+                    idx, _doc(toks, len(toks) - len(h) + 1 + j, idx.eos_id), model.cfg.vocab_size, model.cfg.joint, model.cfg.joint_top_k
+                )
+                for j in range(len(h))
+            ]
+            e = joint.to_torch(joint.Est.combine([r for r, _ in lv]), device)
+            return model.next_distribution(h, None, e, torch.from_numpy(np.stack([d for _, d in lv])).float().to(device))
         p = model.next_distribution(h, f)
         if gate is None:
             return p
         soft = torch.softmax(model.lm_head(h).float(), -1).cpu().double().numpy()
         out = []
         for j in range(len(h)):
-            doc = toks[: len(toks) - len(h) + 1 + j]
-            doc = doc[1:] if doc[0] == idx.eos_id else doc
+            doc = _doc(toks, len(toks) - len(h) + 1 + j, idx.eos_id)
             out.append(torch.from_numpy(next_distribution(idx, doc, p[j].cpu().double().numpy(), gate, soft[j])).float())
         return torch.stack(out)
 
@@ -195,6 +205,12 @@ def stream(
                     return
     finally:
         model.train(was)
+
+
+def _doc(toks: list[int], n: int, eos: int) -> list[int]:
+    """The document so far in the first n tokens (a leading EOS starts it, and is not part of it)."""
+    doc = toks[:n]
+    return doc[1:] if doc and doc[0] == eos else doc
 
 
 def generate(model: GPT, idx: Index, prompt: list[int], **kw) -> Generation:

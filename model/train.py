@@ -42,7 +42,7 @@ from teragram.index import format as fmt
 from teragram.index.features import Features
 from tqdm import tqdm
 
-from . import comm, lowp, optim
+from . import comm, joint, lowp, optim
 from .config import ConfigError
 from .data import TrainData
 from .evaluate import evaluate
@@ -102,6 +102,12 @@ class TrainConfig:
     straggler: str = "deadline"  # local: "deadline" (a slow worker's round ends early) | "wait" (every worker takes H steps)
     straggler_slack: float = 0.25  # deadline = (1 + slack) x the fastest worker's time for H steps
     link_gbps: float = 0.0  # > 0: simulate a link of this bandwidth (a sleep per byte sent)
+    gate: str = "none"  # "joint": the index gate's mixture in the loss, trained with the LM (model/joint.py)
+    joint_features: tuple[str, ...] = ()  # exclude-doc feature directories, one per --max-len (gate = joint)
+    joint_estimates: str = ""  # where the training positions' estimates are written once ("": FEATURES[0]/../joint)
+    joint_components: tuple[str, ...] = ()  # the estimates mixed in (model/estimates.py names); (): every one available
+    joint_top_k: int = 4  # continuations kept per index estimate (the features' --top-k)
+    joint_hidden: bool = True  # the gate reads the final hidden state (false: the ablation without it)
 
 
 CHOICES = {
@@ -113,6 +119,7 @@ CHOICES = {
     "compress": ("none", "1bit"),
     "sync": ("every-step", "local"),
     "straggler": ("deadline", "wait"),
+    "gate": ("none", "joint"),
 }
 
 
@@ -138,9 +145,16 @@ def check(cfg: TrainConfig) -> None:
         unknown = [t for t in cfg.evals if t not in evals.TASKS]
         if unknown:
             raise ConfigError(f"unknown evals task(s) {', '.join(unknown)}; known: {', '.join(evals.TASKS)}")
-        if cfg.use_index and cfg.features is not None:
-            raise ConfigError("evals during training score models without index inputs (features unset or use_index = false)")
+        if (cfg.use_index and cfg.features is not None) or cfg.gate == "joint":
+            raise ConfigError("evals during training score models without index inputs or a joint gate (features unset, gate = none)")
         evals.data_root()  # the evaluation sets are installed, or one line saying how
+    if cfg.gate == "joint":
+        if not cfg.joint_features:
+            raise ConfigError("gate = joint needs joint_features: exclude-doc feature directories (teragram features --mode exclude-doc)")
+        if cfg.use_index and cfg.features is not None:
+            raise ConfigError("gate = joint trains a model without index inputs: leave features unset or use_index = false")
+        if cfg.joint_components:
+            joint.check_components(cfg.joint_components)
     if cfg.variance_every < 1:
         raise ConfigError(f"variance_every must be >= 1, not {cfg.variance_every}")
     if cfg.outer_every < 1:
@@ -245,6 +259,7 @@ def load_model(checkpoint: str | Path, device: str = "cpu") -> tuple[GPT, dict]:
     meta = json.loads((p / "config.json").read_text())
     mc = meta["model"]
     mc["index_inputs"] = tuple(mc["index_inputs"])
+    mc["joint"] = tuple(mc.get("joint", ()))
     model = GPT(GPTConfig(**mc))
     sd = load_file(str(p / "model.safetensors"))
     sd.setdefault("lm_head.weight", sd["transformer.wte.weight"])  # tied (gpt2 arch)
@@ -278,10 +293,12 @@ def _setup(cfg: TrainConfig) -> tuple[int, int, str, bool]:
 
 
 def _to(x, device):
-    """A tensor or a (torch) Features record to the device (None stays None)."""
+    """A tensor or a (torch) Features or Est record to the device (None stays None)."""
     if x is None:
         return None
-    return x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else to_device(x, device, non_blocking=True)
+    if isinstance(x, torch.Tensor | joint.Est):
+        return x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x.map(lambda t: t.to(device, non_blocking=True))
+    return to_device(x, device, non_blocking=True)
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -295,7 +312,17 @@ def train(cfg: TrainConfig) -> dict:
     vocab = fmt.read_json(Path(cfg.index) / "manifest.json")["tokenizer"]["vocab_size"]
     top_k = fmt.read_json(Path(cfg.features) / "manifest.json")["top_k"] if use_index else 0
     mcfg = model_config(cfg, vocab, top_k)
-    data = TrainData(cfg.index, cfg.features if use_index else None, mcfg.block_size)
+    est = None
+    if cfg.gate == "joint":
+        est_dir = Path(cfg.joint_estimates or Path(cfg.joint_features[0]).parent / "joint")
+        if master:
+            joint.write_train_estimates(cfg.index, cfg.joint_features, est_dir, cfg.joint_top_k, os.cpu_count() or 1, cfg.progress)
+        if world > 1:
+            dist.barrier()
+        comps = cfg.joint_components or tuple(fmt.read_json(est_dir / "manifest.json")["components"])
+        est = joint.open_train_estimates(est_dir, cfg.index, comps, cfg.joint_top_k)
+        mcfg = replace(mcfg, joint=comps, joint_top_k=cfg.joint_top_k, joint_hidden=cfg.joint_hidden)
+    data = TrainData(cfg.index, cfg.features if use_index else None, mcfg.block_size, est)
     out = Path(cfg.out)
     model = GPT(mcfg).to(device)
     model.set_recompute(cfg.recompute)
@@ -380,16 +407,16 @@ def train(cfg: TrainConfig) -> dict:
         if onebit is not None and step >= cfg.compress_after and not onebit.active:
             onebit.start(model, opt)  # AdamW: momenta from now on; its own step leaves v to the hook
         for micro in range(cfg.grad_accum):
-            x, y, f = next(batches)
+            x, y, f, e = next(batches)
             if skip:
                 continue
             if f is not None and cfg.index_dropout > 0:
                 f = blind(f, cfg.index_dropout, torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 64 + micro * 8 + rank))
-            x, y, f = _to(x, device), _to(y, device), _to(f, device)
+            x, y, f, e = _to(x, device), _to(y, device), _to(f, device), _to(e, device)
             sync = ddp is None or micro == cfg.grad_accum - 1
             ctx = ddp.no_sync() if (ddp is not None and not sync) else _null()
             with ctx, torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
-                loss, _ = fwd(x, y, f)
+                loss, _ = fwd(x, y, f, e)
                 loss = loss.mean() / cfg.grad_accum
             loss.backward()
             loss_sum += loss.item() if not cuda or (step + 1) % cfg.log_every == 0 else 0.0
@@ -471,7 +498,7 @@ def _evaluate(cfg: TrainConfig, model: GPT, data: TrainData, device: str, tasks:
     """A log row: the held-out loss ("eval") and the downstream tasks' accuracy ("evals")."""
     row: dict = {"step": step}
     if cfg.heldout:
-        row["eval"] = evaluate(model, cfg.heldout, data.eos, data.sep, device)
+        row["eval"] = evaluate(model, cfg.heldout, data.eos, data.sep, device, index=cfg.index if cfg.gate == "joint" else None)
     if tasks:
         from .evals import downstream
 
@@ -502,11 +529,12 @@ def _prefetch(data: TrainData, cfg: TrainConfig, rank: int, start: int, pin: boo
     def work():
         for step in range(start, cfg.max_steps):
             for micro in range(cfg.grad_accum):
-                x, y, f = data.batch(step * cfg.grad_accum + micro, cfg.batch_size, seed=cfg.seed, rank=rank)
+                x, y, f, e = data.batch(step * cfg.grad_accum + micro, cfg.batch_size, seed=cfg.seed, rank=rank)
                 if pin:
                     x, y = x.pin_memory(), y.pin_memory()
                     f = None if f is None else f.map(lambda t: t.pin_memory())
-                q.put((x, y, f))
+                    e = None if e is None else e.map(lambda t: t.pin_memory())
+                q.put((x, y, f, e))
 
     threading.Thread(target=work, daemon=True).start()
     while True:

@@ -1,0 +1,204 @@
+"""Joint training (model/joint.py): the training positions' estimates against a brute-force
+exclude-doc oracle, the mixture a distribution whose live computation equals the bulk
+evaluation, generation, and training that uses the index."""
+
+import numpy as np
+import pytest
+import torch
+from teragram.builder.features import compute_features
+from teragram.index import format as fmt
+from teragram.index.engine import Index
+from teragram.index.errors import TeragramError
+from teragram.index.features import FeatureConfig
+from teragram.model import joint
+from teragram.model.config import ConfigError
+from teragram.model.estimates import cache_estimates, heldout_docs
+from teragram.model.evaluate import token_eval
+from teragram.model.gate import LEN_EDGES, SHARE_EDGES
+from teragram.model.sample import generate
+from teragram.model.train import TrainConfig, load_model, train
+
+CAPS = (1, 2, 4, 8, 16, joint.INFGRAM_CAP)
+TINY = dict(preset="tiny", block_size=64, batch_size=8, log_every=5, progress=False, warmup=5, lr=3e-3, min_lr=3e-4, seed=3)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tokenizer_model):
+    """Real text with duplicated documents in several shards, held-out near-copies, exclude-doc
+    features at every cap, and the joint estimates of the training positions."""
+    from teragram.builder.build import BuildConfig, build
+
+    from tests.conftest import real_texts
+
+    root = tmp_path_factory.mktemp("joint")
+    tr, held = root / "train", root / "held-text"
+    tr.mkdir()
+    held.mkdir()
+    texts = [t for _, t in real_texts(30, 5000)]
+    for i, t in enumerate(texts):
+        (tr / f"{i:03d}.txt").write_text(t)
+        if i % 3 == 0:
+            (tr / f"{i:03d}-copy.txt").write_text(t.replace("the ", "The ", 3))
+    rng = np.random.default_rng(0)
+    for i in rng.choice(len(texts), 6, replace=False):
+        words = texts[i].split(" ")
+        for j in rng.choice(len(words), len(words) // 25, replace=False):
+            words[j] = words[j].upper()
+        (held / f"h{i:03d}.txt").write_text(" ".join(words))
+    build(
+        BuildConfig(inputs=(str(tr),), out=str(root / "idx"), tokenizer=str(tokenizer_model), shard_tokens=40000, workers=1, progress=False)
+    )
+    for c in CAPS:
+        compute_features(root / "idx", root / f"len-{c}", FeatureConfig("exclude-doc", c, 4), progress=False)
+    compute_features(root / "idx", root / "held", FeatureConfig("held-out", 64, 1), corpus=[str(held)], progress=False)
+    joint.write_train_estimates(root / "idx", [root / f"len-{c}" for c in CAPS], root / "est", 4, workers=2, progress=False)
+    return root
+
+
+def _docs(idx: Index) -> list[tuple[int, int, np.ndarray]]:
+    """(shard, start, ids) of every indexed document."""
+    out = []
+    for s in idx.shards:
+        tok = np.asarray(s.tok).astype(np.int64)
+        ends = np.nonzero(tok == idx.sep)[0]
+        for a, e in zip(np.concatenate([[0], ends + 1])[: len(ends)], ends, strict=True):
+            out.append((s.id, int(a), tok[a:e]))
+    return out
+
+
+def _oracle(docs, own: int, ctx: np.ndarray, cap: int, eos: int, k: int = 4):
+    """Exclude-doc estimate by brute force: the longest suffix of ctx (<= cap tokens) found in
+    another document, its occurrences and the k most frequent next tokens (count desc, id asc)."""
+    for L in range(min(cap, len(ctx)), 0, -1):
+        s = ctx[len(ctx) - L :]
+        hist: dict[int, int] = {}
+        for i, (_, _, d) in enumerate(docs):
+            if i == own or len(d) < L:
+                continue
+            w = np.lib.stride_tricks.sliding_window_view(d, L)
+            for p in np.nonzero((w == s).all(1))[0]:
+                nxt = int(d[p + L]) if p + L < len(d) else eos
+                hist[nxt] = hist.get(nxt, 0) + 1
+        if hist:
+            top = sorted(hist.items(), key=lambda kv: (-kv[1], kv[0]))[:k]
+            return L, sum(hist.values()), hist, top
+    return 0, 0, {}, []
+
+
+def test_train_estimates_equal_brute_force(setup):
+    idx = Index(setup / "idx")
+    docs = _docs(idx)
+    shards, cols = joint.open_train_estimates(setup / "est", setup / "idx", joint.COMPONENTS, 4)
+    comps = joint.COMPONENTS
+    rng = np.random.default_rng(1)
+    checked = 0
+    for di in rng.choice(len(docs), 8, replace=False):
+        sid, a, ids = docs[di]
+        e = shards[[s.id for s in idx.shards].index(sid)]
+        cache = cache_estimates(ids, idx.eos_id)  # rows: targets ids[0], ..., EOS
+        for j in rng.choice(len(ids), 5, replace=False):  # position a + j: context ids[:j + 1]
+            y = int(ids[j + 1]) if j + 1 < len(ids) else idx.eos_id
+            row = e.rows(a + j, a + j + 1, cols)
+            for m, c in enumerate(comps):
+                if c.startswith("cache"):
+                    n = cache[f"count_{c}"][j + 1]
+                    assert row.q[0, m] == pytest.approx(cache[f"p_{c}"][j + 1] if n else 0.0, rel=1e-6), c
+                    assert row.rest[0, m] == (0.0 if n else 1.0)
+                    continue
+                L, n, hist, top = _oracle(docs, int(di), ids[: j + 1], joint.cap(c), idx.eos_id)
+                if L == 0:
+                    continue  # no suffix elsewhere: the unigram case, not this oracle's
+                tk = dict(top)
+                assert row.count[0, m] == min(int(np.floor(np.log2(n + 1))), joint.N_COUNT - 1), c
+                assert row.q[0, m] == pytest.approx(tk.get(y, 0) / n, rel=1e-6, abs=1e-9), c
+                assert row.rest[0, m] == pytest.approx(1 - sum(tk.values()) / n, rel=1e-5, abs=1e-6), c
+                assert row.top[0, m] == top[0][0], c
+                assert row.share[0, m] == np.searchsorted(SHARE_EDGES, top[0][1] / n, side="right")
+                if c == "index_infgram":
+                    assert row.length[0] == np.searchsorted(LEN_EDGES, L, side="right")
+                checked += 1
+            assert row.clen[0] == np.searchsorted(LEN_EDGES, cache["cache_length"][j + 1], side="right")
+    assert checked > 100
+
+
+def _train(setup, name, **kw):
+    base = TINY | {"index": str(setup / "idx"), "heldout": str(setup / "held"), "out": str(setup / name)}
+    return train(TrainConfig(**(base | kw)))
+
+
+def _joint_kw(setup, **kw):
+    return dict(gate="joint", joint_features=tuple(str(setup / f"len-{c}") for c in CAPS), joint_estimates=str(setup / "est")) | kw
+
+
+def test_joint_training_uses_the_index(setup):
+    """On held-out near-copies of indexed text, the jointly trained model's mixture is far
+    better than the same model trained alone, and the gate learns to leave the model."""
+    plain = _train(setup, "plain", max_steps=120)
+    mixed = _train(setup, "joint", max_steps=120, **_joint_kw(setup))
+    assert mixed["eval"]["loss"] < 0.8 * plain["eval"]["loss"], (mixed["eval"], plain["eval"])
+    model, meta = load_model(setup / "joint")
+    assert model.cfg.joint == joint.COMPONENTS and meta["train"]["gate"] == "joint"
+    assert float(model.joint_gate.bias[0]) < 2.0  # moved away from the model-only start
+
+
+def test_live_mixture_equals_bulk_and_is_a_distribution(setup):
+    _train(
+        setup,
+        "joint-live",
+        max_steps=10,
+        **_joint_kw(setup, joint_components=("index_infgram", "index_3gram", "cache_longest", "cache_2gram")),
+    )
+    model, _ = load_model(setup / "joint-live")
+    torch.manual_seed(0)
+    with torch.no_grad():  # a gate that mixes everything, with every kind of feature
+        for p in model.joint_gate.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    model.eval()
+    idx = Index(setup / "idx")
+    r = token_eval(model, setup / "held", idx.eos_id, idx.sep, index=idx)
+    docs = heldout_docs(setup / "held")
+    V = model.cfg.vocab_size
+    for d in (0, 3):
+        ids = docs[d]
+        x = torch.tensor([[idx.eos_id, *ids[: model.cfg.block_size - 1]]])
+        with torch.no_grad():
+            h, _ = model.hidden(x)
+        sel = np.nonzero(r["doc"] == d)[0]
+        for t in range(0, min(60, x.shape[1])):
+            e, dense = joint.live(idx, ids[:t], V, model.cfg.joint, model.cfg.joint_top_k)
+            p = model.next_distribution(h[:, t], None, joint.to_torch(e), torch.from_numpy(dense[None]).float())[0]
+            assert float(p.sum()) == pytest.approx(1.0, abs=1e-5)
+            assert int(r["target"][sel[t]]) == (int(ids[t]) if t < len(ids) else idx.eos_id)
+            assert float(-torch.log(p[int(r["target"][sel[t]])])) == pytest.approx(float(r["nll"][sel[t]]), abs=2e-4), (d, t)
+
+
+def test_generation_with_the_joint_gate(setup):
+    if not (setup / "joint-live" / "latest.json").exists():
+        _train(
+            setup,
+            "joint-live",
+            max_steps=10,
+            **_joint_kw(setup, joint_components=("index_infgram", "index_3gram", "cache_longest", "cache_2gram")),
+        )
+    model, _ = load_model(setup / "joint-live")
+    idx = Index(setup / "idx")
+    prompt = idx.tokenize("The kernel")
+    plain = generate(model, idx, prompt, max_new_tokens=30, temperature=0)
+    drafted = generate(model, idx, prompt, max_new_tokens=30, temperature=0, draft=4)
+    assert plain.ids == drafted.ids and len(plain.ids) > len(prompt)
+
+
+def test_refusals(setup, tmp_path):
+    with pytest.raises(ConfigError, match="joint_features"):
+        _train(setup, "bad", max_steps=1, gate="joint")
+    with pytest.raises(TeragramError, match="distinct names"):
+        _train(setup, "bad", max_steps=1, **_joint_kw(setup, joint_components=("index_7gram",)))
+    with pytest.raises(TeragramError, match="needs"):
+        joint.open_train_estimates(setup / "est", setup / "idx", ("index_infgram",), 8)
+    joint.write_train_estimates(setup / "idx", [setup / "len-1"], tmp_path / "e", 4, progress=False)
+    assert fmt.read_json(tmp_path / "e" / "manifest.json")["components"][0] == "index_2gram"
+    with pytest.raises(TeragramError, match="the model needs index_infgram"):
+        joint.open_train_estimates(tmp_path / "e", setup / "idx", ("index_infgram",), 4)
+    compute_features(setup / "idx", tmp_path / "causal", FeatureConfig("causal", 4, 4), progress=False)
+    with pytest.raises(TeragramError, match="exclude-doc"):
+        joint.write_train_estimates(setup / "idx", [tmp_path / "causal"], tmp_path / "e2", 4, progress=False)
