@@ -17,11 +17,12 @@ Held-out sets, each split into validation (every λ and gate is fit there) and t
   timeshift  files new in linux-source-6.12 (absent from 6.1): text written after the index
   prose      English prose from a source no index holds
 Variants per index and set: (a) the model alone; (c) infini-gram's interpolation (two λ);
-(t-c) the gate over the index's estimates only; (a+c) the gate over the document cache's
-estimates only (no index: constant across sizes); (t) the gate over both. Also reported: the
-share of targets whose context has a match of >= 8 / 16 / 32 tokens, the ∞-gram's argmax
-accuracy by match length, and decontaminated test perplexity (documents with >= 80% of their
-13-grams in that index removed).
+(c+cache) infini-gram's interpolation plus the same document cache the gates read (fixed
+weights per group, by EM: model/baselines.py); (t-c) the gate over the index's estimates only;
+(a+c) the gate over the document cache's estimates only (no index: constant across sizes); (t)
+the gate over both. Also reported: the share of targets whose context has a match of >= 8 /
+16 / 32 tokens, the ∞-gram's argmax accuracy by match length, and decontaminated test
+perplexity (documents with >= 80% of their 13-grams in that index removed).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ HALVES = ("valid", "test")
 NAMES = {
     "a": "(a) no index",
     "c": "(c) infini-gram interpolation",
+    "c+c": "(c+cache) infini-gram interpolation + document cache",
     "t-c": "(t-c) index gate, index estimates only",
     "a+c": "(a+c) cache gate, no index",
     "t": "(t) index + cache gate",
@@ -174,9 +176,10 @@ def _contamination(est: dict, starts: np.ndarray) -> np.ndarray:
     return np.array(out)
 
 
-def _variants(o: dict, est: dict, cache_only: dict | None) -> dict[str, dict[str, np.ndarray]]:
-    """Per-target nll of each variant on valid and test; λ and gates fit on valid. The cache-only
-    gate reads no index: it is fit once per set (cache_only, when given, is that result)."""
+def _variants(o: dict, est: dict, cache_only: dict | None) -> tuple[dict[str, dict[str, np.ndarray]], dict]:
+    """Per-target nll of each variant on valid and test, and the peers' fitted weights; λ, weights
+    and gates fit on valid. The cache-only gate reads no index: it is fit once per set
+    (cache_only, when given, is that result)."""
     from teragram.model import baselines, estimates
     from teragram.model.outputs import gated_outputs
 
@@ -184,13 +187,20 @@ def _variants(o: dict, est: dict, cache_only: dict | None) -> dict[str, dict[str
     groups = {h: est[h]["sparse"].astype(int) for h in HALVES}
     lam = baselines.fit_lambdas(nll["a"]["valid"], est["valid"]["p_index_infgram"], groups["valid"])
     nll["c"] = {h: baselines.apply_lambdas(nll["a"][h], est[h]["p_index_infgram"], lam, groups[h]) for h in HALVES}
+    mix = {h: baselines.infgram_cache_inputs(est[h]) for h in HALVES}  # (p_inf, p_cache, groups)
+    cw = baselines.fit_cache_weights(nll["a"]["valid"], *mix["valid"])
+    nll["c+c"] = {h: baselines.apply_cache_weights(nll["a"][h], *mix[h][:2], cw, mix[h][2]) for h in HALVES}
     for v, comps in (("t-c", estimates.INDEX), ("a+c", estimates.CACHE), ("t", estimates.COMPONENTS)):
         if v == "a+c" and cache_only is not None:
             nll[v] = cache_only
             continue
         gate, nll_valid = gated_outputs(o["valid"], est["valid"], components=comps, fit_rows=FIT_ROWS)
         nll[v] = {"valid": nll_valid, "test": gated_outputs(o["test"], est["test"], gate)[1]}
-    return nll
+    weights = {
+        "c": {"non-sparse": lam.get(0, 0.0), "sparse": lam.get(1, 0.0)},
+        "c+c": {baselines.CACHE_GROUPS[g]: dict(zip(baselines.CACHE_WEIGHTS, wg, strict=True)) for g, wg in cw.items()},
+    }
+    return nll, weights
 
 
 def _ppl(nll: np.ndarray) -> float:
@@ -224,8 +234,9 @@ def stage_eval(outputs: Path, indexes: list[Path], workers: int, max_targets: in
         key = hashlib.sha256(manifest).hexdigest()[:16]
         tag = f"-first{max_targets}" if max_targets else ""
         saved = outputs / "eval" / f"{root.name}{tag}.json"
-        if saved.exists() and json.loads(saved.read_text()).get("manifest_sha256") == key:
-            results.append(json.loads(saved.read_text()))
+        old = json.loads(saved.read_text()) if saved.exists() else {}
+        if old.get("manifest_sha256") == key and all(set(NAMES) <= set(s["ppl"]) for s in old["sets"].values()):
+            results.append(old)
             print(f"{root.name}: evaluated before ({saved})", flush=True)
             continue
         tokens = json.loads(manifest)["counts"]["tokens"]
@@ -235,7 +246,7 @@ def stage_eval(outputs: Path, indexes: list[Path], workers: int, max_targets: in
             o = outs[name]
             est = {h: outputs_estimates(o[h], root, workers=workers) for h in HALVES}
             est_s = time.time() - t
-            nll = _variants(o, est, cache_only.get(name))
+            nll, weights = _variants(o, est, cache_only.get(name))
             cache_only[name] = nll["a+c"]
             test = o["test"]
             # the targets of document k sit at starts[k] .. starts[k + 1] - 1 (its ids, then EOS)
@@ -259,6 +270,7 @@ def stage_eval(outputs: Path, indexes: list[Path], workers: int, max_targets: in
                 "ppl": {v: _ppl(n["test"]) for v, n in nll.items()},
                 "ppl_valid": {v: _ppl(n["valid"]) for v, n in nll.items()},
                 "ppl_decontaminated": {v: _ppl(n["test"][clean]) for v, n in nll.items()},
+                "weights": weights,
                 "match_share": {str(k): float((L >= k).mean()) for k in (8, 16, 32)},
                 "infgram_accuracy_by_length": acc,
                 "estimates_s": est_s,
@@ -271,7 +283,7 @@ def stage_eval(outputs: Path, indexes: list[Path], workers: int, max_targets: in
     return {"indexes": results, "workers": workers}
 
 
-def report(res: dict) -> None:
+def report(res: dict, results_name: str = "index_size") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -307,7 +319,8 @@ def report(res: dict) -> None:
         p = big["sets"][name]["ppl"]
         lines.append(
             f"- {name}, largest index ({big['index_tokens'] / 1e6:,.0f}M tokens): (t-c) is {100 * (1 - p['t-c'] / p['a']):.1f}% below (a); "
-            f"(t) is {100 * (1 - p['t'] / p['a+c']):.1f}% below the cache-only gate (a+c)."
+            f"(t) is {100 * (1 - p['t'] / p['a+c']):.1f}% below the cache-only gate (a+c) "
+            f"and {100 * (1 - p['t'] / p['c+c']):.1f}% below the peers' interpolation with the same cache (c+cache)."
         )
     acc = []
     for name in SETS:
@@ -328,7 +341,7 @@ def report(res: dict) -> None:
         + "; ".join(f"{r['index']} {sum(s['estimates_s'] for s in r['sets'].values()):.0f} s" for r in rows)
         + f" for all {sum(r['sets'][n]['test_tokens'] for n in SETS for r in rows[:1]):,} test tokens and their validation halves."
     )
-    save("index_size", res, "\n\n".join(md) + "\n\n" + "\n".join(lines), fig)
+    save(results_name, res, "\n\n".join(md) + "\n\n" + "\n".join(lines), fig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -344,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-targets", type=int, help="eval: only the first documents of each half, up to this many targets")
     ap.add_argument("--max-mb", type=float, default=1.2, help="prepare: text per held-out half")
     ap.add_argument("--scale", choices=["gpu", "cpu"], default="gpu", help="gpu: the 125M model; cpu: the tiny one")
+    ap.add_argument("--name", default="index_size", help="eval: the results' name (benchmarks/results/NAME.md)")
     a = ap.parse_args(argv)
     if a.stage == "prepare":
         stage_prepare(a.data, a.carry, a.max_mb)
@@ -351,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         a.out.mkdir(parents=True, exist_ok=True)
         stage_gpu(a.carry, a.work, a.out, a.scale)
     else:
-        report(stage_eval(a.outputs, a.index, a.workers, a.max_targets))
+        report(stage_eval(a.outputs, a.index, a.workers, a.max_targets), a.name)
     return 0
 
 

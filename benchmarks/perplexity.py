@@ -15,6 +15,9 @@ Trained variants, same model shape, training tokens and steps:
   eo  the learned mixture only: the model reads no index inputs, its gate sees the match
 Evaluated on top of them (everything tuned or fit on validation only):
   c   (a) + infini-gram's ∞-gram interpolation: one λ for sparse, one for non-sparse estimates
+  c+c (c) plus the document cache's longest-match estimate (the one the gates read): fixed
+      weights of model, ∞-gram and cache per group (sparse or not, crossed with whether the
+      context occurred earlier in the document), by EM (model/baselines.py)
   d   (a) + kNN-LM from a dense store of (a)'s hidden states, λ and temperature tuned
   X+g a model's distribution mixed with the index's ∞-gram and fixed-order (2..17-gram)
       estimates and the document cache's (the same estimates from the document's own earlier
@@ -232,6 +235,7 @@ NAMES = {
     "a": "(a) no index",
     "b": "(b) TScale: cont embedding, causal",
     "c": "(c) (a) + ∞-gram interpolation (infini-gram: 2 λ)",
+    "c+c": "(c+cache) (c) + the document cache, interpolated (weights per group)",
     "d": "(d) (a) + kNN-LM",
     "a+g": "(t) (a) + learned gate over the index's and the document cache's estimates",
     "a+gi": "(t-c) (t) without the document cache: the index's estimates only",
@@ -298,6 +302,12 @@ def stage_eval(w: Path, s: dict, workers: int, variants: list[str]) -> dict:
             lam = baselines.fit_lambdas(ev["valid"]["nll"], inf["valid"]["p_index_infgram"], groups["valid"])
             nll["c"] = {sp_: baselines.apply_lambdas(ev[sp_]["nll"], inf[sp_]["p_index_infgram"], lam, groups[sp_]) for sp_ in held}
             results["c"].update(lambda_non_sparse=lam.get(0, 0.0), lambda_sparse=lam.get(1, 0.0), infgram_s=infgram_s)
+            mix = {sp_: baselines.infgram_cache_inputs(inf[sp_]) for sp_ in held}  # (p_inf, p_cache, groups)
+            cw = baselines.fit_cache_weights(ev["valid"]["nll"], *mix["valid"])
+            nll["c+c"] = {sp_: baselines.apply_cache_weights(ev[sp_]["nll"], *mix[sp_][:2], cw, mix[sp_][2]) for sp_ in held}
+            results["c+c"]["weights"] = {
+                baselines.CACHE_GROUPS[g]: dict(zip(baselines.CACHE_WEIGHTS, wg, strict=True)) for g, wg in cw.items()
+            }
         if v in ("a", "e", "eo"):
             gated(v, ev, v + "+g", estimates.COMPONENTS)
         if v == "a":
@@ -323,14 +333,15 @@ def stage_eval(w: Path, s: dict, workers: int, variants: list[str]) -> dict:
     best = min(
         (v for v in TERAGRAM if v in results), key=lambda v: results[v]["valid, decontaminated"]["perplexity"]
     )  # chosen on validation
-    best_peer = min(ppl[v] for v in ("b", "c", "d") if v in ppl)
+    peers = [v for v in ("b", "c", "c+c", "d") if v in ppl]
+    best_peer = min(ppl[v] for v in peers)
     summary = {
         "decontaminated_removed_docs": int((contam["test"] >= 0.8).sum()),
         "test_docs": len(contam["test"]),
         "valid_removed_docs": int((contam["valid"] >= 0.8).sum()),
         "valid_docs": len(contam["valid"]),
         "teragram": best,
-        "peers": [v for v in ("b", "c", "d") if v in ppl],
+        "peers": peers,
         "teragram_vs_best_peer": 1 - ppl[best] / best_peer,
         "teragram_vs_a": 1 - ppl[best] / ppl["a"],
         "steps": s["steps"],
@@ -432,7 +443,7 @@ def main() -> int:
             f"\n\n{s['preset']} model, {sm['steps']} steps x {s['batch_size']}x{s['block_size']} tokens ({sm['tokens_per_model'] / 1e6:.1f}M training tokens per variant); "
             f"index of {sm['index_tokens'] / 1e6:.1f}M tokens. Decontamination removed {sm['decontaminated_removed_docs']} of {sm['test_docs']} test documents "
             f"({sm['valid_removed_docs']} of {sm['valid_docs']} validation documents). teragram's headline variant, chosen on decontaminated validation perplexity, "
-            f"is {NAMES[sm['teragram']]}: on the decontaminated test set it is {sm['teragram_vs_best_peer']:.1%} below the best of {', '.join(f'({v})' for v in sm['peers'])} in perplexity "
+            f"is {NAMES[sm['teragram']]}: on the decontaminated test set it is {sm['teragram_vs_best_peer']:.1%} below the best of {', '.join(NAMES[v].split(' ')[0] for v in sm['peers'])} in perplexity "
             f"and {sm['teragram_vs_a']:.1%} below (a).\n\nValidation set (λ, gates and the headline variant are chosen here):\n\n"
         )
         md += table(out["valid_rows"], cols)

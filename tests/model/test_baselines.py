@@ -1,5 +1,6 @@
 """Evaluation features of the product against brute force: decontamination (13-gram share in
-the index), infini-gram's λ interpolation and kNN-LM, as `teragram eval` computes them."""
+the index), infini-gram's λ interpolation and kNN-LM, as `teragram eval` computes them, and
+infini-gram's interpolation plus the document cache."""
 
 from __future__ import annotations
 
@@ -97,6 +98,63 @@ def test_infinigram_baseline_against_brute_force(real_index, setup):
     tok_keep = keep[base["doc"].astype(int)]
     assert r3["tokens"] == sum(len(d) + 1 for d, k in zip(docs, keep) if k)
     assert r3["loss"] == pytest.approx(mixed[tok_keep].mean(), rel=1e-9)
+
+
+def test_infinigram_cache_interpolation_is_a_distribution_fit_by_likelihood(real_index, setup, tmp_path):
+    """fit_cache_weights' weights are each group's best on the fitting text (no point of a fine
+    simplex grid does better), the cache weighs nothing where the context did not occur earlier
+    in the document, and the interpolation is a distribution over the vocabulary at every
+    context: against the ∞-gram from ntd queries and the cache's distribution read off the
+    context."""
+    from teragram.model import estimates
+
+    model, held = setup
+    idx = Index(real_index)
+    docs = _docs(held)
+    base = token_eval(model, held, idx.eos_id, idx.sep)
+    est = estimates.heldout_estimates(real_index, held)
+    p_inf, p_cache, groups = baselines.infgram_cache_inputs(est)
+    assert set(np.unique(groups)) == {0, 1, 2, 3}
+    w = baselines.fit_cache_weights(base["nll"], p_inf, p_cache, groups)
+    grid = np.linspace(0, 1, 51)
+    for g, wg in w.items():
+        m = groups == g
+        assert sum(wg) == pytest.approx(1.0) and min(wg) >= 0 and (wg[2] == 0.0) == (g < 2)
+        got = baselines.apply_cache_weights(base["nll"][m], p_inf[m], p_cache[m], w, groups[m]).mean()
+        for a in grid:  # a: the ∞-gram's weight, b: the cache's (0 without an earlier occurrence)
+            for b in grid[grid <= 1 - a + 1e-12] if g >= 2 else [0.0]:
+                other = baselines.apply_cache_weights(
+                    base["nll"][m], p_inf[m], p_cache[m], {g: (max(1 - a - b, 0.0), a, b)}, groups[m]
+                ).mean()
+                assert got <= other + 1e-6, (g, a, b)
+    baselines.save_params(tmp_path / "w.json", "infini-gram+cache", w)
+    assert baselines.load_params(tmp_path / "w.json", "infini-gram+cache") == w
+    # (c+cache) on the text it was fit on is no worse than infini-gram's interpolation
+    lams = baselines.fit_lambdas(base["nll"], p_inf, est["sparse"].astype(int))
+    mixed = baselines.apply_cache_weights(base["nll"], p_inf, p_cache, w, groups)
+    assert mixed.mean() <= baselines.apply_lambdas(base["nll"], p_inf, lams, est["sparse"].astype(int)).mean()
+    # every context: the weights mix three distributions over the vocabulary
+    rng = np.random.default_rng(3)
+    V = idx.vocab_size
+    j0 = 0
+    for ids in docs:
+        y = np.append(ids, idx.eos_id)
+        for j in range(len(y)):
+            q = ids[:j]
+            r = idx.infgram_ntd(list(q))
+            d_inf = np.zeros(V)
+            for t, (_, prob) in r.result_by_token_id.items():
+                d_inf[t] = prob
+            d_cache, n_cache = estimates.cache_live(q, V, ["cache_longest"])[0]["cache_longest"]
+            g = int(len(r.result_by_token_id) == 1) + 2 * (n_cache > 0)
+            k = j0 + j
+            assert g == groups[k] and d_inf[y[j]] == pytest.approx(p_inf[k]) and d_cache[y[j]] == pytest.approx(p_cache[k])
+            if j % 7 == 0:  # the whole distribution, with a random model distribution
+                d_model = rng.dirichlet(np.ones(V))
+                p = np.exp(-baselines.apply_cache_weights(-np.log(d_model), d_inf, d_cache, w, np.full(V, g)))
+                assert p.sum() == pytest.approx(1.0, abs=1e-9)
+        j0 += len(y)
+    assert j0 == len(groups)
 
 
 def test_knn_baseline_mixes_the_dense_stores_neighbours(real_index, setup, tmp_path):
