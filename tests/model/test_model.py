@@ -143,7 +143,7 @@ data = TrainData({str(dup_setup / "idx")!r}, {str(dup_setup / "feats")!r}, 32)
 torch.manual_seed(0)
 m = GPT(GPTConfig.preset("tiny", vocab_size=data.vocab_size, block_size=32))
 ddp = torch.nn.parallel.DistributedDataParallel(m)
-x, y, f = data.batch(0, 4, seed=3, rank=rank)
+x, y, f, _ = data.batch(0, 4, seed=3, rank=rank)
 loss, _ = ddp(x, y, f)
 loss.mean().backward()
 if rank == 0:
