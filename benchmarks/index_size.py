@@ -103,10 +103,6 @@ def stage_gpu(carry: Path, work: Path, out: Path, scale: str) -> None:
     import torch
     from teragram.builder.features import FeatureConfig, compute_features
     from teragram.index.engine import Index
-    from teragram.model.data import EvalData
-    from teragram.model.evaluate import doc_bytes, token_eval
-    from teragram.model.outputs import save_outputs
-    from teragram.model.train import load_model
 
     from benchmarks.perplexity import SCALES, train_cmd
 
@@ -133,33 +129,50 @@ def stage_gpu(carry: Path, work: Path, out: Path, scale: str) -> None:
     sh(*train_cmd("a", work, s))
     phases["train_s"] = time.time() - t
     t = time.time()
-    model, meta = load_model(work / "runs" / "a", device)
-    idx = Index(work / "idx")
+    held = {}
     for name in SETS:
         for h in HALVES:
-            feats = work / "heldout" / f"{name}-{h}"
+            held[name, h] = work / "heldout" / f"{name}-{h}"
             compute_features(
-                work / "idx", feats, FeatureConfig("held-out", 64, 1), corpus=[str(carry / name / f"{h}.jsonl.zst")], workers=os.cpu_count()
+                work / "idx",
+                held[name, h],
+                FeatureConfig("held-out", 64, 1),
+                corpus=[str(carry / name / f"{h}.jsonl.zst")],
+                workers=os.cpu_count(),
             )
-            r = token_eval(model, feats, idx.eos_id, idx.sep, device, batch=s["eval_batch"])
-            ev = EvalData(feats, model.cfg.block_size, idx.eos_id, idx.sep)
-            save_outputs(
-                work / "outputs" / f"{name}-{h}", r, feats, checkpoint="a", step=meta["step"], docs_bytes=doc_bytes(ev, idx.decode).tolist()
-            )
-            with tarfile.open(out / f"outputs-{name}-{h}.tgz", "w:gz") as tar:  # one file each: < 16 MB comes back
-                tar.add(work / "outputs" / f"{name}-{h}", arcname=f"{name}-{h}")
+    save_outputs_a(work, out, held, s["eval_batch"], device)
     phases["outputs_s"] = time.time() - t
     log = [json.loads(line) for line in open(work / "runs" / "a" / "log.jsonl")]
     info = {
         "train_log": log,
         "phases": phases,
-        "index_tokens": idx.n_positions,
+        "index_tokens": Index(work / "idx").n_positions,
         "scale": scale,
         "torch": torch.__version__,
         "device": device,
     }
     (out / "gpu.json").write_text(json.dumps(info, indent=1))
     print(json.dumps(info))
+
+
+def save_outputs_a(work: Path, out: Path, held: dict, batch: int, device: str) -> None:
+    """(a)'s (WORK/runs/a) per-token outputs on each held-out half (held[set, half]: its features
+    directory), one .tgz each in OUT: one file each, so that < 16 MB comes back."""
+    from teragram.index.engine import Index
+    from teragram.model.data import EvalData
+    from teragram.model.evaluate import doc_bytes, token_eval
+    from teragram.model.outputs import save_outputs
+    from teragram.model.train import load_model
+
+    model, meta = load_model(work / "runs" / "a", device)
+    idx = Index(work / "idx")
+    for (name, h), feats in held.items():
+        r = token_eval(model, feats, idx.eos_id, idx.sep, device, batch=batch)
+        ev = EvalData(feats, model.cfg.block_size, idx.eos_id, idx.sep)
+        dst = work / "outputs" / f"{name}-{h}"
+        save_outputs(dst, r, feats, checkpoint="a", step=meta["step"], docs_bytes=doc_bytes(ev, idx.decode).tolist())
+        with tarfile.open(out / f"outputs-{name}-{h}.tgz", "w:gz") as tar:
+            tar.add(dst, arcname=f"{name}-{h}")
 
 
 # ---- eval (here, where the indexes live) ------------------------------------------------------

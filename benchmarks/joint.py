@@ -3,21 +3,25 @@ peers, on the index-size benchmark's data: the same 125M, steps and text as its 
 
     python -m benchmarks.index_size prepare --data DATA --carry .carry15       # here: text + held-out halves
     python -m benchmarks.joint gpu --carry .carry15 --work W --out OUT --stage prep   # on the GPU machine
-    python -m benchmarks.joint gpu --carry .carry15 --work W --out OUT --stage train --variants joint,plain
-    python -m benchmarks.joint eval --joint OUT --outputs DATA/outputs-125m --index DATA/idx-050m   # here
+    python -m benchmarks.joint gpu --carry .carry15 --work W --out OUT --stage train  # at once: W is lost when idle
+    python -m benchmarks.index_size eval --outputs OUT --index DATA/idx-050m --name joint_posthoc   # here
+    python -m benchmarks.joint eval --joint OUT --index DATA/idx-050m --carry .carry15 \
+        --posthoc benchmarks/results/joint_posthoc.json                                # here
 
 `prep` indexes the training text with the carried tokenizer, writes exclude-doc features at every
-context length the estimates need and the training positions' estimates (model/joint.py), and the
-held-out features. `train` trains each variant with benchmarks/perplexity.py's GPU settings and
-saves its per-target nll on every held-out half (with the index on that machine: the gate reads the
-hidden state, so a joint model's evaluation cannot be split like the post-hoc one's). Variants:
+context length the estimates need and the training positions' estimates (model/joint.py), while
+the plain model (a) trains on the idle GPU. `train` writes the held-out features, saves (a)'s
+outputs (for the post-hoc gates and the peers, evaluated here by benchmarks/index_size.py), trains
+each other variant with benchmarks/perplexity.py's GPU settings and saves its per-target nll on
+every held-out half (with the index on that machine: the gate reads the hidden state, so a joint
+model's evaluation cannot be split like the post-hoc one's). Variants:
+  a         the plain 125M (trained during prep): its outputs
+  plain     the plain 125M again, 300 steps alone on the machine: the step rate joint is held to
   joint     every estimate (index ∞-gram and 2..17-grams, the cache's), the gate reads h
   nohidden  the same without the hidden state (the ablation)
   nocache   the index's estimates only
-  plain     the model alone, for the step rate on the same machine
-`eval` reports them beside the post-hoc variants and the peers of benchmarks/index_size.py at the
-model's own index (its cached results), on all and decontaminated test text.
-"""
+`eval` reports them beside the post-hoc variants and the peers measured on the same text with
+the same index and (a), on all and decontaminated test text."""
 
 from __future__ import annotations
 
@@ -49,15 +53,22 @@ SETS = ("indist", "timeshift", "prose")
 HALVES = ("valid", "test")
 
 
-def stage_prep(carry: Path, work: Path) -> dict:
+def stage_prep(carry: Path, work: Path, scale: str = "gpu", steps: int | None = None) -> dict:
+    """Index, exclude-doc features per context length, the training positions' estimates; the
+    plain model (a) trains meanwhile on the idle GPU (its step rate is measured again, alone, by
+    the variant plain: this run shares the CPUs)."""
     from teragram.model import joint
 
+    from benchmarks.perplexity import SCALES, train_cmd
+
     py, n = sys.executable, os.cpu_count() or 1
+    s = dict(SCALES[scale]) | ({"steps": steps} if steps else {})
     train = [carry / "train-code.jsonl.zst", carry / "train-english.jsonl.zst"]
     t = time.time()
     sh(py, "-m", "teragram.builder.cli", *train, "--out", work / "idx", "--tokenizer", carry / "tokenizer.model", "--workers", n, "--quiet")
     ph = {"index_s": time.time() - t}
     t = time.time()
+    a = subprocess.Popen(train_cmd("a", work, s), stdout=open(work / "train-a.log", "w"), stderr=subprocess.STDOUT)
     procs = [  # one process per context length: each is one pass over the (single) shard
         subprocess.Popen(
             [py, "-m", "teragram.serve.cli", "features", str(work / "idx"), "--out", str(work / f"len-{c}"), "--mode", "exclude-doc"]
@@ -71,38 +82,47 @@ def stage_prep(carry: Path, work: Path) -> dict:
     t = time.time()
     joint.write_train_estimates(work / "idx", [work / f"len-{c}" for c in CAPS], work / "est", 4, workers=n)
     ph["estimates_s"] = time.time() - t
-    t = time.time()
-    from teragram.builder.features import FeatureConfig, compute_features
-
-    for s in SETS:
-        for h in HALVES:
-            compute_features(
-                work / "idx",
-                work / "held" / f"{s}-{h}",
-                FeatureConfig("held-out", 64, 1),
-                corpus=[str(carry / s / f"{h}.jsonl.zst")],
-                workers=n,
-            )
-    ph["heldout_s"] = time.time() - t
+    if a.wait():
+        raise SystemExit(f"training (a) failed: see {work / 'train-a.log'}")
+    ph["a_done_s"] = time.time() - t
     print(json.dumps(ph))
     return ph
 
 
-def stage_train(work: Path, out: Path, variants: list[str], steps: int | None, scale: str = "gpu") -> None:
+def stage_train(carry: Path, work: Path, out: Path, variants: list[str], steps: int | None, scale: str = "gpu") -> None:
     import torch
+    from teragram.builder.features import FeatureConfig, compute_features
     from teragram.index.engine import Index
     from teragram.model.evaluate import token_eval
     from teragram.model.train import load_model
 
+    from benchmarks.index_size import save_outputs_a
     from benchmarks.perplexity import SCALES, train_cmd
 
     s = dict(SCALES[scale])
     if steps:
         s["steps"] = steps
+    n = os.cpu_count() or 1
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     idx = Index(work / "idx")
     info = {}
-    for v in variants:
+    t = time.time()
+    held = {}
+    for h in ("test", "valid"):  # test first: the figures reported
+        for name in SETS:
+            held[name, h] = work / "held" / f"{name}-{h}"
+            if not (held[name, h] / "features-report.json").exists():
+                compute_features(
+                    work / "idx", held[name, h], FeatureConfig("held-out", 64, 1), corpus=[str(carry / name / f"{h}.jsonl.zst")], workers=n
+                )
+    info["heldout_s"] = time.time() - t
+    for v in sorted(variants, key=lambda v: (v != "a", v != "plain")):  # (a)'s outputs, then plain's short run: the rates need it
         t = time.time()
+        if v == "a":  # trained during prep
+            save_outputs_a(work, out, held, s["eval_batch"], device)
+            info[v] = {"outputs_s": time.time() - t, "log": [json.loads(x) for x in open(work / "runs" / "a" / "log.jsonl")]}
+            (out / "joint_gpu.json").write_text(json.dumps(info, indent=1))
+            continue
         cmd = [a for a in train_cmd("a", work, s) if not a.startswith("--out=")] + [f"--out={work / 'runs' / v}"]
         if v != "plain":
             feats = ",".join(str(work / f"len-{c}") for c in CAPS)
@@ -112,33 +132,22 @@ def stage_train(work: Path, out: Path, variants: list[str], steps: int | None, s
         sh(*cmd)
         log = [json.loads(x) for x in open(work / "runs" / v / "log.jsonl")]
         info[v] = {"train_s": time.time() - t, "log": log}
+        (out / "joint_gpu.json").write_text(json.dumps(info, indent=1))
         if v == "plain":
             continue
         t = time.time()
-        device = "cuda" if torch.cuda.is_available() else "cpu"
         model, _ = load_model(work / "runs" / v, device)
-        for name in SETS:
-            for h in HALVES:
-                r = token_eval(
-                    model,
-                    work / "held" / f"{name}-{h}",
-                    idx.eos_id,
-                    idx.sep,
-                    device,
-                    batch=s["eval_batch"],
-                    index=idx,
-                    threads=os.cpu_count() or 1,
-                )
-                np.savez_compressed(
-                    out / f"{v}-{name}-{h}.npz",
-                    nll=r["nll"].astype(np.float32),
-                    nll_model=r["nll_model"].astype(np.float32),
-                    target=r["target"].astype(np.int32),
-                    doc=r["doc"].astype(np.int32),
-                )
+        for (name, h), feats in held.items():
+            r = token_eval(model, feats, idx.eos_id, idx.sep, device, batch=s["eval_batch"], index=idx, threads=n)
+            np.savez_compressed(
+                out / f"{v}-{name}-{h}.npz",
+                nll=r["nll"].astype(np.float32),
+                nll_model=r["nll_model"].astype(np.float32),
+                target=r["target"].astype(np.int32),
+                doc=r["doc"].astype(np.int32),
+            )
         info[v]["eval_s"] = time.time() - t
         (out / "joint_gpu.json").write_text(json.dumps(info, indent=1))
-    (out / "joint_gpu.json").write_text(json.dumps(info, indent=1))
 
 
 def _rate(log: list[dict], skip: int = 100) -> float:
@@ -150,48 +159,68 @@ def _rate(log: list[dict], skip: int = 100) -> float:
     return (tok_b - tok_a) / (b["elapsed_s"] - a["elapsed_s"])
 
 
-def stage_eval(joint_out: Path, outputs: Path, index: Path) -> dict:
+def stage_eval(joint_out: Path, index: Path, carry: Path, posthoc: Path, work: Path, workers: int) -> dict:
+    """The joint runs' held-out perplexity beside the post-hoc variants and peers that
+    benchmarks/index_size.py measured on the same text with the same index (its saved results,
+    `posthoc`): the index here must be that one (same token count) and the runs' targets those of
+    the carried held-out text, tokenized here."""
+    from teragram.builder.features import FeatureConfig, compute_features
     from teragram.index.bulk import continuations
     from teragram.index.engine import Index
     from teragram.model.estimates import heldout_docs
-    from teragram.model.outputs import load_outputs
 
     from benchmarks.index_size import _contamination
 
     gpu = json.loads((joint_out / "joint_gpu.json").read_text())
-    posthoc = json.loads((outputs / "eval" / f"{index.name}.json").read_text())
+    rows = [r for r in json.loads(posthoc.read_text())["indexes"] if r["index"] == index.name]
+    if not rows:
+        raise SystemExit(f"{posthoc} has no results for an index named {index.name}")
+    ph = rows[0]
+    tokens = json.loads((index / "manifest.json").read_text())["counts"]["tokens"]
+    if tokens != ph["index_tokens"]:
+        raise SystemExit(f"{index} holds {tokens:,} tokens, the post-hoc results' index {ph['index_tokens']:,}")
     idx = Index(index)
-    res = {"index": index.name, "sets": {}, "rates": {}}
+    res = {"index": index.name, "index_tokens": tokens, "posthoc_results": str(posthoc), "sets": {}, "rates": {}}
     if "plain" in gpu:
         plain = _rate(gpu["plain"]["log"])
-        res["rates"] = {v: {"tokens_per_s": _rate(g["log"]), "vs_plain": _rate(g["log"]) / plain} for v, g in gpu.items()}
+        res["rates"] = {
+            v: {"tokens_per_s": _rate(g["log"]), "vs_plain": _rate(g["log"]) / plain}
+            for v, g in gpu.items()
+            if isinstance(g, dict) and "train_s" in g
+        }
     variants = [v for v in NAMES if (joint_out / f"{v}-indist-test.npz").exists()]
     for s in SETS:
         row = {}
         for h in HALVES:
-            o = load_outputs(outputs / "unpacked" / f"{s}-{h}")
-            docs = heldout_docs(o.path)
-            starts = np.concatenate([[0], np.cumsum([len(d) + 1 for d in docs])])
+            held = work / "held" / f"{s}-{h}"
+            compute_features(index, held, FeatureConfig("held-out", 64, 1), corpus=[str(carry / s / f"{h}.jsonl.zst")], workers=workers)
+            docs = heldout_docs(held)
+            target = np.concatenate([np.append(d, idx.eos_id) for d in docs]).astype(np.int32)  # each document's ids, then EOS
+            doc = np.repeat(np.arange(len(docs)), [len(d) + 1 for d in docs])
             keep = None
             if h == "test":  # documents with >= 80% of their 13-grams in the index: index_size's rule
+                if len(target) != ph["sets"][s]["test_tokens"]:
+                    raise SystemExit(f"{s} test: {len(target):,} targets here, {ph['sets'][s]['test_tokens']:,} in the post-hoc results")
                 lens = np.array([len(d) for d in docs])
                 st = np.concatenate([[0], np.cumsum(lens)])
-                L = continuations(idx, np.concatenate(docs), st, [0], threads=os.cpu_count() or 1)[0].length
+                L = continuations(idx, np.concatenate(docs), st, [0], threads=workers)[0].length
                 first = st[:-1] + np.arange(len(docs))
                 length = np.zeros(len(L) + len(docs), np.int64)
                 m = np.ones(len(length), bool)
                 m[first] = False
                 length[m] = L
-                keep = _contamination({"index_length": length}, starts) < 0.8
+                starts = np.concatenate([[0], np.cumsum(lens + 1)])
+                keep = (_contamination({"index_length": length}, starts) < 0.8)[doc]
             for v in variants:
                 z = np.load(joint_out / f"{v}-{s}-{h}.npz")
-                if not np.array_equal(z["target"], o.target.astype(np.int32)):
-                    raise SystemExit(f"{v} {s}-{h}: the joint run's targets differ from the outputs' (other held-out text)")
-                row.setdefault(v, {})[h] = float(np.exp(z["nll"].mean()))
+                if not np.array_equal(z["target"], target):
+                    raise SystemExit(f"{v} {s}-{h}: the joint run's targets differ from the held-out text's here")
+                r = row.setdefault(v, {})
+                r[h] = float(np.exp(z["nll"].mean()))
+                r[f"{h}_model_alone"] = float(np.exp(z["nll_model"].mean()))
                 if keep is not None:
-                    row[v]["test_decontaminated"] = float(np.exp(z["nll"][keep[o.doc.astype(int)]].mean()))
-                    row[v]["model_alone_test"] = float(np.exp(z["nll_model"].mean()))
-        p = posthoc["sets"][s]
+                    r["test_decontaminated"] = float(np.exp(z["nll"][keep].mean()))
+        p = ph["sets"][s]
         res["sets"][s] = {"joint": row, "posthoc": {k: p[k] for k in ("ppl", "ppl_valid", "ppl_decontaminated")}}
     return res
 
@@ -209,8 +238,12 @@ def report(res: dict) -> None:
                     {"variant": n, "valid": p["ppl_valid"][k], "test": p["ppl"][k], "test decontaminated": p["ppl_decontaminated"][k]}
                 )
         for v, j in r["joint"].items():
-            rows.append({"variant": NAMES[v], "valid": j["valid"], "test": j["test"], "test decontaminated": j["test_decontaminated"]})
-        lines += [f"**{s}** (perplexity)", "", table(rows, ["variant", "valid", "test", "test decontaminated"]), ""]
+            rows.append(
+                {"variant": NAMES[v], "valid": j["valid"], "test": j["test"], "test decontaminated": j["test_decontaminated"],
+                 "its LM alone (test)": j["test_model_alone"]}
+            )  # fmt: skip
+        cols = ["variant", "valid", "test", "test decontaminated", "its LM alone (test)"]
+        lines += [f"**{s}** (perplexity)", "", table(rows, cols), ""]
         best_peer = min(r["posthoc"]["ppl_decontaminated"].get(k, np.inf) for k in ("c", "c+c"))
         if "joint" in r["joint"]:
             j = r["joint"]["joint"]["test_decontaminated"]
@@ -232,21 +265,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--stage", dest="gpu_stage", choices=["prep", "train", "all"], default="all")
-    ap.add_argument("--variants", default="joint,plain")
+    ap.add_argument("--variants", default="a,plain,joint")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--scale", choices=["gpu", "cpu"], default="gpu", help="gpu: the 125M; cpu: the tiny model (a smoke test)")
-    ap.add_argument("--joint", type=Path)
-    ap.add_argument("--outputs", type=Path)
-    ap.add_argument("--index", type=Path)
+    ap.add_argument("--joint", type=Path, help="eval: the GPU run's outputs")
+    ap.add_argument("--index", type=Path, help="eval: the model's index, here (DATA/idx-050m)")
+    ap.add_argument("--posthoc", type=Path, default=Path(__file__).parent / "results" / "index_size_050m.json")
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     a = ap.parse_args(argv)
     if a.stage == "gpu":
         a.out.mkdir(parents=True, exist_ok=True)
         if a.gpu_stage in ("prep", "all"):
-            (a.out / "prep.json").write_text(json.dumps(stage_prep(a.carry, a.work)))
+            (a.out / "prep.json").write_text(json.dumps(stage_prep(a.carry, a.work, a.scale, a.steps)))
         if a.gpu_stage in ("train", "all"):
-            stage_train(a.work, a.out, a.variants.split(","), a.steps, a.scale)
+            stage_train(a.carry, a.work, a.out, a.variants.split(","), a.steps, a.scale)
     else:
-        report(stage_eval(a.joint, a.outputs, a.index))
+        report(stage_eval(a.joint, a.index, a.carry, a.posthoc, a.work or Path("/tmp/joint-eval"), a.workers))
     return 0
 
 
