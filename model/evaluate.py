@@ -48,6 +48,7 @@ def token_eval(
         if index is None:
             raise TeragramError("a jointly trained model is evaluated with its index (--index)")
         idx = index if isinstance(index, Index) else Index(index)
+        joint.check_index(model.cfg, idx)
         est = joint.heldout_est(idx, heldout_docs(heldout), model.cfg.joint, model.cfg.joint_top_k, threads)
         row0 = np.concatenate([[0], np.cumsum(np.diff(ev.starts))])  # each document's first row (len + 1 rows each)
     was = model.training

@@ -49,6 +49,7 @@ class GPTConfig:
     joint: tuple[str, ...] = ()  # estimates mixed in by a gate trained with the LM (model/joint.py); () none
     joint_top_k: int = 4  # continuations kept per index estimate
     joint_hidden: bool = True  # the joint gate reads the final hidden state
+    joint_tokenizer: str = ""  # blake2b of the tokenizer its estimates were made with (an index must have it)
 
     @classmethod
     def preset(cls, name: str, **kw) -> GPTConfig:

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 from teragram.index import format as fmt
-from teragram.index.errors import TeragramError
+from teragram.index.errors import TeragramError, TokenizerMismatch
 from teragram.index.features import open_features
 
 from .estimates import CACHE, COMPONENTS, INDEX, cache_estimates, cache_live, context_length
@@ -256,6 +256,20 @@ def open_train_estimates(out, index_dir, components, top_k: int) -> tuple[list[E
 
 
 # ---- held-out text (bulk) and generation (live) -----------------------------------------------
+
+
+def tokenizer_digest(index_dir) -> str:
+    return fmt.read_json(Path(index_dir) / "manifest.json")["tokenizer"]["file"]["blake2b"]
+
+
+def check_index(cfg, idx) -> None:
+    """Refuse an index whose estimates a jointly trained model cannot read: another tokenizer."""
+    have = idx.manifest["tokenizer"]["file"]["blake2b"]
+    if cfg.vocab_size != idx.vocab_size or (cfg.joint_tokenizer and cfg.joint_tokenizer != have):
+        raise TokenizerMismatch(
+            f"{idx.path}: its tokenizer ({have}, {idx.vocab_size} ids) is not the one the model's joint gate was trained with"
+            f" ({cfg.joint_tokenizer or '?'}, {cfg.vocab_size} ids)"
+        )
 
 
 def heldout_est(idx, docs: list[np.ndarray], components, top_k: int, threads: int = 1) -> Est:

@@ -127,6 +127,8 @@ def stream(
     was = model.training
     model.eval()
     use_index = model.cfg.use_index
+    if model.cfg.joint:
+        joint.check_index(model.cfg, idx)
     sc = idx.scorer(top_k=model.cfg.top_k, max_len=model.cfg.max_match)
     feats = [sc.append(t) for t in prompt]
     stats = DraftStats()

@@ -321,7 +321,9 @@ def train(cfg: TrainConfig) -> dict:
             dist.barrier()
         comps = cfg.joint_components or tuple(fmt.read_json(est_dir / "manifest.json")["components"])
         est = joint.open_train_estimates(est_dir, cfg.index, comps, cfg.joint_top_k)
-        mcfg = replace(mcfg, joint=comps, joint_top_k=cfg.joint_top_k, joint_hidden=cfg.joint_hidden)
+        mcfg = replace(
+            mcfg, joint=comps, joint_top_k=cfg.joint_top_k, joint_hidden=cfg.joint_hidden, joint_tokenizer=joint.tokenizer_digest(cfg.index)
+        )
     data = TrainData(cfg.index, cfg.features if use_index else None, mcfg.block_size, est)
     out = Path(cfg.out)
     model = GPT(mcfg).to(device)

@@ -8,7 +8,7 @@ import torch
 from teragram.builder.features import compute_features
 from teragram.index import format as fmt
 from teragram.index.engine import Index
-from teragram.index.errors import TeragramError
+from teragram.index.errors import TeragramError, TokenizerMismatch
 from teragram.index.features import FeatureConfig
 from teragram.model import joint
 from teragram.model.config import ConfigError
@@ -138,7 +138,7 @@ def test_joint_training_uses_the_index(setup):
     assert mixed["eval"]["loss"] < 0.8 * plain["eval"]["loss"], (mixed["eval"], plain["eval"])
     model, meta = load_model(setup / "joint")
     assert model.cfg.joint == joint.COMPONENTS and meta["train"]["gate"] == "joint"
-    assert float(model.joint_gate.bias[0]) < 2.0  # moved away from the model-only start
+    assert float(model.joint_gate.bias[0].detach()) < 2.0  # moved away from the model-only start
 
 
 def test_live_mixture_equals_bulk_and_is_a_distribution(setup):
@@ -186,6 +186,30 @@ def test_generation_with_the_joint_gate(setup):
     plain = generate(model, idx, prompt, max_new_tokens=30, temperature=0)
     drafted = generate(model, idx, prompt, max_new_tokens=30, temperature=0, draft=4)
     assert plain.ids == drafted.ids and len(plain.ids) > len(prompt)
+
+
+def test_an_index_of_another_tokenizer_is_refused(setup, tmp_path):
+    """Same vocabulary size, other pieces: the gate's estimates would be of other tokens."""
+    from teragram.builder.build import BuildConfig, build
+    from teragram.index import tokenizer
+
+    from tests.conftest import real_texts
+
+    if not (setup / "joint-live" / "latest.json").exists():
+        _train(setup, "joint-live", max_steps=1, **_joint_kw(setup, joint_components=("index_infgram", "cache_longest")))
+    model, _ = load_model(setup / "joint-live")
+    (tmp_path / "tok.model").write_bytes(tokenizer.train((t.upper() for _, t in real_texts(60)), model.cfg.vocab_size, threads=1))
+    build(
+        BuildConfig(
+            inputs=(str(setup / "train"),), out=str(tmp_path / "idx"), tokenizer=str(tmp_path / "tok.model"), workers=1, progress=False
+        )
+    )
+    other = Index(tmp_path / "idx")
+    assert other.vocab_size == model.cfg.vocab_size
+    with pytest.raises(TokenizerMismatch, match="joint gate was trained with"):
+        token_eval(model, setup / "held", other.eos_id, other.sep, index=other)
+    with pytest.raises(TokenizerMismatch, match="joint gate was trained with"):
+        generate(model, other, other.tokenize("The kernel"), max_new_tokens=3, temperature=0)
 
 
 def test_refusals(setup, tmp_path):
