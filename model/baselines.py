@@ -138,7 +138,7 @@ def knn_nll(nll_model: np.ndarray, dist: np.ndarray, vals: np.ndarray, target: n
 
 # ---- fitted parameters, saved and loaded ---------------------------------------------------
 
-BASELINES = ("infini-gram", "knn")  # eval options; infini-gram+cache (fit_cache_weights) is not one
+BASELINES = ("infini-gram", "infini-gram+cache", "knn")  # eval --baseline
 
 
 def save_params(path, baseline: str, params: dict) -> None:

@@ -42,7 +42,7 @@ def cmd_eval(args) -> int:
     if args.baseline and not (args.fit_lambdas or args.lambdas):
         raise TeragramError("--baseline needs --fit-lambdas OUT (fit on validation text) or --lambdas FILE")
     if (args.fit_lambdas or args.lambdas) and not args.baseline:
-        raise TeragramError("--fit-lambdas / --lambdas go with --baseline infini-gram|knn")
+        raise TeragramError("--fit-lambdas / --lambdas go with --baseline infini-gram|infini-gram+cache|knn")
     if args.baseline and (args.gate or args.fit_gate):
         raise TeragramError("give either the index gate (--gate / --fit-gate) or --baseline, not both")
     opts = EvalOptions(
@@ -250,8 +250,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--fit-gate", metavar="OUT", help="fit the index gate on this (validation) text and save it")
     ev.add_argument(
         "--baseline",
-        choices=["infini-gram", "knn"],
-        help="a peer's interpolation instead of the gate: infini-gram's 2 λ, or kNN-LM over IDX/dense",
+        choices=["infini-gram", "infini-gram+cache", "knn"],
+        help="a peer's interpolation instead of the gate: infini-gram's 2 λ; those plus the document cache's longest match"
+        " (weights per group, by EM); or kNN-LM over IDX/dense",
     )
     ev.add_argument(
         "--fit-lambdas", metavar="OUT", help="fit the baseline's λ (and kNN temperature) on this (validation) text and save them"

@@ -159,7 +159,7 @@ class EvalOptions:
 
     gate: Gate | None = None  # a fitted index gate to apply
     fit_gate: bool = False  # fit the gate on this text (validation)
-    baseline: str | None = None  # "infini-gram" or "knn" (baselines.py)
+    baseline: str | None = None  # "infini-gram", "infini-gram+cache" or "knn" (baselines.py)
     params: dict | None = None  # the baseline's fitted parameters to apply
     decontaminate: bool = False  # drop documents with >= 80% of their 13-grams in the index
     dense: str | Path | None = None  # the kNN baseline's dense store (default IDX/dense)
@@ -219,6 +219,18 @@ def mix_report(r: dict, per_doc: np.ndarray, index_dir, heldout, opts: EvalOptio
         fitted = None if opts.params is not None else params
         mixed = baselines.apply_lambdas(r["nll"], p_inf, params, groups)
         extra["lambdas"] = {"non_sparse": params.get(0, 0.0), "sparse": params.get(1, 0.0)}
+    elif opts.baseline == "infini-gram+cache":
+        est = heldout_estimates(index_dir, heldout, opts.workers)
+        p_inf, p_cache, groups = baselines.infgram_cache_inputs(est)
+        params = (
+            opts.params
+            if opts.params is not None
+            else baselines.fit_cache_weights(r["nll"][keep], p_inf[keep], p_cache[keep], groups[keep])
+        )
+        fitted = None if opts.params is not None else params
+        mixed = baselines.apply_cache_weights(r["nll"], p_inf, p_cache, params, groups)
+        names = ("model", "infgram", "cache")
+        extra["weights"] = {baselines.CACHE_GROUPS[g]: dict(zip(names, w, strict=True)) for g, w in params.items()}
     elif opts.baseline == "knn":
         from teragram.index.dense import DenseStore
 

@@ -79,6 +79,11 @@ def test_every_verb_runs(capsys, tmp_path, corpus_dir, tokenizer_model, real_ind
     fit = json.loads(_run(capsys, "eval", *ev, "--baseline", "infini-gram", "--fit-lambdas", lam))
     again = json.loads(_run(capsys, "eval", *ev, "--baseline", "infini-gram", "--lambdas", lam))
     assert again["loss"] == fit["loss"] and again["lambdas"] == fit["lambdas"] and again["model"] == fit["model"]
+    cc = json.loads(_run(capsys, "eval", *ev, "--baseline", "infini-gram+cache", "--fit-lambdas", tmp_path / "cc.json"))
+    cc2 = json.loads(_run(capsys, "eval", *ev, "--baseline", "infini-gram+cache", "--lambdas", tmp_path / "cc.json"))
+    assert cc2["loss"] == pytest.approx(cc["loss"]) and cc2["weights"] == cc["weights"]
+    assert all(sum(w.values()) == pytest.approx(1.0) for w in cc["weights"].values())
+    assert cc["loss"] <= fit["loss"] + 1e-6  # infini-gram's λ are one of its choices (no cache), on the text both were fit on
     knn = json.loads(_run(capsys, "eval", *ev, "--baseline", "knn", "--fit-lambdas", tmp_path / "knn.json"))
     assert knn["model"] == fit["model"] and 0 <= knn["knn"]["lambda"] < 1
     assert main(["eval", *map(str, ev), "--baseline", "knn", "--lambdas", str(lam)]) == 2
