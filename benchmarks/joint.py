@@ -20,6 +20,7 @@ model's evaluation cannot be split like the post-hoc one's). Variants:
   joint     every estimate (index ∞-gram and 2..17-grams, the cache's), the gate reads h
   nohidden  the same without the hidden state (the ablation)
   nocache   the index's estimates only
+  lm1       joint, the loss adding the LM's own nll (joint_lm_weight = 1): the LM stays a whole LM
 `eval` reports them beside the post-hoc variants and the peers measured on the same text with
 the same index and (a), on all and decontaminated test text."""
 
@@ -43,11 +44,13 @@ VARIANTS = {
     "nohidden": ["--joint_hidden=false"],
     "nocache": ["--joint_components=index_infgram,index_2gram,index_3gram,index_5gram,index_9gram,index_17gram"],
     "plain": [],
+    "lm1": ["--joint_lm_weight=1.0"],
 }
 NAMES = {
     "joint": "(j) joint: LM + gate over index and cache, trained together",
     "nohidden": "(j-h) joint, gate without the hidden state",
     "nocache": "(j-c) joint, index estimates only",
+    "lm1": "(j+lm) joint, plus the LM's own loss (joint_lm_weight = 1)",
 }
 SETS = ("indist", "timeshift", "prose")
 HALVES = ("valid", "test")

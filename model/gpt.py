@@ -50,6 +50,7 @@ class GPTConfig:
     joint_top_k: int = 4  # continuations kept per index estimate
     joint_hidden: bool = True  # the joint gate reads the final hidden state
     joint_tokenizer: str = ""  # blake2b of the tokenizer its estimates were made with (an index must have it)
+    joint_lm_weight: float = 0.0  # training adds this times the model's own nll to the mixture's (keeps the LM a whole LM)
 
     @classmethod
     def preset(cls, name: str, **kw) -> GPTConfig:
@@ -296,7 +297,10 @@ class GPT(nn.Module):
         h, _ = self.hidden(idx, f)
         if targets is None:
             return self.lm_head(h)
-        return self.head_losses(h, targets, f, e)[0], None
+        loss, logp = self.head_losses(h, targets, f, e)
+        if self.cfg.joint and self.cfg.joint_lm_weight and self.training:
+            loss = loss - self.cfg.joint_lm_weight * logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        return loss, None
 
     def joint_weights(self, h: torch.Tensor, logp: torch.Tensor, e: Est) -> torch.Tensor:
         """The joint gate's log-weights (..., 1 + M) from hidden states and the model's log-softmax."""

@@ -108,6 +108,7 @@ class TrainConfig:
     joint_components: tuple[str, ...] = ()  # the estimates mixed in (model/estimates.py names); (): every one available
     joint_top_k: int = 4  # continuations kept per index estimate (the features' --top-k)
     joint_hidden: bool = True  # the gate reads the final hidden state (false: the ablation without it)
+    joint_lm_weight: float = 0.0  # the loss adds this times the LM's own nll (0: the mixture's alone)
 
 
 CHOICES = {
@@ -155,6 +156,8 @@ def check(cfg: TrainConfig) -> None:
             raise ConfigError("gate = joint trains a model without index inputs: leave features unset or use_index = false")
         if cfg.joint_components:
             joint.check_components(cfg.joint_components)
+    if cfg.joint_lm_weight < 0 or (cfg.joint_lm_weight and cfg.gate != "joint"):
+        raise ConfigError(f"joint_lm_weight must be >= 0 and goes with gate = joint (got {cfg.joint_lm_weight}, gate = {cfg.gate})")
     if cfg.variance_every < 1:
         raise ConfigError(f"variance_every must be >= 1, not {cfg.variance_every}")
     if cfg.outer_every < 1:
@@ -322,7 +325,12 @@ def train(cfg: TrainConfig) -> dict:
         comps = cfg.joint_components or tuple(fmt.read_json(est_dir / "manifest.json")["components"])
         est = joint.open_train_estimates(est_dir, cfg.index, comps, cfg.joint_top_k)
         mcfg = replace(
-            mcfg, joint=comps, joint_top_k=cfg.joint_top_k, joint_hidden=cfg.joint_hidden, joint_tokenizer=joint.tokenizer_digest(cfg.index)
+            mcfg,
+            joint=comps,
+            joint_top_k=cfg.joint_top_k,
+            joint_hidden=cfg.joint_hidden,
+            joint_lm_weight=cfg.joint_lm_weight,
+            joint_tokenizer=joint.tokenizer_digest(cfg.index),
         )
     data = TrainData(cfg.index, cfg.features if use_index else None, mcfg.block_size, est)
     out = Path(cfg.out)

@@ -16,7 +16,7 @@ from teragram.model.estimates import cache_estimates, heldout_docs
 from teragram.model.evaluate import token_eval
 from teragram.model.gate import LEN_EDGES, SHARE_EDGES
 from teragram.model.sample import generate
-from teragram.model.train import TrainConfig, load_model, train
+from teragram.model.train import TrainConfig, load_model, model_config, train
 
 CAPS = (1, 2, 4, 8, 16, joint.INFGRAM_CAP)
 TINY = dict(preset="tiny", block_size=64, batch_size=8, log_every=5, progress=False, warmup=5, lr=3e-3, min_lr=3e-4, seed=3)
@@ -139,6 +139,31 @@ def test_joint_training_uses_the_index(setup):
     model, meta = load_model(setup / "joint")
     assert model.cfg.joint == joint.COMPONENTS and meta["train"]["gate"] == "joint"
     assert float(model.joint_gate.bias[0].detach()) < 2.0  # moved away from the model-only start
+
+
+def test_lm_weight_adds_the_models_own_loss_in_training(setup):
+    from dataclasses import replace
+
+    from teragram.model.data import TrainData
+    from teragram.model.gpt import GPT
+
+    comps = ("index_infgram", "index_3gram", "cache_longest")
+    data = TrainData(setup / "idx", None, 32, joint.open_train_estimates(setup / "est", setup / "idx", comps, 4))
+    x, y, _, e = data.batch(0, 4)
+    torch.manual_seed(0)
+    cfg = replace(
+        model_config(TrainConfig(**(TINY | {"index": "x", "out": "x"})), Index(setup / "idx").vocab_size, 0), joint=comps, block_size=32
+    )
+    model = GPT(replace(cfg, joint_lm_weight=0.5))
+    loss, _ = model(x, y, None, e)
+    h, _ = model.hidden(x)
+    mix, logp = model.head_losses(h, y, None, e)
+    own = -logp.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+    assert torch.allclose(loss, mix + 0.5 * own, atol=1e-5) and float(own.mean().detach()) > 0
+    model.eval()
+    assert torch.allclose(model(x, y, None, e)[0], mix, atol=1e-5)  # evaluation: the mixture's alone
+    with pytest.raises(ConfigError, match="joint_lm_weight"):
+        _train(setup, "bad", max_steps=1, joint_lm_weight=1.0)
 
 
 def test_live_mixture_equals_bulk_and_is_a_distribution(setup):
