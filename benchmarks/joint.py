@@ -228,7 +228,7 @@ def stage_eval(joint_out: Path, index: Path, carry: Path, posthoc: Path, work: P
     return res
 
 
-def report(res: dict) -> None:
+def report(res: dict, name: str = "joint") -> None:
     names = {"a": "(a) no index", "c": "(c) infini-gram interpolation", "c+c": "(c+cache) infini-gram + document cache"}
     names |= {"a+c": "(a+c) post-hoc cache gate", "t-c": "(t-c) post-hoc index gate", "t": "(t) post-hoc index + cache gate"}
     lines = []
@@ -258,7 +258,7 @@ def report(res: dict) -> None:
     if res["rates"]:
         rows = [{"variant": v, "tokens/s after step 100": r["tokens_per_s"], "vs plain": r["vs_plain"]} for v, r in res["rates"].items()]
         lines.append(table(rows, ["variant", "tokens/s after step 100", "vs plain"]))
-    save("joint", res, "\n".join(lines))
+    save(name, res, "\n".join(lines))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -275,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--index", type=Path, help="eval: the model's index, here (DATA/idx-050m)")
     ap.add_argument("--posthoc", type=Path, default=Path(__file__).parent / "results" / "index_size_050m.json")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--name", default="joint", help="eval: the results' name (benchmarks/results/NAME.md)")
     a = ap.parse_args(argv)
     if a.stage == "gpu":
         a.out.mkdir(parents=True, exist_ok=True)
@@ -283,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.gpu_stage in ("train", "all"):
             stage_train(a.carry, a.work, a.out, a.variants.split(","), a.steps, a.scale)
     else:
-        report(stage_eval(a.joint, a.index, a.carry, a.posthoc, a.work or Path("/tmp/joint-eval"), a.workers))
+        report(stage_eval(a.joint, a.index, a.carry, a.posthoc, a.work or Path("/tmp/joint-eval"), a.workers), a.name)
     return 0
 
 
