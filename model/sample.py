@@ -124,11 +124,11 @@ def stream(
     drafter = draft if isinstance(draft, Drafter) else Drafter(max_tokens=int(draft))
     state = {} if state is None else state
     device = next(model.parameters()).device
+    if model.cfg.joint:
+        joint.check_index(model.cfg, idx)
     was = model.training
     model.eval()
     use_index = model.cfg.use_index
-    if model.cfg.joint:
-        joint.check_index(model.cfg, idx)
     sc = idx.scorer(top_k=model.cfg.top_k, max_len=model.cfg.max_match)
     feats = [sc.append(t) for t in prompt]
     stats = DraftStats()

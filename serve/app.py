@@ -119,6 +119,10 @@ def create_app(cfg: ServeConfig) -> FastAPI:
         model, model_meta = load_model(cfg.checkpoint, cfg.device)
         if model.cfg.vocab_size != idx.vocab_size:
             raise TeragramError(f"checkpoint vocabulary {model.cfg.vocab_size} != index vocabulary {idx.vocab_size}")
+        if model.cfg.joint:  # its gate reads this index's estimates: the same tokenizer, or a one-line refusal at start
+            from teragram.model.joint import check_index
+
+            check_index(model.cfg, idx)
     gate = None
     if cfg.gate:
         from teragram.model.gate import Gate

@@ -235,6 +235,10 @@ def test_an_index_of_another_tokenizer_is_refused(setup, tmp_path):
         token_eval(model, setup / "held", other.eos_id, other.sep, index=other)
     with pytest.raises(TokenizerMismatch, match="joint gate was trained with"):
         generate(model, other, other.tokenize("The kernel"), max_new_tokens=3, temperature=0)
+    from teragram.serve.app import ServeConfig, create_app
+
+    with pytest.raises(TokenizerMismatch, match="joint gate was trained with"):
+        create_app(ServeConfig(index=str(tmp_path / "idx"), checkpoint=str(setup / "joint-live")))
 
 
 def test_refusals(setup, tmp_path):
