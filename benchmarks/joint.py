@@ -21,6 +21,7 @@ model's evaluation cannot be split like the post-hoc one's). Variants:
   nohidden  the same without the hidden state (the ablation)
   nocache   the index's estimates only
   lm1       joint, the loss adding the LM's own nll (joint_lm_weight = 1): the LM stays a whole LM
+  lm1h      lm1 without the hidden state in the gate
 `eval` reports them beside the post-hoc variants and the peers measured on the same text with
 the same index and (a), on all and decontaminated test text."""
 
@@ -45,12 +46,14 @@ VARIANTS = {
     "nocache": ["--joint_components=index_infgram,index_2gram,index_3gram,index_5gram,index_9gram,index_17gram"],
     "plain": [],
     "lm1": ["--joint_lm_weight=1.0"],
+    "lm1h": ["--joint_lm_weight=1.0", "--joint_hidden=false"],
 }
 NAMES = {
     "joint": "(j) joint: LM + gate over index and cache, trained together",
     "nohidden": "(j-h) joint, gate without the hidden state",
     "nocache": "(j-c) joint, index estimates only",
     "lm1": "(j+lm) joint, plus the LM's own loss (joint_lm_weight = 1)",
+    "lm1h": "(j+lm-h) the same, gate without the hidden state",
 }
 SETS = ("indist", "timeshift", "prose")
 HALVES = ("valid", "test")
