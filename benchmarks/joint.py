@@ -82,7 +82,7 @@ def stage_prep(carry: Path, work: Path, scale: str = "gpu", steps: int | None = 
         )
         for c in CAPS
     ]
-    if any(p.wait() for p in procs):
+    if any([p.wait() for p in procs]):  # every pass waited for, then judged
         raise SystemExit("exclude-doc features failed")
     ph["features_s"] = time.time() - t
     t = time.time()
@@ -111,7 +111,8 @@ def stage_train(carry: Path, work: Path, out: Path, variants: list[str], steps: 
     n = os.cpu_count() or 1
     device = "cuda" if torch.cuda.is_available() else "cpu"
     idx = Index(work / "idx")
-    info = {}
+    saved = out / "joint_gpu.json"
+    info = json.loads(saved.read_text()) if saved.exists() else {}  # a later call's variants join an earlier call's
     t = time.time()
     held = {}
     for h in ("test", "valid"):  # test first: the figures reported
