@@ -101,7 +101,6 @@ def stage_gpu(carry: Path, work: Path, out: Path, scale: str) -> None:
     import os
 
     import torch
-    from teragram.builder.features import FeatureConfig, compute_features
     from teragram.index.engine import Index
 
     from benchmarks.perplexity import SCALES, train_cmd
@@ -129,17 +128,7 @@ def stage_gpu(carry: Path, work: Path, out: Path, scale: str) -> None:
     sh(*train_cmd("a", work, s))
     phases["train_s"] = time.time() - t
     t = time.time()
-    held = {}
-    for name in SETS:
-        for h in HALVES:
-            held[name, h] = work / "heldout" / f"{name}-{h}"
-            compute_features(
-                work / "idx",
-                held[name, h],
-                FeatureConfig("held-out", 64, 1),
-                corpus=[str(carry / name / f"{h}.jsonl.zst")],
-                workers=os.cpu_count(),
-            )
+    held = heldout_features(work / "idx", work / "heldout", carry, os.cpu_count() or 1)
     save_outputs_a(work, out, held, s["eval_batch"], device)
     phases["outputs_s"] = time.time() - t
     log = [json.loads(line) for line in open(work / "runs" / "a" / "log.jsonl")]
@@ -153,6 +142,25 @@ def stage_gpu(carry: Path, work: Path, out: Path, scale: str) -> None:
     }
     (out / "gpu.json").write_text(json.dumps(info, indent=1))
     print(json.dumps(info))
+
+
+def heldout_features(index: Path, root: Path, carry: Path, workers: int) -> dict:
+    """Held-out features of every carried half against the index, ROOT/SET-HALF (test halves
+    first: the figures reported); a half already written against this index is kept (one of
+    another index or text is refused by compute_features). Returns {(set, half): dir}."""
+    from teragram.builder.features import FeatureConfig, compute_features
+    from teragram.index import format as fmt
+
+    digest = fmt.file_digest(index / "manifest.json")
+    held = {}
+    for h in ("test", "valid"):
+        for name in SETS:
+            d, corpus = root / f"{name}-{h}", [str(carry / name / f"{h}.jsonl.zst")]
+            held[name, h] = d
+            m = fmt.read_json(d / "manifest.json") if (d / "manifest.json").exists() else {}
+            if (m.get("index_manifest"), m.get("corpus")) != (digest, corpus):
+                compute_features(index, d, FeatureConfig("held-out", 64, 1), corpus=corpus, workers=workers)
+    return held
 
 
 def save_outputs_a(work: Path, out: Path, held: dict, batch: int, device: str) -> None:

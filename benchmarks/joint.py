@@ -97,12 +97,11 @@ def stage_prep(carry: Path, work: Path, scale: str = "gpu", steps: int | None = 
 
 def stage_train(carry: Path, work: Path, out: Path, variants: list[str], steps: int | None, scale: str = "gpu") -> None:
     import torch
-    from teragram.builder.features import FeatureConfig, compute_features
     from teragram.index.engine import Index
     from teragram.model.evaluate import token_eval
     from teragram.model.train import load_model
 
-    from benchmarks.index_size import save_outputs_a
+    from benchmarks.index_size import heldout_features, save_outputs_a
     from benchmarks.perplexity import SCALES, train_cmd
 
     s = dict(SCALES[scale])
@@ -114,21 +113,14 @@ def stage_train(carry: Path, work: Path, out: Path, variants: list[str], steps: 
     saved = out / "joint_gpu.json"
     info = json.loads(saved.read_text()) if saved.exists() else {}  # a later call's variants join an earlier call's
     t = time.time()
-    held = {}
-    for h in ("test", "valid"):  # test first: the figures reported
-        for name in SETS:
-            held[name, h] = work / "held" / f"{name}-{h}"
-            if not (held[name, h] / "features-report.json").exists():
-                compute_features(
-                    work / "idx", held[name, h], FeatureConfig("held-out", 64, 1), corpus=[str(carry / name / f"{h}.jsonl.zst")], workers=n
-                )
+    held = heldout_features(work / "idx", work / "held", carry, n)
     info["heldout_s"] = time.time() - t
     for v in sorted(variants, key=lambda v: (v != "a", v != "plain")):  # (a)'s outputs, then plain's short run: the rates need it
         t = time.time()
         if v == "a":  # trained during prep
             save_outputs_a(work, out, held, s["eval_batch"], device)
             info[v] = {"outputs_s": time.time() - t, "log": [json.loads(x) for x in open(work / "runs" / "a" / "log.jsonl")]}
-            (out / "joint_gpu.json").write_text(json.dumps(info, indent=1))
+            saved.write_text(json.dumps(info, indent=1))
             continue
         cmd = [a for a in train_cmd("a", work, s) if not a.startswith("--out=")] + [f"--out={work / 'runs' / v}"]
         if v != "plain":
@@ -139,7 +131,7 @@ def stage_train(carry: Path, work: Path, out: Path, variants: list[str], steps: 
         sh(*cmd)
         log = [json.loads(x) for x in open(work / "runs" / v / "log.jsonl")]
         info[v] = {"train_s": time.time() - t, "log": log}
-        (out / "joint_gpu.json").write_text(json.dumps(info, indent=1))
+        saved.write_text(json.dumps(info, indent=1))
         if v == "plain":
             continue
         t = time.time()
@@ -154,7 +146,7 @@ def stage_train(carry: Path, work: Path, out: Path, variants: list[str], steps: 
                 doc=r["doc"].astype(np.int32),
             )
         info[v]["eval_s"] = time.time() - t
-        (out / "joint_gpu.json").write_text(json.dumps(info, indent=1))
+        saved.write_text(json.dumps(info, indent=1))
 
 
 def _rate(log: list[dict], skip: int = 100) -> float:
@@ -171,12 +163,11 @@ def stage_eval(joint_out: Path, index: Path, carry: Path, posthoc: Path, work: P
     benchmarks/index_size.py measured on the same text with the same index (its saved results,
     `posthoc`): the index here must be that one (same token count) and the runs' targets those of
     the carried held-out text, tokenized here."""
-    from teragram.builder.features import FeatureConfig, compute_features
     from teragram.index.bulk import continuations
     from teragram.index.engine import Index
     from teragram.model.estimates import heldout_docs
 
-    from benchmarks.index_size import _contamination
+    from benchmarks.index_size import _contamination, heldout_features
 
     gpu = json.loads((joint_out / "joint_gpu.json").read_text())
     rows = [r for r in json.loads(posthoc.read_text())["indexes"] if r["index"] == index.name]
@@ -196,12 +187,11 @@ def stage_eval(joint_out: Path, index: Path, carry: Path, posthoc: Path, work: P
             if isinstance(g, dict) and "train_s" in g
         }
     variants = [v for v in NAMES if (joint_out / f"{v}-indist-test.npz").exists()]
+    held = heldout_features(index, work / "held", carry, workers)
     for s in SETS:
         row = {}
         for h in HALVES:
-            held = work / "held" / f"{s}-{h}"
-            compute_features(index, held, FeatureConfig("held-out", 64, 1), corpus=[str(carry / s / f"{h}.jsonl.zst")], workers=workers)
-            docs = heldout_docs(held)
+            docs = heldout_docs(held[s, h])
             target = np.concatenate([np.append(d, idx.eos_id) for d in docs]).astype(np.int32)  # each document's ids, then EOS
             doc = np.repeat(np.arange(len(docs)), [len(d) + 1 for d in docs])
             keep = None
