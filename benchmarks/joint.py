@@ -22,6 +22,8 @@ model's evaluation cannot be split like the post-hoc one's). Variants:
   nocache   the index's estimates only
   lm1       joint, the loss adding the LM's own nll (joint_lm_weight = 1): the LM stays a whole LM
   lm1h      lm1 without the hidden state in the gate
+  knn       the peer (d): kNN-LM over (a) with every training position in the datastore
+            (benchmarks/knnlm.py; its temperature and λ are fit here, by `eval`)
 `eval` reports them beside the post-hoc variants and the peers measured on the same text with
 the same index and (a), on all and decontaminated test text."""
 
@@ -37,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks import knnlm
 from benchmarks.common import save, sh, table
 
 CAPS = (1, 2, 4, 8, 16, 255)  # the fixed orders' context lengths and the ∞-gram's cap (model/joint.py)
@@ -54,6 +57,7 @@ NAMES = {
     "nocache": "(j-c) joint, index estimates only",
     "lm1": "(j+lm) joint, plus the LM's own loss (joint_lm_weight = 1)",
     "lm1h": "(j+lm-h) the same, gate without the hidden state",
+    "knn": "(d) kNN-LM over (a), every training position in the datastore",
 }
 SETS = ("indist", "timeshift", "prose")
 HALVES = ("valid", "test")
@@ -117,6 +121,12 @@ def stage_train(carry: Path, work: Path, out: Path, variants: list[str], steps: 
     info["heldout_s"] = time.time() - t
     for v in sorted(variants, key=lambda v: (v != "a", v != "plain")):  # (a)'s outputs, then plain's short run: the rates need it
         t = time.time()
+        if v == "knn":  # the peer (d) over (a), trained during prep
+            model, _ = load_model(work / "runs" / "a", device)
+            info[v] = knnlm.run(model, work / "idx", held, out, device, eval_batch=s["eval_batch"]) | {"total_s": time.time() - t}
+            saved.write_text(json.dumps(info, indent=1))
+            del model
+            continue
         if v == "a":  # trained during prep
             save_outputs_a(work, out, held, s["eval_batch"], device)
             info[v] = {"outputs_s": time.time() - t, "log": [json.loads(x) for x in open(work / "runs" / "a" / "log.jsonl")]}
@@ -165,6 +175,7 @@ def stage_eval(joint_out: Path, index: Path, carry: Path, posthoc: Path, work: P
     the carried held-out text, tokenized here."""
     from teragram.index.bulk import continuations
     from teragram.index.engine import Index
+    from teragram.model import baselines
     from teragram.model.estimates import heldout_docs
 
     from benchmarks.index_size import _contamination, heldout_features
@@ -186,10 +197,17 @@ def stage_eval(joint_out: Path, index: Path, carry: Path, posthoc: Path, work: P
             for v, g in gpu.items()
             if isinstance(g, dict) and "train_s" in g
         }
-    variants = [v for v in NAMES if (joint_out / f"{v}-indist-test.npz").exists()]
+    variants = [v for v in NAMES if v != "knn" and (joint_out / f"{v}-indist-test.npz").exists()]
+    knn = (joint_out / "knn-indist-test.npz").exists()
+    if knn:
+        res["knn"] = json.loads((joint_out / "knn_gpu.json").read_text())
     held = heldout_features(index, work / "held", carry, workers)
     for s in SETS:
         row = {}
+        if knn:  # temperature and λ fit on this set's validation sample
+            zv = np.load(joint_out / f"knn-{s}-valid.npz")
+            j, lam = knnlm.fit(zv["nll_a"], zv["p_knn"])
+            row["knn"] = {"column": j, "temperature_factor": res["knn"]["factors"][j], "lambda": lam}
         for h in HALVES:
             docs = heldout_docs(held[s, h])
             target = np.concatenate([np.append(d, idx.eos_id) for d in docs]).astype(np.int32)  # each document's ids, then EOS
@@ -217,6 +235,17 @@ def stage_eval(joint_out: Path, index: Path, carry: Path, posthoc: Path, work: P
                 r[f"{h}_model_alone"] = float(np.exp(z["nll_model"].mean()))
                 if keep is not None:
                     r["test_decontaminated"] = float(np.exp(z["nll"][keep].mean()))
+            if knn:
+                z = np.load(joint_out / f"knn-{s}-{h}.npz")
+                rows = z["rows"]
+                if not np.array_equal(z["target"], target[rows]) or (h == "test" and len(rows) != len(target)):
+                    raise SystemExit(f"knn {s}-{h}: the kNN run's targets differ from the held-out text's here")
+                r = row["knn"]
+                nll = baselines.mix_nll(z["nll_a"].astype(np.float64), z["p_knn"][:, r["column"]], r["lambda"])
+                r[h] = float(np.exp(nll.mean()))  # validation: its sample of rows
+                r[f"{h}_model_alone"] = float(np.exp(z["nll_a"].mean()))
+                if keep is not None:
+                    r["test_decontaminated"] = float(np.exp(nll[keep].mean()))
         p = ph["sets"][s]
         res["sets"][s] = {"joint": row, "posthoc": {k: p[k] for k in ("ppl", "ppl_valid", "ppl_decontaminated")}}
     return res
@@ -241,14 +270,32 @@ def report(res: dict, name: str = "joint") -> None:
             )  # fmt: skip
         cols = ["variant", "valid", "test", "test decontaminated", "its LM alone (test)"]
         lines += [f"**{s}** (perplexity)", "", table(rows, cols), ""]
-        best_peer = min(r["posthoc"]["ppl_decontaminated"].get(k, np.inf) for k in ("c", "c+c"))
-        if "joint" in r["joint"]:
-            j = r["joint"]["joint"]["test_decontaminated"]
-            t = r["posthoc"]["ppl_decontaminated"]["t"]
+        peers = {k: r["posthoc"]["ppl_decontaminated"][k] for k in ("c", "c+c") if k in r["posthoc"]["ppl_decontaminated"]}
+        if "knn" in r["joint"]:
+            peers["d"] = r["joint"]["knn"]["test_decontaminated"]
             lines.append(
-                f"- {s}: joint (j) {j:.3g} vs post-hoc (t) {t:.3g} = {j / t:.3f}x; {100 * (1 - j / best_peer):.1f}% below the best peer ({best_peer:.3g})."
+                f"- {s}: kNN-LM fit on validation: temperature {r['joint']['knn']['temperature_factor']} x the median nearest "
+                f"distance, λ {r['joint']['knn']['lambda']}."
             )
-            lines.append("")
+        best = min(peers, key=peers.get)
+        t = r["posthoc"]["ppl_decontaminated"]["t"]
+        for v, j in r["joint"].items():
+            if v != "knn":
+                d = j["test_decontaminated"]
+                lines.append(
+                    f"- {s}: {NAMES[v].split(' ')[0]} {d:.3g} vs post-hoc (t) {t:.3g} = {d / t:.3f}x; "
+                    f"{100 * (1 - d / peers[best]):.1f}% below the best peer ({best}: {peers[best]:.3g})."
+                )
+        lines.append("")
+    if "knn" in res:
+        k = res["knn"]
+        lines.append(
+            f"(d): {k['keys']:,} keys (every training position), {k['centroids']} inverted lists, {k['nprobe']} probed, "
+            f"k = {k['k']}; recall of the {k['k']} neighbours against exact search on {knnlm.RECALL_ROWS:,} validation "
+            f"queries {k['recall_at_k']:.3f} (nearest neighbour the same: {k['nearest_exact_share']:.3f}); datastore "
+            f"{k['keys_s']:.0f} s, search {sum(v for n, v in k.items() if n.startswith('search_')):.0f} s on the GPU."
+        )
+        lines.append("")
     if res["rates"]:
         rows = [{"variant": v, "tokens/s after step 100": r["tokens_per_s"], "vs plain": r["vs_plain"]} for v, r in res["rates"].items()]
         lines.append(table(rows, ["variant", "tokens/s after step 100", "vs plain"]))

@@ -1,0 +1,286 @@
+"""kNN-LM with every training position in the datastore: the fair dense peer of issue #15.
+
+Khandelwal et al. (2020) store a key (the model's final hidden state) and a value (the next
+token) for every training token, look the current hidden state up among them, and mix the
+neighbours' distribution, softmax(-squared distance / temperature), with the model's:
+
+    p(y) = (1 - λ) p_model(y) + λ p_knn(y).
+
+Here the model is the joint benchmark's plain 125M (a) and the datastore holds all ~47M
+training positions (non-overlapping windows of the block size, the way held-out text is read,
+so every target appears once). The keys, fp16, live in GPU memory (~72 GB on the H200). The
+search is the paper's: an inverted file (k-means centroids, each query probing the nearest
+few lists, as FAISS's IVF), with exact float32 distances to the probed keys (the paper recomputed
+full-precision distances; no product quantisation here), k = 1024 neighbours. Its recall against
+exact brute-force search is measured on a sample of queries and reported.
+
+On the GPU, `run` writes, per held-out half, p_knn(target) for a grid of temperatures (multiples
+of the median nearest distance of the validation queries) and (a)'s nll; `fit` picks the
+temperature and λ on validation, here, and the test halves are only reported (benchmarks/joint.py).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+K_NEIGHBOURS = 1024  # the paper's k
+CENTROIDS = 4096  # the paper's inverted lists
+NPROBE = 32  # lists probed per query (the paper's 32)
+KMEANS_SAMPLE = 1_000_000  # keys the centroids are fit on
+KMEANS_ITERS = 20
+VALID_ROWS = 20_000  # validation queries per set (a fixed random sample: two parameters are fit)
+RECALL_ROWS = 1_000  # queries whose IVF neighbours are checked against exact search
+FACTORS = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0)  # temperatures, x the median nearest distance
+SEED = 20261201
+
+
+def train_windows(n: int, T: int) -> list[tuple[int, int]]:
+    """(start, first kept target) of windows of T + 1 tokens over a stream of n tokens, so that
+    every target position 1..n-1 is predicted exactly once: consecutive windows, the last one
+    moved back to end at the stream's end and keeping only targets not seen before."""
+    if n < 2:
+        return []
+    if n <= T + 1:
+        return [(0, 0)]
+    out = [(a, 0) for a in range(0, n - T - 1, T)]
+    last = n - T - 1
+    done = out[-1][0] + T  # targets 1..done are covered
+    if done < n - 1:
+        out.append((last, done - last))  # window row j predicts position last + 1 + j
+    return out
+
+
+def _windows_of(tokens: np.ndarray, T: int, sep: int, eos: int):
+    for a, keep in train_windows(len(tokens), T):
+        w = np.asarray(tokens[a : a + T + 1]).astype(np.int64)
+        w[w == sep] = eos
+        yield w[:-1], w[1:], keep
+
+
+def kmeans(x, k: int, iters: int, seed: int):
+    """Lloyd's k-means (float32) from k distinct random points; an empty cluster keeps its centroid."""
+    import torch
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    c = x[torch.randperm(len(x), generator=g)[:k].to(x.device)].clone()
+    for _ in range(iters):
+        a = assign(x, c)
+        s = torch.zeros_like(c).index_add_(0, a, x)
+        n = torch.bincount(a, minlength=len(c)).to(x.dtype)
+        c = torch.where(n[:, None] > 0, s / n.clamp_min(1)[:, None], c)
+    return c
+
+
+def assign(x, c, chunk: int = 65536):
+    """The nearest centroid of each row of x."""
+    import torch
+
+    cn = (c * c).sum(1)
+    return torch.cat([(cn[None] - 2 * x[a : a + chunk] @ c.T).argmin(1) for a in range(0, len(x), chunk)])
+
+
+class Datastore:
+    """Keys (N, C) float16, centred on mu, their values (N,) int32, and an inverted file: the
+    keys' ids grouped by nearest centroid (ids[off[c]:off[c+1]] are list c)."""
+
+    def __init__(self, keys, vals, *, centroids: int = CENTROIDS, sample: int = KMEANS_SAMPLE, iters: int = KMEANS_ITERS, seed: int = SEED):
+        import torch
+
+        self.keys, self.vals = keys, vals
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        rows = torch.randperm(len(keys), generator=g)[: min(sample, len(keys))].to(keys.device)
+        self.cent = kmeans(keys[rows].float(), min(centroids, len(rows)), iters, seed)
+        a = torch.cat([assign(keys[s : s + (1 << 20)].float(), self.cent) for s in range(0, len(keys), 1 << 20)])
+        self.ids = torch.argsort(a, stable=True)
+        self.off = torch.cat([torch.zeros(1, dtype=torch.long, device=a.device), torch.bincount(a, minlength=len(self.cent)).cumsum(0)])
+        self.kn = torch.cat([(keys[s : s + (1 << 22)].float() ** 2).sum(1) for s in range(0, len(keys), 1 << 22)])
+
+    def exact(self, q, k: int, chunk: int = 1 << 20):
+        """(squared distances, ids) of the k nearest keys by brute force (float32)."""
+        import torch
+
+        qn = (q * q).sum(1, keepdim=True)
+        best_d = torch.full((len(q), 0), float("inf"), device=q.device)
+        best_i = torch.zeros((len(q), 0), dtype=torch.long, device=q.device)
+        for s in range(0, len(self.keys), chunk):
+            d = qn + self.kn[s : s + chunk][None] - 2 * q @ self.keys[s : s + chunk].float().T
+            dv, dj = torch.topk(d, min(k, d.shape[1]), dim=1, largest=False)
+            best_d, j = torch.topk(torch.cat([best_d, dv], 1), min(k, best_d.shape[1] + dv.shape[1]), dim=1, largest=False)
+            best_i = torch.gather(torch.cat([best_i, dj + s], 1), 1, j)
+        return best_d, best_i
+
+    def search(self, q, k: int, nprobe: int = NPROBE, max_elems: int = 1 << 29):
+        """(squared distances, ids) of the k nearest keys among the nprobe nearest lists of each
+        query (ids -1 and distance inf where fewer than k keys were probed). All queries go at
+        once: one pass over the lists, each scored against the queries probing it."""
+        import torch
+
+        nq = len(q)
+        probe = torch.topk(assign_scores(q, self.cent), min(nprobe, len(self.cent)), dim=1, largest=False).indices  # (nq, nprobe)
+        lists = probe.reshape(-1)
+        order = torch.argsort(lists, stable=True)
+        qof = (order // probe.shape[1]).contiguous()  # query of each (list, query) pair, grouped by list
+        bounds = torch.cat(
+            [torch.zeros(1, dtype=torch.long, device=q.device), torch.bincount(lists, minlength=len(self.cent)).cumsum(0)]
+        ).tolist()
+        off = self.off.tolist()
+        qn = (q * q).sum(1)
+        best_d = torch.full((nq, k), float("inf"), device=q.device)
+        best_i = torch.full((nq, k), -1, dtype=torch.long, device=q.device)
+        for c in range(len(self.cent)):
+            if bounds[c] == bounds[c + 1] or off[c] == off[c + 1]:
+                continue
+            ids = self.ids[off[c] : off[c + 1]]
+            kc = self.keys[ids].float()
+            knc = self.kn[ids]
+            qs_all = qof[bounds[c] : bounds[c + 1]]
+            step = max(1, max_elems // len(ids))
+            for a in range(0, len(qs_all), step):
+                qs = qs_all[a : a + step]
+                d = qn[qs][:, None] + knc[None] - 2 * q[qs] @ kc.T
+                kk = min(k, d.shape[1])
+                dv, dj = torch.topk(d, kk, dim=1, largest=False)
+                md, mj = torch.topk(torch.cat([best_d[qs], dv], 1), k, dim=1, largest=False)
+                best_i[qs] = torch.gather(torch.cat([best_i[qs], ids[dj]], 1), 1, mj)
+                best_d[qs] = md
+        return best_d, best_i
+
+
+def assign_scores(q, c):
+    """Squared distances (up to a per-query constant) of queries to centroids."""
+    return (c * c).sum(1)[None] - 2 * q @ c.T
+
+
+def knn_target_probs(d, nb_vals, target, temps):
+    """p_knn(target) (n, len(temps)): softmax(-d / T) over the neighbours, summed where the
+    neighbour's value is the target (missing neighbours: d = inf, weight 0)."""
+    import torch
+
+    hit = (nb_vals == target[:, None]).float()
+    out = []
+    for t in temps:
+        w = torch.softmax(-d / t, dim=1)
+        out.append((w * hit).sum(1))
+    return torch.nan_to_num(torch.stack(out, 1))  # no neighbour at all: 0
+
+
+def build(model, index_dir: Path, device: str, batch: int = 64):
+    """The datastore of every training position of the index's shards under `model`: keys are
+    its final hidden states (float16, centred), values the next tokens."""
+    import torch
+    from teragram.index import format as fmt
+
+    m = fmt.read_json(Path(index_dir) / "manifest.json")
+    sep, eos = m["separator"], m["tokenizer"]["eos_id"]
+    T = model.cfg.block_size
+    toks = [fmt.open_array(fmt.shard_dir(Path(index_dir), s["shard"], s.get("dir")) / "tokens.bin", "tokens") for s in m["shards"]]
+    N = sum(max(len(t) - 1, 0) for t in toks)
+    C = model.cfg.n_embd
+    keys = torch.empty((N, C), dtype=torch.float16, device=device)
+    vals = torch.empty(N, dtype=torch.int32, device=device)
+    model.eval()
+    cuda = str(device).startswith("cuda")
+    mu = None
+    n = 0
+    buf: list = []
+
+    def flush():
+        nonlocal n, mu
+        x = torch.from_numpy(np.stack([b[0] for b in buf])).to(device)
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+            h, _ = model.hidden(x)
+        h = h.float()
+        if mu is None:
+            mu = h.reshape(-1, C).mean(0)  # any vector gives the same distances; centring keeps fp16 precise
+        for j, (_, y, keep) in enumerate(buf):
+            r = len(y) - keep
+            keys[n : n + r] = (h[j, keep:] - mu).half()
+            vals[n : n + r] = torch.from_numpy(y[keep:]).to(device, torch.int32)
+            n += r
+        buf.clear()
+
+    for t in toks:
+        for x, y, keep in _windows_of(t, T, sep, eos):
+            if len(x) < T:  # a stream shorter than a window
+                continue
+            buf.append((x, y, keep))
+            if len(buf) == batch:
+                flush()
+    if buf:
+        flush()
+    return keys[:n], vals[:n], mu
+
+
+def run(model, index_dir: Path, held: dict, out: Path, device: str, *, batch: int = 64, eval_batch: int = 16) -> dict:
+    """On the GPU: the datastore, then every held-out half's p_knn(target) per temperature with
+    (a)'s nll, saved as OUT/knn-SET-HALF.npz (validation: VALID_ROWS random rows)."""
+    import torch
+    from teragram.index.engine import Index
+    from teragram.model.evaluate import token_eval
+
+    info: dict = {}
+    t = time.time()
+    keys, vals, mu = build(model, index_dir, device, batch)
+    info |= {"keys": len(keys), "keys_s": time.time() - t}
+    t = time.time()
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True  # keys are fp16: TF32's 10-bit inputs lose nothing more; sums stay float32
+    try:
+        ds = Datastore(keys, vals)
+        info |= {"ivf_s": time.time() - t, "centroids": len(ds.cent), "nprobe": NPROBE, "k": K_NEIGHBOURS}
+        idx = Index(index_dir)
+        rng = np.random.default_rng(SEED)
+        res = {}
+        for (name, h), feats in sorted(held.items(), key=lambda kv: kv[0][1] != "valid"):  # validation first: it sets the scale
+            t = time.time()
+            r = token_eval(model, feats, idx.eos_id, idx.sep, device, batch=eval_batch, hidden=True)
+            rows = np.arange(len(r["target"]))
+            if h == "valid":
+                rows = np.sort(rng.choice(len(rows), min(VALID_ROWS, len(rows)), replace=False))
+            q = torch.from_numpy(np.ascontiguousarray(r["hidden"][rows], np.float32)).to(device) - mu
+            d, i = ds.search(q, K_NEIGHBOURS)
+            res[name, h] = (rows, r, d, i)
+            info[f"search_{name}_{h}_s"] = time.time() - t
+            if name == "indist" and h == "valid":  # recall against exact search, on a sample
+                s = slice(0, min(RECALL_ROWS, len(q)))
+                ed, ei = ds.exact(q[s], K_NEIGHBOURS)
+                inter = [len(np.intersect1d(a, b)) for a, b in zip(i[s].cpu().numpy(), ei.cpu().numpy())]
+                info["recall_at_k"] = float(np.mean(inter)) / K_NEIGHBOURS
+                info["nearest_exact_share"] = float((i[s, 0] == ei[:, 0]).float().mean())
+        nearest = torch.cat([d[:, 0] for (_, h), (_, _, d, _) in res.items() if h == "valid"])
+        scale = float(nearest.median())
+        info |= {"temperature_scale": scale, "factors": list(FACTORS)}
+        for (name, h), (rows, r, d, i) in res.items():
+            tgt = torch.from_numpy(r["target"][rows].astype(np.int64)).to(device)
+            nb = torch.where(i >= 0, vals[i.clamp_min(0)].long(), -1)
+            p = knn_target_probs(d, nb, tgt, [f * scale for f in FACTORS])
+            np.savez_compressed(
+                out / f"knn-{name}-{h}.npz",
+                rows=rows.astype(np.int32),
+                p_knn=p.cpu().numpy().astype(np.float32),
+                nll_a=r["nll"][rows].astype(np.float32),
+                target=r["target"][rows].astype(np.int32),
+                doc=r["doc"][rows].astype(np.int32),
+                nearest=d[:, 0].cpu().numpy().astype(np.float32),
+            )
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+    (out / "knn_gpu.json").write_text(json.dumps(info, indent=1))
+    return info
+
+
+def fit(nll_a: np.ndarray, p_knn: np.ndarray) -> tuple[int, float]:
+    """(temperature column, λ) with the lowest validation loss (λ from baselines.LAMBDAS)."""
+    from teragram.model.baselines import LAMBDAS, mix_nll
+
+    best = None
+    for j in range(p_knn.shape[1]):
+        for lam in LAMBDAS:
+            loss = float(mix_nll(nll_a, p_knn[:, j], lam).mean())
+            if best is None or loss < best[0]:
+                best = (loss, j, float(lam))
+    return best[1], best[2]

@@ -1,0 +1,91 @@
+"""The full-datastore kNN-LM peer (benchmarks/knnlm.py) against brute force."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from benchmarks import knnlm
+
+
+@pytest.mark.parametrize("n,T", [(2, 4), (5, 4), (6, 4), (7, 4), (20, 4), (21, 4), (22, 4), (1000, 16)])
+def test_windows_predict_every_target_once(n, T):
+    seen = []
+    for a, keep in knnlm.train_windows(n, T):
+        seen += range(a + 1 + keep, min(a + T, n - 1) + 1)
+    assert seen == list(range(1, n))
+
+
+def _brute(keys: np.ndarray, q: np.ndarray, k: int):
+    d = ((q[:, None, :].astype(np.float64) - keys[None].astype(np.float64)) ** 2).sum(-1)
+    i = np.argsort(d, axis=1, kind="stable")[:, :k]
+    return np.take_along_axis(d, i, 1), i
+
+
+def test_search_equals_brute_force():
+    g = torch.Generator().manual_seed(0)
+    centres = torch.randn(8, 16, generator=g) * 4
+    keys = (centres[torch.randint(0, 8, (3000,), generator=g)] + torch.randn(3000, 16, generator=g)).half()
+    vals = torch.randint(0, 50, (3000,), generator=g, dtype=torch.int32)
+    q = centres[torch.randint(0, 8, (40,), generator=g)] + torch.randn(40, 16, generator=g)
+    ds = knnlm.Datastore(keys, vals, centroids=16, sample=2000, iters=5)
+    assert int(ds.off[-1]) == len(keys) and sorted(ds.ids.tolist()) == list(range(len(keys)))
+    bd, bi = _brute(keys.float().numpy(), q.numpy(), 64)
+    ed, ei = ds.exact(q, 64, chunk=700)
+    np.testing.assert_allclose(ed.numpy(), bd, rtol=1e-4, atol=1e-3)
+    assert (ei.numpy() == bi).mean() > 0.99  # ties aside, the same keys
+    sd, si = ds.search(q, 64, nprobe=16, max_elems=5000)  # every list probed: exact
+    np.testing.assert_allclose(sd.numpy(), bd, rtol=1e-4, atol=1e-3)
+    ad, ai = ds.search(q, 64, nprobe=2)  # fewer lists: never nearer than exact, and the probed keys' own distances
+    assert (ad.numpy() >= bd - 1e-3).all()
+    got = ai.numpy()
+    ok = got >= 0
+    d_true = ((q.numpy()[:, None, :] - keys.float().numpy()[np.maximum(got, 0)]) ** 2).sum(-1)
+    np.testing.assert_allclose(ad.numpy()[ok], d_true[ok], rtol=1e-4, atol=1e-3)
+
+
+def test_target_probs_equal_the_dense_store_formula():
+    from teragram.index.dense import knn_probs
+
+    rng = np.random.default_rng(1)
+    d = np.sort(rng.random((30, 20)) * 10, axis=1)
+    v = rng.integers(0, 5, (30, 20))
+    v[3] = -1  # a query without neighbours
+    d[3] = np.inf
+    t = rng.integers(0, 5, 30)
+    got = knnlm.knn_target_probs(torch.from_numpy(d), torch.from_numpy(v), torch.from_numpy(t), [0.5, 3.0]).numpy()
+    for j, temp in enumerate([0.5, 3.0]):
+        with np.errstate(invalid="ignore"):  # the row without neighbours: nan there, 0 here
+            want = knn_probs(d, v, t, temp)
+        want[3] = 0.0
+        np.testing.assert_allclose(got[:, j], want, rtol=1e-6, atol=1e-12)
+
+
+def test_datastore_keys_are_the_models_hidden_states(real_index):
+    from teragram.index import format as fmt
+    from teragram.model.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    m = fmt.read_json(real_index / "manifest.json")
+    cfg = GPTConfig.preset("tiny", vocab_size=m["tokenizer"]["vocab_size"], block_size=64, use_index=False, mixture=False)
+    model = GPT(cfg).eval()
+    keys, vals, mu = knnlm.build(model, real_index, "cpu", batch=8)
+    toks = [fmt.open_array(fmt.shard_dir(real_index, s["shard"], s.get("dir")) / "tokens.bin", "tokens") for s in m["shards"]]
+    assert len(keys) == sum(len(t) - 1 for t in toks)
+    sep, eos = m["separator"], m["tokenizer"]["eos_id"]
+    t0 = np.asarray(toks[0]).astype(np.int64)
+    t0[t0 == sep] = eos
+    assert (vals[: len(t0) - 1].numpy() == t0[1:]).all()  # the value of each key: the next token
+    x = torch.from_numpy(t0[64:128][None])  # the second window of the first shard
+    with torch.no_grad():
+        h, _ = model.hidden(x)
+    np.testing.assert_allclose((keys[64:128].float() + mu).numpy(), h[0].numpy(), rtol=2e-3, atol=2e-3)
+
+
+def test_fit_picks_the_validation_optimum():
+    rng = np.random.default_rng(2)
+    nll = rng.random(500) * 5
+    p = np.stack([np.zeros(500), np.exp(-nll) * 3], 1).clip(0, 1)  # the second column helps
+    j, lam = knnlm.fit(nll, p)
+    assert j == 1 and lam > 0
