@@ -264,8 +264,6 @@ def run(model, index_dir: Path, held: dict, out: Path, device: str, *, batch: in
                 p_knn=p.cpu().numpy().astype(np.float32),
                 nll_a=r["nll"][rows].astype(np.float32),
                 target=r["target"][rows].astype(np.int32),
-                doc=r["doc"][rows].astype(np.int32),
-                nearest=d[:, 0].cpu().numpy().astype(np.float32),
             )
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev
