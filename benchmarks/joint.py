@@ -5,7 +5,7 @@ peers, on the index-size benchmark's data: the same 125M, steps and text as its 
     python -m benchmarks.joint gpu --carry .carry15 --work W --out OUT --stage prep   # on the GPU machine
     python -m benchmarks.joint gpu --carry .carry15 --work W --out OUT --stage train  # at once: W is lost when idle
     python -m benchmarks.index_size eval --outputs OUT --index DATA/idx-050m --name joint_posthoc   # here
-    python -m benchmarks.joint eval --joint OUT --index DATA/idx-050m --carry .carry15 \
+    python -m benchmarks.joint eval --joint OUT [OUT2 ...] --index DATA/idx-050m --carry .carry15 \
         --posthoc benchmarks/results/joint_posthoc.json                                # here
 
 `prep` indexes the training text with the carried tokenizer, writes exclude-doc features at every
@@ -168,11 +168,13 @@ def _rate(log: list[dict], skip: int = 100) -> float:
     return (tok_b - tok_a) / (b["elapsed_s"] - a["elapsed_s"])
 
 
-def stage_eval(joint_out: Path, index: Path, carry: Path, posthoc: Path, work: Path, workers: int) -> dict:
+def stage_eval(joint_outs: list[Path], index: Path, carry: Path, posthoc: Path, work: Path, workers: int) -> dict:
     """The joint runs' held-out perplexity beside the post-hoc variants and peers that
     benchmarks/index_size.py measured on the same text with the same index (its saved results,
     `posthoc`): the index here must be that one (same token count) and the runs' targets those of
-    the carried held-out text, tokenized here."""
+    the carried held-out text, tokenized here. Several GPU runs' outputs may be given: each variant
+    is read from the first that has it, and step rates are compared within a run only (each
+    run's variants against its own plain)."""
     from teragram.index.bulk import continuations
     from teragram.index.engine import Index
     from teragram.model import baselines
@@ -180,7 +182,6 @@ def stage_eval(joint_out: Path, index: Path, carry: Path, posthoc: Path, work: P
 
     from benchmarks.index_size import _contamination, heldout_features
 
-    gpu = json.loads((joint_out / "joint_gpu.json").read_text())
     rows = [r for r in json.loads(posthoc.read_text())["indexes"] if r["index"] == index.name]
     if not rows:
         raise SystemExit(f"{posthoc} has no results for an index named {index.name}")
@@ -189,23 +190,27 @@ def stage_eval(joint_out: Path, index: Path, carry: Path, posthoc: Path, work: P
     if tokens != ph["index_tokens"]:
         raise SystemExit(f"{index} holds {tokens:,} tokens, the post-hoc results' index {ph['index_tokens']:,}")
     idx = Index(index)
-    res = {"index": index.name, "index_tokens": tokens, "posthoc_results": str(posthoc), "sets": {}, "rates": {}}
-    if "plain" in gpu:
-        plain = _rate(gpu["plain"]["log"])
-        res["rates"] = {
-            v: {"tokens_per_s": _rate(g["log"]), "vs_plain": _rate(g["log"]) / plain}
-            for v, g in gpu.items()
-            if isinstance(g, dict) and "train_s" in g
-        }
-    variants = [v for v in NAMES if v != "knn" and (joint_out / f"{v}-indist-test.npz").exists()]
-    knn = (joint_out / "knn-indist-test.npz").exists()
+    res = {"index": index.name, "index_tokens": tokens, "posthoc_results": str(posthoc), "runs": [str(d) for d in joint_outs]}
+    res |= {"sets": {}, "rates": {}}
+    home = {}  # variant -> the run directory it is read from
+    for d in joint_outs:
+        gpu = json.loads((d / "joint_gpu.json").read_text())
+        mine = [v for v in NAMES if v not in home and (d / f"{v}-indist-test.npz").exists()]
+        home |= {v: d for v in mine}
+        if "plain" in gpu:
+            plain = _rate(gpu["plain"]["log"])
+            for v in mine:
+                if "train_s" in gpu.get(v, {}):
+                    res["rates"][v] = {"tokens_per_s": _rate(gpu[v]["log"]), "vs_plain": _rate(gpu[v]["log"]) / plain, "run": str(d)}
+    variants = [v for v in NAMES if v in home and v != "knn"]
+    knn = "knn" in home
     if knn:
-        res["knn"] = json.loads((joint_out / "knn_gpu.json").read_text())
+        res["knn"] = json.loads((home["knn"] / "knn_gpu.json").read_text())
     held = heldout_features(index, work / "held", carry, workers)
     for s in SETS:
         row = {}
         if knn:  # temperature and λ fit on this set's validation sample
-            zv = np.load(joint_out / f"knn-{s}-valid.npz")
+            zv = np.load(home["knn"] / f"knn-{s}-valid.npz")
             j, lam = knnlm.fit(zv["nll_a"], zv["p_knn"])
             row["knn"] = {"column": j, "temperature_factor": res["knn"]["factors"][j], "lambda": lam}
         for h in HALVES:
@@ -227,7 +232,7 @@ def stage_eval(joint_out: Path, index: Path, carry: Path, posthoc: Path, work: P
                 starts = np.concatenate([[0], np.cumsum(lens + 1)])
                 keep = (_contamination({"index_length": length}, starts) < 0.8)[doc]
             for v in variants:
-                z = np.load(joint_out / f"{v}-{s}-{h}.npz")
+                z = np.load(home[v] / f"{v}-{s}-{h}.npz")
                 if not np.array_equal(z["target"], target):
                     raise SystemExit(f"{v} {s}-{h}: the joint run's targets differ from the held-out text's here")
                 r = row.setdefault(v, {})
@@ -236,7 +241,7 @@ def stage_eval(joint_out: Path, index: Path, carry: Path, posthoc: Path, work: P
                 if keep is not None:
                     r["test_decontaminated"] = float(np.exp(z["nll"][keep].mean()))
             if knn:
-                z = np.load(joint_out / f"knn-{s}-{h}.npz")
+                z = np.load(home["knn"] / f"knn-{s}-{h}.npz")
                 rows = z["rows"]
                 if not np.array_equal(z["target"], target[rows]) or (h == "test" and len(rows) != len(target)):
                     raise SystemExit(f"knn {s}-{h}: the kNN run's targets differ from the held-out text's here")
@@ -297,8 +302,11 @@ def report(res: dict, name: str = "joint") -> None:
         )
         lines.append("")
     if res["rates"]:
-        rows = [{"variant": v, "tokens/s after step 100": r["tokens_per_s"], "vs plain": r["vs_plain"]} for v, r in res["rates"].items()]
-        lines.append(table(rows, ["variant", "tokens/s after step 100", "vs plain"]))
+        rows = [
+            {"variant": v, "tokens/s after step 100": r["tokens_per_s"], "vs plain": r["vs_plain"], "run": Path(r["run"]).name}
+            for v, r in res["rates"].items()
+        ]
+        lines.append(table(rows, ["variant", "tokens/s after step 100", "vs plain", "run"]))
     save(name, res, "\n".join(lines))
 
 
@@ -312,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default="a,plain,joint")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--scale", choices=["gpu", "cpu"], default="gpu", help="gpu: the 125M; cpu: the tiny model (a smoke test)")
-    ap.add_argument("--joint", type=Path, help="eval: the GPU run's outputs")
+    ap.add_argument("--joint", type=Path, nargs="+", help="eval: the GPU runs' outputs (a variant: from the first that has it)")
     ap.add_argument("--index", type=Path, help="eval: the model's index, here (DATA/idx-050m)")
     ap.add_argument("--posthoc", type=Path, default=Path(__file__).parent / "results" / "index_size_050m.json")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
