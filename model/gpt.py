@@ -28,6 +28,14 @@ from torch.utils.checkpoint import checkpoint
 from .joint import Est, JointGate, mixture_nll, mixture_probs
 
 N_CNT_BUCKETS = 33  # floor(log2(count + 1)) for counts below 2^32
+# Under recompute = "block" the head runs in chunks of rows, each under checkpoint, so that one
+# chunk's logits live at a time in forward and in backward: at most HEAD_CHUNK_BYTES of float32
+# logits per chunk (2097 rows at V = 32000, 1335 at GPT-2's 50257). A chunk's forward + backward
+# holds about four arrays of that size (its float32 log-softmax, that one's gradient, the
+# gradient of the float32 logits, the bf16 logits): ~1 GiB, against several GiB for the whole
+# head of 16 x 1024 tokens at once. A (2097, C) x (C, V) product still fills a GPU, so the cost
+# is the head's forward done twice.
+HEAD_CHUNK_BYTES = 2**28
 
 
 @dataclass(frozen=True)
@@ -297,9 +305,10 @@ class GPT(nn.Module):
         h, _ = self.hidden(idx, f)
         if targets is None:
             return self.lm_head(h)
-        loss, logp = self.head_losses(h, targets, f, e)
+        lp_y, maxlp, top = self._model_logp(h, targets)
+        loss = self._final_nll(h, targets, lp_y, maxlp, top, f, e)
         if self.cfg.joint and self.cfg.joint_lm_weight and self.training:
-            loss = loss - self.cfg.joint_lm_weight * logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+            loss = loss - self.cfg.joint_lm_weight * lp_y
         return loss, None
 
     def joint_weights(self, h: torch.Tensor, logp: torch.Tensor, e: Est) -> torch.Tensor:
@@ -312,19 +321,50 @@ class GPT(nn.Module):
         """From final hidden states: the per-token loss (B, T) under the final distribution (the
         mixture when the model has one) and the model's own log-softmax (B, T, V), float32."""
         logp = F.log_softmax(self.lm_head(h).float(), dim=-1)
-        lp_y = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, T)
+        return self._final_nll(h, targets, *self._target_logp(logp, targets), f, e), logp
+
+    def _target_logp(self, logp: torch.Tensor, targets: torch.Tensor):
+        """From the model's log-softmax (..., V): its log-probability of the targets (...) and,
+        for the joint gate, its largest log-probability and that token (no gradient; both None
+        without the gate)."""
+        lp_y = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        if not self.cfg.joint:
+            return lp_y, None, None
+        with torch.no_grad():
+            maxlp, top = logp.max(-1)
+        return lp_y, maxlp, top
+
+    def _head_rows(self, h: torch.Tensor, targets: torch.Tensor):
+        """_target_logp of hidden states (..., C) through the head."""
+        return self._target_logp(F.log_softmax(self.lm_head(h).float(), dim=-1), targets)
+
+    def _model_logp(self, h: torch.Tensor, targets: torch.Tensor):
+        """_target_logp of final hidden states (B, T, C). Under recompute = "block" in training,
+        in chunks of rows (HEAD_CHUNK_BYTES), each under checkpoint: only one chunk's logits and
+        log-softmax exist at a time, in forward and again (recomputed) in backward."""
+        if not (self.recompute == "block" and torch.is_grad_enabled()):
+            return self._head_rows(h, targets)
+        rows = max(1, HEAD_CHUNK_BYTES // (4 * self.cfg.vocab_size))
+        chunks = zip(h.reshape(-1, h.shape[-1]).split(rows), targets.reshape(-1).split(rows))
+        parts = [checkpoint(self._head_rows, hc, yc, use_reentrant=False) for hc, yc in chunks]
+        return tuple(None if p[0] is None else torch.cat(p).view(targets.shape) for p in zip(*parts))
+
+    def _final_nll(self, h, targets, lp_y, maxlp, top, f: Features | None, e: Est | None) -> torch.Tensor:
+        """The per-token loss (B, T) under the final distribution from the model's
+        log-probability of the targets lp_y (B, T) (and, for the joint gate, its largest
+        log-probability and that token, maxlp and top)."""
         if self.cfg.joint:
             if e is None:
                 raise ValueError("a jointly trained model needs its estimates (model/joint.py) with every batch")
-            return mixture_nll(self.joint_weights(h, logp, e), lp_y, e), logp
+            return mixture_nll(self.joint_gate(h.float(), e, maxlp.exp(), top), lp_y, e)
         if not (self.cfg.use_index and self.cfg.mixture):
-            return -lp_y, logp
+            return -lp_y
         g, q = self._gate_and_index(h.float(), f)
         rest = 1.0 - q.sum(-1)  # index mass left to the model distribution
         q_y = (q * (f.topk_ids == targets.unsqueeze(-1))).sum(-1)
         a = torch.log((1 - g + g * rest).clamp_min(1e-30)) + lp_y
         b = torch.log((g * q_y).clamp_min(1e-30))
-        return -torch.logaddexp(a, b), logp
+        return -torch.logaddexp(a, b)
 
     @torch.no_grad()
     def next_distribution(self, h_last: torch.Tensor, f_last: Features | None, e_last: Est | None = None, dense=None) -> torch.Tensor:

@@ -83,6 +83,65 @@ def test_recompute_gives_the_same_losses_and_gradients(mode):
             torch.testing.assert_close(a[n], b[n], rtol=1e-5, atol=1e-7, msg=n)
 
 
+def _rand_est(B, T, V, M, g):
+    """Random joint estimates, torch, (B, T, M) per component: masses, buckets and top ids."""
+    from teragram.model import joint
+
+    q = torch.rand(B, T, M, generator=g) * 0.5
+    return joint.Est(
+        q,
+        (1 - q) * torch.rand(B, T, M, generator=g),
+        torch.randint(0, joint.N_COUNT, (B, T, M), generator=g),
+        torch.randint(0, joint.NS, (B, T, M), generator=g),
+        torch.randint(-1, V, (B, T, M), generator=g),
+        torch.randint(0, joint.NL, (B, T), generator=g),
+        torch.randint(0, 2, (B, T), generator=g),
+        torch.randint(0, joint.NL, (B, T), generator=g),
+    )
+
+
+HEADS = {
+    "plain": dict(use_index=False, mixture=False),
+    "index mixture": {},
+    "joint gate": dict(use_index=False, mixture=False, joint=("index_infgram", "index_3gram", "cache_longest"), joint_lm_weight=1.0),
+}
+
+
+@pytest.mark.parametrize("head", list(HEADS))
+def test_recompute_block_computes_the_head_in_chunks_with_the_same_losses_and_gradients(monkeypatch, head):
+    """Under recompute = "block" the head and loss run in checkpointed chunks of rows (7 rows
+    here: 10 chunks of 64 positions, the last one short), each computed in forward and again in
+    backward; every loss path gives the same per-token loss and gradients as recompute = "none"."""
+    from teragram.model import gpt
+
+    V, B, T, rows = 60, 2, 32, 7
+    monkeypatch.setattr(gpt, "HEAD_CHUNK_BYTES", rows * 4 * V)
+    cfg = GPTConfig.preset("tiny", vocab_size=V, block_size=T, **HEADS[head])
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, V, (2, B, T), generator=g)
+    f = _rand_feats(B, T, V, 4, g) if cfg.use_index else None
+    e = _rand_est(B, T, V, len(cfg.joint), g) if cfg.joint else None
+    runs = {}
+    for mode in ("none", "block"):
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        if cfg.joint:  # a gate that reads every statistic, the model's top token and probability too
+            with torch.no_grad():
+                for p in model.joint_gate.parameters():
+                    p.add_(torch.randn_like(p) * 0.5)
+        model.set_recompute(mode)
+        calls = []  # the rows of each call of the head
+        monkeypatch.setattr(model, "_head_rows", lambda h, t, calls=calls, fn=model._head_rows: calls.append(len(h)) or fn(h, t))
+        loss, _ = model(x, y, f, e)
+        loss.mean().backward()
+        runs[mode] = loss.detach(), {n: p.grad for n, p in model.named_parameters()}, calls
+    assert runs["none"][2] == [B]  # one call on all (B, T) positions
+    assert sorted(runs["block"][2]) == sorted(2 * ([rows] * 9 + [B * T - 9 * rows]))  # forward, then backward in reverse
+    torch.testing.assert_close(runs["block"][0], runs["none"][0], rtol=1e-5, atol=1e-6)
+    for n, grad in runs["none"][1].items():
+        torch.testing.assert_close(runs["block"][1][n], grad, rtol=1e-5, atol=1e-6, msg=n)  # sums over chunks: float rounding
+
+
 @pytest.fixture(scope="module")
 def plain_run(data_root):
     train(_cfg(data_root, "plain", max_steps=20))
