@@ -14,8 +14,9 @@
    Adam moments need ~11.7 GB trains a few steps with offload = optimizer and fails without.
    Each case runs in its own process (the cap and an out-of-memory state stay there).
 
-Writes benchmarks/results/train_memory.{json,md,png}. `--tiny` runs everything small on CPU
-(no memory figures there) to check the script.
+Writes benchmarks/results/train_memory.{json,md,png}. `--settings none,block` measures only
+those parts (of none, attn, block, offload, zero1, cap) and writes train_memory-none-block.*
+instead. `--tiny` runs everything small on CPU (no memory figures there) to check the script.
 """
 
 from __future__ import annotations
@@ -32,6 +33,13 @@ from benchmarks.common import save, table
 
 VOCAB = 32000
 CAP_SHAPE = dict(n_layer=24, n_head=16, n_embd=1536)
+SETTINGS = {  # part 1's settings: (table name, build's keywords)
+    "none": ("none", {}),
+    "attn": ("recompute attn", {"recompute": "attn"}),
+    "block": ("recompute block", {"recompute": "block"}),
+    "offload": ("offload optimizer", {"offload": True}),
+}
+PARTS = (*SETTINGS, "zero1", "cap")
 
 
 def _bytes(ts) -> int:
@@ -195,10 +203,14 @@ def main() -> int:
     ap.add_argument("--block-size", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=5, help="timed steps per setting")
     ap.add_argument("--cap-gib", type=float, default=8.0)
+    ap.add_argument("--settings", default=",".join(PARTS), help=f"what to measure, of {','.join(PARTS)} (default all)")
     ap.add_argument("--tiny", action="store_true", help="a tiny model on CPU: checks the script, no memory figures")
     ap.add_argument("--zero1-worker", help=argparse.SUPPRESS)
     ap.add_argument("--cap-worker", choices=("none", "offload"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    parts = args.settings.split(",")
+    if unknown := set(parts) - set(PARTS):
+        ap.error(f"unknown settings {', '.join(sorted(unknown))}; known: {', '.join(PARTS)}")
     import torch
     from teragram.model.gpt import GPTConfig
 
@@ -215,12 +227,7 @@ def main() -> int:
     device = "cuda" if cuda else "cpu"
     data: dict = {"shape": args.shape if not args.tiny else "tiny", "batch_size": B, "block_size": T, "settings": {}}
     rows = []
-    for name, kw in (
-        ("none", {}),
-        ("recompute attn", {"recompute": "attn"}),
-        ("recompute block", {"recompute": "block"}),
-        ("offload optimizer", {"offload": True}),
-    ):
+    for name, kw in (SETTINGS[k] for k in SETTINGS if k in parts):
         try:
             r = measure_setting(shape, B, T, device, args.steps, **kw)
         except (RuntimeError, TypeError, ValueError) as e:  # recorded; the other settings go on
@@ -262,7 +269,7 @@ def main() -> int:
     repo = str(Path(__file__).resolve().parents[1])
     ngpu = torch.cuda.device_count() if cuda else 0
     z = None
-    if ngpu >= 2 or args.tiny:
+    if "zero1" in parts and (ngpu >= 2 or args.tiny):
         out = Path("/tmp") / f"tg-zero1-{os.getpid()}.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "benchmarks.train_memory"]
         cmd += ["--zero1-worker", str(out), "--steps", str(args.steps), "--batch-size", str(B), "--block-size", str(T)]
@@ -282,13 +289,13 @@ def main() -> int:
             ["2 ranks", "optimizer GiB per rank", "tokens/s"],
         )
         md += f"\n\nZeRO-1 vs DDP on 2 GPUs: optimizer memory per rank {ratio:.2f}x (bar <= 0.55x), tokens/s {speed:.2f}x (bar >= 0.95x)."
-    else:
+    elif "zero1" in parts:
         md += (
             "\n\nZeRO-1: not measured ("
             + (data["zero1_2ranks"]["error"] if "zero1_2ranks" in data else "one GPU; the 2-rank measurement needs two")
             + ")."
         )
-    if cuda:
+    if cuda and "cap" in parts:
         caps = []
         for mode in ("none", "offload"):
             r = subprocess.run(
@@ -332,7 +339,7 @@ def main() -> int:
     ax.barh(list(ok), [v[key] for v in ok.values()])
     ax.invert_yaxis()
     ax.set_xlabel("activation peak (GiB)" if cuda else "step (s)")
-    save("train_memory", data, md, fig)
+    save("train_memory" if set(parts) == set(PARTS) else "-".join(["train_memory", *parts]), data, md, fig)
     return 0
 
 

@@ -28,6 +28,12 @@ from torch.utils.checkpoint import checkpoint
 from .joint import Est, JointGate, mixture_nll, mixture_probs
 
 N_CNT_BUCKETS = 33  # floor(log2(count + 1)) for counts below 2^32
+# Under recompute = "block" the head runs in chunks of rows (_TargetLogp), so that one chunk's
+# logits live at a time in forward and in backward: HEAD_CHUNK_BYTES of float32 logits per chunk
+# (2097 rows at V = 32000, 1335 at GPT-2's 50257), of which a chunk holds at most two arrays at
+# a time (0.5 GiB), against several GiB for the whole head of 16 x 1024 tokens. A (2097, C) x
+# (C, V) product still fills a GPU; the cost is one more of them per chunk, in backward.
+HEAD_CHUNK_BYTES = 2**28
 
 
 @dataclass(frozen=True)
@@ -176,6 +182,48 @@ def count_bucket(count: torch.Tensor) -> torch.Tensor:
     return torch.clamp(torch.floor(torch.log2(count.float() + 1)).long(), 0, N_CNT_BUCKETS - 1)
 
 
+def _logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The head's logits (n, V) of rows h (n, C), in weight's dtype."""
+    return h.to(weight.dtype) @ weight.T
+
+
+class _TargetLogp(torch.autograd.Function):
+    """The model's log-probability of the targets (n,) for rows h (n, C), whose (n, V) logits
+    are computed in forward and again in backward, never kept. Saved: h and each row's
+    log-sum-exp. Backward's gradient of the logits is g (onehot(y) - softmax), as autograd's
+    through log_softmax and gather, in fewer passes over (n, V) than checkpointing that graph
+    (which runs its whole forward a second time). weight is the head's parameter (for its
+    gradient), weight_lp the same in the product's dtype (autocast's). With top_too, also (no
+    gradient) the largest log-probability and its token, for the joint gate; else None, None."""
+
+    @staticmethod
+    def forward(ctx, h, weight, weight_lp, targets, top_too: bool):
+        logits = _logits(h, weight_lp).float()  # (n, V) float32
+        logp = F.log_softmax(logits, dim=-1)
+        lp_y = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        lse = logits[:, 0] - logp[:, 0]  # (n,) each row's log-sum-exp
+        del logits
+        ctx.save_for_backward(h, weight_lp, targets, lse)
+        ctx.weight_dtype = weight.dtype
+        if not top_too:
+            return lp_y, None, None
+        maxlp, top = logp.max(-1)
+        ctx.mark_non_differentiable(maxlp, top)
+        return lp_y, maxlp, top
+
+    @staticmethod
+    def backward(ctx, g, *_):
+        h, weight_lp, targets, lse = ctx.saved_tensors
+        p = torch.sub(_logits(h, weight_lp), lse.unsqueeze(-1))  # (n, V) float32: the log-softmax again
+        p.exp_().scatter_add_(-1, targets.unsqueeze(-1), p.new_full((len(p), 1), -1.0))  # softmax - onehot(y)
+        d = torch.empty_like(p, dtype=weight_lp.dtype)
+        torch.mul(p, -g.unsqueeze(-1), out=d)  # the loss's gradient of the logits, in their dtype
+        del p
+        dh = (d @ weight_lp).to(h.dtype) if ctx.needs_input_grad[0] else None
+        dw = (d.T @ h.to(d.dtype)).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
+        return dh, dw, None, None, None
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -297,9 +345,10 @@ class GPT(nn.Module):
         h, _ = self.hidden(idx, f)
         if targets is None:
             return self.lm_head(h)
-        loss, logp = self.head_losses(h, targets, f, e)
+        lp_y, maxlp, top = self._model_logp(h, targets)
+        loss = self._final_nll(h, targets, lp_y, maxlp, top, f, e)
         if self.cfg.joint and self.cfg.joint_lm_weight and self.training:
-            loss = loss - self.cfg.joint_lm_weight * logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+            loss = loss - self.cfg.joint_lm_weight * lp_y
         return loss, None
 
     def joint_weights(self, h: torch.Tensor, logp: torch.Tensor, e: Est) -> torch.Tensor:
@@ -312,19 +361,48 @@ class GPT(nn.Module):
         """From final hidden states: the per-token loss (B, T) under the final distribution (the
         mixture when the model has one) and the model's own log-softmax (B, T, V), float32."""
         logp = F.log_softmax(self.lm_head(h).float(), dim=-1)
-        lp_y = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, T)
+        return self._final_nll(h, targets, *self._target_logp(logp, targets), f, e), logp
+
+    def _target_logp(self, logp: torch.Tensor, targets: torch.Tensor):
+        """From the model's log-softmax (..., V): its log-probability of the targets (...) and,
+        for the joint gate, its largest log-probability and that token (no gradient; both None
+        without the gate)."""
+        lp_y = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        if not self.cfg.joint:
+            return lp_y, None, None
+        with torch.no_grad():
+            maxlp, top = logp.max(-1)
+        return lp_y, maxlp, top
+
+    def _model_logp(self, h: torch.Tensor, targets: torch.Tensor):
+        """_target_logp of final hidden states (B, T, C). Under recompute = "block" in training,
+        in chunks of rows (HEAD_CHUNK_BYTES, _TargetLogp): only one chunk's logits exist at a
+        time, in forward and again (recomputed) in backward."""
+        if not (self.recompute == "block" and torch.is_grad_enabled()):
+            return self._target_logp(F.log_softmax(self.lm_head(h).float(), dim=-1), targets)
+        w, dev = self.lm_head.weight, h.device.type
+        w_lp = w.detach().to(torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else w.detach()
+        rows = max(1, HEAD_CHUNK_BYTES // (4 * self.cfg.vocab_size))
+        chunks = zip(h.reshape(-1, h.shape[-1]).split(rows), targets.reshape(-1).split(rows))
+        parts = [_TargetLogp.apply(hc, w, w_lp, yc, bool(self.cfg.joint)) for hc, yc in chunks]
+        return tuple(None if p[0] is None else torch.cat(p).view(targets.shape) for p in zip(*parts))
+
+    def _final_nll(self, h, targets, lp_y, maxlp, top, f: Features | None, e: Est | None) -> torch.Tensor:
+        """The per-token loss (B, T) under the final distribution from the model's
+        log-probability of the targets lp_y (B, T) (and, for the joint gate, its largest
+        log-probability and that token, maxlp and top)."""
         if self.cfg.joint:
             if e is None:
                 raise ValueError("a jointly trained model needs its estimates (model/joint.py) with every batch")
-            return mixture_nll(self.joint_weights(h, logp, e), lp_y, e), logp
+            return mixture_nll(self.joint_gate(h.float(), e, maxlp.exp(), top), lp_y, e)
         if not (self.cfg.use_index and self.cfg.mixture):
-            return -lp_y, logp
+            return -lp_y
         g, q = self._gate_and_index(h.float(), f)
         rest = 1.0 - q.sum(-1)  # index mass left to the model distribution
         q_y = (q * (f.topk_ids == targets.unsqueeze(-1))).sum(-1)
         a = torch.log((1 - g + g * rest).clamp_min(1e-30)) + lp_y
         b = torch.log((g * q_y).clamp_min(1e-30))
-        return -torch.logaddexp(a, b), logp
+        return -torch.logaddexp(a, b)
 
     @torch.no_grad()
     def next_distribution(self, h_last: torch.Tensor, f_last: Features | None, e_last: Est | None = None, dense=None) -> torch.Tensor:

@@ -78,9 +78,76 @@ def test_recompute_gives_the_same_losses_and_gradients(mode):
             opt.zero_grad()
         runs[m] = (losses, grads)
     assert runs["none"][0] == pytest.approx(runs[mode][0], rel=1e-6, abs=1e-6)
+    # block computes the head's gradient by its own formula (model/gpt.py, _TargetLogp): equal
+    # to float rounding, which AdamW's first updates amplify where a gradient is near zero
+    atol = 2e-5 if mode == "block" else 1e-7
     for a, b in zip(runs["none"][1], runs[mode][1]):
         for n in a:
-            torch.testing.assert_close(a[n], b[n], rtol=1e-5, atol=1e-7, msg=n)
+            torch.testing.assert_close(a[n], b[n], rtol=1e-5, atol=atol, msg=n)
+
+
+def _rand_est(B, T, V, M, g):
+    """Random joint estimates, torch, (B, T, M) per component: masses, buckets and top ids."""
+    from teragram.model import joint
+
+    q = torch.rand(B, T, M, generator=g) * 0.5
+    return joint.Est(
+        q,
+        (1 - q) * torch.rand(B, T, M, generator=g),
+        torch.randint(0, joint.N_COUNT, (B, T, M), generator=g),
+        torch.randint(0, joint.NS, (B, T, M), generator=g),
+        torch.randint(-1, V, (B, T, M), generator=g),
+        torch.randint(0, joint.NL, (B, T), generator=g),
+        torch.randint(0, 2, (B, T), generator=g),
+        torch.randint(0, joint.NL, (B, T), generator=g),
+    )
+
+
+HEADS = {
+    "plain": dict(use_index=False, mixture=False),
+    "index mixture": {},
+    "joint gate": dict(use_index=False, mixture=False, joint=("index_infgram", "index_3gram", "cache_longest"), joint_lm_weight=1.0),
+}
+
+
+@pytest.mark.parametrize("head", list(HEADS))
+@pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16 autocast"])
+def test_recompute_block_computes_the_head_in_chunks_with_the_same_losses_and_gradients(monkeypatch, head, bf16):
+    """Under recompute = "block" the head runs in chunks of rows (7 rows here: 10 chunks of 64
+    positions, the last one short), each chunk's logits computed in forward and again in
+    backward; every loss path gives the same per-token loss and gradients as recompute = "none"."""
+    from teragram.model import gpt
+
+    V, B, T, rows = 60, 2, 32, 7
+    monkeypatch.setattr(gpt, "HEAD_CHUNK_BYTES", rows * 4 * V)
+    cfg = GPTConfig.preset("tiny", vocab_size=V, block_size=T, **HEADS[head])
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, V, (2, B, T), generator=g)
+    f = _rand_feats(B, T, V, 4, g) if cfg.use_index else None
+    e = _rand_est(B, T, V, len(cfg.joint), g) if cfg.joint else None
+    runs, logits = {}, gpt._logits
+    for mode in ("none", "block"):
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        if cfg.joint:  # a gate that reads every statistic, the model's top token and probability too
+            with torch.no_grad():
+                for p in model.joint_gate.parameters():
+                    p.add_(torch.randn_like(p) * 0.5)
+        model.set_recompute(mode)
+        calls = []  # the rows of each chunk's logits
+        monkeypatch.setattr(gpt, "_logits", lambda h, w, calls=calls: calls.append(len(h)) or logits(h, w))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss, _ = model(x, y, f, e)
+        loss.mean().backward()
+        runs[mode] = loss.detach(), {n: p.grad for n, p in model.named_parameters()}, calls
+    assert runs["none"][2] == []  # the whole head at once, through lm_head
+    assert sorted(runs["block"][2]) == sorted(2 * ([rows] * 9 + [B * T - 9 * rows]))  # forward, then backward in reverse
+    torch.testing.assert_close(runs["block"][0], runs["none"][0], rtol=1e-5, atol=1e-6)
+    # float32: sums over chunks round differently; bf16: the unchunked head's weight gradient is
+    # one bf16 product, the chunked one a float32 sum of bf16 products (within bf16 rounding)
+    tol = dict(rtol=1.6e-2, atol=1e-3) if bf16 else dict(rtol=1e-5, atol=1e-6)
+    for n, grad in runs["none"][1].items():
+        torch.testing.assert_close(runs["block"][1][n], grad, **tol, msg=n)
 
 
 @pytest.fixture(scope="module")
