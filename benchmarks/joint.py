@@ -298,7 +298,8 @@ def report(res: dict, name: str = "joint") -> None:
             f"(d): {k['keys']:,} keys (every training position), {k['centroids']} inverted lists, {k['nprobe']} probed, "
             f"k = {k['k']}; recall of the {k['k']} neighbours against exact search on {knnlm.RECALL_ROWS:,} validation "
             f"queries {k['recall_at_k']:.3f} (nearest neighbour the same: {k['nearest_exact_share']:.3f}); datastore "
-            f"{k['keys_s']:.0f} s, search {sum(v for n, v in k.items() if n.startswith('search_')):.0f} s on the GPU."
+            f"{k['keys_s']:.0f} s, search {sum(v for n, v in k.items() if n.startswith('search_')):.0f} s on the GPU. Its "
+            f"validation column is a random sample of {knnlm.VALID_ROWS:,} targets per set (where its temperature and λ are fit)."
         )
         lines.append("")
     if res["rates"]:
