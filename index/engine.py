@@ -371,7 +371,7 @@ class Index:
         """The shards as the sets searched together (fanout.py): all in one, or consecutive
         runs of shards, one per thread; each with its place among the shards."""
         edges = np.linspace(0, len(self.shards), self._n_threads + 1).round().astype(int).tolist()
-        return [(slice(a, b), ShardSet.of(self.shards[a:b])) for a, b in zip(edges[:-1], edges[1:])]
+        return [(slice(a, b), ShardSet.of(self.shards[a:b], self.vocab_size)) for a, b in zip(edges[:-1], edges[1:])]
 
     def _per_group(self, fn: Callable[[slice, ShardSet], T]) -> list[T]:
         """fn over every group of shards, in shard order: in the thread pool when there is one."""

@@ -10,6 +10,11 @@ for the words of the next round's two candidates, then compares. The misses of a
 independent and the memory system serves them at once, so a round costs about one miss
 whatever S is. One numba call per query also replaces S calls from Python.
 
+A search starts inside the block of ranks whose suffixes begin with the pattern's first token:
+the suffix array sorts by first token, so the running sum of the shard's unigram counts gives
+every block's start. The smaller the shard, the more tokens' blocks are shorter than the gap
+between two in-memory samples, and their searches skip the samples.
+
 The longest suffix (the ∞-gram's) is searched over its length, galloping up from 1 then
 bisecting, one probe of the shards per length. A shard that lacks a suffix lacks every longer
 one, so once a length is found, the shards that failed at it are not searched again; the
@@ -30,6 +35,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .errors import IndexFormatError
 from .packed import get
 
 _NB = dict(cache=True, nogil=True)
@@ -78,22 +84,33 @@ def _words(table, s):
 
 
 @nb.njit(**_NB)
-def _bounds(table, pos, prefix, step_log2, pat, st, J):
+def _bounds(table, first_rank, pos, prefix, step_log2, pat, st, J):
     """Run the bound searches st[:J] to their ends, all in lockstep.
 
     Row j: the first rank in [LO, HI) of shard SHARD whose suffix's first m tokens are >=
     pat[START:END] (> if UPPER; m = END - START), HI if none, is left in column L. Every
-    suffix in [LO, HI) must share the pattern's first LLCP (= RLCP) tokens. Afterwards RLCP
-    is the suffix at L's common prefix with the pattern (when L < HI), so a lower bound L < HI
-    with RLCP == m is an occurrence.
+    suffix in [LO, HI) must share the pattern's first LLCP (= RLCP) tokens. Afterwards LO and
+    HI may be narrower, and RLCP is the suffix at L's common prefix with the pattern (when
+    L < HI), so a lower bound L < HI with RLCP == m is an occurrence.
 
-    First the shard's in-memory samples (every 2^step_log2-th rank, top_cache) narrow the range
-    to one gap between two samples, then the memory-mapped suffix array is searched inside it;
-    each narrows by the common prefixes with both ends (Manber-Myers).
+    A search with nothing known (LLCP = 0) starts inside the block of ranks whose suffixes
+    start with the pattern's first token (first_rank). Then the shard's in-memory samples
+    (every 2^step_log2-th rank, top_cache) narrow the range to one gap between two samples, and
+    the memory-mapped suffix array is searched inside it; each narrows by the common prefixes
+    with both ends (Manber-Myers).
     """
     dtype = prefix.dtype
     width = prefix.shape[1]
     mask = (1 << step_log2) - 1
+    for j in range(J):
+        if st[j, LLCP] == 0 and st[j, RLCP] == 0 and st[j, END] > st[j, START]:
+            s = st[j, SHARD]
+            t0 = pat[st[j, START]]
+            a = min(max(first_rank[s, t0], st[j, LO]), st[j, HI])
+            st[j, HI] = max(min(first_rank[s, t0 + 1], st[j, HI]), a)
+            st[j, LO] = a
+            st[j, LLCP] = 1
+            st[j, RLCP] = 1
     for j in range(J):  # the samples inside [LO, HI): indexes [L, R) of the shard's samples
         st[j, L] = (st[j, LO] + mask) >> step_log2
         st[j, R] = (st[j, HI] + mask) >> step_log2
@@ -194,7 +211,7 @@ def _chain(st, j, s, start, end, lo, hi, d, upper):
 
 
 @nb.njit(**_NB)
-def find(table, pos, prefix, step_log2, q, out_lo, out_hi):
+def find(table, first_rank, pos, prefix, step_log2, q, out_lo, out_hi):
     """Every shard's suffix-array interval of q: out_lo[s], out_hi[s]."""
     S = table.shape[0]
     if q.shape[0] == 0:
@@ -206,14 +223,14 @@ def find(table, pos, prefix, step_log2, q, out_lo, out_hi):
     for s in range(S):
         _chain(st, 2 * s, s, 0, q.shape[0], 0, table[s, N], 0, 0)
         _chain(st, 2 * s + 1, s, 0, q.shape[0], 0, table[s, N], 0, 1)
-    _bounds(table, pos, prefix, step_log2, q, st, 2 * S)
+    _bounds(table, first_rank, pos, prefix, step_log2, q, st, 2 * S)
     for s in range(S):
         out_lo[s] = st[2 * s, L]
         out_hi[s] = st[2 * s + 1, L]
 
 
 @nb.njit(**_NB)
-def narrow(table, pos, prefix, step_log2, pat, lo, hi, out_lo, out_hi):
+def narrow(table, first_rank, pos, prefix, step_log2, pat, lo, hi, out_lo, out_hi):
     """Inside every shard's interval [lo[s], hi[s]) of pat[:d] (d = len(pat) - 1), the interval
     of pat: the suffixes whose token at offset d is pat[d]."""
     S = table.shape[0]
@@ -227,7 +244,7 @@ def narrow(table, pos, prefix, step_log2, pat, lo, hi, out_lo, out_hi):
             _chain(st, J, s, 0, d + 1, lo[s], hi[s], d, 0)
             _chain(st, J + 1, s, 0, d + 1, lo[s], hi[s], d, 1)
             J += 2
-    _bounds(table, pos, prefix, step_log2, pat, st, J)
+    _bounds(table, first_rank, pos, prefix, step_log2, pat, st, J)
     for j in range(0, J, 2):
         s = st[j, SHARD]
         out_lo[s] = st[j, L]
@@ -235,7 +252,7 @@ def narrow(table, pos, prefix, step_log2, pat, lo, hi, out_lo, out_hi):
 
 
 @nb.njit(**_NB)
-def longest_suffix(table, pos, prefix, step_log2, q, cont, out):
+def longest_suffix(table, first_rank, pos, prefix, step_log2, q, cont, out):
     """Length l of the longest suffix of q that occurs in any shard; out[0, s], out[1, s]: each
     shard's interval of q[m-l:] (empty where the shard's match is shorter; every rank when l
     is 0); out[2, s], out[3, s]: the interval of q[m-l:] + [cont] (empty if cont < 0).
@@ -262,7 +279,7 @@ def longest_suffix(table, pos, prefix, step_log2, q, cont, out):
             if fails_at[s] > n_tok:
                 _chain(st, J, s, m - n_tok, m, 0, table[s, N], 0, 0)
                 J += 1
-        _bounds(table, pos, prefix, step_log2, pat, st, J)
+        _bounds(table, first_rank, pos, prefix, step_log2, pat, st, J)
         found = False
         for j in range(J):
             if st[j, L] < st[j, HI] and st[j, RLCP] == n_tok:
@@ -293,7 +310,7 @@ def longest_suffix(table, pos, prefix, step_log2, q, cont, out):
             _chain(st, J, s, m - sl, m + 1, out[0, s], table[s, N], 0, 0)
             _chain(st, J + 1, s, m - sl, m + 1, out[0, s], table[s, N], 0, 1)
             J += 2
-    _bounds(table, pos, prefix, step_log2, pat, st, J)
+    _bounds(table, first_rank, pos, prefix, step_log2, pat, st, J)
     for j in range(J):
         s = st[j, SHARD]
         if st[j, END] == m:
@@ -310,19 +327,30 @@ class ShardSet:
     table (S, 7) int64: per shard the address and length of its tokens and of its packed
     suffix array's words, the pointer width, the number of suffixes, and where its samples
     start in pos/prefix, which hold every shard's samples (top_cache.TopCache) one after
-    another. arrays: the arrays whose addresses table holds, referenced so they stay mapped.
+    another. first_rank (S, vocab + 1) int64: the first rank whose suffix starts with each
+    token, from the shard's unigram counts (the suffix array sorts by first token, and holds
+    every position but the document ends). arrays: the arrays whose addresses table holds,
+    referenced so they stay mapped. Pattern tokens must be < vocab.
     """
 
     table: np.ndarray
+    first_rank: np.ndarray
     pos: np.ndarray
     prefix: np.ndarray
     step_log2: int
     arrays: tuple
 
     @classmethod
-    def of(cls, shards) -> ShardSet:
+    def of(cls, shards, vocab: int) -> ShardSet:
         """shards: engine.Shard objects (their top caches are built here if not yet)."""
         tops = [s.top for s in shards]
+        first_rank = np.zeros((len(shards), vocab + 1), np.int64)
+        for row, s in zip(first_rank, shards):
+            u = np.asarray(s.unigram[:vocab], np.int64)
+            row[1 : len(u) + 1] = np.cumsum(u)
+            row[len(u) + 1 :] = row[len(u)]
+            if row[-1] != s.n:
+                raise IndexFormatError(f"shard {s.id}: its unigram counts sum to {row[-1]}, not its {s.n} suffixes")
         if len({t.step_log2 for t in tops}) > 1:
             raise ValueError("the shards' samples must have one step")
         toks = [np.asarray(s.tok) for s in shards]
@@ -334,7 +362,7 @@ class ShardSet:
         ).reshape(len(shards), 7)
         pos = np.concatenate([t.pos for t in tops]) if tops else np.zeros(0, np.int64)
         prefix = np.concatenate([t.prefix for t in tops]) if tops else np.zeros((0, 1), np.uint16)
-        return cls(table, pos, prefix, tops[0].step_log2 if tops else 0, tuple(toks + words))
+        return cls(table, first_rank, pos, prefix, tops[0].step_log2 if tops else 0, tuple(toks + words))
 
     def __len__(self) -> int:
         return self.table.shape[0]
@@ -343,14 +371,14 @@ class ShardSet:
         """Each shard's interval of q (int64 (m,)): (lo, hi), both (S,) int64."""
         lo = np.empty(len(self), np.int64)
         hi = np.empty(len(self), np.int64)
-        find(self.table, self.pos, self.prefix, self.step_log2, q, lo, hi)
+        find(self.table, self.first_rank, self.pos, self.prefix, self.step_log2, q, lo, hi)
         return lo, hi
 
     def narrow(self, pat: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Each shard's interval of pat (m + 1,), given its intervals [lo, hi) of pat[:m]."""
         out_lo = np.empty(len(self), np.int64)
         out_hi = np.empty(len(self), np.int64)
-        narrow(self.table, self.pos, self.prefix, self.step_log2, pat, lo, hi, out_lo, out_hi)
+        narrow(self.table, self.first_rank, self.pos, self.prefix, self.step_log2, pat, lo, hi, out_lo, out_hi)
         return out_lo, out_hi
 
     def longest_suffix(self, q: np.ndarray, cont: int = -1) -> tuple[int, np.ndarray]:
@@ -358,5 +386,5 @@ class ShardSet:
         int64: each shard's interval of it, lo then hi (empty where it does not occur; every
         rank when l is 0), then the interval of the suffix + [cont] (empty if cont < 0)."""
         out = np.empty((4, len(self)), np.int64)
-        sl = longest_suffix(self.table, self.pos, self.prefix, self.step_log2, q, cont, out)
+        sl = longest_suffix(self.table, self.first_rank, self.pos, self.prefix, self.step_log2, q, cont, out)
         return int(sl), out
