@@ -392,6 +392,8 @@ class Index:
         shard's interval of it, lo then hi (empty in a shard that lacks it; every rank when l is
         0), then of it + [cont] (empty if cont < 0)."""
         parts = self._per_group(lambda _, g: g.longest_suffix(q, cont))
+        if len(parts) == 1:
+            return parts[0]
         sl = max(x for x, _ in parts)
         return sl, np.concatenate([iv if x == sl else iv * 0 for x, iv in parts], axis=1)
 

@@ -123,12 +123,18 @@ def _bounds(table, first_rank, pos, prefix, step_log2, pat, st, J):
             if a >= b:
                 continue
             active = True
-            mid = (a + b) >> 1
-            s = st[j, SHARD]
-            row = table[s, FIRST_SAMPLE] + mid
             ps = st[j, START]
             m = st[j, END] - ps
             k = min(st[j, LLCP], st[j, RLCP])
+            if k >= m:  # every suffix left starts with the pattern: the bound is at an end
+                if st[j, UPPER]:
+                    st[j, L] = b
+                else:
+                    st[j, R] = a
+                continue
+            mid = (a + b) >> 1
+            s = st[j, SHARD]
+            row = table[s, FIRST_SAMPLE] + mid
             t = np.int64(0)
             while k < m:
                 t = np.int64(prefix[row, k]) if k < width else np.int64(_tokens(table, s, dtype)[pos[row] + k])
@@ -164,12 +170,19 @@ def _bounds(table, first_rank, pos, prefix, step_log2, pat, st, J):
             if a >= b:
                 continue
             active = True
+            k = min(st[j, LLCP], st[j, RLCP])
+            if k >= st[j, END] - st[j, START]:
+                if st[j, UPPER]:
+                    st[j, L] = b
+                else:
+                    st[j, R] = a
+                continue
             s = st[j, SHARD]
             w = table[s, WIDTH]
             mid = (a + b) >> 1
             p = get(_words(table, s), w, mid)
             st[j, P] = p
-            _prefetch(table[s, TOK] + (p + min(st[j, LLCP], st[j, RLCP])) * itemsize)
+            _prefetch(table[s, TOK] + (p + k) * itemsize)
             _prefetch(table[s, WORDS] + ((((a + mid) >> 1) * w) >> 6) * 8)
             _prefetch(table[s, WORDS] + ((((mid + 1 + b) >> 1) * w) >> 6) * 8)
         if not active:
