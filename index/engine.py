@@ -44,6 +44,7 @@ from . import format as fmt
 from . import kernels as K
 from . import top_cache
 from .errors import IndexFormatError, QueryError
+from .fanout import ShardSet
 from .features import SCORE_DTYPES, Features
 
 T = TypeVar("T")
@@ -217,15 +218,6 @@ class Shard:
             if self.random:
                 advise(self.searched, mmap.MADV_RANDOM)
 
-    def find(self, q: np.ndarray) -> tuple[int, int]:
-        t = self.top
-        return top_cache.find(self.tok, self.sa.words, self.sa.width, self.n, t.pos, t.prefix, t.step_log2, q, len(q))
-
-    def longest_suffix(self, q: np.ndarray) -> int:
-        """Length of the longest suffix of q that occurs in the shard."""
-        t = self.top
-        return int(top_cache.longest_suffix(self.tok, self.sa.words, self.sa.width, self.n, t.pos, t.prefix, t.step_log2, q, len(q))[0])
-
     def blocks(self, lo: int, hi: int, d: int) -> tuple[np.ndarray, np.ndarray]:
         """(tokens, counts) following the interval's common prefix of length d."""
         cap = min(hi - lo, 1 << 17)
@@ -261,10 +253,12 @@ class Index:
     10 ms; benchmarks/results/index_scale_random.md). "normal" keeps the kernel's read-ahead, for code
     that scans the arrays in order (the builder's features).
 
-    threads: how many shards are searched at once (the kernels release the GIL). The default,
-    1, searches them one after another: on a warm page cache a search takes tens of
-    microseconds, less than handing it to a thread (benchmarks/results/query_fanout.md); more
-    threads pay when searches wait on the disk (a cold or larger-than-memory index).
+    threads: on how many threads the shards are searched (the kernels release the GIL). The
+    default, 1, searches all shards in one call, their binary searches interleaved step by
+    step (index/fanout.py): on a warm page cache a query takes tens of microseconds, less than
+    handing it to a thread (benchmarks/results/query_fanout.md). More threads each search a
+    run of consecutive shards; they pay when searches wait on the disk (a cold or
+    larger-than-memory index), where a page fault stalls its thread.
     """
 
     def __init__(self, path: str | Path, *, threads: int = 1, access: str = "random"):
@@ -289,8 +283,8 @@ class Index:
             for sh in self.shards:
                 sh.random = True
                 advise(sh.searched, mmap.MADV_RANDOM)
-        n_threads = min(threads, len(self.shards))
-        self._pool = ThreadPoolExecutor(n_threads, thread_name_prefix="shard") if n_threads >= 2 else None
+        self._n_threads = max(1, min(threads, len(self.shards)))
+        self._pool = ThreadPoolExecutor(self._n_threads, thread_name_prefix="shard") if self._n_threads >= 2 else None
         self._dist_cache: dict[tuple[int, int, int, int], tuple[np.ndarray, np.ndarray]] = {}
         self._uni_top: tuple[np.ndarray, np.ndarray] | None = None
 
@@ -372,30 +366,60 @@ class Index:
 
     # ---- operations --------------------------------------------------------------------------
 
-    def _per_shard(self, fn: Callable[[Shard], T]) -> list[T]:
-        """fn over every shard, in shard order: in the thread pool when there is one."""
+    @cached_property
+    def _groups(self) -> list[tuple[slice, ShardSet]]:
+        """The shards as the sets searched together (fanout.py): all in one, or consecutive
+        runs of shards, one per thread; each with its place among the shards."""
+        edges = np.linspace(0, len(self.shards), self._n_threads + 1).round().astype(int).tolist()
+        return [(slice(a, b), ShardSet.of(self.shards[a:b], self.vocab_size)) for a, b in zip(edges[:-1], edges[1:])]
+
+    def _per_group(self, fn: Callable[[slice, ShardSet], T]) -> list[T]:
+        """fn over every group of shards, in shard order: in the thread pool when there is one."""
         if self._pool is None:
-            return [fn(s) for s in self.shards]
-        return list(self._pool.map(fn, self.shards))
+            return [fn(*g) for g in self._groups]
+        return list(self._pool.map(lambda g: fn(*g), self._groups))
+
+    def _find(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Every shard's suffix-array interval of q: (lo, hi), (n_shards,) int64 each."""
+        return _joined(self._per_group(lambda _, g: g.find(q)))
+
+    def _narrow(self, pat: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Every shard's interval of pat inside its interval [lo, hi) of pat[:-1]."""
+        return _joined(self._per_group(lambda part, g: g.narrow(pat, lo[part], hi[part])))
+
+    def _suffix(self, q: np.ndarray, cont: int = -1) -> tuple[int, np.ndarray]:
+        """(l, intervals): the longest suffix of q that occurs, and (4, n_shards) int64: every
+        shard's interval of it, lo then hi (empty in a shard that lacks it; every rank when l is
+        0), then of it + [cont] (empty if cont < 0)."""
+        parts = self._per_group(lambda _, g: g.longest_suffix(q, cont))
+        if len(parts) == 1:
+            return parts[0]
+        sl = max(x for x, _ in parts)
+        return sl, np.concatenate([iv if x == sl else iv * 0 for x, iv in parts], axis=1)
+
+    def _total(self, q_len: int, lo: np.ndarray, hi: np.ndarray) -> int:
+        """Occurrences of a q_len-token pattern from its intervals (the empty one: every position)."""
+        return self.n_positions if q_len == 0 else int((hi - lo).sum())
 
     def _count(self, q: np.ndarray) -> tuple[int, list[tuple[int, int]]]:
-        if q.size == 0:
-            return self.n_positions, [(0, s.n) for s in self.shards]
-        segs = self._per_shard(lambda s: s.find(q))
-        return sum(b - a for a, b in segs), segs
+        lo, hi = self._find(q)
+        return self._total(len(q), lo, hi), list(zip(lo.tolist(), hi.tolist()))
 
     def count(self, ids) -> CountResult:
-        return CountResult(self._count(self._ids(ids, allow_empty=True))[0])
+        q = self._ids(ids, allow_empty=True)
+        return CountResult(self._total(len(q), *self._find(q)))
 
     def prob(self, prompt, cont) -> ProbResult:
         q = self._ids(prompt, allow_empty=True, what="prompt")
         return self._prob(q, self._token(cont))
 
     def _prob(self, q: np.ndarray, cont: int) -> ProbResult:
-        prompt_cnt, _ = self._count(q)
+        lo, hi = self._find(q)
+        prompt_cnt = self._total(len(q), lo, hi)
         if prompt_cnt == 0:
             return ProbResult(0, 0, -1.0)
-        cont_cnt, _ = self._count(np.append(q, cont))
+        clo, chi = self._narrow(np.append(q, cont), lo, hi)
+        cont_cnt = int((chi - clo).sum())
         return ProbResult(prompt_cnt, cont_cnt, cont_cnt / prompt_cnt)
 
     def _unigram(self) -> np.ndarray:
@@ -448,7 +472,12 @@ class Index:
         return u, np.bincount(inv, weights=cnts).astype(np.int64)
 
     def _ntd(self, q: np.ndarray) -> NtdResult:
-        prompt_cnt, segs = self._count(q)
+        return self._ntd_in(q, *self._find(q))
+
+    def _ntd_in(self, q: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> NtdResult:
+        """ntd of q, given every shard's interval of q."""
+        prompt_cnt = self._total(len(q), lo, hi)
+        segs = list(zip(lo.tolist(), hi.tolist()))
         if prompt_cnt == 0:
             return NtdResult(0, {})
         toks, cnts = self._dist(q, segs)
@@ -457,27 +486,20 @@ class Index:
     def ntd(self, prompt) -> NtdResult:
         return self._ntd(self._ids(prompt, allow_empty=True, what="prompt"))
 
-    def _suffix_len(self, q: np.ndarray) -> int:
-        if self._pool is not None:
-            return max(self._per_shard(lambda s: s.longest_suffix(q)))
-        best = 0
-        for s in self.shards:
-            if best == len(q):
-                break
-            best = max(best, s.longest_suffix(q))
-        return best
-
     def infgram_prob(self, prompt, cont) -> InfgramProbResult:
         q = self._ids(prompt, allow_empty=True, what="prompt")
         c = self._token(cont)
-        sl = self._suffix_len(q)
-        r = self._prob(q[len(q) - sl :], c)
-        return InfgramProbResult(r.prompt_cnt, r.cont_cnt, r.prob, suffix_len=sl)
+        sl, iv = self._suffix(q, c)
+        prompt_cnt = self._total(sl, iv[0], iv[1])
+        if prompt_cnt == 0:
+            return InfgramProbResult(0, 0, -1.0, suffix_len=sl)
+        cont_cnt = int((iv[3] - iv[2]).sum())
+        return InfgramProbResult(prompt_cnt, cont_cnt, cont_cnt / prompt_cnt, suffix_len=sl)
 
     def infgram_ntd(self, prompt) -> InfgramNtdResult:
         q = self._ids(prompt, allow_empty=True, what="prompt")
-        sl = self._suffix_len(q)
-        r = self._ntd(q[len(q) - sl :])
+        sl, iv = self._suffix(q)
+        r = self._ntd_in(q[len(q) - sl :], iv[0], iv[1])
         return InfgramNtdResult(r.prompt_cnt, r.result_by_token_id, r.approx, suffix_len=sl)
 
     def _cont(self, segs: list[tuple[int, int]], length: int) -> int:
@@ -491,12 +513,10 @@ class Index:
 
     def longest_match(self, ids) -> LongestMatch:
         q = self._ids(ids, allow_empty=False)
-        sl = self._suffix_len(q)
+        sl, iv = self._suffix(q)
         if sl == 0:
             return LongestMatch(0, -1, self.n_positions)
-        suf = q[len(q) - sl :]
-        cnt, segs = self._count(suf)
-        return LongestMatch(sl, self._cont(segs, sl), cnt)
+        return LongestMatch(sl, self._cont(list(zip(iv[0].tolist(), iv[1].tolist())), sl), int((iv[1] - iv[0]).sum()))
 
     def docs(self, ids, *, max: int = 10, context: int = 20) -> DocsResult:
         q = self._ids(ids, allow_empty=False)
@@ -663,6 +683,13 @@ class Scorer:
 
 def _empty_score(T: int, k: int) -> Features:
     return Features.empty(T, k, SCORE_DTYPES)
+
+
+def _joined(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """The groups' (lo, hi) arrays, one after another."""
+    if len(parts) == 1:
+        return parts[0]
+    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
 
 def max_(a: int, b: int) -> int:

@@ -171,6 +171,45 @@ def test_top_cache_and_threads_against_brute_force(random_index, monkeypatch, th
             assert idx.longest_match(q).length == orc.suffix_len(q), q
 
 
+@pytest.fixture(scope="module")
+def many_shards(tmp_path_factory, tokenizer_model):
+    """A few thousand tokens in 16 or more shards."""
+    docs = random_docs(np.random.default_rng(13), 110, 5, 50, 1000)
+    docs += [docs[7][:30].copy(), np.concatenate([docs[3], docs[4]])]  # long repeats, across shards
+    out = tmp_path_factory.mktemp("many") / "idx"
+    build_from_ids(docs, out, tokenizer_model, shard_tokens=180)
+    assert len(Index(out).shards) >= 16
+    return out, Oracle(docs, Index(out).eos_id)
+
+
+@pytest.mark.parametrize("threads, step_log2", [(1, 10), (1, 2), (1, 0), (4, 1)])
+def test_many_shards_against_brute_force(many_shards, monkeypatch, threads, step_log2):
+    """All shards searched in one call (index/fanout.py), or in runs of shards on threads, with
+    samples every rank, every few ranks or none inside a shard: count, prob, the ∞-gram's
+    suffix and counts, and the longest match, of contexts up to 32 tokens, against brute force."""
+    from teragram.index import top_cache
+
+    monkeypatch.setattr(top_cache, "STEP_LOG2", step_log2)
+    path, orc = many_shards
+    idx = Index(path, threads=threads)
+    rng = np.random.default_rng(17)
+    queries = _queries(rng, orc, 100, idx.vocab_size, max_len=33) + [[int(x) for x in orc.docs[-1][:32]]]
+    for q in queries:
+        c = int(rng.choice(orc.docs[0])) if rng.random() < 0.8 else int(rng.integers(3, idx.vocab_size))
+        assert idx.count(q).count == orc.count(q), q
+        r = idx.prob(q, c)
+        assert (r.prompt_cnt, r.cont_cnt, r.prob) == pytest.approx(orc.prob(q, c)), q
+        sl = orc.suffix_len(q)
+        ip = idx.infgram_prob(q, c)
+        assert ip.suffix_len == sl and (ip.prompt_cnt, ip.cont_cnt, ip.prob) == pytest.approx(orc.prob(q[len(q) - sl :], c)), q
+        inn = idx.infgram_ntd(q)
+        assert inn.suffix_len == sl and _ntd_counts(inn) == orc.next_tokens(q[len(q) - sl :]), q
+        if q:
+            lm = idx.longest_match(q)
+            assert (lm.length, lm.cont, lm.count) == orc.feature_at(q, len(q) - 1, len(q), 1)[:3], q
+    assert max(orc.suffix_len(q) for q in queries) == 32
+
+
 @pytest.mark.parametrize("which", ["random_index", "real"])
 def test_draft_continuations_against_brute_force(which, request):
     """The scorer's occurrence / following / top_continuation (drafts for speculative
