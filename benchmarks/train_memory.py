@@ -56,14 +56,23 @@ def optimizer_gpu_bytes(opt, cuda: bool = True) -> int:
     return sum(_bytes([v]) for st in inner.state.values() for v in st.values() if torch.is_tensor(v) and (v.is_cuda or not cuda))
 
 
-def build(shape: dict, *, recompute: str = "none", offload: bool = False, zero1: bool = False, device: str = "cuda", block: int = 1024):
+def build(
+    shape: dict,
+    *,
+    recompute: str = "none",
+    recompute_blocks: int = 0,
+    offload: bool = False,
+    zero1: bool = False,
+    device: str = "cuda",
+    block: int = 1024,
+):
     import torch
     from teragram.model import optim
     from teragram.model.gpt import GPT, GPTConfig
 
     cfg = GPTConfig(vocab_size=VOCAB, block_size=block, use_index=False, mixture=False, **shape)
     model = GPT(cfg).to(device)
-    model.set_recompute(recompute)
+    model.set_recompute(recompute, recompute_blocks)
     cuda = device.startswith("cuda")
     opt = optim.build(model, lr=3e-4, weight_decay=0.1, betas=(0.9, 0.95), cuda=cuda, zero1=zero1, offload=offload)
     if offload and cuda:
@@ -209,8 +218,11 @@ def main() -> int:
     ap.add_argument("--cap-worker", choices=("none", "offload"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     parts = args.settings.split(",")
-    if unknown := set(parts) - set(PARTS):
-        ap.error(f"unknown settings {', '.join(sorted(unknown))}; known: {', '.join(PARTS)}")
+    for p in parts:  # blockN: recompute = block on the first N blocks only (selective)
+        if p.startswith("block") and p[5:].isdigit():
+            SETTINGS[p] = (f"recompute block, first {p[5:]} blocks", {"recompute": "block", "recompute_blocks": int(p[5:])})
+    if unknown := set(parts) - set(PARTS) - set(SETTINGS):
+        ap.error(f"unknown settings {', '.join(sorted(unknown))}; known: {', '.join(PARTS)}, blockN")
     import torch
     from teragram.model.gpt import GPTConfig
 
@@ -227,7 +239,7 @@ def main() -> int:
     device = "cuda" if cuda else "cpu"
     data: dict = {"shape": args.shape if not args.tiny else "tiny", "batch_size": B, "block_size": T, "settings": {}}
     rows = []
-    for name, kw in (SETTINGS[k] for k in SETTINGS if k in parts):
+    for name, kw in (SETTINGS[k] for k in parts if k in SETTINGS):
         try:
             r = measure_setting(shape, B, T, device, args.steps, **kw)
         except (RuntimeError, TypeError, ValueError) as e:  # recorded; the other settings go on

@@ -252,6 +252,7 @@ class GPT(nn.Module):
         if cfg.joint:
             self.joint_gate = JointGate(cfg.n_embd, len(cfg.joint), cfg.joint_hidden)
         self.recompute = "none"
+        self.recompute_blocks = cfg.n_layer
         self.apply(self._init_weights)
         for pn, p in self.named_parameters():
             if pn.endswith("c_proj.weight"):
@@ -276,13 +277,19 @@ class GPT(nn.Module):
         elif isinstance(m, nn.Embedding):
             torch.nn.init.normal_(m.weight, mean=0.0, std=0.02)
 
-    def set_recompute(self, mode: str) -> None:
+    def set_recompute(self, mode: str, blocks: int = 0) -> None:
         """Activation recompute in training: "none", "attn" (each block's attention sub-layer is
         recomputed in backward) or "block" (only each block's input is kept; the whole block is
-        recomputed). Same results, less activation memory, more compute."""
+        recomputed, and the head runs in chunks of rows). Under "block", `blocks` > 0 recomputes
+        only the first that many blocks and keeps the others' activations (selective recompute:
+        less compute, more memory; 0: every block). Same results, less activation memory, more
+        compute."""
         if mode not in ("none", "attn", "block"):
             raise ValueError(f"recompute must be none, attn or block, not {mode!r}")
+        if not 0 <= blocks <= self.cfg.n_layer or (blocks and mode != "block"):
+            raise ValueError(f"recompute_blocks must be in [0, {self.cfg.n_layer}] and goes with recompute = block (got {blocks}, {mode})")
         self.recompute = mode
+        self.recompute_blocks = blocks or self.cfg.n_layer
         for b in self.transformer.h:
             b.recompute_attn = mode == "attn"
 
@@ -325,7 +332,7 @@ class GPT(nn.Module):
         new_kv = []
         whole = self.recompute == "block" and kv is None and pos0 == 0 and torch.is_grad_enabled()
         for i, block in enumerate(self.transformer.h):
-            if whole:
+            if whole and i < self.recompute_blocks:
                 x, c = checkpoint(block.forward_no_cache, x, use_reentrant=False), None
             else:
                 x, c = block(x, None if kv is None else kv[i], pos0)

@@ -8,7 +8,8 @@ run continues the same loss curve. Logs: OUT/log.jsonl, a progress bar, OUT/loss
 
 Settings for memory, speed and convergence (each a config key; `check` refuses, with one line
 and before any work, a value or a combination that cannot work):
-  recompute = none | attn | block   activation checkpointing (model/gpt.py)
+  recompute = none | attn | block   activation checkpointing (model/gpt.py); recompute_blocks = N:
+                                   only the first N blocks (selective)
   zero1 = true                      AdamW state sharded across DDP ranks (model/optim.py)
   offload = none | optimizer        fp32 masters and Adam moments in CPU memory (model/offload.py)
   precision = bf16 | fp8 | int8     the blocks' linear layers in fp8 or int8 (model/lowp.py)
@@ -89,6 +90,7 @@ class TrainConfig:
     muon_lr: float = 0.02  # Muon's peak learning rate (follows lr's warmup and cosine)
     muon_momentum: float = 0.95
     recompute: str = "none"  # activation recompute: none | attn | block
+    recompute_blocks: int = 0  # recompute = block: only the first this many blocks (0: all)
     precision: str = "bf16"  # "bf16" (autocast; fp32 on CPU) | "fp8" | "int8" matmuls in the blocks' linears
     zero1: bool = False  # shard the optimizer state across data-parallel ranks (ZeRO stage 1)
     offload: str = "none"  # "optimizer": fp32 master weights and Adam moments in CPU memory
@@ -158,6 +160,10 @@ def check(cfg: TrainConfig) -> None:
             joint.check_components(cfg.joint_components)
     if cfg.joint_lm_weight < 0 or (cfg.joint_lm_weight and cfg.gate != "joint"):
         raise ConfigError(f"joint_lm_weight must be >= 0 and goes with gate = joint (got {cfg.joint_lm_weight}, gate = {cfg.gate})")
+    if cfg.recompute_blocks < 0 or (cfg.recompute_blocks and cfg.recompute != "block"):
+        raise ConfigError(
+            f"recompute_blocks must be >= 0 and goes with recompute = block (got {cfg.recompute_blocks}, recompute = {cfg.recompute})"
+        )
     if cfg.variance_every < 1:
         raise ConfigError(f"variance_every must be >= 1, not {cfg.variance_every}")
     if cfg.outer_every < 1:
@@ -335,7 +341,7 @@ def train(cfg: TrainConfig) -> dict:
     data = TrainData(cfg.index, cfg.features if use_index else None, mcfg.block_size, est)
     out = Path(cfg.out)
     model = GPT(mcfg).to(device)
-    model.set_recompute(cfg.recompute)
+    model.set_recompute(cfg.recompute, cfg.recompute_blocks)
     lowp.convert(model, cfg.precision)
     start, st = 0, None
     if cfg.resume and (out / "latest.json").exists():
