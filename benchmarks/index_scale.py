@@ -103,6 +103,31 @@ def latencies(fns: dict, qs: dict, cold, n_cold: int) -> dict:
     return res
 
 
+def open_cold(root: Path, q: tuple, stored: bool, repeats: int = 3) -> float:
+    """Median ms to open the index and answer its first count with every index file evicted
+    from the page cache: with the builder's stored suffix-array samples (stored, when the index
+    has them: index/top_cache.py) or with them built in memory on first use."""
+    from teragram.index import format as fmt
+    from teragram.index import top_cache
+    from teragram.index.engine import Index
+
+    man = fmt.read_json(root / "manifest.json")
+    files = [p for s in man["shards"] for p in fmt.shard_dir(root, s["shard"], s.get("dir")).glob("*.bin")]
+    load = top_cache.load
+    out = []
+    try:
+        if not stored:
+            top_cache.load = lambda *a: None
+        for _ in range(repeats):
+            evict(files)
+            t = time.perf_counter()
+            Index(root).count(*q)
+            out.append(time.perf_counter() - t)
+    finally:
+        top_cache.load = load
+    return float(np.median(out)) * 1e3
+
+
 def bulk_rate(idx, heldout: Path, max_tokens: int) -> dict:
     from teragram.model.estimates import heldout_docs, index_estimates_docs
 
@@ -120,8 +145,11 @@ def bulk_rate(idx, heldout: Path, max_tokens: int) -> dict:
 
 
 def measure_index(root: Path, qs: dict, heldout: Path, n_cold: int, bulk_tokens: int, threads: int = 1) -> dict:
+    from teragram.index import format as fmt
+    from teragram.index import top_cache
     from teragram.index.engine import Index
 
+    opened = {"stored": open_cold(root, qs["count"][0], True), "built": open_cold(root, qs["count"][0], False)}
     idx = Index(root, threads=threads)
     man = idx.manifest
     sizes: dict[str, int] = {}
@@ -145,6 +173,8 @@ def measure_index(root: Path, qs: dict, heldout: Path, n_cold: int, bulk_tokens:
         "bytes_per_token_all": sum(sizes.values()) / n,
         "latency": latencies(fns, qs, lambda op: evict(files, maps), n_cold),
         "bulk_estimates": bulk_rate(idx, heldout, bulk_tokens),
+        "open_cold_ms": opened,
+        "stored_samples": all((fmt.shard_dir(root, s["shard"], s.get("dir")) / top_cache.POS_FILE).exists() for s in man["shards"]),
     }
     print(json.dumps(row), flush=True)
     return row
@@ -225,6 +255,13 @@ def measure_infinigram(ig_dir: Path, of: Path, qs: dict, n_cold: int) -> dict:
     return {"of": of.name, "latency": lat, "build": built}
 
 
+def _opened(r: dict) -> str:
+    o = r.get("open_cold_ms")
+    if o is None:
+        return ""
+    return f"{o['stored']:.3g} / {o['built']:.3g}" if r.get("stored_samples") else f"(none stored) / {o['built']:.3g}"
+
+
 def report(res: dict, name: str = "index_scale") -> None:
     import matplotlib
 
@@ -239,6 +276,7 @@ def report(res: dict, name: str = "index_scale") -> None:
             lat = r["latency"][op]
             tr[f"{op} warm / cold ms"] = f"{lat['warm_median_ms']:.3g} / {lat['cold_median_ms']:.3g}"
         tr["bulk estimates tok/s/core"] = f"{r['bulk_estimates']['tokens_per_s_core']:,.0f}"
+        tr["open + first count, cold ms (stored samples / built)"] = _opened(r)
         rows.append(tr)
     res["reshard_warm_ratio"] = {}
     for r in res.get("reshard", []):
@@ -252,6 +290,7 @@ def report(res: dict, name: str = "index_scale") -> None:
         tr["bulk estimates tok/s/core"] = f"{r['bulk_estimates']['tokens_per_s_core']:,.0f}"
         rss = f", {(r['rss_own_mb'] + r['rss_workers_mb']) / 1024:.1f} GiB" if "rss_own_mb" in r else " (RSS not measured)"
         tr["build from ids"] = f"{r['index_s']:.0f} s{rss}"
+        tr["open + first count, cold ms (stored samples / built)"] = _opened(r)
         rows.append(tr)
     ig = res.get("infinigram")
     if ig:

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 from teragram.index import format as fmt
-from teragram.index import packed
+from teragram.index import packed, top_cache
 from teragram.index.errors import BuildError
 from tqdm import tqdm
 
@@ -32,7 +32,8 @@ def own_rss() -> int:
 def write_shard_arrays(
     shard_dir: Path, sep: int, vocab: int, memory_bytes: int, *, part_positions: int | None = None, progress: bool = False
 ) -> dict:
-    """Build and write sa.bin, samax.bin and unigram.bin; returns their statistics.
+    """Build and write sa.bin, samax.bin, unigram.bin and the suffix array's samples (top.*.bin,
+    index/top_cache.py); returns their statistics.
 
     memory_bytes bounds this process's resident memory while it works; a budget that cannot
     hold the shard's tokens plus the merge buffers, or one document's part, is a BuildError.
@@ -69,6 +70,8 @@ def write_shard_arrays(
     n_real = sa_merge.write_unigram(shard_dir, tok, sep, vocab)
     if n_real != sum(counts):
         raise BuildError(f"{shard_dir}: suffix array has {sum(counts)} entries for {n_real} tokens (corrupt part?)")
+    sa = fmt.open_packed(shard_dir / "sa.bin", "sa")
+    top_cache.write(shard_dir, tok, sa.words, sa.width, sa.count)
     return {"sa_entries": int(sum(counts)), "sa_width": width}
 
 

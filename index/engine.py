@@ -189,6 +189,7 @@ class Shard:
     samax: np.ndarray
     unigram: np.ndarray
     random: bool = False  # the searched arrays are advised MADV_RANDOM (Index(access="random"))
+    dir: Path | None = None  # where its stored samples may be (top_cache.load)
     off2: int = field(init=False)
     off3: int = field(init=False)
 
@@ -208,8 +209,12 @@ class Shard:
 
     @cached_property
     def top(self) -> top_cache.TopCache:
-        """The top levels of the suffix array, in memory (built on first use: a strided read of
-        the whole suffix array, done with the kernel's read-ahead even when searches go without)."""
+        """The top levels of the suffix array, in memory: the builder's stored samples, else built
+        on first use (a strided read of the whole suffix array, done with the kernel's read-ahead
+        even when searches go without)."""
+        stored = None if self.dir is None else top_cache.load(self.dir, self.tok, self.sa.words, self.sa.width, self.n)
+        if stored is not None:
+            return stored
         if self.random:
             advise(self.searched, mmap.MADV_NORMAL)
         try:
@@ -315,6 +320,7 @@ class Index:
             fmt.open_packed(d / "sa.bin", "sa"),
             fmt.open_array(d / "samax.bin", "samax"),
             fmt.open_array(d / "unigram.bin", "unigram"),
+            dir=d,
         )
 
     # ---- tokenizer ---------------------------------------------------------------------------

@@ -283,3 +283,42 @@ def test_searched_arrays_are_advised_random_unless_scanned(real_index):
     nrm = Index(real_index, access="normal")
     nrm.count(q)
     assert "rr" not in _vmflags(sa)
+
+
+def test_stored_top_samples_are_used_checked_and_optional(tmp_path, tokenizer_model, monkeypatch):
+    """The builder stores each shard's samples (top.*.bin); an index opens with them, without
+    reading its suffix arrays; stored samples that do not fit the shard, or none (an index built
+    before they existed), make the engine build them, with the same answers."""
+    import shutil
+
+    from teragram.index import format as fmt
+    from teragram.index import top_cache
+
+    docs = random_docs(np.random.default_rng(3), 60, 6, 50, 1000)
+    out = tmp_path / "idx"
+    build_from_ids(docs, out, tokenizer_model, shard_tokens=600)
+    orc = Oracle(docs, Index(out).eos_id)
+    qs = _queries(np.random.default_rng(5), orc, 60, 1000)
+    want = [orc.count(q) for q in qs]
+    for s in Index(out).shards:
+        t = top_cache.build(s.tok, s.sa.words, s.sa.width, s.n, top_cache.STEP_LOG2)
+        stored = top_cache.load(s.dir, s.tok, s.sa.words, s.sa.width, s.n)
+        assert np.array_equal(stored.pos, t.pos) and np.array_equal(stored.prefix, t.prefix)
+    built = []
+    real_build = top_cache.build
+    monkeypatch.setattr(top_cache, "build", lambda *a: built.append(1) or real_build(*a))
+    idx = Index(out)
+    assert [idx.count(q).count for q in qs] == want and not built  # the stored samples, no strided read
+    d = fmt.shard_dir(out, 0)
+    pos = np.array(fmt.open_array(d / top_cache.POS_FILE, "top.pos"))
+    pos[0] += 1
+    fmt.write_array(d / top_cache.POS_FILE, "top.pos", pos)  # a sample that is not the suffix array's
+    idx = Index(out)
+    assert [idx.count(q).count for q in qs] == want and len(built) == 1
+    for s in range(len(Index(out).shards)):  # an index without stored samples
+        for name in (top_cache.POS_FILE, top_cache.PREFIX_FILE):
+            (fmt.shard_dir(out, s) / name).unlink()
+    built.clear()
+    idx = Index(out)
+    assert [idx.count(q).count for q in qs] == want and len(built) == len(idx.shards)
+    shutil.rmtree(out)
