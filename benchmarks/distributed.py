@@ -116,7 +116,7 @@ def main() -> int:
     ap.add_argument("--outer-every", type=int, default=50)
     ap.add_argument(
         "--outer",
-        default="0.7:0.9,1:0,1:0.5,0.35:0.9,1:0:0.0045,1:0:0.002",
+        default="1:0:0.002,1:0:0.0015,1.3:0:0.002,1.5:0:0.002",
         help="local SGD's outer lr:momentum[:inner lr], each one run (DiLoCo's: 0.7:0.9; inner lr default 3e-3, as DDP's)",
     )
     ap.add_argument("--links", default="0,1,0.1", help="simulated link speeds, Gbit/s (0: none)")
