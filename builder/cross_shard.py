@@ -207,7 +207,8 @@ def key_lengths(T, sep, cap, out):
 def key_lcp(sa, lcp, klen, out):
     """Key lcps of adjacent ranks from capped, SEP-stopped lcps (kasai_capped's): equal keys
     where the common prefix is both suffixes' whole key."""
-    out[0] = 0
+    if sa.shape[0]:
+        out[0] = 0
     for r in range(1, sa.shape[0]):
         h = lcp[r]
         out[r] = KEY_EQUAL if h == klen[sa[r]] and h == klen[sa[r - 1]] else h

@@ -159,7 +159,7 @@ def merged_exclude_doc_features(idx: Index, cfg: FeatureConfig) -> list[Features
     from one suffix array of the whole index: the shards' suffix arrays merged
     (cross_shard.merged_suffix_array), then the one-shard kernels over the concatenated text,
     where "another document" spans every shard and the most recent occurrence is the largest
-    position (shards in order). Memory grows with the whole index, about 40 bytes per token."""
+    position (shards in order). Memory grows with the whole index: about 45 bytes per token."""
     cap, sep = cfg.max_len, idx.sep
     T = np.concatenate([np.asarray(s.tok) for s in idx.shards])  # anonymous: huge pages
     n = len(T)
