@@ -173,3 +173,153 @@ def other_shard_matches(idx: Index, shard: int, other: int, cap: int) -> tuple[n
     zero = (L == 0) & (TS != idx.sep)
     hi[zero] = len(saO)
     return L, lo, hi
+
+
+# ---- all shards at once: one suffix array of the whole index, by merging --------------------
+#
+# Every exclude-doc or causal feature of a position depends only on the order of the index's
+# suffixes up to `cap` tokens (never through a SEP) and on their common prefixes: the merge of
+# the shards' suffix arrays, with its lcp array, is that of one shard holding the whole index,
+# and the one-shard kernels answer every shard from it. A pair of shards costs a merge-join of
+# both; merging all of them in a balanced tree costs log2(shards) passes over the index.
+#
+# Merging uses "key lcps": the key of a suffix is its first tokens up to cap or through its
+# SEP; K(x, y) is the position where the keys of x and y differ, or KEY_EQUAL where they are
+# equal (common prefix cap, or both reach a SEP there). Adjacent key lcps of two sorted lists
+# decide most steps of the merge without reading a token (the lcp-merge of Ng and Kakehi).
+
+KEY_EQUAL = 255  # a key lcp never reaches it otherwise: cap <= 255, so differences are < 255
+
+
+@nb.njit(**_NB)
+def key_lengths(T, sep, cap, out):
+    """out[p] = the length of p's key: tokens before the next SEP, at most cap."""
+    d = 0
+    for p in range(T.shape[0] - 1, -1, -1):
+        if T[p] == sep:
+            d = 0
+        elif d < cap:
+            d += 1
+        out[p] = d
+
+
+@nb.njit(**_NB)
+def key_lcp(sa, lcp, klen, out):
+    """Key lcps of adjacent ranks from capped, SEP-stopped lcps (kasai_capped's): equal keys
+    where the common prefix is both suffixes' whole key."""
+    if sa.shape[0]:
+        out[0] = 0
+    for r in range(1, sa.shape[0]):
+        h = lcp[r]
+        out[r] = KEY_EQUAL if h == klen[sa[r]] and h == klen[sa[r - 1]] else h
+
+
+@nb.njit(**_NB)
+def lcp_from_key_lcp(sa, h, klen, lcp):
+    """Back to capped, SEP-stopped lcps (in place allowed): equal keys share the whole key."""
+    for r in range(sa.shape[0]):
+        lcp[r] = klen[sa[r]] if h[r] == KEY_EQUAL else h[r]
+
+
+@nb.njit(inline="always")
+def _key_cmp_from(T, x, y, k, cap, sep):
+    """(K(x, y), whether x goes first: x < y or equal keys), knowing the keys agree up to k."""
+    while k < cap:
+        a = T[x + k]
+        b = T[y + k]
+        if a != b:
+            return k, a < b
+        if a == sep:
+            return KEY_EQUAL, True
+        k += 1
+    return KEY_EQUAL, True
+
+
+@nb.njit(**_NB)
+def lcp_merge(T, A, hA, B, hB, cap, sep, C, hC):
+    """Merge the key-sorted suffix lists A and B (positions in T, adjacent key lcps hA, hB)
+    into C with its key lcps hC; equal keys keep A's first. kl = K(A[i], B[j]) and which of
+    the two goes first are carried from step to step: the next head's key lcp with the one
+    just taken decides against kl which goes next, and tokens are read only on a tie with kl
+    (from position kl on), as in the lcp-merge of Ng and Kakehi."""
+    na = A.shape[0]
+    nb_ = B.shape[0]
+    i = 0
+    j = 0
+    o = 0
+    pa = 0  # K(last output, A[i]) and K(last output, B[j]): the next output's key lcp
+    pb = 0
+    kl, a_first = _key_cmp_from(T, A[0], B[0], 0, cap, sep) if na > 0 and nb_ > 0 else (0, True)
+    while i < na and j < nb_:
+        if a_first:
+            C[o] = A[i]
+            hC[o] = pa
+            o += 1
+            pb = kl
+            i += 1
+            if i < na:
+                h = hA[i]
+                pa = h
+                if h < kl:  # A[i] leaves A[i-1] (and so B[j]) upward before kl
+                    kl = h
+                    a_first = False
+                elif h == kl and kl != KEY_EQUAL:
+                    kl, a_first = _key_cmp_from(T, A[i], B[j], kl, cap, sep)
+                # h > kl: A[i] still below B[j], at kl; both KEY_EQUAL: still a tie
+        else:
+            C[o] = B[j]
+            hC[o] = pb
+            o += 1
+            pa = kl
+            j += 1
+            if j < nb_:
+                h = hB[j]
+                pb = h
+                if h < kl:
+                    kl = h
+                    a_first = True
+                elif h == kl:
+                    kl, a_first = _key_cmp_from(T, A[i], B[j], kl, cap, sep)
+    while i < na:
+        C[o] = A[i]
+        hC[o] = pa
+        o += 1
+        i += 1
+        if i < na:
+            pa = hA[i]
+    while j < nb_:
+        C[o] = B[j]
+        hC[o] = pb
+        o += 1
+        j += 1
+        if j < nb_:
+            pb = hB[j]
+
+
+def shard_key_lcps(T: np.ndarray, sa: np.ndarray, klen: np.ndarray, cap: int, sep: int) -> np.ndarray:
+    """Key lcps of adjacent ranks of one shard (T, sa, klen: the shard's own), by Kasai."""
+    rank = np.empty(len(T), sa.dtype)
+    FK.rank_and_doc(sa, np.array([0, len(T)], np.int64), rank, np.empty(len(T), np.int32), np.empty(len(sa), np.int32))
+    h = np.empty(len(sa), np.uint8)
+    FK.kasai_capped(T, sa, rank, sep, cap, h)
+    key_lcp(sa, h, klen, h)
+    return h
+
+
+def merged_suffix_array(T: np.ndarray, parts: list[tuple[np.ndarray, np.ndarray]], cap: int, sep: int) -> tuple[np.ndarray, np.ndarray]:
+    """(sa, h): the key-sorted merge of the suffix lists `parts` ((positions in T, their key
+    lcps) each), merged pairwise in a balanced tree; parts are consumed."""
+    parts = list(parts)
+    while len(parts) > 1:
+        nxt = []
+        for a in range(0, len(parts) - 1, 2):
+            (A, hA), (B, hB) = parts[a], parts[a + 1]
+            C = np.empty(len(A) + len(B), A.dtype)
+            hC = np.empty(len(C), np.uint8)
+            lcp_merge(T, A, hA, B, hB, cap, sep, C, hC)
+            nxt.append((C, hC))
+            parts[a] = parts[a + 1] = None  # free the inputs as the level goes
+        if len(parts) % 2:
+            nxt.append(parts[-1])
+        parts = nxt
+    return parts[0]

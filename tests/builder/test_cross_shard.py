@@ -3,9 +3,11 @@
 import numpy as np
 import pytest
 from teragram.builder.build import build_from_ids
-from teragram.builder.cross_shard import other_shard_matches
+from teragram.builder.cross_shard import key_lcp, key_lengths, lcp_from_key_lcp, merged_suffix_array, other_shard_matches
+from teragram.builder.features import merged_exclude_doc_features, shard_features
 from teragram.index import kernels as IK
 from teragram.index.engine import Index
+from teragram.index.features import FeatureConfig
 
 from tests.builder.test_sa_parts import _docs_with_duplicates
 
@@ -47,3 +49,68 @@ def test_merge_join_on_real_text(real_index):
         got = other_shard_matches(idx, 1, 0, cap)
         want = _live(idx, 1, 0, cap)
         assert all(g.tolist() == w.tolist() for g, w in zip(got, want))
+
+
+def _keys(T: np.ndarray, p: int, cap: int, sep: int) -> tuple:
+    """The key merged_suffix_array sorts by: tokens up to cap, through the first SEP."""
+    k = []
+    for x in T[p : p + cap]:
+        k.append(int(x))
+        if x == sep:
+            break
+    return tuple(k)
+
+
+@pytest.mark.parametrize("cap", [1, 3, 8, 64, 255])
+def test_merged_suffix_array_is_sorted_with_its_lcps(dup_index, cap):
+    """The shards' suffix arrays merged: every position once, keys sorted, and the lcp array
+    that of the capped, SEP-stopped common prefix of neighbours (brute force)."""
+    idx = dup_index
+    T = np.concatenate([np.asarray(s.tok) for s in idx.shards])
+    offs = np.cumsum([0] + [s.tok.shape[0] for s in idx.shards])
+    klen = np.empty(len(T), np.uint8)
+    key_lengths(T, idx.sep, cap, klen)
+    parts = []
+    for s, a in zip(idx.shards, offs[:-1]):
+        sa = s.sa.to_numpy().astype(np.int64)
+        lcp = np.zeros(len(sa), np.uint8)
+        for r in range(1, len(sa)):
+            lcp[r] = _common(T, sa[r - 1] + a, sa[r] + a, cap, idx.sep)
+        key_lcp(sa, lcp, klen[a:], lcp)
+        parts.append((sa + a, lcp))
+    sa, h = merged_suffix_array(T, parts, cap, idx.sep)
+    lcp_from_key_lcp(sa, h, klen, h)
+    assert sorted(sa.tolist()) == np.nonzero(T != idx.sep)[0].tolist()
+    keys = [_keys(T, p, cap, idx.sep) for p in sa.tolist()]
+    assert keys == sorted(keys)
+    assert h[0] == 0 and all(h[r] == _common(T, sa[r - 1], sa[r], cap, idx.sep) for r in range(1, len(sa)))
+
+
+def _common(T, a, b, cap, sep) -> int:
+    k = 0
+    while k < cap and a + k < len(T) and b + k < len(T) and T[a + k] == T[b + k] and T[a + k] != sep:
+        k += 1
+    return k
+
+
+@pytest.mark.parametrize("cap", [1, 5, 64, 255])
+def test_merged_exclude_doc_features_equal_pairwise(dup_index, cap):
+    """Length + continuation from the merged suffix array equal the merge-join per pair of
+    shards (itself checked against the live search above), on every position of every shard."""
+    idx = dup_index
+    cfg = FeatureConfig(mode="exclude-doc", max_len=cap, top_k=0)
+    merged = merged_exclude_doc_features(idx, cfg)
+    for sh in range(len(idx.shards)):
+        want = shard_features(idx, sh, cfg, pairwise=True)[0]
+        assert merged[sh].length.tolist() == want.length.tolist(), sh
+        assert merged[sh].cont.tolist() == want.cont.tolist(), sh
+        assert shard_features(idx, sh, cfg)[0].cont.tolist() == want.cont.tolist()
+
+
+def test_merged_exclude_doc_features_on_real_text(real_index):
+    idx = Index(real_index, threads=1)
+    cfg = FeatureConfig(mode="exclude-doc", max_len=64, top_k=0)
+    merged = merged_exclude_doc_features(idx, cfg)
+    for sh in range(len(idx.shards)):
+        want = shard_features(idx, sh, cfg, pairwise=True)[0]
+        assert np.array_equal(merged[sh].length, want.length) and np.array_equal(merged[sh].cont, want.cont)

@@ -176,3 +176,20 @@ def test_cli_and_resume(real_index, tmp_path):
         text=True,
     )
     assert r.returncode == 2 and "holds features of another" in r.stderr
+
+
+def test_exclude_doc_length_cont_files_equal_pairwise(real_index, tmp_path):
+    """compute_features writes every shard's exclude-doc length + continuation in one merged
+    pass; the files hold what the merge-join per pair of shards gives, and resume keeps them."""
+    cfg = FeatureConfig(mode="exclude-doc", max_len=64, top_k=0)
+    rep = compute_features(real_index, tmp_path / "f", cfg, progress=False)
+    idx = Index(real_index)
+    assert len(idx.shards) > 1 and [r["merged_shards"] for r in rep["shards"]] == [list(range(len(idx.shards)))]
+    for sh in range(len(idx.shards)):
+        got = open_features(tmp_path / "f" / f"{sh:06d}", 0)
+        want = shard_features(idx, sh, cfg, pairwise=True)[0]
+        assert np.array_equal(got.length, want.length)
+        assert np.array_equal(np.where(got.cont == idx.sep, -1, got.cont.astype(np.int64)), want.cont)
+    (tmp_path / "f" / "000001.done").unlink()
+    rep = compute_features(real_index, tmp_path / "f", cfg, progress=False)
+    assert [r["merged_shards"] for r in rep["shards"]] == [[1]]
