@@ -148,10 +148,20 @@ def own_shard_features(idx: Index, shard: int, cfg: FeatureConfig) -> tuple[Feat
     return f, aux
 
 
+MERGED_BYTES_PER_TOKEN = 45  # merged_exclude_doc_features' peak memory per token of the whole index (measured: 2.2 GB at 47M)
+MERGED_MEMORY_SHARE = 0.6  # of the memory available when the features start
+
+
 def _merged_path(idx: Index, cfg: FeatureConfig) -> bool:
     """Whether the features come from one merged suffix array of all shards rather than shard
-    by shard with a merge-join per pair (exclude-doc length + continuation of a sharded index)."""
-    return cfg.mode == "exclude-doc" and cfg.top_k == 0 and len(idx.shards) > 1
+    by shard with a merge-join per pair (exclude-doc length + continuation of a sharded index):
+    only when the whole index's merge fits in the memory available (an index larger than that
+    takes the pairwise path, slower but bounded by two shards)."""
+    import psutil
+
+    if not (cfg.mode == "exclude-doc" and cfg.top_k == 0 and len(idx.shards) > 1):
+        return False
+    return idx.n_positions * MERGED_BYTES_PER_TOKEN <= MERGED_MEMORY_SHARE * psutil.virtual_memory().available
 
 
 def merged_exclude_doc_features(idx: Index, cfg: FeatureConfig) -> list[Features]:

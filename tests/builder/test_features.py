@@ -193,3 +193,21 @@ def test_exclude_doc_length_cont_files_equal_pairwise(real_index, tmp_path):
     (tmp_path / "f" / "000001.done").unlink()
     rep = compute_features(real_index, tmp_path / "f", cfg, progress=False)
     assert [r["merged_shards"] for r in rep["shards"]] == [[1]]
+
+
+def test_an_index_too_large_for_the_merge_takes_the_pairwise_path(real_index, tmp_path, monkeypatch):
+    """When the merged suffix array of the whole index would not fit the memory available, the
+    features go pair by pair, with the same length + continuation."""
+    from teragram.builder import features as bf
+
+    cfg = FeatureConfig(mode="exclude-doc", max_len=64, top_k=0)
+    monkeypatch.setattr(bf, "MERGED_BYTES_PER_TOKEN", 1 << 40)
+    rep = compute_features(real_index, tmp_path / "f", cfg, progress=False)
+    assert all("merged_shards" not in r for r in rep["shards"])
+    monkeypatch.undo()
+    idx = Index(real_index)
+    merged = bf.merged_exclude_doc_features(idx, cfg)
+    for sh in range(len(idx.shards)):
+        got = open_features(tmp_path / "f" / f"{sh:06d}", 0)
+        assert np.array_equal(got.length, merged[sh].length)
+        assert np.array_equal(np.where(got.cont == idx.sep, -1, got.cont.astype(np.int64)), merged[sh].cont)
