@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 from teragram.index import format as fmt
 from teragram.index import packed
 from teragram.index.engine import Index
@@ -157,8 +158,6 @@ def _merged_path(idx: Index, cfg: FeatureConfig) -> bool:
     by shard with a merge-join per pair (exclude-doc length + continuation of a sharded index):
     only when the whole index's merge fits in the memory available (an index larger than that
     takes the pairwise path, slower but bounded by two shards)."""
-    import psutil
-
     if not (cfg.mode == "exclude-doc" and cfg.top_k == 0 and len(idx.shards) > 1):
         return False
     return idx.n_positions * MERGED_BYTES_PER_TOKEN <= MERGED_MEMORY_SHARE * psutil.virtual_memory().available

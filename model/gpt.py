@@ -358,12 +358,6 @@ class GPT(nn.Module):
             loss = loss - self.cfg.joint_lm_weight * lp_y
         return loss, None
 
-    def joint_weights(self, h: torch.Tensor, logp: torch.Tensor, e: Est) -> torch.Tensor:
-        """The joint gate's log-weights (..., 1 + M) from hidden states and the model's log-softmax."""
-        with torch.no_grad():
-            maxlp, top = logp.max(-1)
-        return self.joint_gate(h.float(), e, maxlp.exp(), top)
-
     def head_losses(self, h: torch.Tensor, targets: torch.Tensor, f: Features | None = None, e: Est | None = None):
         """From final hidden states: the per-token loss (B, T) under the final distribution (the
         mixture when the model has one) and the model's own log-softmax (B, T, V), float32."""
@@ -417,7 +411,8 @@ class GPT(nn.Module):
         a joint model's from its estimates e_last (B rows) and their distributions dense (B, M, V))."""
         if self.cfg.joint:
             logp = F.log_softmax(self.lm_head(h_last).float(), dim=-1)
-            return mixture_probs(self.joint_weights(h_last, logp, e_last), logp.exp(), e_last, dense)
+            maxlp, top = logp.max(-1)
+            return mixture_probs(self.joint_gate(h_last.float(), e_last, maxlp.exp(), top), logp.exp(), e_last, dense)
         p = F.softmax(self.lm_head(h_last).float(), dim=-1)
         if not (self.cfg.use_index and self.cfg.mixture):
             return p
