@@ -118,12 +118,38 @@ EVAL_ONLY = ("linux-source-6.12-new", "python3.11-doc")
 _PACKAGE = {"linux-source-6.12-new": "linux-source-6.12"}
 # extra packages a corpus needs unpacked beside it
 _NEEDS = {"bible-kjv-text": ("bible-kjv",)}
+# packages of a Debian suite that a stock bookworm machine's apt sources do not list: fetched
+# through an apt state of the cache's own (its sources list, package lists and archive cache)
+_SUITE = {"linux-source-6.12": "bookworm-backports"}
+_MIRROR = "http://deb.debian.org/debian"
+_KEYRING = "/usr/share/keyrings/debian-archive-keyring.gpg"
 _CHUNK = 32 << 10  # target size of chunks cut from single-file corpora
 _SOURCE_EXT = (".c", ".h", ".S", ".rs", ".py", ".sh", ".pl", ".rst", ".txt", ".yaml", "Kconfig", "Makefile")
 
 
 def cache_dir() -> Path:
     return Path(os.environ.get("TERAGRAM_CACHE", Path.home() / ".cache" / "teragram" / "corpora"))
+
+
+def _apt_download(pkg: str, dst: Path) -> None:
+    """`apt-get download pkg` into dst; a package of another suite (_SUITE) goes through an apt
+    state under the cache that lists only that suite, updated once."""
+    opts: list[str] = []
+    suite = _SUITE.get(pkg)
+    if suite:
+        state = cache_dir() / "apt" / suite
+        for d in ("lists/partial", "cache/archives/partial"):
+            (state / d).mkdir(parents=True, exist_ok=True)
+        (state / "sources.list").write_text(f"deb [signed-by={_KEYRING}] {_MIRROR} {suite} main\n")
+        opts = [
+            *("-o", f"Dir::Etc::SourceList={state / 'sources.list'}", "-o", "Dir::Etc::SourceParts=/dev/null"),
+            *("-o", f"Dir::State::Lists={state / 'lists'}", "-o", f"Dir::Cache={state / 'cache'}"),
+        ]
+        if not any((state / "lists").glob("*Packages*")):
+            subprocess.run(["apt-get", *opts, "update"], check=True, capture_output=True)
+    r = subprocess.run(["apt-get", *opts, "download", pkg], cwd=dst, capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(f"apt-get download {pkg} failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
 
 
 def fetch(name: str) -> Path:
@@ -138,7 +164,7 @@ def fetch(name: str) -> Path:
     for pkg in (name, *_NEEDS.get(name, ())):
         have = list(debs.glob(f"{pkg}_*.deb"))
         if not have:
-            subprocess.run(["apt-get", "download", pkg], cwd=debs, check=True, capture_output=True)
+            _apt_download(pkg, debs)
             have = list(debs.glob(f"{pkg}_*.deb"))
         subprocess.run(["dpkg", "-x", str(have[0]), str(root)], check=True)
     (root / ".done").touch()
