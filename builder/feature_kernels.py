@@ -81,9 +81,9 @@ def longest_previous(sa, lcp, ms):
 @nb.njit(**_NB)
 def longest_other_doc(sa, lcp, sadoc, ms):
     """ms[p]: longest prefix of the suffix at p that also starts in another document: the max
-    lcp with the nearest ranks on either side from a different document (two linear passes)."""
+    lcp with the nearest ranks on either side from a different document (two linear passes).
+    Only the positions in sa are written (the caller zeroes the others, e.g. separators)."""
     n = sa.shape[0]
-    ms[:] = 0
     left = np.zeros(n, np.uint8)
     for r in range(1, n):
         if sadoc[r - 1] != sadoc[r]:
@@ -660,14 +660,26 @@ def _merge2(m1, d1, m2, n1, e1, n2):
 @nb.njit(**_NB)
 def exclude_doc_recent(T, sa, lcp, sadoc, length, run, runr, sep, eos, out_pos, out_cont):
     """Exclude-doc length + continuation without intervals or scans: the most recent occurrence
-    of s = T[t-L+1..t] in another document, for every t, in the two rank sweeps of
-    interval_bounds. Each stack entry also summarises the ranks it covers by (largest position,
-    its document, largest position of another document); a query for document d takes the
-    largest position outside d of each entry its interval spans (the first, or the second if
-    the first lies in d). run/runr: scratch for runs_by_rank; cont is looked up in a last pass."""
-    n = sa.shape[0]
+    of s = T[t-L+1..t] in another document for every t (recent_other_doc), then its next token.
+    run/runr: scratch for runs_by_rank."""
     runs_by_rank(sa, length, run, runr)
     out_pos[:] = -1
+    recent_other_doc(sa, lcp, sadoc, runr, np.empty(0, np.int64), out_pos)
+    cont_from_pos(T, out_pos, length, sep, eos, out_cont)
+
+
+@nb.njit(**_NB)
+def recent_other_doc(sa, lcp, sadoc, runr, base, out_pos):
+    """The most recent occurrence of s = T[t-L+1..t] in another document, for every run of
+    positions t (runr[r]: the run of the match start sa[r], as runs_by_rank packs it), in the
+    two rank sweeps of interval_bounds. Each stack entry also summarises the ranks it covers by
+    (largest position, its document, largest position of another document); a query for
+    document d takes the largest position outside d of each entry its interval spans (the
+    first, or the second if the first lies in d). The answer for t goes to out_pos[t], or with
+    a non-empty base to out_pos[base[r] + (t - first t of the run)] (runs numbered within a
+    part of the ranks); out_pos starts at -1."""
+    n = sa.shape[0]
+    local = base.shape[0] > 0
     st_r = np.empty(258, np.int64)
     st_v = np.empty(258, np.int64)
     a_m1 = np.empty(258, np.int64)
@@ -694,6 +706,7 @@ def exclude_doc_recent(T, sa, lcp, sadoc, length, run, runr, sep, eos, out_pos, 
         if x < 0:
             continue
         f = x >> 8
+        slot0 = base[r] - f if local else np.int64(0)
         i = np.int64(sa[r])
         d = np.int64(sadoc[r])
         best = np.int64(-1)  # over the entries above j, outside document d
@@ -703,7 +716,7 @@ def exclude_doc_recent(T, sa, lcp, sadoc, length, run, runr, sep, eos, out_pos, 
             while st_v[j] >= L:
                 best = max(best, a_m1[j] if a_d1[j] != d else a_m2[j])
                 j -= 1
-            out_pos[t] = max(best, a_m1[j] if a_d1[j] != d else a_m2[j])  # ranks [st_r[j], r]
+            out_pos[slot0 + t] = max(best, a_m1[j] if a_d1[j] != d else a_m2[j])  # ranks [st_r[j], r]
     # right sweep, mirrored: entry j covers [st_r[j], st_r[j-1]) (the bottom one up to n);
     # a pushed entry absorbs the entries it pops
     top = -1
@@ -722,6 +735,7 @@ def exclude_doc_recent(T, sa, lcp, sadoc, length, run, runr, sep, eos, out_pos, 
         if x < 0:
             continue
         f = x >> 8
+        slot0 = base[r] - f if local else np.int64(0)
         i = np.int64(sa[r])
         d = np.int64(sadoc[r])
         best = np.int64(-1)
@@ -731,6 +745,5 @@ def exclude_doc_recent(T, sa, lcp, sadoc, length, run, runr, sep, eos, out_pos, 
             while j >= 0 and st_v[j] >= L:  # ranks [r+1, st_r[j]) are the entries above j
                 best = max(best, a_m1[j] if a_d1[j] != d else a_m2[j])
                 j -= 1
-            if best > out_pos[t]:
-                out_pos[t] = best
-    cont_from_pos(T, out_pos, length, sep, eos, out_cont)
+            if best > out_pos[slot0 + t]:
+                out_pos[slot0 + t] = best

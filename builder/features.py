@@ -52,7 +52,7 @@ from teragram.index.features import MODES, FeatureConfig, Features, begin, finis
 from teragram.index.heldout import compute_held_out
 from tqdm import tqdm
 
-from . import cross_shard
+from . import cross_shard, merged_features
 from . import feature_kernels as FK
 
 HEAVY = 64  # intervals with more occurrences than this go through the grouped pass
@@ -96,7 +96,7 @@ def own_shard_features(idx: Index, shard: int, cfg: FeatureConfig) -> tuple[Feat
     FK.rank_and_doc(sa, starts, rank, doc, sadoc)
     lcp = np.empty(len(sa), np.uint8)
     FK.kasai_capped(T, sa, rank, idx.sep, cfg.max_len, lcp)
-    ms = np.empty(n_pos, np.uint8)
+    ms = np.zeros(n_pos, np.uint8)
     if mode == FK.CAUSAL:
         FK.longest_previous(sa, lcp, ms)
     else:
@@ -149,62 +149,47 @@ def own_shard_features(idx: Index, shard: int, cfg: FeatureConfig) -> tuple[Feat
     return f, aux
 
 
-MERGED_BYTES_PER_TOKEN = 45  # merged_exclude_doc_features' peak memory per token of the whole index (measured: 2.2 GB at 47M)
 MERGED_MEMORY_SHARE = 0.6  # of the memory available when the features start
 
 
+def _merged_memory(idx: Index) -> int:
+    return int(MERGED_MEMORY_SHARE * psutil.virtual_memory().available)
+
+
 def _merged_path(idx: Index, cfg: FeatureConfig) -> bool:
-    """Whether the features come from one merged suffix array of all shards rather than shard
-    by shard with a merge-join per pair (exclude-doc length + continuation of a sharded index):
-    only when the whole index's merge fits in the memory available (an index larger than that
-    takes the pairwise path, slower but bounded by two shards)."""
+    """Whether the features come from the merged suffix array of all shards, chunk by chunk
+    (builder/merged_features.py), rather than shard by shard with a merge-join per pair:
+    exclude-doc length + continuation of a sharded index, when the whole index's arrays (a byte
+    and a token per position) leave room for chunks in the memory available."""
     if not (cfg.mode == "exclude-doc" and cfg.top_k == 0 and len(idx.shards) > 1):
         return False
-    return idx.n_positions * MERGED_BYTES_PER_TOKEN <= MERGED_MEMORY_SHARE * psutil.virtual_memory().available
+    return merged_features.chunk_positions_for(_merged_memory(idx), idx, scratch=True) > 1 << 16
 
 
-def merged_exclude_doc_features(idx: Index, cfg: FeatureConfig) -> list[Features]:
-    """Exclude-doc length + continuation of every shard's positions (count left undefined, -1),
-    from one suffix array of the whole index: the shards' suffix arrays merged
-    (cross_shard.merged_suffix_array), then the one-shard kernels over the concatenated text,
-    where "another document" spans every shard and the most recent occurrence is the largest
-    position (shards in order). Memory grows with the whole index: about 45 bytes per token."""
-    cap, sep = cfg.max_len, idx.sep
-    T = np.concatenate([np.asarray(s.tok) for s in idx.shards])  # anonymous: huge pages
-    n = len(T)
-    dt = np.int32 if n < 2**31 else np.int64
-    offs = np.cumsum([0] + [s.tok.shape[0] for s in idx.shards])
-    starts = np.concatenate([np.asarray(s.starts[:-1]).astype(np.int64) + o for s, o in zip(idx.shards, offs)] + [[n]])
-    klen = np.empty(n, np.uint8)
-    cross_shard.key_lengths(T, sep, cap, klen)
-    parts = []
-    for s, a, b in zip(idx.shards, offs[:-1], offs[1:]):
-        sa = np.empty(s.sa.count, dt)
-        packed.unpack_range(s.sa.words, s.sa.width, 0, s.sa.count, sa)
-        h = cross_shard.shard_key_lcps(T[a:b], sa, klen[a:b], cap, sep)
-        sa += dt(a)
-        parts.append((sa, h))
-    sa, lcp = cross_shard.merged_suffix_array(T, parts, cap, sep)
-    del parts
-    cross_shard.lcp_from_key_lcp(sa, lcp, klen, lcp)
-    del klen
-    doc = np.empty(n, np.int32)
-    sadoc = np.empty(len(sa), np.int32)
-    FK.rank_and_doc(sa, starts, np.empty(n, dt), doc, sadoc)
-    del doc
-    ms = np.empty(n, np.uint8)
-    FK.longest_other_doc(sa, lcp, sadoc, ms)
-    length = np.zeros(n, np.uint8)
-    FK.match_lengths_from_ms(ms, starts, cap, length)
-    del ms
-    pos = np.full(n, -1, dt)
-    cont = Features.empty(n, 0).cont
-    FK.exclude_doc_recent(T, sa, lcp, sadoc, length, np.empty(n, np.int64), np.empty(len(sa), np.int64), sep, idx.eos_id, pos, cont)
+def merged_exclude_doc_lengths(idx: Index, cfg: FeatureConfig, scratch: Path | None = None, progress: bool = False):
+    """Per shard (length, cont as stored: token dtype, SEP for none) and the run's statistics;
+    scratch: where the chunks' merges wait between the two passes (else merged twice)."""
+    chunk = merged_features.chunk_positions_for(_merged_memory(idx), idx, scratch=scratch is not None)
+    return merged_features.exclude_doc_lengths_conts(idx, cfg.max_len, max_chunk_positions=chunk, scratch=scratch, progress=progress)
+
+
+def merged_exclude_doc_features(
+    idx: Index, cfg: FeatureConfig, *, max_chunk_positions: int | None = None, scratch: Path | None = None
+) -> list[Features]:
+    """Exclude-doc length + continuation of every shard's positions (count left undefined, -1)
+    from the merged suffix array of all shards (builder/merged_features.py), where "another
+    document" spans every shard and the most recent occurrence is the largest position (shards
+    in order)."""
+    if max_chunk_positions is None:
+        per_shard, _ = merged_exclude_doc_lengths(idx, cfg, scratch)
+    else:
+        per_shard, _ = merged_features.exclude_doc_lengths_conts(idx, cfg.max_len, max_chunk_positions=max_chunk_positions, scratch=scratch)
     out = []
-    for a, b in zip(offs[:-1], offs[1:]):
-        f = dataclasses.replace(Features.empty(b - a, 0), length=length[a:b].copy(), cont=cont[a:b].copy())
+    for length, cont in per_shard:
+        f = dataclasses.replace(Features.empty(len(length), 0), length=length.copy())
+        f.cont[cont != idx.sep] = cont[cont != idx.sep]
         f.count[:] = -1
-        f.count[T[a:b] == sep] = 0
+        f.count[np.asarray(idx.shards[len(out)].tok) == idx.sep] = 0
         out.append(f)
     return out
 
@@ -337,17 +322,18 @@ def _feature_task(index_dir: str, out: str, shard: int, cfg: FeatureConfig) -> d
     return {"shard": shard, "positions": int(len(f.length))} | stats
 
 
-def _merged_feature_task(index_dir: str, out: str, shards: list[int], cfg: FeatureConfig) -> dict:
-    """Compute all shards' features at once (the merged suffix array), write and mark `shards`."""
+def _merged_feature_task(index_dir: str, out: str, shards: list[int], cfg: FeatureConfig, progress: bool = False) -> dict:
+    """Compute all shards' features at once (the merged suffix array, chunk by chunk), write
+    and mark `shards`."""
     idx = Index(index_dir, access="normal")
-    t0 = time.time()
-    feats = merged_exclude_doc_features(idx, cfg)
-    secs = time.time() - t0
+    per_shard, stats = merged_exclude_doc_lengths(idx, cfg, scratch=Path(out) / "scratch", progress=progress)
+    none = np.zeros(0, np.int64)  # count and top-k: not computed, not written (k = 0)
     for shard in shards:
         d = Path(out) / f"{shard:06d}"
-        files = write_features(d, feats[shard], np.dtype(idx.manifest["token_dtype"]), idx.sep, cfg.top_k)
+        length, cont = per_shard[shard]
+        files = write_features(d, Features(length, cont, none, none, none), np.dtype(idx.manifest["token_dtype"]), idx.sep, 0)
         fmt.write_json(Path(out) / f"{shard:06d}.done", {"shard": shard, "files": files})
-    return {"merged_shards": shards, "positions": int(sum(len(f.length) for f in feats)), "total_s": secs}
+    return {"merged_shards": shards, "positions": int(sum(len(x) for x, _ in per_shard))} | stats
 
 
 def compute_features(
@@ -381,7 +367,7 @@ def compute_features(
     try:
         merged = _merged_path(idx, cfg)
         if merged and todo:
-            ex.submit(_merged_feature_task, str(idx.path), str(out), todo, cfg)
+            ex.submit(_merged_feature_task, str(idx.path), str(out), todo, cfg, progress)
         for s in [] if merged else todo:
             ex.submit(_feature_task, str(idx.path), str(out), s, cfg)
         results = ex.results()

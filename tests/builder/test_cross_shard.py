@@ -5,6 +5,7 @@ import pytest
 from teragram.builder.build import build_from_ids
 from teragram.builder.cross_shard import key_lcp, key_lengths, lcp_from_key_lcp, merged_suffix_array, other_shard_matches
 from teragram.builder.features import merged_exclude_doc_features, shard_features
+from teragram.builder.merged_features import plan_chunks
 from teragram.index import kernels as IK
 from teragram.index.engine import Index
 from teragram.index.features import FeatureConfig
@@ -93,24 +94,67 @@ def _common(T, a, b, cap, sep) -> int:
     return k
 
 
-@pytest.mark.parametrize("cap", [1, 5, 64, 255])
-def test_merged_exclude_doc_features_equal_pairwise(dup_index, cap):
-    """Length + continuation from the merged suffix array equal the merge-join per pair of
-    shards (itself checked against the live search above), on every position of every shard."""
+@pytest.mark.parametrize("cap", [1, 2, 5, 64, 255])
+@pytest.mark.parametrize("chunk", [None, 300, 40, 3])
+def test_merged_exclude_doc_features_equal_pairwise(dup_index, cap, chunk):
+    """Length + continuation from the merged suffix array, whole or in chunks small enough to
+    split blocks several tokens deep, equal the merge-join per pair of shards (itself checked
+    against the live search above), on every position of every shard."""
     idx = dup_index
     cfg = FeatureConfig(mode="exclude-doc", max_len=cap, top_k=0)
-    merged = merged_exclude_doc_features(idx, cfg)
+    merged = merged_exclude_doc_features(idx, cfg, max_chunk_positions=chunk)
+    if chunk == 3 and cap >= 5:
+        assert max(c.depth for c in plan_chunks(idx, chunk, cap)[0]) >= 4
     for sh in range(len(idx.shards)):
         want = shard_features(idx, sh, cfg, pairwise=True)[0]
         assert merged[sh].length.tolist() == want.length.tolist(), sh
         assert merged[sh].cont.tolist() == want.cont.tolist(), sh
-        assert shard_features(idx, sh, cfg)[0].cont.tolist() == want.cont.tolist()
+        if chunk is None:
+            assert shard_features(idx, sh, cfg)[0].cont.tolist() == want.cont.tolist()
 
 
-def test_merged_exclude_doc_features_on_real_text(real_index):
+def test_chunks_kept_on_scratch_give_the_same_features(dup_index, tmp_path, monkeypatch):
+    """With a scratch directory each chunk's merge is written by the first pass and read back by
+    the second (tokens mapped from a file there too): the same features, nothing left behind."""
+    from teragram.builder import merged_features
+
+    monkeypatch.setattr(merged_features, "TOKENS_IN_MEMORY", 0)
+    cfg = FeatureConfig(mode="exclude-doc", max_len=64, top_k=0)
+    want = merged_exclude_doc_features(dup_index, cfg, max_chunk_positions=40)
+    got = merged_exclude_doc_features(dup_index, cfg, max_chunk_positions=40, scratch=tmp_path / "s")
+    assert all(np.array_equal(g.length, w.length) and np.array_equal(g.cont, w.cont) for g, w in zip(got, want))
+    assert list((tmp_path / "s").iterdir()) == []
+
+
+@pytest.mark.parametrize("cap,chunk", [(64, 40), (3, 7), (255, 1)])
+def test_chunks_cover_the_merged_order(dup_index, cap, chunk):
+    """The chunks hold every suffix once, in key order (each shard's ranks consecutively from 0
+    to n), each within the budget unless its suffixes' keys are all equal (nothing to split
+    them by); every chunk of depth j lies in its ancestors, whose depths are 1..j."""
+    idx = dup_index
+    chunks, blocks = plan_chunks(idx, chunk, cap)
+    oversize = 0
+    for s in range(len(idx.shards)):
+        ranges = [c.ranges[s] for c in chunks]
+        assert ranges[0][0] == 0 and ranges[-1][1] == idx.shards[s].n
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    for c in chunks:
+        if c.positions > chunk:
+            oversize += 1
+            T = [np.asarray(s.tok) for s in idx.shards]
+            keys = {_keys(T[s], int(p), cap, idx.sep) for s, (lo, hi) in enumerate(c.ranges) for p in idx.shards[s].sa.to_numpy()[lo:hi]}
+            assert len(keys) == 1, c
+        assert [blocks[a].depth for a in c.ancestors] == list(range(1, c.depth + 1))
+        for a in c.ancestors:
+            assert all(blo <= lo and hi <= bhi for (lo, hi), (blo, bhi) in zip(c.ranges, blocks[a].ranges) if hi > lo)
+    assert len(chunks) > 10 and (oversize < len(chunks) or cap <= 3)
+
+
+@pytest.mark.parametrize("chunk", [None, 5000])
+def test_merged_exclude_doc_features_on_real_text(real_index, chunk):
     idx = Index(real_index, threads=1)
     cfg = FeatureConfig(mode="exclude-doc", max_len=64, top_k=0)
-    merged = merged_exclude_doc_features(idx, cfg)
+    merged = merged_exclude_doc_features(idx, cfg, max_chunk_positions=chunk)
     for sh in range(len(idx.shards)):
         want = shard_features(idx, sh, cfg, pairwise=True)[0]
         assert np.array_equal(merged[sh].length, want.length) and np.array_equal(merged[sh].cont, want.cont)

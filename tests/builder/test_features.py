@@ -196,12 +196,12 @@ def test_exclude_doc_length_cont_files_equal_pairwise(real_index, tmp_path):
 
 
 def test_an_index_too_large_for_the_merge_takes_the_pairwise_path(real_index, tmp_path, monkeypatch):
-    """When the merged suffix array of the whole index would not fit the memory available, the
-    features go pair by pair, with the same length + continuation."""
+    """When the whole index's arrays of the merged path would leave no room for its chunks in
+    the memory available, the features go pair by pair, with the same length + continuation."""
     from teragram.builder import features as bf
 
     cfg = FeatureConfig(mode="exclude-doc", max_len=64, top_k=0)
-    monkeypatch.setattr(bf, "MERGED_BYTES_PER_TOKEN", 1 << 40)
+    monkeypatch.setattr(bf, "MERGED_MEMORY_SHARE", 1e-9)
     rep = compute_features(real_index, tmp_path / "f", cfg, progress=False)
     assert all("merged_shards" not in r for r in rep["shards"])
     monkeypatch.undo()
