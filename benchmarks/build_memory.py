@@ -1,11 +1,13 @@
 """Build under a memory budget: wall time, peak RSS of the whole process tree, bytes per token.
 
     python -m benchmarks.build_memory [--mb 400] [--memory 2,8] [--shard-tokens 1073741824]
+    python -m benchmarks.build_memory --corpus FILE... --tokenizer TOK.model --memory 8 \
+        --out IDX --name build_memory_2b                          # a given corpus, index kept
 
-Runs `build-index` on the first MB of linux-source-6.1 (train split) once per --memory value,
-with the same tokenizer (trained once), and samples the summed RSS of the build and all its
-workers every 0.1 s (ru_maxrss alone reports the largest single process, also recorded).
-Writes benchmarks/results/build_memory.{md,json}.
+Runs `build-index` on the first MB of linux-source-6.1 (train split), or on --corpus, once per
+--memory value, with the same tokenizer (trained once, or --tokenizer), and samples the summed
+RSS of the build and all its workers every 0.1 s (ru_maxrss alone reports the largest single
+process, also recorded). Writes benchmarks/results/NAME.{md,json}.
 """
 
 from __future__ import annotations
@@ -72,21 +74,27 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--workdir", default=str(default_workdir()))
     ap.add_argument("--keep", action="store_true", help="keep the index of the last --memory value")
+    ap.add_argument("--corpus", nargs="+", help="files to index instead of linux-source-6.1")
+    ap.add_argument("--tokenizer", help="an existing tokenizer (with --corpus)")
+    ap.add_argument("--out", help="where the index of the last --memory value goes (kept)")
+    ap.add_argument("--name", default="build_memory")
     args = ap.parse_args()
     w = Path(args.workdir)
-    corpus = linux_corpus(w, args.mb, "train")
-    tok = w / "tok32k.model"
+    corpus = [Path(c) for c in args.corpus] if args.corpus else [linux_corpus(w, args.mb, "train")]
+    tok = Path(args.tokenizer) if args.tokenizer else w / "tok32k.model"
     if not tok.exists():
         from teragram.index import readers
         from teragram.index import tokenizer as tok_mod
 
-        texts = (d.text for d in readers.read_file(corpus) if isinstance(d, readers.Doc))
+        texts = (d.text for d in readers.read_file(corpus[0]) if isinstance(d, readers.Doc))
         tok.write_bytes(tok_mod.train(texts, 32000, sample_bytes=32 << 20, threads=args.workers))
     rows = []
-    for gb in [float(x) for x in args.memory.split(",")]:
-        out = w / f"build-memory-{gb:g}"
+    budgets = [float(x) for x in args.memory.split(",")]
+    for gb in budgets:
+        last = gb == budgets[-1]
+        out = Path(args.out) if args.out and last else w / f"build-memory-{gb:g}"
         shutil.rmtree(out, ignore_errors=True)
-        cmd = [sys.executable, "-m", "teragram.builder.cli", str(corpus), "--out", str(out), "--tokenizer", str(tok)]
+        cmd = [sys.executable, "-m", "teragram.builder.cli", *map(str, corpus), "--out", str(out), "--tokenizer", str(tok)]
         cmd += ["--shard-tokens", str(args.shard_tokens), "--workers", str(args.workers), "--memory", str(gb)]
         r = run_sampled(cmd)
         m = fmt.read_json(out / "manifest.json")
@@ -111,12 +119,17 @@ def main() -> int:
             }
         )
         print(rows[-1], flush=True)
-        if not (args.keep and gb == float(args.memory.split(",")[-1])):
+        if not ((args.keep or args.out) and last):
             shutil.rmtree(out)
     cols = list(rows[0])
-    md = f"Build of {args.mb:g} MB of linux-source-6.1 (train split), --shard-tokens {args.shard_tokens}, --workers {args.workers}.\n\n"
+    what = (
+        f"{len(corpus)} files ({sum(c.stat().st_size for c in corpus) / 1e9:.2f} GB)"
+        if args.corpus
+        else f"{args.mb:g} MB of linux-source-6.1 (train split)"
+    )
+    md = f"Build of {what}, --shard-tokens {args.shard_tokens}, --workers {args.workers}.\n\n"
     cols.remove("at_peak")
-    save("build_memory", {"rows": rows}, md + table(rows, cols))
+    save(args.name, {"rows": rows, "corpus": [str(c) for c in corpus]}, md + table(rows, cols))
     return 0
 
 
