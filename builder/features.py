@@ -150,6 +150,7 @@ def own_shard_features(idx: Index, shard: int, cfg: FeatureConfig) -> tuple[Feat
 
 
 MERGED_MEMORY_SHARE = 0.6  # of the memory available when the features start
+MERGED_MIN_CHUNK = 1 << 16  # positions: with less room than this per chunk, the pairwise path
 
 
 def _merged_memory(idx: Index) -> int:
@@ -163,14 +164,13 @@ def _merged_path(idx: Index, cfg: FeatureConfig) -> bool:
     and a token per position) leave room for chunks in the memory available."""
     if not (cfg.mode == "exclude-doc" and cfg.top_k == 0 and len(idx.shards) > 1):
         return False
-    return merged_features.chunk_positions_for(_merged_memory(idx), idx, scratch=True) > 1 << 16
+    return merged_features.layout(idx, _merged_memory(idx), scratch=True)[1] >= MERGED_MIN_CHUNK
 
 
 def merged_exclude_doc_lengths(idx: Index, cfg: FeatureConfig, scratch: Path | None = None, progress: bool = False):
     """Per shard (length, cont as stored: token dtype, SEP for none) and the run's statistics;
     scratch: where the chunks' merges wait between the two passes (else merged twice)."""
-    chunk = merged_features.chunk_positions_for(_merged_memory(idx), idx, scratch=scratch is not None)
-    return merged_features.exclude_doc_lengths_conts(idx, cfg.max_len, max_chunk_positions=chunk, scratch=scratch, progress=progress)
+    return merged_features.exclude_doc_lengths_conts(idx, cfg.max_len, memory_bytes=_merged_memory(idx), scratch=scratch, progress=progress)
 
 
 def merged_exclude_doc_features(
@@ -180,10 +180,9 @@ def merged_exclude_doc_features(
     from the merged suffix array of all shards (builder/merged_features.py), where "another
     document" spans every shard and the most recent occurrence is the largest position (shards
     in order)."""
-    if max_chunk_positions is None:
-        per_shard, _ = merged_exclude_doc_lengths(idx, cfg, scratch)
-    else:
-        per_shard, _ = merged_features.exclude_doc_lengths_conts(idx, cfg.max_len, max_chunk_positions=max_chunk_positions, scratch=scratch)
+    per_shard, _ = merged_features.exclude_doc_lengths_conts(
+        idx, cfg.max_len, memory_bytes=_merged_memory(idx), max_chunk_positions=max_chunk_positions, scratch=scratch
+    )
     out = []
     for length, cont in per_shard:
         f = dataclasses.replace(Features.empty(len(length), 0), length=length.copy())

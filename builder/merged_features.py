@@ -46,7 +46,6 @@ from . import feature_kernels as FK
 _NB = dict(cache=True, nogil=True)
 CHUNK_BYTES_PER_POSITION = 40  # one chunk's arrays: merged positions and lcps, documents, runs, occurrences
 _DOC_SHIFT = 12  # the document lookup table holds the document of every 4096th position
-TOKENS_IN_MEMORY = 1 << 30  # with a scratch directory, more tokens than this are mapped from a file there
 
 
 @dataclass(frozen=True)
@@ -304,24 +303,44 @@ class _Merged:
         return m1, d1, m2
 
 
+def layout(idx: Index, memory_bytes: int, scratch: bool) -> tuple[bool, int]:
+    """(tokens mapped from a scratch file, positions per chunk) for a memory budget: the lengths
+    and continuations of the whole index stay in memory; its tokens too when, with them, half
+    the budget is left for chunks, else (given a scratch directory) they are mapped from a file
+    there, page cache the kernel may evict."""
+    n = idx.n_positions
+    itemsize = np.dtype(idx.manifest["token_dtype"]).itemsize
+    whole = n * (1 + itemsize)
+    in_file = scratch and whole + n * itemsize > memory_bytes // 2
+    whole += 0 if in_file else n * itemsize
+    return in_file, max(0, (memory_bytes - whole) // CHUNK_BYTES_PER_POSITION)
+
+
 def exclude_doc_lengths_conts(
-    idx: Index, cap: int, *, max_chunk_positions: int, scratch: Path | None = None, progress: bool = False
+    idx: Index,
+    cap: int,
+    *,
+    memory_bytes: int,
+    max_chunk_positions: int | None = None,
+    scratch: Path | None = None,
+    progress: bool = False,
 ) -> tuple[list[tuple[np.ndarray, np.ndarray]], dict]:
     """Per shard (length (n,) uint8, cont (n,) token dtype, the separator meaning none): the
     exclude-doc features of every position against every other document of the index; and
     timings and sizes."""
     t0 = time.time()
+    in_file, chunk_positions = layout(idx, memory_bytes, scratch is not None)
     tokens_file = None
     if scratch is not None:
         scratch.mkdir(parents=True, exist_ok=True)
         for f in scratch.glob("chunk-*"):  # a killed run's leftovers
             f.unlink()
-        if idx.n_positions * np.dtype(idx.manifest["token_dtype"]).itemsize > TOKENS_IN_MEMORY:
-            tokens_file = scratch / "tokens.tmp"
+        tokens_file = scratch / "tokens.tmp" if in_file else None
     m = _Merged(idx, cap, tokens_file)
-    chunks, blocks = plan_chunks(idx, max_chunk_positions, cap)
+    chunks, blocks = plan_chunks(idx, max(1, max_chunk_positions or chunk_positions), cap)
     m1, d1, m2 = m.summaries(blocks)
     stats = {"chunks": len(chunks), "split_blocks": len(blocks), "largest_chunk": max(c.positions for c in chunks)}
+    stats |= {"tokens_in_file": tokens_file is not None, "memory_bytes": memory_bytes}
     stats["prepare_s"] = time.time() - t0
 
     def ancestors(c: Chunk) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -376,13 +395,3 @@ def exclude_doc_lengths_conts(
         tokens_file.unlink()
     stats["total_s"] = time.time() - t0
     return out, stats
-
-
-def chunk_positions_for(memory_bytes: int, idx: Index, scratch: bool) -> int:
-    """The largest chunk that fits memory_bytes beside the whole index's arrays (with a scratch
-    directory, tokens beyond TOKENS_IN_MEMORY are mapped from a file: page cache, not counted)."""
-    n = idx.n_positions
-    itemsize = np.dtype(idx.manifest["token_dtype"]).itemsize
-    tokens = 0 if scratch and n * itemsize > TOKENS_IN_MEMORY else n * itemsize
-    whole = n * (1 + itemsize) + tokens
-    return max(1 << 16, (memory_bytes - whole) // CHUNK_BYTES_PER_POSITION)

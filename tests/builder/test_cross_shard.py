@@ -116,11 +116,12 @@ def test_merged_exclude_doc_features_equal_pairwise(dup_index, cap, chunk):
 def test_chunks_kept_on_scratch_give_the_same_features(dup_index, tmp_path, monkeypatch):
     """With a scratch directory each chunk's merge is written by the first pass and read back by
     the second (tokens mapped from a file there too): the same features, nothing left behind."""
-    from teragram.builder import merged_features
+    from teragram.builder import features, merged_features
 
-    monkeypatch.setattr(merged_features, "TOKENS_IN_MEMORY", 0)
     cfg = FeatureConfig(mode="exclude-doc", max_len=64, top_k=0)
     want = merged_exclude_doc_features(dup_index, cfg, max_chunk_positions=40)
+    monkeypatch.setattr(features, "_merged_memory", lambda idx: 1000)  # too little to hold the tokens
+    assert merged_features.layout(dup_index, 1000, scratch=True)[0]
     got = merged_exclude_doc_features(dup_index, cfg, max_chunk_positions=40, scratch=tmp_path / "s")
     assert all(np.array_equal(g.length, w.length) and np.array_equal(g.cont, w.cont) for g, w in zip(got, want))
     assert list((tmp_path / "s").iterdir()) == []
