@@ -44,7 +44,7 @@ from . import cross_shard
 from . import feature_kernels as FK
 
 _NB = dict(cache=True, nogil=True)
-CHUNK_BYTES_PER_POSITION = 40  # one chunk's arrays: merged positions and lcps, documents, runs, occurrences
+CHUNK_BYTES_PER_POSITION = 40  # one chunk's arrays: merged positions and lcps (twice while merging), documents, runs, occurrences
 _DOC_SHIFT = 12  # the document lookup table holds the document of every 4096th position
 
 
@@ -259,6 +259,7 @@ class _Merged:
         self.idx, self.cap, self.sep = idx, cap, idx.sep
         self.offs = np.cumsum([0] + [s.tok.shape[0] for s in idx.shards]).astype(np.int64)
         n = int(self.offs[-1])
+        self.pos_dtype = np.uint32 if n < 2**32 else np.int64  # positions: half the bytes to move where they fit
         dtype = np.dtype(idx.manifest["token_dtype"])
         if tokens_file is None:
             self.T = np.empty(n, dtype)  # anonymous: numpy gives it huge pages
@@ -275,7 +276,7 @@ class _Merged:
         parts = []
         for s, (lo, hi), off in zip(self.idx.shards, c.ranges, self.offs[:-1]):
             if hi > lo:
-                sa, h = np.empty(hi - lo, np.int64), np.empty(hi - lo, np.uint8)
+                sa, h = np.empty(hi - lo, self.pos_dtype), np.empty(hi - lo, np.uint8)
                 _unpack_key_lcps(s.sa.words, s.sa.width, lo, hi, off, self.T, self.cap, self.sep, sa, h)
                 parts.append((sa, h))
         sa, lcp = cross_shard.merged_suffix_array(self.T, parts, self.cap, self.sep)
@@ -348,7 +349,6 @@ def exclude_doc_lengths_conts(
         return m1[a], d1[a], m2[a]
 
     n = len(m.T)
-    spill = np.uint32 if n < 2**32 else np.int64  # a chunk's merge, kept on scratch between the passes
 
     def merged(k: int, c: Chunk, again: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if scratch is None:
@@ -356,10 +356,10 @@ def exclude_doc_lengths_conts(
         f_sa, f_lcp = scratch / f"chunk-{k:06d}.sa", scratch / f"chunk-{k:06d}.lcp"
         if not again:
             sa, lcp, sadoc = m.chunk(c)
-            sa.astype(spill).tofile(f_sa)
+            sa.tofile(f_sa)
             lcp.tofile(f_lcp)
             return sa, lcp, sadoc
-        sa, lcp = np.fromfile(f_sa, spill).astype(np.int64), np.fromfile(f_lcp, np.uint8)  # read back, sequentially
+        sa, lcp = np.fromfile(f_sa, m.pos_dtype), np.fromfile(f_lcp, np.uint8)  # read back, sequentially
         f_sa.unlink()
         f_lcp.unlink()
         sadoc = np.empty(len(sa), np.int32)
