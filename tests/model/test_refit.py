@@ -3,6 +3,7 @@ fit on and the nll of other held-out documents, leaves the LM alone, scores test
 as token_eval does with the refit gate in the model, and refuses a gate of another model."""
 
 import copy
+import json
 from dataclasses import replace
 
 import numpy as np
@@ -112,3 +113,38 @@ def test_a_gate_of_another_model_or_no_gate_is_refused(run, tmp_path):
         refit.refit_gate(model, valid.select(np.zeros(len(valid), bool)))
     with pytest.raises(TeragramError, match="targets x"):  # estimates of other text
         token_eval(model, root / "refit-test", idx.eos_id, idx.sep, index=idx, estimates=valid.est.map(lambda x: x.numpy()))
+
+
+def test_eval_refits_on_validation_and_applies_the_gate_on_test(run, tmp_path, capsys):
+    """The CLI path gives the library's numbers: --refit-gate on the validation half's text, then
+    --joint-gate on the test half's."""
+    from teragram.serve.cli import main
+
+    root, out = run["root"], tmp_path / "gate.safetensors"
+    text = sorted((root / "held-text").iterdir())
+    ev = ["eval", "--checkpoint", str(root / "refit"), "--index", str(root / "idx"), "--json"]
+    assert main([*ev, "--corpus", *map(str, text[::2]), "--refit-gate", str(out)]) == 0
+    fit = json.loads(capsys.readouterr().out)
+    assert fit["perplexity"] == pytest.approx(float(np.exp(refit.gated_nll(run["gate"], run["valid"]).mean())), rel=1e-4)
+    assert fit["refit"]["perplexity_trained_gate"] == pytest.approx(float(np.exp(run["r_valid"]["nll"].mean())), rel=1e-5)
+    assert main([*ev, "--corpus", *map(str, text[1::2]), "--joint-gate", str(out)]) == 0
+    test = json.loads(capsys.readouterr().out)
+    gate = refit.load_gate(out, run["model"])
+    assert test["tokens"] == len(run["test"]) and test["joint_gate"] == str(out)
+    assert test["perplexity"] == pytest.approx(float(np.exp(refit.gated_nll(gate, run["test"]).mean())), rel=1e-5)
+    assert test["perplexity"] < float(np.exp(run["r_test"]["nll"].mean()))
+    # a gate trained on another tokenizer's estimates: refused in one line, before any work
+    ck = next((root / "refit" / "checkpoints").iterdir())
+    bad = tmp_path / "other-tokenizer" / ck.name
+    bad.mkdir(parents=True)
+    for f in ck.iterdir():
+        if f.name != "config.json":
+            (bad / f.name).symlink_to(f)
+    meta = json.loads((ck / "config.json").read_text())
+    meta["model"]["joint_tokenizer"] = "0" * 32
+    (bad / "config.json").write_text(json.dumps(meta))
+    assert main(["eval", "--checkpoint", str(bad), "--index", str(root / "idx"), "--corpus", str(text[0])]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "joint gate was trained with" in err
+    combined = [*ev, "--corpus", str(text[0]), "--refit-gate", str(tmp_path / "x"), "--fit-gate", str(tmp_path / "y")]
+    assert main(combined) == 2 and "--refit-gate refits" in capsys.readouterr().err
