@@ -3,7 +3,7 @@ peers, on the index-size benchmark's data: the same 125M, steps and text as its 
 
     python -m benchmarks.index_size prepare --data DATA --carry .carry15       # here: text + held-out halves
     python -m benchmarks.joint gpu --carry .carry15 --work W --out OUT --stage prep   # on the GPU machine
-    python -m benchmarks.joint gpu --carry .carry15 --work W --out OUT --stage train  # at once: W is lost when idle
+    python -m benchmarks.joint gpu --carry .carry15 --work W --out OUT --stage train [--refit]  # at once: W is lost when idle
     python -m benchmarks.index_size eval --outputs OUT --index DATA/idx-050m --name joint_posthoc   # here
     python -m benchmarks.joint eval --joint OUT [OUT2 ...] --index DATA/idx-050m --carry .carry15 \
         --posthoc benchmarks/results/joint_posthoc.json                                # here
@@ -24,6 +24,10 @@ model's evaluation cannot be split like the post-hoc one's). Variants:
   lm1h      lm1 without the hidden state in the gate
   knn       the peer (d): kNN-LM over (a) with every training position in the datastore
             (benchmarks/knnlm.py; its temperature and λ are fit here, by `eval`)
+With --refit, each joint variant V is also scored with its gate refit on each set's validation
+half after training, the LM frozen (model/refit.py), as the post-hoc gates are fit per set:
+  Vr        the statistics' weights refit (the hidden state's projection as trained)
+  Vrh       the hidden state's projection refit too (for a gate that reads it)
 `eval` reports them beside the post-hoc variants and the peers measured on the same text with
 the same index and (a), on all and decontaminated test text."""
 
@@ -51,14 +55,31 @@ VARIANTS = {
     "lm1": ["--joint_lm_weight=1.0"],
     "lm1h": ["--joint_lm_weight=1.0", "--joint_hidden=false"],
 }
-NAMES = {
+TRAINED = {
     "joint": "(j) joint: LM + gate over index and cache, trained together",
     "nohidden": "(j-h) joint, gate without the hidden state",
     "nocache": "(j-c) joint, index estimates only",
     "lm1": "(j+lm) joint, plus the LM's own loss (joint_lm_weight = 1)",
     "lm1h": "(j+lm-h) the same, gate without the hidden state",
-    "knn": "(d) kNN-LM over (a), every training position in the datastore",
 }
+# --refit: each joint variant's gate refit on each set's validation half, the LM frozen (model/refit.py)
+REFITS = {
+    "r": ("gate refit on each set's validation half", False),
+    "rh": ("gate and its hidden-state projection refit on each set's validation half", True),
+}
+
+
+def _with_refits(names: dict[str, str]) -> dict[str, str]:
+    """Each variant followed by its refits: lm1 -> lm1r "(j+lm/r) ..., gate refit on ...", lm1rh."""
+    out = {}
+    for v, name in names.items():
+        label, rest = name.split(" ", 1)
+        out[v] = name
+        out |= {f"{v}{s}": f"{label[:-1]}/{s}) {rest}; {what}" for s, (what, _) in REFITS.items()}
+    return out
+
+
+NAMES = _with_refits(TRAINED) | {"knn": "(d) kNN-LM over (a), every training position in the datastore"}
 SETS = ("indist", "timeshift", "prose")
 HALVES = ("valid", "test")
 
@@ -99,7 +120,52 @@ def stage_prep(carry: Path, work: Path, scale: str = "gpu", steps: int | None = 
     return ph
 
 
-def stage_train(carry: Path, work: Path, out: Path, variants: list[str], steps: int | None, scale: str = "gpu") -> None:
+def _save_nll(path: Path, nll: np.ndarray, r: dict) -> None:
+    """A variant's per-target nll on one held-out half, beside its LM's own and the targets."""
+    np.savez_compressed(
+        path,
+        nll=np.asarray(nll, np.float32),
+        nll_model=r["nll_model"].astype(np.float32),
+        target=r["target"].astype(np.int32),
+        doc=r["doc"].astype(np.int32),
+    )
+
+
+def _eval_refits(model, v: str, held: dict, idx, out: Path, device: str, batch: int, threads: int) -> dict:
+    """A joint variant's nll on every held-out half with its trained gate (OUT/V-SET-HALF.npz, as
+    without --refit) and with the gate refit on that set's validation half (OUT/Vr-SET-HALF.npz;
+    Vrh-...: the hidden state's projection refit too, when the gate reads it). The model runs once
+    per half; each fit runs only the gate. Returns each fit's time and validation nll."""
+    from teragram.model import refit
+
+    info = {}
+    for name in SETS:
+        inputs, res = {}, {}
+        for h in HALVES:
+            inputs[h], res[h] = refit.gate_inputs(model, held[name, h], idx, device, batch=batch, threads=threads)
+            _save_nll(out / f"{v}-{name}-{h}.npz", res[h]["nll"], res[h])
+        for suffix, (_, hidden) in REFITS.items():
+            if hidden and not model.cfg.joint_hidden:
+                continue
+            t = time.time()
+            gate = refit.refit_gate(model, inputs["valid"], hidden=hidden)
+            fit_s = time.time() - t
+            nll = {h: refit.gated_nll(gate, inputs[h]) for h in HALVES}
+            for h in HALVES:
+                _save_nll(out / f"{v}{suffix}-{name}-{h}.npz", nll[h], res[h])
+            info[f"{name}-{suffix}"] = {
+                "fit_s": fit_s,
+                "valid_targets": len(inputs["valid"]),
+                "valid_nll_trained_gate": float(res["valid"]["nll"].mean()),
+                "valid_nll_refit_gate": float(nll["valid"].mean()),
+            }
+        del inputs
+    return info
+
+
+def stage_train(
+    carry: Path, work: Path, out: Path, variants: list[str], steps: int | None, scale: str = "gpu", refit: bool = False
+) -> None:
     import torch
     from teragram.index.engine import Index
     from teragram.model.evaluate import token_eval
@@ -146,15 +212,12 @@ def stage_train(carry: Path, work: Path, out: Path, variants: list[str], steps: 
             continue
         t = time.time()
         model, _ = load_model(work / "runs" / v, device)
-        for (name, h), feats in held.items():
-            r = token_eval(model, feats, idx.eos_id, idx.sep, device, batch=s["eval_batch"], index=idx, threads=n)
-            np.savez_compressed(
-                out / f"{v}-{name}-{h}.npz",
-                nll=r["nll"].astype(np.float32),
-                nll_model=r["nll_model"].astype(np.float32),
-                target=r["target"].astype(np.int32),
-                doc=r["doc"].astype(np.int32),
-            )
+        if refit:
+            info[v]["refit"] = _eval_refits(model, v, held, idx, out, device, s["eval_batch"], n)
+        else:
+            for (name, h), feats in held.items():
+                r = token_eval(model, feats, idx.eos_id, idx.sep, device, batch=s["eval_batch"], index=idx, threads=n)
+                _save_nll(out / f"{v}-{name}-{h}.npz", r["nll"], r)
         info[v]["eval_s"] = time.time() - t
         saved.write_text(json.dumps(info, indent=1))
 
@@ -320,6 +383,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stage", dest="gpu_stage", choices=["prep", "train", "all"], default="all")
     ap.add_argument("--variants", default="a,plain,joint")
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument(
+        "--refit",
+        action="store_true",
+        help="train: also refit each joint variant's gate on each set's validation half (outputs Vr-*, Vrh-*)",
+    )
     ap.add_argument("--scale", choices=["gpu", "cpu"], default="gpu", help="gpu: the 125M; cpu: the tiny model (a smoke test)")
     ap.add_argument("--joint", type=Path, nargs="+", help="eval: the GPU runs' outputs (a variant: from the first that has it)")
     ap.add_argument("--index", type=Path, help="eval: the model's index, here (DATA/idx-050m)")
@@ -332,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.gpu_stage in ("prep", "all"):
             (a.out / "prep.json").write_text(json.dumps(stage_prep(a.carry, a.work, a.scale, a.steps)))
         if a.gpu_stage in ("train", "all"):
-            stage_train(a.carry, a.work, a.out, a.variants.split(","), a.steps, a.scale)
+            stage_train(a.carry, a.work, a.out, a.variants.split(","), a.steps, a.scale, a.refit)
     else:
         report(stage_eval(a.joint, a.index, a.carry, a.posthoc, a.work or Path("/tmp/joint-eval"), a.workers), a.name)
     return 0

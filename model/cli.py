@@ -45,6 +45,12 @@ def cmd_eval(args) -> int:
         raise TeragramError("--fit-lambdas / --lambdas go with --baseline infini-gram|infini-gram+cache|knn")
     if args.baseline and (args.gate or args.fit_gate):
         raise TeragramError("give either the index gate (--gate / --fit-gate) or --baseline, not both")
+    if args.refit_gate and (args.gate or args.fit_gate or args.baseline or args.joint_gate or args.save_outputs):
+        raise TeragramError(
+            "--refit-gate refits the joint model's own gate: give it without --gate, --fit-gate, --baseline, --joint-gate, --save-outputs"
+        )
+    if args.refit_hidden and not args.refit_gate:
+        raise TeragramError("--refit-hidden goes with --refit-gate")
     opts = EvalOptions(
         gate=Gate.load(args.gate) if args.gate else None,
         fit_gate=bool(args.fit_gate),
@@ -55,8 +61,10 @@ def cmd_eval(args) -> int:
         workers=args.workers,
     )
     if args.outputs:
-        if args.checkpoint or args.corpus or args.save_outputs:
-            raise TeragramError("--outputs replaces --checkpoint and --corpus (the model already ran)")
+        if args.checkpoint or args.corpus or args.save_outputs or args.refit_gate or args.joint_gate:
+            raise TeragramError(
+                "--outputs replaces --checkpoint and --corpus (the model already ran; --refit-gate and --joint-gate need it)"
+            )
         from .outputs import load_outputs, outputs_report
 
         r, fitted = outputs_report(load_outputs(args.outputs), args.index, opts)
@@ -68,6 +76,18 @@ def cmd_eval(args) -> int:
         idx = Index(args.index)
         if model.cfg.vocab_size != idx.vocab_size:
             raise TokenizerMismatch(f"checkpoint vocabulary {model.cfg.vocab_size} != index vocabulary {idx.vocab_size}")
+        if model.cfg.joint:
+            from .joint import check_index
+
+            check_index(model.cfg, idx)  # before any work: its gate reads this index's estimates
+        elif args.refit_gate or args.joint_gate:
+            raise TeragramError(
+                f"{args.checkpoint}: --refit-gate / --joint-gate are for a jointly trained model; fit a post-hoc gate with --fit-gate"
+            )
+        if args.joint_gate:
+            from .refit import install_gate, load_gate
+
+            install_gate(model, load_gate(args.joint_gate, model))
         with tempfile.TemporaryDirectory() as tmp:
             feats = args.features_out or tmp
             cfg = FeatureConfig("held-out", model.cfg.max_match, max(model.cfg.top_k, 1))
@@ -81,6 +101,12 @@ def cmd_eval(args) -> int:
                     args.save_outputs, model, feats, idx, args.device, meta=meta, source=args.checkpoint, hidden=hidden
                 )
                 r, fitted = mix_report(res, per_doc, args.index, feats, opts)
+            elif args.refit_gate:
+                from .refit import refit_report, save_gate
+
+                r, gate, fit = refit_report(model, args.index, feats, args.device, opts, hidden=args.refit_hidden)
+                save_gate(args.refit_gate, model, gate, fit | {"checkpoint": str(args.checkpoint), "corpus": [str(c) for c in args.corpus]})
+                fitted = None
             else:
                 r, fitted = heldout_report(model, args.index, feats, args.device, opts)
         source = args.checkpoint
@@ -90,6 +116,8 @@ def cmd_eval(args) -> int:
         baselines.save_params(args.fit_lambdas, args.baseline, fitted)
     if args.gate or args.fit_gate:
         r["gate"] = args.gate or args.fit_gate
+    if args.joint_gate or args.refit_gate:
+        r["joint_gate"] = args.joint_gate or args.refit_gate
     if args.baseline:
         r["baseline"] = args.baseline
     if args.json:
@@ -98,6 +126,10 @@ def cmd_eval(args) -> int:
         msg = f"{source}: perplexity {r['perplexity']:.3f}, {r['bits_per_byte']:.4f} bits/byte over {r['tokens']:,} tokens ({r['bytes']:,} bytes)"
         if "gate" in r:
             msg += f" with the index gate {r['gate']}"
+        if "refit" in r:
+            msg += f" with its joint gate refit here ({args.refit_gate}; the trained gate: {r['refit']['perplexity_trained_gate']:.3f})"
+        elif args.joint_gate:
+            msg += f" with the refit joint gate {args.joint_gate}"
         if "baseline" in r:
             msg += f" with the {r['baseline']} interpolation ({args.lambdas or args.fit_lambdas})"
         if "model" in r:
@@ -248,6 +280,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--device", default="cpu")
     ev.add_argument("--gate", help="mix the model with the index's and the document cache's estimates by this gate (from --fit-gate)")
     ev.add_argument("--fit-gate", metavar="OUT", help="fit the index gate on this (validation) text and save it")
+    ev.add_argument(
+        "--refit-gate",
+        metavar="OUT",
+        help="a jointly trained model: refit its gate on this (validation) text, the LM frozen, and save it (model/refit.py)",
+    )
+    ev.add_argument("--refit-hidden", action="store_true", help="with --refit-gate: refit the gate's hidden-state projection too")
+    ev.add_argument(
+        "--joint-gate", metavar="FILE", help="a jointly trained model: mix with this refit gate (--refit-gate) instead of its own"
+    )
     ev.add_argument(
         "--baseline",
         choices=["infini-gram", "infini-gram+cache", "knn"],

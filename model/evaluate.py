@@ -34,12 +34,14 @@ def token_eval(
     hidden: bool = False,
     index=None,
     threads: int = 1,
+    estimates: joint.Est | None = None,
 ) -> dict:
     """Per predicted token: nll (mixture when the model has one), nll_model (the model's own
     softmax), maxp and top (its most likely token and that token's probability), target, doc
     (document number), pos (index of the target in EOS+doc+EOS order minus one), and with
     hidden=True the final hidden state (for kNN-LM queries). A jointly trained model mixes in
-    its estimates against `index` (an Index or its directory), computed on `threads` threads."""
+    its estimates against `index` (an Index or its directory), computed on `threads` threads
+    unless the caller has them already (`estimates`: joint.heldout_est of this text and index)."""
     ev = EvalData(heldout, model.cfg.block_size, eos, sep)
     est = None
     if model.cfg.joint:
@@ -49,7 +51,14 @@ def token_eval(
             raise TeragramError("a jointly trained model is evaluated with its index (--index)")
         idx = index if isinstance(index, Index) else Index(index)
         joint.check_index(model.cfg, idx)
-        est = joint.heldout_est(idx, heldout_docs(heldout), model.cfg.joint, model.cfg.joint_top_k, threads)
+        if estimates is None:
+            estimates = joint.heldout_est(idx, heldout_docs(heldout), model.cfg.joint, model.cfg.joint_top_k, threads)
+        if len(estimates) != int(ev.starts[-1]) or estimates.q.shape[1] != len(model.cfg.joint):
+            raise TeragramError(
+                f"{heldout}: joint estimates of {len(estimates)} targets x {estimates.q.shape[1]} components given;"
+                f" this text has {int(ev.starts[-1])} targets and the model mixes {len(model.cfg.joint)} components"
+            )
+        est = estimates
         row0 = np.concatenate([[0], np.cumsum(np.diff(ev.starts))])  # each document's first row (len + 1 rows each)
     was = model.training
     model.eval()
@@ -176,7 +185,7 @@ def heldout_report(model: GPT, index_dir, heldout, device: str = "cpu", opts: Ev
     from teragram.index.tokenizer import load
 
     idx = Index(index_dir)
-    r = token_eval(model, heldout, idx.eos_id, idx.sep, device, batch=batch, hidden=opts.baseline == "knn")
+    r = token_eval(model, heldout, idx.eos_id, idx.sep, device, batch=batch, hidden=opts.baseline == "knn", index=idx, threads=opts.workers)
     ev = EvalData(heldout, model.cfg.block_size, idx.eos_id, idx.sep)
     per_doc = doc_bytes(ev, load(Path(heldout) / "tokenizer.model").decode)
     return mix_report(r, per_doc, index_dir, heldout, opts)

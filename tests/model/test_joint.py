@@ -16,43 +16,9 @@ from teragram.model.estimates import cache_estimates, heldout_docs
 from teragram.model.evaluate import token_eval
 from teragram.model.gate import LEN_EDGES, SHARE_EDGES
 from teragram.model.sample import generate
-from teragram.model.train import TrainConfig, load_model, model_config, train
+from teragram.model.train import TrainConfig, load_model, model_config
 
-CAPS = (1, 2, 4, 8, 16, joint.INFGRAM_CAP)
-TINY = dict(preset="tiny", block_size=64, batch_size=8, log_every=5, progress=False, warmup=5, lr=3e-3, min_lr=3e-4, seed=3)
-
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory, tokenizer_model):
-    """Real text with duplicated documents in several shards, held-out near-copies, exclude-doc
-    features at every cap, and the joint estimates of the training positions."""
-    from teragram.builder.build import BuildConfig, build
-
-    from tests.conftest import real_texts
-
-    root = tmp_path_factory.mktemp("joint")
-    tr, held = root / "train", root / "held-text"
-    tr.mkdir()
-    held.mkdir()
-    texts = [t for _, t in real_texts(30, 5000)]
-    for i, t in enumerate(texts):
-        (tr / f"{i:03d}.txt").write_text(t)
-        if i % 3 == 0:
-            (tr / f"{i:03d}-copy.txt").write_text(t.replace("the ", "The ", 3))
-    rng = np.random.default_rng(0)
-    for i in rng.choice(len(texts), 6, replace=False):
-        words = texts[i].split(" ")
-        for j in rng.choice(len(words), len(words) // 25, replace=False):
-            words[j] = words[j].upper()
-        (held / f"h{i:03d}.txt").write_text(" ".join(words))
-    build(
-        BuildConfig(inputs=(str(tr),), out=str(root / "idx"), tokenizer=str(tokenizer_model), shard_tokens=40000, workers=1, progress=False)
-    )
-    for c in CAPS:
-        compute_features(root / "idx", root / f"len-{c}", FeatureConfig("exclude-doc", c, 4), progress=False)
-    compute_features(root / "idx", root / "held", FeatureConfig("held-out", 64, 1), corpus=[str(held)], progress=False)
-    joint.write_train_estimates(root / "idx", [root / f"len-{c}" for c in CAPS], root / "est", 4, workers=2, progress=False)
-    return root
+from tests.model.conftest import TINY, joint_kw, train_tiny
 
 
 def _docs(idx: Index) -> list[tuple[int, int, np.ndarray]]:
@@ -85,10 +51,10 @@ def _oracle(docs, own: int, ctx: np.ndarray, cap: int, eos: int, k: int = 4):
     return 0, 0, {}, []
 
 
-def test_train_estimates_equal_brute_force(setup):
-    idx = Index(setup / "idx")
+def test_train_estimates_equal_brute_force(joint_root):
+    idx = Index(joint_root / "idx")
     docs = _docs(idx)
-    shards, cols = joint.open_train_estimates(setup / "est", setup / "idx", joint.COMPONENTS, 4)
+    shards, cols = joint.open_train_estimates(joint_root / "est", joint_root / "idx", joint.COMPONENTS, 4)
     comps = joint.COMPONENTS
     rng = np.random.default_rng(1)
     checked = 0
@@ -121,38 +87,31 @@ def test_train_estimates_equal_brute_force(setup):
     assert checked > 100
 
 
-def _train(setup, name, **kw):
-    base = TINY | {"index": str(setup / "idx"), "heldout": str(setup / "held"), "out": str(setup / name)}
-    return train(TrainConfig(**(base | kw)))
-
-
-def _joint_kw(setup, **kw):
-    return dict(gate="joint", joint_features=tuple(str(setup / f"len-{c}") for c in CAPS), joint_estimates=str(setup / "est")) | kw
-
-
-def test_joint_training_uses_the_index(setup):
+def test_joint_training_uses_the_index(joint_root):
     """On held-out near-copies of indexed text, the jointly trained model's mixture is far
     better than the same model trained alone, and the gate learns to leave the model."""
-    plain = _train(setup, "plain", max_steps=120)
-    mixed = _train(setup, "joint", max_steps=120, **_joint_kw(setup))
+    plain = train_tiny(joint_root, "plain", max_steps=120)
+    mixed = train_tiny(joint_root, "joint", max_steps=120, **joint_kw(joint_root))
     assert mixed["eval"]["loss"] < 0.8 * plain["eval"]["loss"], (mixed["eval"], plain["eval"])
-    model, meta = load_model(setup / "joint")
+    model, meta = load_model(joint_root / "joint")
     assert model.cfg.joint == joint.COMPONENTS and meta["train"]["gate"] == "joint"
     assert float(model.joint_gate.bias[0].detach()) < 2.0  # moved away from the model-only start
 
 
-def test_lm_weight_adds_the_models_own_loss_in_training(setup):
+def test_lm_weight_adds_the_models_own_loss_in_training(joint_root):
     from dataclasses import replace
 
     from teragram.model.data import TrainData
     from teragram.model.gpt import GPT
 
     comps = ("index_infgram", "index_3gram", "cache_longest")
-    data = TrainData(setup / "idx", None, 32, joint.open_train_estimates(setup / "est", setup / "idx", comps, 4))
+    data = TrainData(joint_root / "idx", None, 32, joint.open_train_estimates(joint_root / "est", joint_root / "idx", comps, 4))
     x, y, _, e = data.batch(0, 4)
     torch.manual_seed(0)
     cfg = replace(
-        model_config(TrainConfig(**(TINY | {"index": "x", "out": "x"})), Index(setup / "idx").vocab_size, 0), joint=comps, block_size=32
+        model_config(TrainConfig(**(TINY | {"index": "x", "out": "x"})), Index(joint_root / "idx").vocab_size, 0),
+        joint=comps,
+        block_size=32,
     )
     model = GPT(replace(cfg, joint_lm_weight=0.5))
     loss, _ = model(x, y, None, e)
@@ -163,25 +122,25 @@ def test_lm_weight_adds_the_models_own_loss_in_training(setup):
     model.eval()
     assert torch.allclose(model(x, y, None, e)[0], mix, atol=1e-5)  # evaluation: the mixture's alone
     with pytest.raises(ConfigError, match="joint_lm_weight"):
-        _train(setup, "bad", max_steps=1, joint_lm_weight=1.0)
+        train_tiny(joint_root, "bad", max_steps=1, joint_lm_weight=1.0)
 
 
-def test_live_mixture_equals_bulk_and_is_a_distribution(setup):
-    _train(
-        setup,
+def test_live_mixture_equals_bulk_and_is_a_distribution(joint_root):
+    train_tiny(
+        joint_root,
         "joint-live",
         max_steps=10,
-        **_joint_kw(setup, joint_components=("index_infgram", "index_3gram", "cache_longest", "cache_2gram")),
+        **joint_kw(joint_root, joint_components=("index_infgram", "index_3gram", "cache_longest", "cache_2gram")),
     )
-    model, _ = load_model(setup / "joint-live")
+    model, _ = load_model(joint_root / "joint-live")
     torch.manual_seed(0)
     with torch.no_grad():  # a gate that mixes everything, with every kind of feature
         for p in model.joint_gate.parameters():
             p.add_(torch.randn_like(p) * 0.5)
     model.eval()
-    idx = Index(setup / "idx")
-    r = token_eval(model, setup / "held", idx.eos_id, idx.sep, index=idx)
-    docs = heldout_docs(setup / "held")
+    idx = Index(joint_root / "idx")
+    r = token_eval(model, joint_root / "held", idx.eos_id, idx.sep, index=idx)
+    docs = heldout_docs(joint_root / "held")
     V = model.cfg.vocab_size
     for d in (0, 3):
         ids = docs[d]
@@ -197,61 +156,61 @@ def test_live_mixture_equals_bulk_and_is_a_distribution(setup):
             assert float(-torch.log(p[int(r["target"][sel[t]])])) == pytest.approx(float(r["nll"][sel[t]]), abs=2e-4), (d, t)
 
 
-def test_generation_with_the_joint_gate(setup):
-    if not (setup / "joint-live" / "latest.json").exists():
-        _train(
-            setup,
+def test_generation_with_the_joint_gate(joint_root):
+    if not (joint_root / "joint-live" / "latest.json").exists():
+        train_tiny(
+            joint_root,
             "joint-live",
             max_steps=10,
-            **_joint_kw(setup, joint_components=("index_infgram", "index_3gram", "cache_longest", "cache_2gram")),
+            **joint_kw(joint_root, joint_components=("index_infgram", "index_3gram", "cache_longest", "cache_2gram")),
         )
-    model, _ = load_model(setup / "joint-live")
-    idx = Index(setup / "idx")
+    model, _ = load_model(joint_root / "joint-live")
+    idx = Index(joint_root / "idx")
     prompt = idx.tokenize("The kernel")
     plain = generate(model, idx, prompt, max_new_tokens=30, temperature=0)
     drafted = generate(model, idx, prompt, max_new_tokens=30, temperature=0, draft=4)
     assert plain.ids == drafted.ids and len(plain.ids) > len(prompt)
 
 
-def test_an_index_of_another_tokenizer_is_refused(setup, tmp_path):
+def test_an_index_of_another_tokenizer_is_refused(joint_root, tmp_path):
     """Same vocabulary size, other pieces: the gate's estimates would be of other tokens."""
     from teragram.builder.build import BuildConfig, build
     from teragram.index import tokenizer
 
     from tests.conftest import real_texts
 
-    if not (setup / "joint-live" / "latest.json").exists():
-        _train(setup, "joint-live", max_steps=1, **_joint_kw(setup, joint_components=("index_infgram", "cache_longest")))
-    model, _ = load_model(setup / "joint-live")
+    if not (joint_root / "joint-live" / "latest.json").exists():
+        train_tiny(joint_root, "joint-live", max_steps=1, **joint_kw(joint_root, joint_components=("index_infgram", "cache_longest")))
+    model, _ = load_model(joint_root / "joint-live")
     (tmp_path / "tok.model").write_bytes(tokenizer.train((t.upper() for _, t in real_texts(60)), model.cfg.vocab_size, threads=1))
     build(
         BuildConfig(
-            inputs=(str(setup / "train"),), out=str(tmp_path / "idx"), tokenizer=str(tmp_path / "tok.model"), workers=1, progress=False
+            inputs=(str(joint_root / "train"),), out=str(tmp_path / "idx"), tokenizer=str(tmp_path / "tok.model"), workers=1, progress=False
         )
     )
     other = Index(tmp_path / "idx")
     assert other.vocab_size == model.cfg.vocab_size
     with pytest.raises(TokenizerMismatch, match="joint gate was trained with"):
-        token_eval(model, setup / "held", other.eos_id, other.sep, index=other)
+        token_eval(model, joint_root / "held", other.eos_id, other.sep, index=other)
     with pytest.raises(TokenizerMismatch, match="joint gate was trained with"):
         generate(model, other, other.tokenize("The kernel"), max_new_tokens=3, temperature=0)
     from teragram.serve.app import ServeConfig, create_app
 
     with pytest.raises(TokenizerMismatch, match="joint gate was trained with"):
-        create_app(ServeConfig(index=str(tmp_path / "idx"), checkpoint=str(setup / "joint-live")))
+        create_app(ServeConfig(index=str(tmp_path / "idx"), checkpoint=str(joint_root / "joint-live")))
 
 
-def test_refusals(setup, tmp_path):
+def test_refusals(joint_root, tmp_path):
     with pytest.raises(ConfigError, match="joint_features"):
-        _train(setup, "bad", max_steps=1, gate="joint")
+        train_tiny(joint_root, "bad", max_steps=1, gate="joint")
     with pytest.raises(TeragramError, match="distinct names"):
-        _train(setup, "bad", max_steps=1, **_joint_kw(setup, joint_components=("index_7gram",)))
+        train_tiny(joint_root, "bad", max_steps=1, **joint_kw(joint_root, joint_components=("index_7gram",)))
     with pytest.raises(TeragramError, match="needs"):
-        joint.open_train_estimates(setup / "est", setup / "idx", ("index_infgram",), 8)
-    joint.write_train_estimates(setup / "idx", [setup / "len-1"], tmp_path / "e", 4, progress=False)
+        joint.open_train_estimates(joint_root / "est", joint_root / "idx", ("index_infgram",), 8)
+    joint.write_train_estimates(joint_root / "idx", [joint_root / "len-1"], tmp_path / "e", 4, progress=False)
     assert fmt.read_json(tmp_path / "e" / "manifest.json")["components"][0] == "index_2gram"
     with pytest.raises(TeragramError, match="the model needs index_infgram"):
-        joint.open_train_estimates(tmp_path / "e", setup / "idx", ("index_infgram",), 4)
-    compute_features(setup / "idx", tmp_path / "causal", FeatureConfig("causal", 4, 4), progress=False)
+        joint.open_train_estimates(tmp_path / "e", joint_root / "idx", ("index_infgram",), 4)
+    compute_features(joint_root / "idx", tmp_path / "causal", FeatureConfig("causal", 4, 4), progress=False)
     with pytest.raises(TeragramError, match="exclude-doc"):
-        joint.write_train_estimates(setup / "idx", [tmp_path / "causal"], tmp_path / "e2", 4, progress=False)
+        joint.write_train_estimates(joint_root / "idx", [tmp_path / "causal"], tmp_path / "e2", 4, progress=False)

@@ -1,0 +1,59 @@
+"""Fixtures shared by the joint-training tests (test_joint.py, test_refit.py): one small index
+with its exclude-doc features and training estimates, built once per session (it is the slow part)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from teragram.builder.features import compute_features
+from teragram.index.features import FeatureConfig
+from teragram.model import joint
+from teragram.model.train import TrainConfig, train
+
+CAPS = (1, 2, 4, 8, 16, joint.INFGRAM_CAP)
+TINY = dict(preset="tiny", block_size=64, batch_size=8, log_every=5, progress=False, warmup=5, lr=3e-3, min_lr=3e-4, seed=3)
+
+
+@pytest.fixture(scope="session")
+def joint_root(tmp_path_factory, tokenizer_model):
+    """Real text with duplicated documents in several shards, held-out near-copies (held-text/,
+    their features in held/), exclude-doc features at every cap, and the joint estimates of the
+    training positions."""
+    from teragram.builder.build import BuildConfig, build
+
+    from tests.conftest import real_texts
+
+    root = tmp_path_factory.mktemp("joint")
+    tr, held = root / "train", root / "held-text"
+    tr.mkdir()
+    held.mkdir()
+    texts = [t for _, t in real_texts(30, 5000)]
+    for i, t in enumerate(texts):
+        (tr / f"{i:03d}.txt").write_text(t)
+        if i % 3 == 0:
+            (tr / f"{i:03d}-copy.txt").write_text(t.replace("the ", "The ", 3))
+    rng = np.random.default_rng(0)
+    for i in rng.choice(len(texts), 6, replace=False):
+        words = texts[i].split(" ")
+        for j in rng.choice(len(words), len(words) // 25, replace=False):
+            words[j] = words[j].upper()
+        (held / f"h{i:03d}.txt").write_text(" ".join(words))
+    build(
+        BuildConfig(inputs=(str(tr),), out=str(root / "idx"), tokenizer=str(tokenizer_model), shard_tokens=40000, workers=1, progress=False)
+    )
+    for c in CAPS:
+        compute_features(root / "idx", root / f"len-{c}", FeatureConfig("exclude-doc", c, 4), progress=False)
+    compute_features(root / "idx", root / "held", FeatureConfig("held-out", 64, 1), corpus=[str(held)], progress=False)
+    joint.write_train_estimates(root / "idx", [root / f"len-{c}" for c in CAPS], root / "est", 4, workers=2, progress=False)
+    return root
+
+
+def train_tiny(root, name, **kw) -> dict:
+    """Train the tiny model on the joint root's index into ROOT/NAME (kw: TrainConfig fields)."""
+    base = TINY | {"index": str(root / "idx"), "heldout": str(root / "held"), "out": str(root / name)}
+    return train(TrainConfig(**(base | kw)))
+
+
+def joint_kw(root, **kw) -> dict:
+    """TrainConfig fields of a jointly trained model over the joint root's estimates."""
+    return dict(gate="joint", joint_features=tuple(str(root / f"len-{c}") for c in CAPS), joint_estimates=str(root / "est")) | kw
