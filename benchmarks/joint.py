@@ -120,15 +120,21 @@ def stage_prep(carry: Path, work: Path, scale: str = "gpu", steps: int | None = 
     return ph
 
 
-def _save_nll(path: Path, nll: np.ndarray, r: dict) -> None:
-    """A variant's per-target nll on one held-out half, beside its LM's own and the targets."""
-    np.savez_compressed(
-        path,
-        nll=np.asarray(nll, np.float32),
-        nll_model=r["nll_model"].astype(np.float32),
-        target=r["target"].astype(np.int32),
-        doc=r["doc"].astype(np.int32),
-    )
+def _save_nll(path: Path, nll: np.ndarray, r: dict | None) -> None:
+    """A variant's per-target nll on one held-out half, beside its LM's own and the targets (r
+    None: a refit of the variant whose file holds those, the same LM on the same targets)."""
+    more = {} if r is None else {"nll_model": r["nll_model"].astype(np.float32), "target": r["target"].astype(np.int32)}
+    np.savez_compressed(path, nll=np.asarray(nll, np.float32), **more)
+
+
+def _load_nll(home: dict, v: str, s: str, h: str) -> dict:
+    """A variant's saved nll on one half, with its LM's and the targets (a refit's: its variant's)."""
+    z = dict(np.load(home[v] / f"{v}-{s}-{h}.npz"))
+    if "target" not in z:
+        base = next(b for b in TRAINED if v in (f"{b}{x}" for x in REFITS))
+        zb = np.load(home[v] / f"{base}-{s}-{h}.npz")
+        z |= {"nll_model": zb["nll_model"], "target": zb["target"]}
+    return z
 
 
 def _eval_refits(model, v: str, held: dict, idx, out: Path, device: str, batch: int, threads: int) -> dict:
@@ -152,7 +158,7 @@ def _eval_refits(model, v: str, held: dict, idx, out: Path, device: str, batch: 
             fit_s = time.time() - t
             nll = {h: refit.gated_nll(gate, inputs[h]) for h in HALVES}
             for h in HALVES:
-                _save_nll(out / f"{v}{suffix}-{name}-{h}.npz", nll[h], res[h])
+                _save_nll(out / f"{v}{suffix}-{name}-{h}.npz", nll[h], None)
             info[f"{name}-{suffix}"] = {
                 "fit_s": fit_s,
                 "valid_targets": len(inputs["valid"]),
@@ -295,7 +301,7 @@ def stage_eval(joint_outs: list[Path], index: Path, carry: Path, posthoc: Path, 
                 starts = np.concatenate([[0], np.cumsum(lens + 1)])
                 keep = (_contamination({"index_length": length}, starts) < 0.8)[doc]
             for v in variants:
-                z = np.load(home[v] / f"{v}-{s}-{h}.npz")
+                z = _load_nll(home, v, s, h)
                 if not np.array_equal(z["target"], target):
                     raise SystemExit(f"{v} {s}-{h}: the joint run's targets differ from the held-out text's here")
                 r = row.setdefault(v, {})
