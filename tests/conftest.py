@@ -29,6 +29,24 @@ def real_texts(n_docs: int = 30, max_chars: int = 20000) -> list[tuple[str, str]
     return out
 
 
+def write_dup_corpus(train_dir: Path, held_dir: Path, n_docs: int, max_chars: int, n_held: int) -> None:
+    """Real text with every third document copied (a few words' case changed) into train_dir,
+    and held-out near-copies of n_held documents (every 25th word upper-cased) into held_dir."""
+    train_dir.mkdir()
+    held_dir.mkdir()
+    texts = [t for _, t in real_texts(n_docs, max_chars)]
+    for i, t in enumerate(texts):
+        (train_dir / f"{i:03d}.txt").write_text(t)
+        if i % 3 == 0:
+            (train_dir / f"{i:03d}-copy.txt").write_text(t.replace("the ", "The ", 3))
+    rng = np.random.default_rng(0)
+    for i in rng.choice(len(texts), n_held, replace=False):
+        words = texts[i].split(" ")
+        for j in rng.choice(len(words), len(words) // 25, replace=False):
+            words[j] = words[j].upper()
+        (held_dir / f"h{i:03d}.txt").write_text(" ".join(words))
+
+
 @pytest.fixture(scope="session")
 def corpus_dir(tmp_path_factory) -> Path:
     """A small real corpus as plain files, plus one file of each kind the builder must skip."""

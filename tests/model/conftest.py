@@ -3,7 +3,6 @@ with its exclude-doc features and training estimates, built once per session (it
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from teragram.builder.features import compute_features
 from teragram.index.features import FeatureConfig
@@ -21,23 +20,11 @@ def joint_root(tmp_path_factory, tokenizer_model):
     training positions."""
     from teragram.builder.build import BuildConfig, build
 
-    from tests.conftest import real_texts
+    from tests.conftest import write_dup_corpus
 
     root = tmp_path_factory.mktemp("joint")
     tr, held = root / "train", root / "held-text"
-    tr.mkdir()
-    held.mkdir()
-    texts = [t for _, t in real_texts(30, 5000)]
-    for i, t in enumerate(texts):
-        (tr / f"{i:03d}.txt").write_text(t)
-        if i % 3 == 0:
-            (tr / f"{i:03d}-copy.txt").write_text(t.replace("the ", "The ", 3))
-    rng = np.random.default_rng(0)
-    for i in rng.choice(len(texts), 6, replace=False):
-        words = texts[i].split(" ")
-        for j in rng.choice(len(words), len(words) // 25, replace=False):
-            words[j] = words[j].upper()
-        (held / f"h{i:03d}.txt").write_text(" ".join(words))
+    write_dup_corpus(tr, held, 30, 5000, 6)
     build(
         BuildConfig(inputs=(str(tr),), out=str(root / "idx"), tokenizer=str(tokenizer_model), shard_tokens=40000, workers=1, progress=False)
     )

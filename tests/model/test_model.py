@@ -74,23 +74,11 @@ def test_kv_cache_matches_full_forward(arch):
 @pytest.fixture(scope="module")
 def dup_setup(tmp_path_factory, tokenizer_model):
     """A real-text corpus with duplicated documents, and held-out near-copies of some of them."""
-    from tests.conftest import real_texts
+    from tests.conftest import write_dup_corpus
 
     root = tmp_path_factory.mktemp("dup")
     train_dir, held_dir = root / "train", root / "held"
-    train_dir.mkdir()
-    held_dir.mkdir()
-    texts = [t for _, t in real_texts(40, 6000)]
-    for i, t in enumerate(texts):
-        (train_dir / f"{i:03d}.txt").write_text(t)
-        if i % 3 == 0:
-            (train_dir / f"{i:03d}-copy.txt").write_text(t.replace("the ", "The ", 3))
-    rng = np.random.default_rng(0)
-    for i in rng.choice(len(texts), 8, replace=False):
-        words = texts[i].split(" ")
-        for j in rng.choice(len(words), len(words) // 25, replace=False):
-            words[j] = words[j].upper()
-        (held_dir / f"h{i:03d}.txt").write_text(" ".join(words))
+    write_dup_corpus(train_dir, held_dir, 40, 6000, 8)
     from teragram.builder.build import BuildConfig, build
 
     build(
