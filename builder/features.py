@@ -29,8 +29,8 @@ shards allowed by the mode are matched by a merge-join of the two suffix arrays
 (builder/cross_shard.py) and merged: the longest L wins;
 on a tie the counts and histograms add up and cont comes from the most recent source.
 Exclude-doc length + continuation of a sharded index skip the pairs: the shards' suffix arrays
-are merged into one of the whole index (log2(shards) lcp-merge passes), over which the one-shard
-kernels answer every shard at once.
+are merged into one of the whole index, chunk by chunk within a memory budget, and the one-shard
+kernels answer every shard at once (builder/merged_features.py).
 
 The files these features are written to, and their reading, are index/features.py's; held-out
 features are index/heldout.py's.
