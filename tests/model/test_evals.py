@@ -1,5 +1,6 @@
 """Downstream multiple-choice evaluation: the task loaders, the batched scorer against a
-per-candidate loop, and the gated scoring against the live mixture."""
+per-candidate loop, the gated scoring against the live mixture, and a jointly trained model's
+scoring against token_eval of each candidate as held-out text."""
 
 import numpy as np
 import pytest
@@ -132,3 +133,106 @@ def test_training_logs_the_tasks_on_a_fixed_subset(real_index, tmp_path):
     for bad, msg in [({"evals": ("nope",)}, "unknown evals task"), ({"features": str(real_index)}, "without index inputs")]:
         with pytest.raises(ConfigError, match=msg):
             train(TrainConfig(**{**cfg.__dict__, **bad}))
+
+
+# ---- a jointly trained model: scored through its own mixture and alone, in one pass ----------
+
+JOINT_COMPONENTS = ("index_infgram", "index_3gram", "cache_longest", "cache_2gram")
+
+
+@pytest.fixture(scope="module")
+def joint_run(joint_root):
+    """A joint model trained a few steps with the LM's own loss beside the mixture's
+    (joint_lm_weight = 1), and its index."""
+    from teragram.model.train import load_model
+
+    from tests.model.conftest import joint_kw, train_tiny
+
+    kw = joint_kw(joint_root, joint_components=JOINT_COMPONENTS, joint_lm_weight=1.0)
+    train_tiny(joint_root, "evals-joint", max_steps=4, heldout=None, **kw)
+    return joint_root, load_model(joint_root / "evals-joint")[0], Index(joint_root / "idx")
+
+
+def _token_eval_of(model, idx, ids: np.ndarray, out) -> dict:
+    """The oracle: token_eval of one document (ids) as held-out text, its held-out features
+    written from the ids themselves."""
+    from teragram.index import features as ff
+    from teragram.index import format as fmt
+    from teragram.index.heldout import write_held_out
+    from teragram.model.evaluate import token_eval
+
+    cfg = ff.FeatureConfig("held-out", 64, 1)
+    ident = ff.begin(idx.path, out, cfg, [])
+    write_held_out(idx, out, cfg, [ids], [{}])
+    ff.finish(out, ident, [fmt.read_json(out / "000000.done")], len(ids) + 1, {})
+    return token_eval(model, out, idx.eos_id, idx.sep, index=idx)
+
+
+def _completion(r: dict, n_ctx: int, n: int) -> dict:
+    """token_eval's rows of the completion's targets (ids[n_ctx:n]), in order."""
+    rows = np.nonzero((r["pos"] >= n_ctx) & (r["pos"] < n))[0]
+    return {k: r[k][rows[np.argsort(r["pos"][rows])]] for k in ("nll", "nll_model")}
+
+
+def test_joint_scores_equal_token_eval_of_each_candidate(joint_run, tmp_path):
+    """Per completion token, the scorer's joint mixture and the LM alone are token_eval's numbers
+    for the candidate as one held-out document, where the model's window is the same (the
+    candidate fits in the context, or is a multiple of it: read in the last window whole); the
+    LM alone is the plain scorer's everywhere, cut on the left included."""
+    from teragram.model.evals import joint_estimates
+
+    _, model, idx = joint_run
+    B = model.cfg.block_size
+    examples = load_task("winogrande", 2) + load_task("arc_easy", 2)
+    docs = [c for c in candidates(examples, idx.tokenize) if len(c[0]) <= B]
+    long, n_ctx = candidates(load_task("boolq", 1), idx.tokenize)[0]
+    assert len(long) > 2 * B + 10
+    n_comp = len(long) - n_ctx
+    docs += [(long[-2 * B :], 2 * B - n_comp), (long[-(B + 10) :], B + 10 - n_comp)]  # cut on the left: by 2B, and not by a multiple
+    outs = model_outputs(model, docs, idx.eos_id, batch=3, est=joint_estimates(model, idx, docs))
+    plain = model_outputs(model, docs, idx.eos_id, batch=3)
+    checked, moved = 0, 0.0
+    for k, ((d, n), o, p) in enumerate(zip(docs, outs, plain, strict=True)):
+        assert len(o["nll_joint"]) == len(d) - n >= 1
+        for f in ("nll", "maxp", "top"):
+            assert np.array_equal(o[f], p[f]), f
+        if len(d) <= B or len(d) % B == 0:
+            want = _completion(_token_eval_of(model, idx, d, tmp_path / f"doc{k}"), n, len(d))
+            assert np.allclose(o["nll_joint"], want["nll"], atol=1e-5, rtol=0)
+            assert np.allclose(o["nll"], want["nll_model"], atol=1e-5, rtol=0)
+            checked += 1
+        moved = max(moved, float(np.abs(o["nll_joint"] - o["nll"]).max()))
+    assert checked == len(docs) - 1 and len(docs) >= 8
+    assert moved > 0.05  # the mixture is not the LM alone
+
+
+def _acc(examples, nll) -> tuple[float, float]:
+    """acc and acc_norm counted by hand from per-candidate completion nll."""
+    k, hit, hit_norm = 0, 0, 0
+    for ex in examples:
+        ll = [-float(nll[k + j].sum()) for j in range(len(ex.completions))]
+        norm = [x / len(c) for x, c in zip(ll, ex.completions, strict=True)]
+        hit += int(np.argmax(ll)) == ex.label
+        hit_norm += int(np.argmax(norm)) == ex.label
+        k += len(ex.completions)
+    return hit / len(examples), hit_norm / len(examples)
+
+
+def test_joint_task_accuracies_are_those_of_token_eval(joint_run, tmp_path):
+    """run_task of a joint model: the model's and the mixture's acc and acc_norm equal those
+    counted from token_eval's nll of each candidate document, and the contamination columns
+    are there for both."""
+    from teragram.model.evals import run_task
+
+    _, model, idx = joint_run
+    examples = load_task("openbookqa", 5)
+    docs = candidates(examples, idx.tokenize)
+    assert all(len(d) <= model.cfg.block_size for d, _ in docs)
+    want = [_completion(_token_eval_of(model, idx, d, tmp_path / f"doc{k}"), n, len(d)) for k, (d, n) in enumerate(docs)]
+    r = run_task(model, idx, "openbookqa", limit=5, batch=6)
+    for col, field in (("model", "nll_model"), ("joint", "nll")):
+        acc, acc_norm = _acc(examples, [w[field] for w in want])
+        assert (r[col]["acc"], r[col]["acc_norm"], r[col]["n"]) == (acc, acc_norm, 5), col
+    assert r["model"] != r["joint"]  # the two columns can be told apart here
+    assert {"contaminated_share", "model_clean", "joint_clean"} <= set(r) and "gated" not in r
+    assert run_task(model, idx, "openbookqa", limit=5, index_side=False) == {k: r[k] for k in ("task", "examples", "model")}
