@@ -211,7 +211,7 @@ def cmd_evals(args) -> int:
     from teragram.index.errors import TeragramError
     from tqdm import tqdm
 
-    from .evals import TASKS, run_task
+    from .evals import TASKS, check_run, run_task
     from .gate import Gate
     from .train import load_model
 
@@ -221,6 +221,14 @@ def cmd_evals(args) -> int:
     model = load_model(args.checkpoint, args.device)[0] if args.checkpoint else None
     idx = Index(args.index)
     gate = Gate.load(args.gate) if args.gate else None
+    check_run(model, idx, gate=gate, save_dir=args.save_outputs)
+    is_joint = model is not None and bool(model.cfg.joint)
+    if args.joint_gate:
+        if model is None:
+            raise TeragramError("--joint-gate goes with the --checkpoint of a jointly trained model")
+        from .refit import install_gate, load_gate
+
+        install_gate(model, load_gate(args.joint_gate, model))
     rows = []
     for name in tqdm(tasks, desc="tasks", disable=args.quiet):
         kw = dict(gate=gate, limit=args.limit, device=args.device, batch=args.batch, threads=args.workers)
@@ -232,12 +240,15 @@ def cmd_evals(args) -> int:
         return 0
     if args.out:
         Path(args.out).write_text(
-            json.dumps({"checkpoint": args.checkpoint, "index": args.index, "gate": args.gate, "tasks": rows}, indent=1)
+            json.dumps(
+                {"checkpoint": args.checkpoint, "index": args.index, "gate": args.gate, "joint_gate": args.joint_gate, "tasks": rows},
+                indent=1,
+            )
         )
     if args.json:
         print_json(rows)
         return 0
-    cols = ["model"] + (["gated"] if gate is not None else [])
+    cols = ["model"] + (["gated"] if gate is not None else []) + (["joint"] if is_joint else [])
     print(
         "| task | examples | "
         + " | ".join(f"{c} acc | {c} acc_norm" for c in cols)
@@ -312,9 +323,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     es.add_argument("--save-outputs", metavar="DIR", help="save the model's per-candidate outputs here (for the index side elsewhere)")
     es.add_argument("--model-only", action="store_true", help="only the model's accuracy: no contamination check, no gate")
     es.add_argument(
-        "--index", required=True, help="its tokenizer reads the tasks; its estimates feed --gate; contamination is checked against it"
+        "--index",
+        required=True,
+        help="its tokenizer reads the tasks; its estimates feed --gate or a joint model's own gate; contamination is checked against it",
     )
-    es.add_argument("--gate", help="also score through the gated mixture (eval --fit-gate)")
+    es.add_argument("--gate", help="also score through the gated mixture (eval --fit-gate); not for a jointly trained model")
+    es.add_argument(
+        "--joint-gate", metavar="FILE", help="a jointly trained model: mix with this refit gate (eval --refit-gate) instead of its own"
+    )
     es.add_argument(
         "--tasks",
         default="hellaswag",

@@ -236,3 +236,60 @@ def test_joint_task_accuracies_are_those_of_token_eval(joint_run, tmp_path):
     assert r["model"] != r["joint"]  # the two columns can be told apart here
     assert {"contaminated_share", "model_clean", "joint_clean"} <= set(r) and "gated" not in r
     assert run_task(model, idx, "openbookqa", limit=5, index_side=False) == {k: r[k] for k in ("task", "examples", "model")}
+
+
+def test_evals_verb_scores_a_joint_checkpoint_and_refuses_what_it_cannot_do(joint_run, tmp_path, capsys):
+    """`teragram evals` on a joint checkpoint gives run_task's rows (with --joint-gate: those of the
+    model with that gate installed); a post-hoc gate, saved outputs, or an index of another
+    tokenizer are refused in one line."""
+    import copy
+    import json
+
+    from teragram.model import refit
+    from teragram.model.evals import run_task
+    from teragram.model.train import load_model
+    from teragram.serve.cli import main
+
+    root, model, idx = joint_run
+    run = root / "evals-joint"
+    es = ["evals", "--checkpoint", str(run), "--index", str(idx.path), "--tasks", "arc_easy,winogrande", "--limit", "3", "--quiet"]
+    assert main([*es, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows == [run_task(model, idx, t, limit=3) for t in ("arc_easy", "winogrande")]
+    assert main(es) == 0
+    table = capsys.readouterr().out
+    assert "| joint acc | joint acc_norm |" in table and "joint acc_norm (clean)" in table
+    # a refit gate (here: the trained one with other weights) is installed before scoring
+    gate = copy.deepcopy(model.joint_gate)
+    with torch.no_grad():
+        gate.bias[0] = -6.0  # the estimates trusted over the model
+    path = refit.save_gate(tmp_path / "gate.safetensors", model, gate)
+    assert main([*es, "--json", "--joint-gate", str(path)]) == 0
+    refit_rows = json.loads(capsys.readouterr().out)
+    fresh = load_model(run)[0]
+    refit.install_gate(fresh, gate)
+    assert refit_rows == [run_task(fresh, idx, t, limit=3) for t in ("arc_easy", "winogrande")]
+    assert refit_rows[0]["joint"] != rows[0]["joint"] and refit_rows[0]["model"] == rows[0]["model"]  # the gate was used
+    # refusals, each in one line before any work
+    Gate(np.zeros((_n_features(idx), len(COMPONENTS)))).save(tmp_path / "posthoc.json")
+    ck = next((run / "checkpoints").iterdir())
+    bad = tmp_path / "other-tokenizer" / ck.name
+    bad.mkdir(parents=True)
+    for f in ck.iterdir():
+        if f.name != "config.json":
+            (bad / f.name).symlink_to(f)
+    meta = json.loads((ck / "config.json").read_text())
+    meta["model"]["joint_tokenizer"] = "0" * 32
+    (bad / "config.json").write_text(json.dumps(meta))
+    other = [a if a != str(run) else str(bad) for a in es]
+    cases = [
+        ([*es, "--gate", str(tmp_path / "posthoc.json")], "no post-hoc --gate"),
+        ([*es, "--save-outputs", str(tmp_path / "out")], "no --save-outputs"),
+        (other, "joint gate was trained with"),
+        (["evals", "--outputs", str(tmp_path), "--index", str(idx.path), "--joint-gate", str(path)], "--joint-gate goes with"),
+    ]
+    for argv, msg in cases:
+        assert main(argv) == 2, msg
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and msg in err, err
+    assert not (tmp_path / "out").exists()
