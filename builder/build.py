@@ -329,7 +329,8 @@ class _ShardWriter:
             if self.dir is None:
                 self._open()
             m = {"source": doc.source, "record": doc.record, "part": k, "start": self.used, "length": len(piece)}
-            self.meta_file.write(json.dumps(m, sort_keys=True) + "\n")
+            with fmt.naming(self.meta_tmp):
+                self.meta_file.write(json.dumps(m, sort_keys=True) + "\n")
             self.tokens.write(np.append(piece.astype(self.dtype), self.dtype.type(self.sep)))
             self.starts.append(self.used)
             self.used += len(piece) + 1

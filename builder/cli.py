@@ -7,7 +7,7 @@ import argparse
 import os
 import sys
 
-from teragram.index.errors import TeragramError
+from teragram.index.errors import TeragramError, os_error_line
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -107,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     except TeragramError as e:
         print(f"build-index: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a full disk, an unwritable file: completed shards stay, a rerun resumes
+        print(f"build-index: error: {os_error_line(e)}", file=sys.stderr)
         return 2
 
 

@@ -23,3 +23,12 @@ class TokenizerMismatch(TeragramError):
 
 class BuildError(TeragramError):
     """The build cannot proceed (missing input, output holds another index, bad tokenizer)."""
+
+
+def os_error_line(e: OSError) -> str:
+    """One line for an operating-system error (a full disk, a file that cannot be written): its
+    cause and the file, for the CLIs. Everything the builder writes goes to a temporary name
+    and is marked complete only after, so what completed before the error stays and a rerun of
+    the same command resumes from it."""
+    where = f": {e.filename}" if e.filename else ""
+    return f"{e.strerror or e}{where} (completed work is kept: rerun the same command to resume)"

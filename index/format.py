@@ -46,6 +46,7 @@ import json
 import os
 import struct
 import zlib
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -142,6 +143,18 @@ def _finish(tmp: Path, path: Path) -> None:
     os.replace(tmp, path)
 
 
+@contextmanager
+def naming(path: Path):
+    """An OSError raised inside names `path` (a write to an open file, e.g. on a full disk,
+    names no file of its own)."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is not None:
+            raise
+        raise OSError(e.errno, e.strerror, str(path)) from None
+
+
 def write_array(path: Path, kind: str, arr: np.ndarray) -> None:
     """Atomically write a flat array with its header."""
     path = Path(path)
@@ -151,7 +164,7 @@ def write_array(path: Path, kind: str, arr: np.ndarray) -> None:
         raise ValueError(f"unsupported dtype {dtype}")
     h = Header(kind, dtype, arr.dtype.itemsize * 8, arr.size)
     tmp = _tmp_name(path)
-    with open(tmp, "wb") as f:
+    with naming(tmp), open(tmp, "wb") as f:
         f.write(encode_header(h))
         arr.astype(arr.dtype.newbyteorder("<"), copy=False).tofile(f)
     _finish(tmp, path)
@@ -163,7 +176,7 @@ def write_packed(path: Path, kind: str, words: np.ndarray, width: int, count: in
     if words.size != packed.n_words(count, width):
         raise ValueError("word count does not match count and width")
     tmp = _tmp_name(path)
-    with open(tmp, "wb") as f:
+    with naming(tmp), open(tmp, "wb") as f:
         f.write(encode_header(Header(kind, "packed", width, count)))
         words.astype("<u8", copy=False).tofile(f)
     _finish(tmp, path)
@@ -188,20 +201,23 @@ class StreamWriter:
         self.dtype = np.dtype("<u8") if dtype == "packed" else np.dtype(_DTYPES[dtype]).newbyteorder("<")
         self.header = Header(kind, dtype, width if dtype == "packed" else self.dtype.itemsize * 8, count)
         self.tmp = _tmp_name(self.path)
-        self.f = open(self.tmp, "wb")
-        self.f.write(encode_header(self.header))
+        with naming(self.tmp):
+            self.f = open(self.tmp, "wb")
+            self.f.write(encode_header(self.header))
         self.written = 0
 
     def write(self, chunk: np.ndarray) -> None:
-        self.f.write(np.ascontiguousarray(chunk, dtype=self.dtype).tobytes())
+        with naming(self.tmp):
+            self.f.write(np.ascontiguousarray(chunk, dtype=self.dtype).tobytes())
         self.written += chunk.size
 
     def close(self) -> None:
-        if self.open_count:
-            self.header = Header(self.header.kind, self.header.dtype, self.header.width, self.written)
-            self.f.seek(0)
-            self.f.write(encode_header(self.header))
-        self.f.close()
+        with naming(self.tmp):
+            if self.open_count:
+                self.header = Header(self.header.kind, self.header.dtype, self.header.width, self.written)
+                self.f.seek(0)
+                self.f.write(encode_header(self.header))
+            self.f.close()
         if self.written * self.dtype.itemsize != self.header.body_size:
             raise ValueError(f"{self.path}: wrote {self.written} elements, header says {self.header.body_size // self.dtype.itemsize}")
         _finish(self.tmp, self.path)
@@ -263,7 +279,7 @@ def write_json(path: Path, obj: Any) -> None:
     """Atomically write JSON (sorted keys, so identical content gives identical bytes)."""
     path = Path(path)
     tmp = _tmp_name(path)
-    with open(tmp, "w") as f:
+    with naming(tmp), open(tmp, "w") as f:
         json.dump(obj, f, indent=1, sort_keys=True)
         f.write("\n")
     _finish(tmp, path)

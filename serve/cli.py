@@ -15,7 +15,7 @@ import argparse
 import importlib
 import sys
 
-from teragram.index.errors import TeragramError
+from teragram.index.errors import TeragramError, os_error_line
 
 VERB_MODULES = ("teragram.builder.cli", "teragram.index.cli", "teragram.model.cli", "teragram.serve.cli")
 
@@ -70,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except BrokenPipeError:
         return 0
+    except OSError as e:  # a full disk, an unwritable file: what completed stays, a rerun resumes
+        print(f"teragram: error: {os_error_line(e)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -201,3 +201,42 @@ def test_resume_after_sigkill_is_byte_identical(tmp_path, corpus_dir):
         assert _files(out) == reference, name
         shutil.rmtree(out)
     assert kills >= len(milestones) - 1  # the build was really interrupted (a fast one may finish first)
+
+
+def _no_writes_beyond(limit: int):
+    """preexec_fn: files of this process and its children cannot grow past limit bytes (EFBIG,
+    what a full disk is to the writer), SIGXFSZ ignored so that the write fails instead."""
+    import resource
+    import signal
+
+    def apply() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return apply
+
+
+def test_a_write_that_fails_is_one_line_and_a_rerun_completes_the_same_index(tmp_path, corpus_dir):
+    """A build whose writes start failing part way (no room for a file) stops with one line
+    naming the cause and the file; the same command, once writes succeed, completes the index
+    byte for byte as a build that never failed."""
+
+    def args(out):
+        return [str(corpus_dir), "--out", str(out), "--vocab-size", "600", "--shard-tokens", "60000", "--workers", "1", "--quiet"]
+
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    subprocess.run([sys.executable, "-m", "teragram.builder.cli", *args(ref)], cwd=REPO, check=True)
+    big = max(p.stat().st_size for p in ref.rglob("*") if p.is_file())
+    r = subprocess.run(
+        [sys.executable, "-m", "teragram.builder.cli", *args(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        preexec_fn=_no_writes_beyond(big // 2),
+    )
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"build-index: error: File too large: {out}/"), r.stderr
+    assert "rerun the same command" in lines[0]
+    subprocess.run([sys.executable, "-m", "teragram.builder.cli", *args(out)], cwd=REPO, check=True)
+    assert _files(out) == _files(ref)
