@@ -3,6 +3,12 @@ task's whole validation set, with the share of examples found in the index (any 
 context + answer) and the accuracy on the rest.
 
     python -m benchmarks.evals --checkpoint RUN --index IDX [--gate GATE.json] [--tasks all] [--name evals]
+    python -m benchmarks.evals --results EVALS.json --index IDX --model-name ... --name evals_joint
+
+A jointly trained checkpoint (train --gate=joint) is scored alone and through its own gate in the
+same pass. --results renders a run of `teragram evals --out EVALS.json` made elsewhere (a joint
+model's mixture reads the index as it runs, so on the GPU machine with its own copy of the index;
+the index named here is the same build, for its token count).
 
 Published references for the same tasks (acc_norm where the source gives it): GPT-2 124M,
 HellaSwag 0.294 (llm.c's evaluation, 10,042 examples); TScale's 125M, HellaSwag 0.327 without
@@ -12,7 +18,9 @@ and 0.360 with its index.
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from pathlib import Path
 
 from benchmarks.common import save, table
 
@@ -21,8 +29,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", help="the model, or --outputs")
     ap.add_argument("--outputs", help="the model's outputs (teragram evals --save-outputs)")
+    ap.add_argument("--results", help="a saved run of teragram evals --out (nothing is scored here)")
     ap.add_argument("--model-name", help="what the model is, for the table (default: the checkpoint)")
-    ap.add_argument("--index", required=True)
+    ap.add_argument("--index", help="the index (with --results: read from the saved run)")
     ap.add_argument("--gate")
     ap.add_argument("--tasks", default="all")
     ap.add_argument("--limit", type=int)
@@ -41,30 +50,41 @@ def main() -> None:
     from teragram.model.gate import Gate
     from teragram.model.train import load_model
 
-    model = load_model(a.checkpoint, a.device)[0] if a.checkpoint else None
-    idx = Index(a.index)
-    gate = Gate.load(a.gate) if a.gate else None
     tasks = list(TASKS) if a.tasks == "all" else a.tasks.split(",")
-    rows, raw = [], []
-    for name in tasks:
-        t = time.time()
-        r = run_task(model, idx, name, gate=gate, limit=a.limit, device=a.device, batch=a.batch, threads=a.workers, outputs_dir=a.outputs)
-        r["seconds"] = time.time() - t
-        raw.append(r)
-        row = {"task": name, "examples": r["examples"], "acc": r["model"]["acc"], "acc_norm": r["model"]["acc_norm"]}
-        if gate is not None:
-            row |= {"gated_acc": r["gated"]["acc"], "gated_acc_norm": r["gated"]["acc_norm"]}
+    if a.results:
+        saved = json.loads(Path(a.results).read_text())
+        raw, a.gate, a.index = saved["tasks"], saved.get("gate") or saved.get("joint_gate"), saved["index"]
+        where = f"index {a.index} (on the machine that scored it)"
+    else:
+        if not a.index:
+            ap.error("--index is required unless --results is given")
+        idx = Index(a.index)
+        where = f"index {a.index} ({idx.n_tokens:,} tokens)"
+        model = load_model(a.checkpoint, a.device)[0] if a.checkpoint else None
+        gate = Gate.load(a.gate) if a.gate else None
+        raw = []
+        for name in tasks:
+            t = time.time()
+            kw = dict(gate=gate, limit=a.limit, device=a.device, batch=a.batch, threads=a.workers, outputs_dir=a.outputs)
+            raw.append(run_task(model, idx, name, **kw) | {"seconds": time.time() - t})
+            print(raw[-1], flush=True)
+    mix = next((k for k in ("gated", "joint") if k in raw[0]), None)  # the post-hoc gate's mixture, or a joint model's own
+    rows = []
+    for r in raw:
+        row = {"task": r["task"], "examples": r["examples"], "acc": r["model"]["acc"], "acc_norm": r["model"]["acc_norm"]}
+        if mix:
+            row |= {f"{mix}_acc": r[mix]["acc"], f"{mix}_acc_norm": r[mix]["acc_norm"]}
         row |= {"in_index": r["contaminated_share"], "clean_acc_norm": r["model_clean"]["acc_norm"]}
-        if gate is not None:
-            row["clean_gated_acc_norm"] = r["gated_clean"]["acc_norm"]
+        if mix:
+            row[f"clean_{mix}_acc_norm"] = r[f"{mix}_clean"]["acc_norm"]
         rows.append(row)
-        print(row, flush=True)
     cols = list(rows[0])
     md = (
-        f"Model {a.model_name or a.checkpoint or a.outputs}, index {a.index} "
-        f"({idx.n_tokens:,} tokens), gate {a.gate}. acc: the candidate with the highest summed log-probability; acc_norm: "
+        f"Model {a.model_name or a.checkpoint or a.outputs or a.results}, {where}, gate {a.gate or ('its own (trained jointly)' if mix == 'joint' else None)}"
+        + (f", scored elsewhere: {a.results}" if a.results else "")
+        + ". acc: the candidate with the highest summed log-probability; acc_norm: "
         "per character of the completion; gated: the same through the gated mixture of the model and the index's and "
-        "document cache's estimates; in_index: share of examples with a 13-gram of context + answer in the index; clean_*: "
+        "document cache's estimates (joint: a jointly trained model's own gate over them); in_index: share of examples with a 13-gram of context + answer in the index; clean_*: "
         "accuracy on the others. Chance: 0.25 for 4 candidates (HellaSwag, ARC, SciQ, OpenBookQA), 0.5 for 2 (PIQA, "
         "Winogrande, BoolQ), 0.33 for Social IQa. References: GPT-2 124M HellaSwag acc_norm 0.294 (llm.c); TScale 125M "
         "0.327 without its index, 0.360 with.\n\n"
@@ -72,15 +92,23 @@ def main() -> None:
     fig, ax = plt.subplots(figsize=(8, 4))
     x = range(len(rows))
     ax.bar([i - 0.2 for i in x], [r["acc_norm"] for r in rows], 0.4, label="model")
-    if gate is not None:
-        ax.bar([i + 0.2 for i in x], [r["gated_acc_norm"] for r in rows], 0.4, label="gated")
+    if mix:
+        ax.bar([i + 0.2 for i in x], [r[f"{mix}_acc_norm"] for r in rows], 0.4, label=mix)
     ax.set_xticks(list(x), [r["task"] for r in rows], rotation=30)
     ax.set_ylabel("acc_norm")
     ax.legend()
     fig.tight_layout()
     save(
         a.name,
-        {"rows": rows, "raw": raw, "checkpoint": a.checkpoint, "outputs": a.outputs, "index": a.index, "gate": a.gate},
+        {
+            "rows": rows,
+            "raw": raw,
+            "checkpoint": a.checkpoint,
+            "outputs": a.outputs,
+            "results": a.results,
+            "index": a.index,
+            "gate": a.gate,
+        },
         md + table(rows, cols),
         fig,
     )
