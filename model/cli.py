@@ -151,6 +151,10 @@ def cmd_sample(args) -> int:
 
     model, _ = load_model(args.checkpoint, args.device)
     idx = Index(args.index)
+    if args.joint_gate:
+        from .refit import install_gate, load_gate
+
+        install_gate(model, load_gate(args.joint_gate, model))
     g = generate(
         model,
         idx,
@@ -355,6 +359,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     sa.add_argument("--seed", type=int, default=0)
     sa.add_argument("--device", default="cpu")
     sa.add_argument("--gate", help="mix in the index's and the document cache's estimates with this gate (eval --fit-gate)")
+    sa.add_argument("--joint-gate", metavar="FILE", help="a jointly trained model: this refit gate (eval --refit-gate) instead of its own")
     sa.add_argument(
         "--draft", type=draft_length, default=0, metavar="N", help="draft up to N tokens from exact matches, verified in one forward pass"
     )

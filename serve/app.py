@@ -35,6 +35,7 @@ class ServeConfig:
     index: str
     checkpoint: str | None = None
     gate: str | None = None  # index gate (model/gate.py) mixed into completions and scores
+    joint_gate: str | None = None  # a jointly trained model: a refit gate (eval --refit-gate) instead of its own
     host: str = "127.0.0.1"
     port: int = 8080
     api_key: str | None = None
@@ -123,12 +124,22 @@ def create_app(cfg: ServeConfig) -> FastAPI:
             from teragram.model.joint import check_index
 
             check_index(model.cfg, idx)
+    if cfg.joint_gate:
+        if model is None:
+            raise TeragramError("--joint-gate needs --checkpoint")
+        from teragram.model.refit import install_gate, load_gate
+
+        install_gate(model, load_gate(cfg.joint_gate, model))
     gate = None
     if cfg.gate:
         from teragram.model.gate import Gate
 
         if model is None:
             raise TeragramError("--gate needs --checkpoint")
+        if model.cfg.joint:
+            raise TeragramError(
+                "a jointly trained model mixes the index through its own gate: no post-hoc --gate (--joint-gate: a refit one)"
+            )
         gate = Gate.load(cfg.gate)
     model_lock = threading.Lock()
     draft_stats = DraftStats()  # what drafting has learnt (acceptance by match length) and done, across requests
@@ -332,8 +343,17 @@ def create_app(cfg: ServeConfig) -> FastAPI:
 
         f = to_torch(fx.map(lambda a: a[None]), cfg.device) if model.cfg.use_index else None
         X, Y = t(x), t(ids)
+        e = None
+        if model.cfg.joint:  # its own gate's estimates of this text, read as one held-out document (token_eval's)
+            from teragram.model.joint import heldout_est
+            from teragram.model.joint import to_torch as est_torch
+
+            e = heldout_est(idx, [np.asarray(ids)], model.cfg.joint, model.cfg.joint_top_k).rows(0, len(ids))
+            e = est_torch(e.map(lambda a: a[None]), cfg.device)
         with model_lock, torch.no_grad():
-            with_idx, logp = model.head_losses(model.hidden(X, f)[0], Y, f)
+            h = model.hidden(X, f)[0]
+            mixed, logp = model.head_losses(h, Y, f, e)  # the final distribution's nll: the model's own, or its mixture's
+            with_idx = -logp.gather(-1, Y.unsqueeze(-1)).squeeze(-1) if e is not None else mixed  # the LM's own
             without = model(X, Y, blinded(f))[0] if f is not None else with_idx  # a model without index inputs: the same
         out = {
             "tokens": [idx.tokenizer.id_to_piece(int(i)) for i in ids],
@@ -344,6 +364,8 @@ def create_app(cfg: ServeConfig) -> FastAPI:
                 {"match_length": int(fx.length[i]), "continuation": int(fx.cont[i]), "count": int(fx.count[i])} for i in range(len(ids))
             ],
         }
+        if e is not None:  # a jointly trained model: its own gate's mixture with the index's and the cache's estimates
+            out["logprobs_with_gate"] = (-mixed[0]).tolist()
         if gate is not None:  # the model's distribution mixed with the index's and the cache's estimates
             from teragram.model.estimates import estimates
             from teragram.model.gate import component_logp, gate_inputs, mix_nll_multi

@@ -148,3 +148,54 @@ def test_eval_refits_on_validation_and_applies_the_gate_on_test(run, tmp_path, c
     assert err.count("\n") == 1 and "joint gate was trained with" in err
     combined = [*ev, "--corpus", str(text[0]), "--refit-gate", str(tmp_path / "x"), "--fit-gate", str(tmp_path / "y")]
     assert main(combined) == 2 and "--refit-gate refits" in capsys.readouterr().err
+
+
+def test_serve_scores_with_the_models_own_gate_or_a_refit_one_as_token_eval(run, tmp_path):
+    """/v1/score of a jointly trained model gives its own gate's mixture (logprobs_with_gate),
+    token_eval's numbers for the same text; with --joint-gate, those of the refit gate."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+    from teragram.model.estimates import heldout_docs
+    from teragram.serve.app import ServeConfig, create_app
+
+    root, idx = run["root"], run["idx"]
+    path = refit.save_gate(tmp_path / "gate.safetensors", run["model"], run["gate"])
+    refitted = load_model(root / "refit")[0]
+    refit.install_gate(refitted, run["gate"])
+    docs, B = heldout_docs(root / "refit-test"), run["model"].cfg.block_size
+    for gate_file, model in ((None, load_model(root / "refit")[0]), (path, refitted)):
+        r = token_eval(model, root / "refit-test", idx.eos_id, idx.sep, index=idx)
+        cfg = ServeConfig(index=str(root / "idx"), checkpoint=str(root / "refit"), joint_gate=gate_file and str(gate_file))
+        client = TestClient(create_app(cfg))
+        for d in (0, 2):
+            ids = [int(t) for t in docs[d][:B]]  # one window: the model reads what token_eval's first window reads
+            got = client.post("/v1/score", json={"ids": ids}).json()
+            sel = np.nonzero(r["doc"] == d)[0][: len(ids)]
+            assert np.array_equal(r["target"][sel], ids)
+            assert np.allclose(got["logprobs_with_gate"], -r["nll"][sel], atol=2e-4), (gate_file, d)
+            assert np.abs(np.array(got["logprobs_with_gate"]) - got["logprobs_with_index"]).max() > 0.01  # not the LM's own
+    with pytest.raises(TeragramError, match="needs --checkpoint"):
+        create_app(ServeConfig(index=str(root / "idx"), joint_gate=str(path)))
+    with pytest.raises(TeragramError, match="no post-hoc --gate"):
+        create_app(ServeConfig(index=str(root / "idx"), checkpoint=str(root / "refit"), gate=str(path)))
+
+
+def test_sample_with_a_refit_gate_generates_what_the_installed_gate_does(run, tmp_path, capsys):
+    from teragram.model.sample import generate
+    from teragram.serve.cli import main
+
+    root, idx = run["root"], run["idx"]
+    path = refit.save_gate(tmp_path / "gate.safetensors", run["model"], run["gate"])
+    refitted = load_model(root / "refit")[0]
+    refit.install_gate(refitted, run["gate"])
+    prompt = "The kernel"
+    kw = dict(max_new_tokens=30, temperature=1.0, top_p=0.95, seed=1)  # sampled: the distributions, not only their argmax
+    want = idx.decode(generate(refitted, idx, idx.tokenize(prompt), **kw).ids)
+    own = idx.decode(generate(load_model(root / "refit")[0], idx, idx.tokenize(prompt), **kw).ids)
+    args = ["sample", "--checkpoint", str(root / "refit"), "--index", str(root / "idx"), prompt, "--max-tokens", "30", "--temperature", "1"]
+    args += ["--top-p", "0.95", "--seed", "1"]
+    assert want != own  # the refit gate changes what is generated
+    assert main(args + ["--joint-gate", str(path)]) == 0
+    assert capsys.readouterr().out[:-1] == want  # print's newline
+    assert main(args) == 0
+    assert capsys.readouterr().out[:-1] == own
