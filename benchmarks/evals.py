@@ -3,12 +3,14 @@ task's whole validation set, with the share of examples found in the index (any 
 context + answer) and the accuracy on the rest.
 
     python -m benchmarks.evals --checkpoint RUN --index IDX [--gate GATE.json] [--tasks all] [--name evals]
-    python -m benchmarks.evals --results EVALS.json --index IDX --model-name ... --name evals_joint
+    python -m benchmarks.evals --results EVALS.json --model-name ... --name evals_joint
+    python -m benchmarks.evals --curve RUN/log.jsonl --model-name ... --name evals_curve
 
 A jointly trained checkpoint (train --gate=joint) is scored alone and through its own gate in the
 same pass. --results renders a run of `teragram evals --out EVALS.json` made elsewhere (a joint
 model's mixture reads the index as it runs, so on the GPU machine with its own copy of the index;
-the index named here is the same build, for its token count).
+the index named here is the same build, for its token count). --curve renders the accuracy
+logged during training (train --evals=TASKS --evals_limit=N --eval_every=K) against the step.
 
 Published references for the same tasks (acc_norm where the source gives it): GPT-2 124M,
 HellaSwag 0.294 (llm.c's evaluation, 10,042 examples); TScale's 125M, HellaSwag 0.327 without
@@ -30,6 +32,7 @@ def main() -> None:
     ap.add_argument("--checkpoint", help="the model, or --outputs")
     ap.add_argument("--outputs", help="the model's outputs (teragram evals --save-outputs)")
     ap.add_argument("--results", help="a saved run of teragram evals --out (nothing is scored here)")
+    ap.add_argument("--curve", help="a training run's log.jsonl with evals rows (nothing is scored here)")
     ap.add_argument("--model-name", help="what the model is, for the table (default: the checkpoint)")
     ap.add_argument("--index", help="the index (with --results: read from the saved run)")
     ap.add_argument("--gate")
@@ -50,6 +53,8 @@ def main() -> None:
     from teragram.model.gate import Gate
     from teragram.model.train import load_model
 
+    if a.curve:
+        return curve(a, plt)
     tasks = list(TASKS) if a.tasks == "all" else a.tasks.split(",")
     if a.results:
         saved = json.loads(Path(a.results).read_text())
@@ -113,6 +118,29 @@ def main() -> None:
         fig,
     )
     print(md + table(rows, cols))
+
+
+def curve(a, plt) -> None:
+    """acc_norm of each task logged during training, against the step."""
+    logged = [json.loads(x) for x in Path(a.curve).read_text().splitlines() if x.strip()]
+    ev = [r for r in logged if "evals" in r]
+    if not ev:
+        raise SystemExit(f"{a.curve}: no evals rows (train with --evals=TASKS --eval_every=K)")
+    tasks = list(ev[-1]["evals"])
+    rows = [{"step": r["step"]} | {f"{t} acc_norm ({r['evals'][t]['n']})": r["evals"][t]["acc_norm"] for t in tasks} for r in ev]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for t in tasks:
+        ax.plot([r["step"] for r in ev], [r["evals"][t]["acc_norm"] for r in ev], "o-", label=f"{t} (first {ev[-1]['evals'][t]['n']})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("acc_norm")
+    ax.legend()
+    fig.tight_layout()
+    md = (
+        f"Model {a.model_name or a.curve}: acc_norm of each task's first N validation examples (a fixed subset), "
+        f"logged during training (`{a.curve}`); no index. Chance: 0.25 (HellaSwag, ARC), 0.5 (PIQA).\n\n"
+    )
+    save(a.name, {"rows": rows, "log": a.curve}, md + table(rows, list(rows[0])), fig)
+    print(md + table(rows, list(rows[0])))
 
 
 if __name__ == "__main__":
