@@ -117,11 +117,13 @@ def main() -> int:
     ap.add_argument(
         "--outer",
         default="1:0:0.002,1:0:0.0015,1.3:0:0.002,1.5:0:0.002",
-        help="local SGD's outer lr:momentum[:inner lr], each one run (DiLoCo's: 0.7:0.9; inner lr default 3e-3, as DDP's)",
+        help="local SGD's outer lr:momentum[:inner lr][:H=N][:bf16], each one run (DiLoCo's: 0.7:0.9; inner lr default 3e-3, as DDP's; H default --outer-every; bf16: the deltas sent in bf16)",
     )
+    ap.add_argument("--modes", default="ddp,1bit,local", help="which of ddp, 1bit, local to run (ddp always: the reference)")
     ap.add_argument("--links", default="0,1,0.1", help="simulated link speeds, Gbit/s (0: none)")
     ap.add_argument("--link-steps", type=int, default=100)
     ap.add_argument("--work", type=Path, default=None)
+    ap.add_argument("--name", default="distributed", help="results file name under benchmarks/results/")
     a = ap.parse_args()
     w = a.work or default_workdir() / "distributed"
     w.mkdir(parents=True, exist_ok=True)
@@ -139,21 +141,30 @@ def main() -> int:
         "warmup": 50,
         "checkpoint": True,  # the final one only: its test loss
     }
-    modes = {"ddp": {}, "1bit": {"compress": "1bit", "compress_after": a.compress_after}}
-    for spec in a.outer.split(","):
-        lr, mom, *inner = (float(x) for x in spec.split(":"))
-        name = f"local H={a.outer_every} lr{lr:g} m{mom:g}" + (f" inner lr {inner[0]:g}" if inner else "")
-        modes[name] = {"sync": "local", "outer_every": a.outer_every, "outer_lr": lr, "outer_momentum": mom, "straggler": "wait"}
+    want = set(a.modes.split(","))
+    modes = {"ddp": {}} | ({"1bit": {"compress": "1bit", "compress_after": a.compress_after}} if "1bit" in want else {})
+    for spec in a.outer.split(",") if "local" in want else []:
+        nums, flags = [x for x in spec.split(":") if x[:1].isdigit()], [x for x in spec.split(":") if not x[:1].isdigit()]
+        lr, mom, *inner = (float(x) for x in nums)
+        H = next((int(f[2:]) for f in flags if f.startswith("H=")), a.outer_every)
+        name = f"local H={H} lr{lr:g} m{mom:g}" + (f" inner lr {inner[0]:g}" if inner else "")
+        o = {"sync": "local", "outer_every": H, "outer_lr": lr, "outer_momentum": mom, "straggler": "wait"}
         if inner:  # the workers' own AdamW learning rate (peak; the floor scales with it)
-            modes[name] |= {"lr": inner[0], "min_lr": inner[0] / 10}
+            o |= {"lr": inner[0], "min_lr": inner[0] / 10}
+        if "bf16" in flags:  # the deltas sent in bf16
+            name, o = name + " bf16", o | {"outer_dtype": "bf16"}
+        modes[name] = o
     run = {m: m.replace(" ", "_").replace("=", "") for m in modes}
     res = {m: summary(train(w, run[m], a.ranks, base | o)) for m, o in modes.items()}
-    chosen = min((m for m in modes if m.startswith("local")), key=lambda m: res[m]["valid_loss"])  # on validation
-    for m in ("ddp", "1bit", chosen):
+    local = [m for m in modes if m.startswith("local")]
+    chosen = [min(local, key=lambda m: res[m]["valid_loss"])] if local else []  # on validation
+    for m in [m for m in ("ddp", "1bit") if m in modes] + chosen:
         res[m]["test_loss"] = test_loss(w, run[m])
     links = [float(x) for x in a.links.split(",") if x]
     speed = {"max_steps": a.link_steps, "heldout": "", "eval_every": 0, "compress_after": 1, "checkpoint": False}
-    for m, o in list(modes.items())[:3]:  # speed: the outer step's settings do not change it
+    for m, o in [(m, o) for m, o in modes.items() if not m.startswith("local")] + [
+        (m, modes[m]) for m in local[:1]
+    ]:  # speed: the outer step's settings do not change it
         for g in links:
             rows = train(w, f"link{g:g}-" + run[m], a.ranks, base | o | speed | {"link_gbps": g})
             res[m][f"tokens_per_s_at_{g:g}gbps"] = [r for r in rows if "tokens_per_s" in r][-1]["tokens_per_s"]
@@ -206,7 +217,7 @@ def main() -> int:
     ax.set_ylabel("validation loss (nats/token)")
     ax.set_title(f"{a.ranks} ranks, {a.preset}, {a.steps} steps")
     ax.legend()
-    save("distributed", {"args": {k: str(v) for k, v in vars(a).items()}, "results": res}, md, fig)
+    save(a.name, {"args": {k: str(v) for k, v in vars(a).items()}, "results": res}, md, fig)
     return 0
 
 

@@ -300,8 +300,20 @@ class LocalSGD:
     """The shared weights, the outer Nesterov SGD over them and the round's timing. exchange()
     is collective: every worker calls it at the end of each round."""
 
-    def __init__(self, model: nn.Module, *, every: int, lr: float, momentum: float, straggler: str, slack: float, link: Link):
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        every: int,
+        lr: float,
+        momentum: float,
+        straggler: str,
+        slack: float,
+        link: Link,
+        dtype: torch.dtype = torch.float32,
+    ):
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.dtype = dtype  # of the deltas on the wire
         with torch.no_grad():  # every worker starts from rank 0's weights (as DDP does)
             for p in self.params:
                 dist.broadcast(p, 0)
@@ -330,9 +342,10 @@ class LocalSGD:
         took_all = [int(t[0]) for t in every]
         flat = torch.cat([(s - p.detach().float()).reshape(-1) for s, p in zip(self.shared, self.params)])
         flat *= took / sum(took_all)
+        flat = flat.to(self.dtype)
         dist.all_reduce(flat)
         self.link.send(self.link.allreduce_bytes(flat))
-        for s, d in zip(self.shared, torch.split(flat, [s.numel() for s in self.shared])):
+        for s, d in zip(self.shared, torch.split(flat.float(), [s.numel() for s in self.shared])):
             s.grad = d.view_as(s)
         self.outer.step()
         with torch.no_grad():

@@ -21,6 +21,7 @@ Across ranks and hosts (model/comm.py; torchrun, NCCL or gloo; bytes sent logged
                                     compress_after bf16 steps; AdamW then sends momenta (1-bit Adam)
   sync = every-step | local         local: DiLoCo, an outer Nesterov step every outer_every steps
   straggler = deadline | wait       local: a slow worker's round ends at the fast ones' pace, or all wait
+  outer_dtype = fp32 | bf16         local: the precision of the deltas sent (bf16: half the bytes)
   link_gbps = 0                     > 0: simulate a link of that bandwidth (benchmarks)
 Checkpoints of every setting use one layout and resume under any other setting that uses the
 same optimizer (adamw's state resumes with or without zero1 and offload, on any world size).
@@ -103,6 +104,7 @@ class TrainConfig:
     outer_momentum: float = 0.9
     straggler: str = "deadline"  # local: "deadline" (a slow worker's round ends early) | "wait" (every worker takes H steps)
     straggler_slack: float = 0.25  # deadline = (1 + slack) x the fastest worker's time for H steps
+    outer_dtype: str = "fp32"  # local: the deltas' precision on the wire ("bf16": half the bytes)
     link_gbps: float = 0.0  # > 0: simulate a link of this bandwidth (a sleep per byte sent)
     gate: str = "none"  # "joint": the index gate's mixture in the loss, trained with the LM (model/joint.py)
     joint_features: tuple[str, ...] = ()  # exclude-doc feature directories, one per --max-len (gate = joint)
@@ -122,6 +124,7 @@ CHOICES = {
     "compress": ("none", "1bit"),
     "sync": ("every-step", "local"),
     "straggler": ("deadline", "wait"),
+    "outer_dtype": ("fp32", "bf16"),
     "gate": ("none", "joint"),
 }
 
@@ -174,6 +177,8 @@ def check(cfg: TrainConfig) -> None:
         raise ConfigError("compress = 1bit needs optimizer = adamw or sgd, without zero1 or offload (it takes over AdamW's moments)")
     if cfg.compress == "1bit" and cfg.optimizer == "adamw" and cfg.compress_after < 1:
         raise ConfigError("compress = 1bit with adamw needs compress_after >= 1: AdamW's moments start in those steps")
+    if cfg.outer_dtype != "fp32" and cfg.sync != "local":
+        raise ConfigError("outer_dtype is the precision of local SGD's deltas: it needs sync = local")
     if cfg.sync == "local":
         if cfg.compress != "none":
             raise ConfigError(
@@ -385,6 +390,7 @@ def train(cfg: TrainConfig) -> dict:
             straggler=cfg.straggler,
             slack=cfg.straggler_slack,
             link=link,
+            dtype=torch.bfloat16 if cfg.outer_dtype == "bf16" else torch.float32,
         )
         if st is not None and st.get("local", {}).get("world") == world:
             local.load_state_dict(st["local"])

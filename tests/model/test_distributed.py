@@ -88,6 +88,7 @@ def test_1bit_and_local_sgd_on_two_gloo_processes(data_root, tmp_path):  # noqa:
         ),
         "local4": _cfg(data_root, "d-local4", max_steps=16, sync="local", outer_every=4, ckpt_every=8, straggler="wait"),
         "local4-resumed": _cfg(data_root, "d-local4-r", max_steps=16, sync="local", outer_every=4, straggler="wait"),
+        "local4-bf16": _cfg(data_root, "d-local4-b", max_steps=16, sync="local", outer_every=4, straggler="wait", outer_dtype="bf16"),
     }
     body = _configs(runs) + "\n".join(
         [
@@ -100,6 +101,7 @@ def test_1bit_and_local_sgd_on_two_gloo_processes(data_root, tmp_path):  # noqa:
             "train(cfg['local4'])",
             _resume_copy("local4", "local4-resumed", 8),
             "train(cfg['local4-resumed'])",
+            "train(cfg['local4-bf16'])",
         ]
     )
     torchrun(_script(tmp_path, body))
@@ -131,6 +133,12 @@ def test_1bit_and_local_sgd_on_two_gloo_processes(data_root, tmp_path):  # noqa:
         for p in torch.load(data_root / "d-local4" / "checkpoints" / "step-0000016" / "state.pt", weights_only=False)["local"]["shared"]
     )
     assert rounds[0]["comm_bytes"] == pytest.approx(4 * n, rel=0.01)
+    # outer_dtype = bf16: half the bytes a round, the same run to bf16's rounding
+    rounds_b = [r for r in _rows(data_root, "d-local4-b") if "round_steps" in r]
+    assert rounds_b[0]["comm_bytes"] == pytest.approx(2 * n, rel=0.01)
+    l4b = _losses(data_root, "d-local4-b")
+    assert l4b[4] == l4[4] and [l4b[s] for s in range(5, 17)] == pytest.approx([l4[s] for s in range(5, 17)], rel=0.02)
+    assert l4b[16] != l4[16]  # the deltas were rounded
 
 
 def test_a_slow_worker_does_not_hold_back_the_fast_one(data_root, tmp_path):  # noqa: F811
@@ -160,6 +168,7 @@ def test_bad_distributed_settings_are_refused_on_every_rank(data_root, tmp_path)
         (["--sync=local", "--compress=1bit"], "compress = 1bit"),
         (["--sync=local", "--outer_every=0"], "outer_every must be >= 1"),
         (["--sync=local", "--zero1=true"], "sync = local keeps a whole optimizer"),
+        (["--outer_dtype=bf16"], "it needs sync = local"),
     ]:
         r = subprocess.run(cli + base + extra, cwd=REPO, capture_output=True, text=True)
         assert r.returncode != 0 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr
