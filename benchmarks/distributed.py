@@ -194,12 +194,17 @@ def main() -> int:
         f"AdamW lr 3e-3 cosine, the embedded corpus (4096-piece tokenizer); validation loss on data/default/heldout/valid, "
         "test loss (the final checkpoint's) on data/default/heldout/test for DDP, 1bit and the local SGD row of lowest "
         "validation loss only: the test split chooses nothing. "
-        f"1bit: {a.compress_after} steps all-reduced in bf16, then AdamW's momenta sent as signs + one fp32 scale per row, "
-        "the ranks' own second moments averaged into AdamW's every 100 steps. "
-        f"Bytes: what one rank sent, under the ring algorithms. Link columns: {a.link_steps} steps over a simulated link "
+        + (
+            f"1bit: {a.compress_after} steps all-reduced in bf16, then AdamW's momenta sent as signs + one fp32 scale per row, "
+            "the ranks' own second moments averaged into AdamW's every 100 steps. "
+            if "1bit" in modes
+            else ""
+        )
+        + f"Bytes: what one rank sent, under the ring algorithms. Link columns: {a.link_steps} steps over a simulated link "
         "(a sleep per byte after each collective, no overlap with compute), 1bit compressing from the second step.\n\n"
         "Local SGD rows: straggler = wait (equal workers; the deadline policy is for unequal ones and would let this "
-        "shared 2-core machine's jitter cut rounds short), the outer step's lr and Nesterov momentum (DiLoCo's: 0.7 and 0.9) and, where named, the workers' own AdamW peak lr (else DDP's 3e-3); the choice among them is "
+        "shared 2-core machine's jitter cut rounds short), the outer step's lr and Nesterov momentum (DiLoCo's: 0.7 and 0.9) and, where named, the workers' own AdamW peak lr (else DDP's 3e-3), "
+        "and bf16 where the deltas were sent in bf16 (outer_dtype); the choice among them is "
         "made on this same validation loss, so the best row's validation figure is optimistic by the selection; its test figure is not.\n\n"
         "Bars (issue 17): 1bit bytes <= 1/16 of DDP's with validation loss within 2%; local SGD (H = 50) <= 1/40 with loss within 3%."
     )
