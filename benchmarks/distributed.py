@@ -140,6 +140,7 @@ def main() -> int:
         "min_lr": 3e-4,
         "warmup": 50,
         "checkpoint": True,  # the final one only: its test loss
+        "compile": False,  # small models: launch-bound either way, and no compile time in the timings
     }
     want = set(a.modes.split(","))
     modes = {"ddp": {}} | ({"1bit": {"compress": "1bit", "compress_after": a.compress_after}} if "1bit" in want else {})
@@ -188,7 +189,12 @@ def main() -> int:
     cols = list(rows[0])
     import torch
 
-    dev = "GPU" if torch.cuda.is_available() else "CPU (gloo processes on this machine's cores)"
+    n_gpu = torch.cuda.device_count()
+    dev = (
+        "CPU (gloo processes on this machine's cores)"
+        if not n_gpu
+        else f"{n_gpu} GPU(s)" + (" shared (gloo through host memory: NCCL refuses two ranks on one GPU)" if a.ranks > n_gpu else " (NCCL)")
+    )
     md = table(rows, cols) + (
         f"\n\n{a.ranks} ranks on {dev}; preset {a.preset}, {a.batch} x {a.block} tokens per rank and step, {a.steps} steps, "
         f"AdamW lr 3e-3 cosine, the embedded corpus (4096-piece tokenizer); validation loss on data/default/heldout/valid, "

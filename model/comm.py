@@ -334,7 +334,7 @@ class LocalSGD:
         Returns the inner steps each worker took in the round that ends."""
         took = self.done
         per_step = (time.time() - self.round_start) / max(1, took)
-        dev = self.shared[0].device
+        dev = "cpu" if dist.get_backend() == "gloo" else self.shared[0].device  # gloo gathers CUDA tensors only through the host
         stats = torch.tensor([took, per_step], dtype=torch.float64, device=dev)
         every = [torch.zeros_like(stats) for _ in range(self.world)]
         dist.all_gather(every, stats)

@@ -296,12 +296,14 @@ def _setup(cfg: TrainConfig) -> tuple[int, int, str, bool]:
     if dev == "auto":
         dev = "cuda" if torch.cuda.is_available() else "cpu"
     if world > 1:
-        if dev == "cuda":
-            local = int(os.environ.get("LOCAL_RANK", "0"))
-            torch.cuda.set_device(local)
-            dev = f"cuda:{local}"
-        if not dist.is_initialized():
-            dist.init_process_group("nccl" if dev.startswith("cuda") else "gloo")
+        shared_gpu = False
+        if dev == "cuda":  # a host's ranks share its GPUs round-robin when they outnumber them
+            local, n = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+            shared_gpu = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > n
+            torch.cuda.set_device(local % n)
+            dev = f"cuda:{local % n}"
+        if not dist.is_initialized():  # NCCL refuses two ranks on one GPU: gloo then (through host memory)
+            dist.init_process_group("nccl" if dev.startswith("cuda") and not shared_gpu else "gloo")
             return rank, world, dev, True
     return rank, world, dev, False
 
