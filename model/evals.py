@@ -301,19 +301,29 @@ def load_outputs(path: str | Path, *, task: str, limit: int | None, tokenizer: s
     ]
 
 
-def prepare(names: tuple[str, ...], limit: int, tokenize) -> dict[str, tuple[list[Example], list]]:
-    """Each task's first `limit` examples and their candidates' tokens: the fixed subset that
-    training evaluates every eval_every steps."""
+def prepare(names: tuple[str, ...], limit: int, tokenize, est_of=None) -> dict[str, tuple[list[Example], list, joint.Est | None]]:
+    """Each task's first `limit` examples, their candidates' tokens and, for a jointly trained
+    model, est_of(candidates): their estimates (joint_estimates), computed once, since they
+    depend on the text and the index, not on the weights. The fixed subset that training
+    evaluates every eval_every steps."""
     out = {}
     for n in names:
         ex = load_task(n, limit)
-        out[n] = (ex, candidates(ex, tokenize))
+        docs = candidates(ex, tokenize)
+        out[n] = (ex, docs, est_of(docs) if est_of is not None else None)
     return out
 
 
-def downstream(model: GPT, tasks: dict[str, tuple[list[Example], list]], eos: int, device: str = "cpu") -> dict[str, dict]:
-    """acc and acc_norm of the model on each prepared task (no index)."""
-    return {n: accuracy(ex, [o["nll"] for o in model_outputs(model, docs, eos, device)]) for n, (ex, docs) in tasks.items()}
+def downstream(model: GPT, tasks: dict, eos: int, device: str = "cpu") -> dict[str, dict]:
+    """acc and acc_norm of the model on each prepared task, and for a jointly trained model
+    those of its own mixture ("joint"), as run_task counts them."""
+    res = {}
+    for n, (ex, docs, est) in tasks.items():
+        outs = model_outputs(model, docs, eos, device, est=est)
+        res[n] = accuracy(ex, [o["nll"] for o in outs])
+        if est is not None:
+            res[n]["joint"] = accuracy(ex, [o["nll_joint"] for o in outs])
+    return res
 
 
 def check_run(model: GPT | None, idx, *, gate: Gate | None = None, save_dir=None) -> None:

@@ -151,8 +151,8 @@ def check(cfg: TrainConfig) -> None:
         unknown = [t for t in cfg.evals if t not in evals.TASKS]
         if unknown:
             raise ConfigError(f"unknown evals task(s) {', '.join(unknown)}; known: {', '.join(evals.TASKS)}")
-        if (cfg.use_index and cfg.features is not None) or cfg.gate == "joint":
-            raise ConfigError("evals during training score models without index inputs or a joint gate (features unset, gate = none)")
+        if cfg.use_index and cfg.features is not None:
+            raise ConfigError("evals during training score models without index inputs (features unset; a joint gate is scored)")
         evals.data_root()  # the evaluation sets are installed, or one line saying how
     if cfg.gate == "joint":
         if not cfg.joint_features:
@@ -421,7 +421,13 @@ def train(cfg: TrainConfig) -> dict:
 
         from .evals import prepare
 
-        tasks = prepare(cfg.evals, cfg.evals_limit, Index(cfg.index).tokenize)
+        idx = Index(cfg.index)
+        est_of = None
+        if cfg.gate == "joint":  # the candidates' estimates, once: its own mixture is scored beside the model
+            from .evals import joint_estimates
+
+            est_of = lambda docs: joint_estimates(model, idx, docs, os.cpu_count() or 1)  # noqa: E731
+        tasks = prepare(cfg.evals, cfg.evals_limit, idx.tokenize, est_of)
     for step in range(start, cfg.max_steps):
         lr = lr_at(cfg, step)
         for g in opt.param_groups:
@@ -599,6 +605,8 @@ def plot_log(out: Path) -> None:
         bx = axes[0, 1]
         for t in ds[-1]["evals"]:
             bx.plot([r["step"] for r in ds], [r["evals"][t]["acc_norm"] for r in ds], "o-", label=f"{t} ({ds[-1]['evals'][t]['n']})")
+            if "joint" in ds[-1]["evals"][t]:
+                bx.plot([r["step"] for r in ds], [r["evals"][t]["joint"]["acc_norm"] for r in ds], "s--", label=f"{t}, its gate")
         bx.set_xlabel("step")
         bx.set_ylabel("acc_norm")
         bx.legend()

@@ -238,6 +238,26 @@ def test_joint_task_accuracies_are_those_of_token_eval(joint_run, tmp_path):
     assert run_task(model, idx, "openbookqa", limit=5, index_side=False) == {k: r[k] for k in ("task", "examples", "model")}
 
 
+def test_training_a_joint_model_logs_its_mixtures_accuracy_too(joint_root):
+    """evals in training of a jointly trained model: each evaluation logs the model's and its
+    own mixture's accuracy, run_task's on the saved checkpoint."""
+    import json
+
+    from teragram.model.evals import run_task
+    from teragram.model.train import load_model
+
+    from tests.model.conftest import joint_kw, train_tiny
+
+    kw = joint_kw(joint_root, joint_components=JOINT_COMPONENTS, joint_lm_weight=1.0)
+    result = train_tiny(joint_root, "evals-joint-log", max_steps=4, eval_every=2, heldout=None, evals=("openbookqa",), evals_limit=5, **kw)
+    rows = [json.loads(x) for x in (joint_root / "evals-joint-log" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "evals" in r] == [2, 4]
+    model, idx = load_model(joint_root / "evals-joint-log")[0], Index(joint_root / "idx")
+    r = run_task(model, idx, "openbookqa", limit=5)
+    logged = result["evals"]["openbookqa"]
+    assert {k: logged[k] for k in ("acc", "acc_norm", "n")} == r["model"] and logged["joint"] == r["joint"]
+
+
 def test_evals_verb_scores_a_joint_checkpoint_and_refuses_what_it_cannot_do(joint_run, tmp_path, capsys):
     """`teragram evals` on a joint checkpoint gives run_task's rows (with --joint-gate: those of the
     model with that gate installed); a post-hoc gate, saved outputs, or an index of another
