@@ -120,7 +120,7 @@ def main() -> int:
     ap.add_argument(
         "--outer",
         default="1:0:0.002,1:0:0.0015,1.3:0:0.002,1.5:0:0.002",
-        help="local SGD's outer lr:momentum[:inner lr][:H=N][:bf16], each one run (DiLoCo's: 0.7:0.9; inner lr default --lr, as DDP's; H default --outer-every; bf16: the deltas sent in bf16)",
+        help="local SGD's outer lr:momentum[:inner lr][:H=N][:bf16][:end=LR], each one run (DiLoCo's: 0.7:0.9; inner lr default --lr, as DDP's; H default --outer-every; bf16: the deltas sent in bf16; end=LR: the outer lr ramps linearly to LR over the rounds)",
     )
     ap.add_argument("--modes", default="ddp,1bit,local", help="which of ddp, 1bit, local to run (ddp always: the reference)")
     ap.add_argument("--links", default="0,1,0.1", help="simulated link speeds, Gbit/s (0: none)")
@@ -157,8 +157,11 @@ def main() -> int:
             o |= {"lr": inner[0], "min_lr": inner[0] / 10}
         if "bf16" in flags:  # the deltas sent in bf16
             name, o = name + " bf16", o | {"outer_dtype": "bf16"}
+        end = next((float(f[4:]) for f in flags if f.startswith("end=")), None)
+        if end is not None:  # the outer lr ramps from lr (first round) to end (last)
+            name, o = name.replace(f"lr{lr:g}", f"lr{lr:g}->{end:g}", 1), o | {"outer_lr_end": end}
         modes[name] = o
-    run = {m: m.replace(" ", "_").replace("=", "") for m in modes}
+    run = {m: m.replace(" ", "_").replace("=", "").replace("->", "to") for m in modes}
     res = {m: summary(train(w, run[m], a.ranks, base | o)) for m, o in modes.items()}
     local = [m for m in modes if m.startswith("local")]
     chosen = [min(local, key=lambda m: res[m]["valid_loss"])] if local else []  # on validation
@@ -213,7 +216,7 @@ def main() -> int:
         "(a sleep per byte after each collective, no overlap with compute), 1bit compressing from the second step.\n\n"
         "Local SGD rows: straggler = wait (equal workers; the deadline policy is for unequal ones and would let this "
         "shared 2-core machine's jitter cut rounds short), the outer step's lr and Nesterov momentum (DiLoCo's: 0.7 and 0.9) and, where named, the workers' own AdamW peak lr (else DDP's), "
-        "and bf16 where the deltas were sent in bf16 (outer_dtype); the choice among them is "
+        "bf16 where the deltas were sent in bf16 (outer_dtype), lrA->B an outer lr ramped linearly from A to B over the rounds (outer_lr_end); the choice among them is "
         "made on this same validation loss, so the best row's validation figure is optimistic by the selection; its test figure is not.\n\n"
         "Bars (issue 17): 1bit bytes <= 1/16 of DDP's with validation loss within 2%; local SGD (H = 50) <= 1/40 with loss within 3%."
     )

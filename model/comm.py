@@ -311,9 +311,12 @@ class LocalSGD:
         slack: float,
         link: Link,
         dtype: torch.dtype = torch.float32,
+        lr_end: float | None = None,
+        rounds: int = 1,
     ):
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.dtype = dtype  # of the deltas on the wire
+        self.lr, self.lr_end, self.rounds = lr, lr_end, rounds  # the outer lr ramps linearly to lr_end over the rounds
         with torch.no_grad():  # every worker starts from rank 0's weights (as DDP does)
             for p in self.params:
                 dist.broadcast(p, 0)
@@ -328,9 +331,10 @@ class LocalSGD:
         """Whether this worker's round is out of time (straggler = deadline): skip the inner step."""
         return self.straggler == "deadline" and self.done > 0 and time.time() > self.deadline
 
-    def exchange(self) -> list[int]:
+    def exchange(self, round_index: int = 0) -> list[int]:
         """Average the workers' deltas, each weighted by the inner steps it took (a worker cut
-        short by the deadline counts for what it did), take the outer step, start the next round.
+        short by the deadline counts for what it did), take the outer step (round round_index of
+        the run's rounds: where the ramp of the outer lr stands), start the next round.
         Returns the inner steps each worker took in the round that ends."""
         took = self.done
         per_step = (time.time() - self.round_start) / max(1, took)
@@ -347,6 +351,8 @@ class LocalSGD:
         self.link.send(self.link.allreduce_bytes(flat))
         for s, d in zip(self.shared, torch.split(flat.float(), [s.numel() for s in self.shared])):
             s.grad = d.view_as(s)
+        if self.lr_end is not None:
+            self.outer.param_groups[0]["lr"] = self.lr + (self.lr_end - self.lr) * round_index / max(1, self.rounds - 1)
         self.outer.step()
         with torch.no_grad():
             for s, p in zip(self.shared, self.params):

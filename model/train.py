@@ -22,6 +22,7 @@ Across ranks and hosts (model/comm.py; torchrun, NCCL or gloo; bytes sent logged
   sync = every-step | local         local: DiLoCo, an outer Nesterov step every outer_every steps
   straggler = deadline | wait       local: a slow worker's round ends at the fast ones' pace, or all wait
   outer_dtype = fp32 | bf16         local: the precision of the deltas sent (bf16: half the bytes)
+  outer_lr_end = 0                  local: > 0, the outer lr ramps from outer_lr to it over the rounds
   link_gbps = 0                     > 0: simulate a link of that bandwidth (benchmarks)
 Checkpoints of every setting use one layout and resume under any other setting that uses the
 same optimizer (adamw's state resumes with or without zero1 and offload, on any world size).
@@ -105,6 +106,7 @@ class TrainConfig:
     straggler: str = "deadline"  # local: "deadline" (a slow worker's round ends early) | "wait" (every worker takes H steps)
     straggler_slack: float = 0.25  # deadline = (1 + slack) x the fastest worker's time for H steps
     outer_dtype: str = "fp32"  # local: the deltas' precision on the wire ("bf16": half the bytes)
+    outer_lr_end: float = 0.0  # local: > 0, the outer lr ramps linearly from outer_lr (first round) to this (last)
     link_gbps: float = 0.0  # > 0: simulate a link of this bandwidth (a sleep per byte sent)
     gate: str = "none"  # "joint": the index gate's mixture in the loss, trained with the LM (model/joint.py)
     joint_features: tuple[str, ...] = ()  # exclude-doc feature directories, one per --max-len (gate = joint)
@@ -177,8 +179,10 @@ def check(cfg: TrainConfig) -> None:
         raise ConfigError("compress = 1bit needs optimizer = adamw or sgd, without zero1 or offload (it takes over AdamW's moments)")
     if cfg.compress == "1bit" and cfg.optimizer == "adamw" and cfg.compress_after < 1:
         raise ConfigError("compress = 1bit with adamw needs compress_after >= 1: AdamW's moments start in those steps")
-    if cfg.outer_dtype != "fp32" and cfg.sync != "local":
-        raise ConfigError("outer_dtype is the precision of local SGD's deltas: it needs sync = local")
+    if (cfg.outer_dtype != "fp32" or cfg.outer_lr_end) and cfg.sync != "local":
+        raise ConfigError("outer_dtype and outer_lr_end set local SGD's outer step: they need sync = local")
+    if cfg.outer_lr_end < 0:
+        raise ConfigError(f"outer_lr_end must be > 0 (a ramp's end) or 0 (none), not {cfg.outer_lr_end}")
     if cfg.sync == "local":
         if cfg.compress != "none":
             raise ConfigError(
@@ -393,6 +397,8 @@ def train(cfg: TrainConfig) -> dict:
             slack=cfg.straggler_slack,
             link=link,
             dtype=torch.bfloat16 if cfg.outer_dtype == "bf16" else torch.float32,
+            lr_end=cfg.outer_lr_end or None,
+            rounds=(cfg.max_steps - 1) // cfg.outer_every + 1,
         )
         if st is not None and st.get("local", {}).get("world") == world:
             local.load_state_dict(st["local"])
@@ -465,7 +471,7 @@ def train(cfg: TrainConfig) -> dict:
         if local is not None:
             local.done += not skip
             if (step + 1) % cfg.outer_every == 0 or step + 1 == cfg.max_steps:
-                took = local.exchange()  # collective
+                took = local.exchange(step // cfg.outer_every)  # collective
         if took is not None or ((step + 1) % cfg.log_every == 0 or step == start or step + 1 == cfg.max_steps) and not skip:
             el = time.time() - t0
             done_tokens = tokens_per_step // world * (step + 1 - start)  # this rank's

@@ -89,6 +89,9 @@ def test_1bit_and_local_sgd_on_two_gloo_processes(data_root, tmp_path):  # noqa:
         "local4": _cfg(data_root, "d-local4", max_steps=16, sync="local", outer_every=4, ckpt_every=8, straggler="wait"),
         "local4-resumed": _cfg(data_root, "d-local4-r", max_steps=16, sync="local", outer_every=4, straggler="wait"),
         "local4-bf16": _cfg(data_root, "d-local4-b", max_steps=16, sync="local", outer_every=4, straggler="wait", outer_dtype="bf16"),
+        "local4-ramp": _cfg(
+            data_root, "d-local4-ramp", max_steps=16, sync="local", outer_every=4, straggler="wait", outer_lr=0.5, outer_lr_end=1.5
+        ),
     }
     body = _configs(runs) + "\n".join(
         [
@@ -102,6 +105,7 @@ def test_1bit_and_local_sgd_on_two_gloo_processes(data_root, tmp_path):  # noqa:
             _resume_copy("local4", "local4-resumed", 8),
             "train(cfg['local4-resumed'])",
             "train(cfg['local4-bf16'])",
+            "train(cfg['local4-ramp'])",
         ]
     )
     torchrun(_script(tmp_path, body))
@@ -139,6 +143,11 @@ def test_1bit_and_local_sgd_on_two_gloo_processes(data_root, tmp_path):  # noqa:
     l4b = _losses(data_root, "d-local4-b")
     assert l4b[4] == l4[4] and [l4b[s] for s in range(5, 17)] == pytest.approx([l4[s] for s in range(5, 17)], rel=0.02)
     assert l4b[16] != l4[16]  # the deltas were rounded
+    # outer_lr_end: the outer lr ramps linearly over the 4 rounds, 0.5 -> 1.5, and ends there
+    st = torch.load(data_root / "d-local4-ramp" / "checkpoints" / "step-0000016" / "state.pt", weights_only=False)
+    assert [g["lr"] for g in st["local"]["outer"]["param_groups"]] == [pytest.approx(1.5)]
+    ramp = _losses(data_root, "d-local4-ramp")
+    assert ramp[4] == l4[4] and ramp[8] != l4[8]
 
 
 def test_a_slow_worker_does_not_hold_back_the_fast_one(data_root, tmp_path):  # noqa: F811
@@ -168,7 +177,8 @@ def test_bad_distributed_settings_are_refused_on_every_rank(data_root, tmp_path)
         (["--sync=local", "--compress=1bit"], "compress = 1bit"),
         (["--sync=local", "--outer_every=0"], "outer_every must be >= 1"),
         (["--sync=local", "--zero1=true"], "sync = local keeps a whole optimizer"),
-        (["--outer_dtype=bf16"], "it needs sync = local"),
+        (["--outer_dtype=bf16"], "they need sync = local"),
+        (["--outer_lr_end=1.5"], "they need sync = local"),
     ]:
         r = subprocess.run(cli + base + extra, cwd=REPO, capture_output=True, text=True)
         assert r.returncode != 0 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr
