@@ -37,7 +37,9 @@ outer SGD step with Nesterov momentum to the shared weights. Workers of differen
 round), whichever is first, and the outer step uses whatever each worker did. A fast worker so
 waits at most slack * H of its own steps plus one of the slow worker's per round (the first
 round has no measurement and waits). straggler = "wait": every worker takes all H steps
-(deterministic; exact resume).
+(deterministic; exact resume). The deltas travel in fp32 or bf16 (outer_dtype: half the
+bytes), and the outer lr may ramp linearly over the run's rounds (outer_lr_end; set from the
+round's index, so a resumed run ramps the same).
 
 Bytes a rank sends are counted from the buffers each collective moves, under the ring
 algorithms (all-reduce 2 (W-1)/W of the buffer, all-to-all and all-gather (W-1)/W of what the

@@ -302,7 +302,7 @@ def _setup(cfg: TrainConfig) -> tuple[int, int, str, bool]:
     if world > 1:
         shared_gpu = False
         if dev == "cuda":  # a host's ranks share its GPUs round-robin when they outnumber them
-            local, n = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+            local, n = int(os.environ.get("LOCAL_RANK", "0")), max(1, torch.cuda.device_count())
             shared_gpu = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > n
             torch.cuda.set_device(local % n)
             dev = f"cuda:{local % n}"
