@@ -114,6 +114,7 @@ def main() -> int:
     ap.add_argument(
         "--lr", type=float, default=3e-3, help="DDP's and 1-bit's AdamW peak lr (the floor a tenth), and local SGD's workers' by default"
     )
+    ap.add_argument("--seed", type=int, default=None, help="the runs' seed (default: train's)")
     ap.add_argument("--eval-every", type=int, default=250)
     ap.add_argument("--compress-after", type=int, default=50)
     ap.add_argument("--outer-every", type=int, default=50)
@@ -145,6 +146,8 @@ def main() -> int:
         "checkpoint": True,  # the final one only: its test loss
         "compile": False,  # small models: launch-bound either way, and no compile time in the timings
     }
+    if a.seed is not None:
+        base["seed"] = a.seed
     want = set(a.modes.split(","))
     modes = {"ddp": {}} | ({"1bit": {"compress": "1bit", "compress_after": a.compress_after}} if "1bit" in want else {})
     for spec in a.outer.split(",") if "local" in want else []:
