@@ -44,3 +44,20 @@ def train_tiny(root, name, **kw) -> dict:
 def joint_kw(root, **kw) -> dict:
     """TrainConfig fields of a jointly trained model over the joint root's estimates."""
     return dict(gate="joint", joint_features=tuple(str(root / f"len-{c}") for c in CAPS), joint_estimates=str(root / "est")) | kw
+
+
+def other_tokenizer_checkpoint(run, tmp_path):
+    """A copy of RUN's checkpoint (its files linked) whose joint gate claims estimates of
+    another tokenizer: what a refusal is tested with."""
+    import json
+
+    ck = next((run / "checkpoints").iterdir())
+    bad = tmp_path / "other-tokenizer" / ck.name
+    bad.mkdir(parents=True)
+    for f in ck.iterdir():
+        if f.name != "config.json":
+            (bad / f.name).symlink_to(f)
+    meta = json.loads((ck / "config.json").read_text())
+    meta["model"]["joint_tokenizer"] = "0" * 32
+    (bad / "config.json").write_text(json.dumps(meta))
+    return bad

@@ -270,6 +270,8 @@ def test_evals_verb_scores_a_joint_checkpoint_and_refuses_what_it_cannot_do(join
     from teragram.model.train import load_model
     from teragram.serve.cli import main
 
+    from tests.model.conftest import other_tokenizer_checkpoint
+
     root, model, idx = joint_run
     run = root / "evals-joint"
     es = ["evals", "--checkpoint", str(run), "--index", str(idx.path), "--tasks", "arc_easy,winogrande", "--limit", "3", "--quiet"]
@@ -292,15 +294,7 @@ def test_evals_verb_scores_a_joint_checkpoint_and_refuses_what_it_cannot_do(join
     assert refit_rows[0]["joint"] != rows[0]["joint"] and refit_rows[0]["model"] == rows[0]["model"]  # the gate was used
     # refusals, each in one line before any work
     Gate(np.zeros((_n_features(idx), len(COMPONENTS)))).save(tmp_path / "posthoc.json")
-    ck = next((run / "checkpoints").iterdir())
-    bad = tmp_path / "other-tokenizer" / ck.name
-    bad.mkdir(parents=True)
-    for f in ck.iterdir():
-        if f.name != "config.json":
-            (bad / f.name).symlink_to(f)
-    meta = json.loads((ck / "config.json").read_text())
-    meta["model"]["joint_tokenizer"] = "0" * 32
-    (bad / "config.json").write_text(json.dumps(meta))
+    bad = other_tokenizer_checkpoint(run, tmp_path)
     other = [a if a != str(run) else str(bad) for a in es]
     cases = [
         ([*es, "--gate", str(tmp_path / "posthoc.json")], "no post-hoc --gate"),

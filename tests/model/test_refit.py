@@ -18,7 +18,7 @@ from teragram.model.evaluate import token_eval
 from teragram.model.gpt import GPT
 from teragram.model.train import load_model
 
-from tests.model.conftest import joint_kw, train_tiny
+from tests.model.conftest import joint_kw, other_tokenizer_checkpoint, train_tiny
 
 COMPONENTS = ("index_infgram", "index_3gram", "cache_longest", "cache_2gram")
 
@@ -134,15 +134,7 @@ def test_eval_refits_on_validation_and_applies_the_gate_on_test(run, tmp_path, c
     assert test["perplexity"] == pytest.approx(float(np.exp(refit.gated_nll(gate, run["test"]).mean())), rel=1e-5)
     assert test["perplexity"] < float(np.exp(run["r_test"]["nll"].mean()))
     # a gate trained on another tokenizer's estimates: refused in one line, before any work
-    ck = next((root / "refit" / "checkpoints").iterdir())
-    bad = tmp_path / "other-tokenizer" / ck.name
-    bad.mkdir(parents=True)
-    for f in ck.iterdir():
-        if f.name != "config.json":
-            (bad / f.name).symlink_to(f)
-    meta = json.loads((ck / "config.json").read_text())
-    meta["model"]["joint_tokenizer"] = "0" * 32
-    (bad / "config.json").write_text(json.dumps(meta))
+    bad = other_tokenizer_checkpoint(root / "refit", tmp_path)
     assert main(["eval", "--checkpoint", str(bad), "--index", str(root / "idx"), "--corpus", str(text[0])]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "joint gate was trained with" in err
