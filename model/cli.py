@@ -85,9 +85,9 @@ def cmd_eval(args) -> int:
                 f"{args.checkpoint}: --refit-gate / --joint-gate are for a jointly trained model; fit a post-hoc gate with --fit-gate"
             )
         if args.joint_gate:
-            from .refit import install_gate, load_gate
+            from .refit import use_gate_file
 
-            install_gate(model, load_gate(args.joint_gate, model))
+            use_gate_file(model, args.joint_gate)
         with tempfile.TemporaryDirectory() as tmp:
             feats = args.features_out or tmp
             cfg = FeatureConfig("held-out", model.cfg.max_match, max(model.cfg.top_k, 1))
@@ -152,9 +152,9 @@ def cmd_sample(args) -> int:
     model, _ = load_model(args.checkpoint, args.device)
     idx = Index(args.index)
     if args.joint_gate:
-        from .refit import install_gate, load_gate
+        from .refit import use_gate_file
 
-        install_gate(model, load_gate(args.joint_gate, model))
+        use_gate_file(model, args.joint_gate)
     g = generate(
         model,
         idx,
@@ -230,9 +230,9 @@ def cmd_evals(args) -> int:
     if args.joint_gate:
         if model is None:
             raise TeragramError("--joint-gate goes with the --checkpoint of a jointly trained model")
-        from .refit import install_gate, load_gate
+        from .refit import use_gate_file
 
-        install_gate(model, load_gate(args.joint_gate, model))
+        use_gate_file(model, args.joint_gate)
     rows = []
     for name in tqdm(tasks, desc="tasks", disable=args.quiet):
         kw = dict(gate=gate, limit=args.limit, device=args.device, batch=args.batch, threads=args.workers)

@@ -242,3 +242,8 @@ def load_gate(path, model: GPT) -> joint.JointGate:
 def install_gate(model: GPT, gate: joint.JointGate) -> None:
     """Make `gate` the model's own: token_eval, sample and serve then mix with it."""
     model.joint_gate.load_state_dict(gate.state_dict())
+
+
+def use_gate_file(model: GPT, path) -> None:
+    """Install the refit gate saved at `path` (load_gate's checks: refused for another model)."""
+    install_gate(model, load_gate(path, model))

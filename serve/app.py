@@ -127,9 +127,9 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     if cfg.joint_gate:
         if model is None:
             raise TeragramError("--joint-gate needs --checkpoint")
-        from teragram.model.refit import install_gate, load_gate
+        from teragram.model.refit import use_gate_file
 
-        install_gate(model, load_gate(cfg.joint_gate, model))
+        use_gate_file(model, cfg.joint_gate)
     gate = None
     if cfg.gate:
         from teragram.model.gate import Gate
