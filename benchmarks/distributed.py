@@ -172,9 +172,8 @@ def main() -> int:
         res[m]["test_loss"] = test_loss(w, run[m])
     links = [float(x) for x in a.links.split(",") if x]
     speed = {"max_steps": a.link_steps, "heldout": "", "eval_every": 0, "compress_after": 1, "checkpoint": False}
-    for m, o in [(m, o) for m, o in modes.items() if not m.startswith("local")] + [
-        (m, modes[m]) for m in local[:1]
-    ]:  # speed: the outer step's settings do not change it
+    for m in [m for m in modes if m not in local] + local[:1]:  # speed: the outer step's settings do not change it
+        o = modes[m]
         for g in links:
             rows = train(w, f"link{g:g}-" + run[m], a.ranks, base | o | speed | {"link_gbps": g})
             res[m][f"tokens_per_s_at_{g:g}gbps"] = [r for r in rows if "tokens_per_s" in r][-1]["tokens_per_s"]
