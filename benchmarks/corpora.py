@@ -31,6 +31,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -108,6 +109,18 @@ EXTRA_ENGLISH = (
     *("perl-doc", "git-doc", "rust-doc", "openjdk-17-doc", "ghc-doc", "qtbase5-doc-html"),
     *("erlang-doc", "libstdc++-12-doc", "libboost1.74-doc", "llvm-15-doc"),
 )
+# Everyday English for the multiple-choice evals (issue 18): how-to pages, definitions with
+# example sentences, narrative descriptions; markup stripped (_markup_text). Licenses, as the
+# packages' Debian copyright files state them:
+#   wordnet-base            WordNet 3.0 (Princeton's permissive license): every synset's words,
+#                           gloss and example sentences ("breathe: draw air into ...; "I can
+#                           breathe better when the air is clean"")
+#   gnome-user-docs         CC-BY-SA-3.0: GNOME's desktop help, its English (C) Mallard pages
+#   libreoffice-help-en-us  MPL-2.0: LibreOffice's help pages
+#   debian-handbook         GPL-2+ or CC-BY-SA-3.0: The Debian Administrator's Handbook, en-US
+#   crawl-common            GPL-2+: Dungeon Crawl Stone Soup's descriptions of its monsters,
+#                           items, places and gods (with their quotes), and its FAQ
+EVERYDAY = ("wordnet-base", "gnome-user-docs", "libreoffice-help-en-us", "debian-handbook", "crawl-common")
 # Evaluation-only corpora: never exported into a train split, never indexed.
 #   linux-source-6.12-new  C, header and rst files of linux-source-6.12 (GPL-2) whose path does
 #                          not exist in linux-source-6.1, nor its parent/name (moved files):
@@ -384,6 +397,8 @@ def documents(name: str) -> Iterator[tuple[str, str]]:
                 text = _read(p)
                 if text and text.strip():
                     yield str(p.relative_to(root)), text
+    elif name in EVERYDAY:
+        yield from _everyday_documents(name, root)
     elif name == "bible-kjv-text":
         for book in _BOOKS:
             out = subprocess.run(
@@ -394,7 +409,127 @@ def documents(name: str) -> Iterator[tuple[str, str]]:
             ).stdout
             yield f"bible-kjv/{book}", out
     else:
-        raise SystemExit(f"unknown corpus {name!r}; known: {', '.join(CODE + ENGLISH + EXTRA_CODE + EXTRA_ENGLISH + EVAL_ONLY)}")
+        raise SystemExit(f"unknown corpus {name!r}; known: {', '.join(CODE + ENGLISH + EVERYDAY + EXTRA_CODE + EXTRA_ENGLISH + EVAL_ONLY)}")
+
+
+# markup whose contents are not prose: page furniture, scripts, Mallard's <info> (credits,
+# links, revisions); any element with a `hidden` attribute (LibreOffice's per-platform variants)
+_NOT_PROSE = frozenset(("head", "script", "style", "header", "aside", "nav", "footer", "noscript", "info"))
+_BLOCK = frozenset(
+    (
+        "p",
+        "div",
+        "br",
+        "li",
+        "item",
+        "tr",
+        "title",
+        "h1",
+        "h2",
+        "h3",
+        "h4",
+        "h5",
+        "h6",
+        "pre",
+        "code-block",
+        "screen",
+        "dt",
+        "dd",
+        "table",
+        "section",
+        "steps",
+        "list",
+        "terms",
+        "note",
+    )
+)
+_VOID = frozenset(("img", "br", "meta", "link", "input", "hr", "base", "col", "area", "wbr", "source"))
+
+
+def _markup_text(markup: str) -> str:
+    """The prose of an HTML or Mallard (XML) page: text outside _NOT_PROSE elements, one line
+    per block element, runs of blank lines and spaces squeezed."""
+    from html.parser import HTMLParser
+
+    out: list[str] = []
+    stack: list[tuple[str, bool]] = []  # (tag, skipped) of the open elements
+
+    class P(HTMLParser):
+        def handle_starttag(self, tag, attrs):
+            if tag in _BLOCK:
+                out.append("\n")
+            if tag in _VOID:
+                return
+            skip = (stack[-1][1] if stack else False) or tag in _NOT_PROSE or any(k == "hidden" for k, _ in attrs)
+            stack.append((tag, skip))
+
+        def handle_startendtag(self, tag, attrs):
+            if tag in _BLOCK:
+                out.append("\n")
+
+        def handle_endtag(self, tag):
+            if tag in _BLOCK:
+                out.append("\n")
+            for i in range(len(stack) - 1, -1, -1):  # close it and whatever was left open inside it
+                if stack[i][0] == tag:
+                    del stack[i:]
+                    break
+
+        def handle_data(self, data):
+            if not (stack and stack[-1][1]):
+                out.append(data)
+
+    p = P(convert_charrefs=True)
+    p.feed(markup)
+    p.close()
+    lines = (" ".join(line.split()) for line in "".join(out).split("\n"))
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
+
+
+_WORDNET_POS = {"noun": "n", "verb": "v", "adj": "a", "adv": "r"}
+
+
+def _wordnet_documents(root: Path) -> Iterator[tuple[str, str]]:
+    """One line per synset, "word, other word: gloss; "example"", grouped by WordNet's
+    lexicographer file (noun.food, verb.motion, ...: its field 2) and cut into chunks."""
+    for pos in _WORDNET_POS:
+        groups: dict[int, list[str]] = {}
+        for line in (root / f"usr/share/wordnet/data.{pos}").read_text(encoding="utf-8", errors="replace").splitlines():
+            if line.startswith("  ") or " | " not in line:  # the license header
+                continue
+            head, gloss = line.split(" | ", 1)
+            f = head.split()
+            n = int(f[3], 16)
+            words = [w.replace("_", " ") for w in f[4 : 4 + 2 * n : 2]]
+            words = [re.sub(r"\((a|p|ip)\)$", "", w) for w in words]  # adjective markers
+            groups.setdefault(int(f[1]), []).append(f"{', '.join(words)}: {gloss.strip()}")
+        for lex, lines in sorted(groups.items()):
+            yield from _chunks("\n".join(lines) + "\n", f"wordnet/{pos}/{lex:02d}", sep="\n")
+
+
+def _everyday_documents(name: str, root: Path) -> Iterator[tuple[str, str]]:
+    if name == "wordnet-base":
+        yield from _wordnet_documents(root)
+        return
+    if name == "crawl-common":  # entries between %%%% lines; # lines are comments
+        base = root / "usr/share/crawl/dat"
+        for p in [*sorted((base / "descript").glob("*.txt")), base / "database/FAQ.txt"]:
+            raw = _read(p) or ""
+            text = "\n".join(line for line in raw.splitlines() if not line.startswith("#"))
+            text = re.sub(r"\n{3,}", "\n\n", text.replace("%%%%", "\n")).strip()
+            if text:
+                yield from _chunks(text + "\n", str(p.relative_to(root)))
+        return
+    pattern = {
+        "gnome-user-docs": "usr/share/help/C/*/*.page",
+        "libreoffice-help-en-us": "usr/share/libreoffice/help/en-US/**/*.html",
+        "debian-handbook": "usr/share/doc/debian-handbook/html/en-US/*.html",
+    }[name]
+    for p in sorted(root.glob(pattern)):
+        raw = _read(p) if p.is_file() and not p.is_symlink() else None
+        text = _markup_text(raw) if raw else ""
+        if len(text) >= 200:  # index pages, redirects, empty stubs
+            yield str(p.relative_to(root)), text + "\n"
 
 
 _BOOKS = (

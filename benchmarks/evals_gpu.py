@@ -1,0 +1,162 @@
+"""The 125M headline with the everyday English part (issue 18), trained and scored on the GPU
+machine: the perplexity benchmark's recipe for (a) (1,500 steps of 32 x 1,024 tokens, seed 7) on
+its text plus train-everyday (benchmarks/perplexity_data.py), the multiple-choice tasks logged
+during training, then every task's whole validation set scored alone and through the post-hoc
+gate fit on validation text (the indist set's valid half and the everyday part's); perplexity of
+every test half (indist, everyday, timeshift, prose), all and decontaminated, alone and gated.
+
+    python -m benchmarks.perplexity_data --out DATA/ppl --parts everyday                  # here
+    python -m benchmarks.evals_gpu prepare --data DATA --carry .carry18e                  # here
+    python -m benchmarks.evals_gpu train --base .carry15 --carry .carry18e --work W --out OUT   # GPU
+    python -m benchmarks.evals_gpu evals --base .carry15 --carry .carry18e --work W --out OUT   # GPU, at once
+    python -m benchmarks.evals --results OUT/evals.json --index ... --name evals_125m_english   # here
+    python -m benchmarks.evals --curve OUT/log.jsonl --model-name ... --name evals_125m_english_curve
+
+BASE is the index-size benchmark's carry (benchmarks/index_size.py prepare: the perplexity
+benchmark's train-code/train-english, its tokenizer, the indist/timeshift/prose halves); CARRY
+holds train-everyday and the everyday part's held-out halves (its held-out documents that
+heldout-english does not already hold, split by the perplexity benchmark's rule). `train` indexes
+the three training files with BASE's tokenizer and trains (a) on that index's text; `evals` (W
+must still be there: the machine keeps /tmp only while warm) fits the gate, reports perplexity
+on every test half alone and gated, and scores the tasks. OUT holds only small files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.common import read_jsonl, sh
+
+EVALS = ["--evals=hellaswag,piqa,arc_easy", "--evals_limit=5000", "--eval_every=250"]
+TRAIN = ("train-code.jsonl.zst", "train-english.jsonl.zst")
+
+
+def prepare(data: Path, carry: Path) -> dict:
+    """CARRY/train-everyday.jsonl.zst and CARRY/everyday/{valid,test}.jsonl.zst from DATA/ppl."""
+    from benchmarks import corpora
+    from benchmarks.index_size_data import _halves, _write_jsonl
+
+    ppl = data / "ppl"
+    have = {r["path"] for name in ("heldout-code.jsonl.zst", "heldout-english.jsonl.zst") for r in read_jsonl(ppl / name)}
+    held = [r for r in read_jsonl(ppl / "heldout-everyday.jsonl.zst") if r["path"] not in have]
+    if any(corpora.split_of(r["path"]) != "heldout" for r in held):
+        raise SystemExit(f"{ppl / 'heldout-everyday.jsonl.zst'} holds a train-split document")
+    carry.mkdir(parents=True, exist_ok=True)
+    shutil.copy(ppl / "train-everyday.jsonl.zst", carry / "train-everyday.jsonl.zst")
+    info = {half: _write_jsonl(carry / "everyday" / f"{half}.jsonl.zst", recs) for half, recs in _halves(held).items()}
+    (carry / "prepare.json").write_text(json.dumps(info, indent=1))
+    return info
+
+
+def _halves_of(base: Path, carry: Path, half: str) -> dict[str, Path]:
+    return {"indist": base / "indist" / f"{half}.jsonl.zst", "everyday": carry / "everyday" / f"{half}.jsonl.zst"} | (
+        {s: base / s / f"{half}.jsonl.zst" for s in ("timeshift", "prose")} if half == "test" else {}
+    )
+
+
+def _device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def stage_train(
+    base: Path, carry: Path, work: Path, out: Path, scale: str = "gpu", steps: int | None = None, limit: int | None = None
+) -> dict:
+    from benchmarks.perplexity import SCALES, train_cmd
+
+    py, n = sys.executable, os.cpu_count() or 1
+    work.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    info: dict = {}
+    t = time.time()
+    files = [base / f for f in TRAIN] + [carry / "train-everyday.jsonl.zst"]
+    sh(py, "-m", "teragram.builder.cli", *files, "--out", work / "idx", "--tokenizer", base / "tokenizer.model", "--workers", n, "--quiet")
+    info["index_s"] = time.time() - t
+    t = time.time()
+    s = dict(SCALES[scale]) | ({"steps": steps} if steps else {})
+    evals = EVALS if limit is None else [*EVALS[:1], f"--evals_limit={limit}", f"--eval_every={max(s['steps'] // 2, 1)}"]
+    sh(*train_cmd("a", work, s), *evals)
+    info["train_s"] = time.time() - t
+    shutil.copy(work / "runs" / "a" / "log.jsonl", out / "log.jsonl")
+    (out / "train.json").write_text(json.dumps(info, indent=1))
+    return info
+
+
+def stage_evals(base: Path, carry: Path, work: Path, out: Path, limit: int | None = None) -> dict:
+    import subprocess
+
+    py, n, dev = sys.executable, str(os.cpu_count() or 1), _device()
+    run, idx, gate = work / "runs" / "a", work / "idx", out / "gate.json"
+    ev = [py, "-m", "teragram.serve.cli", "eval", "--checkpoint", str(run), "--index", str(idx), "--device", dev, "--workers", n]
+    info: dict = {}
+    t = time.time()
+    sh(*ev, "--corpus", *_halves_of(base, carry, "valid").values(), "--fit-gate", gate, "--quiet")
+    info["fit_gate_s"] = time.time() - t
+    t = time.time()
+    for name, path in _halves_of(base, carry, "test").items():
+        for tag, extra in (("", []), ("/decontaminated", ["--decontaminate"])):
+            cmd = [*ev, "--corpus", str(path), "--gate", str(gate), *extra, "--json", "--quiet"]
+            info[f"test/{name}{tag}"] = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    info["test_s"] = time.time() - t
+    t = time.time()
+    sh(
+        py,
+        "-m",
+        "teragram.serve.cli",
+        "evals",
+        "--checkpoint",
+        run,
+        "--index",
+        idx,
+        "--gate",
+        gate,
+        "--tasks",
+        "all",
+        "--device",
+        dev,
+        "--workers",
+        n,
+        "--out",
+        out / "evals.json",
+        *(["--limit", limit] if limit else []),
+    )
+    info["evals_s"] = time.time() - t
+    (out / "evals_run.json").write_text(json.dumps(info, indent=1))
+    return info
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("stage", choices=["prepare", "train", "evals"])
+    ap.add_argument("--data", help="prepare: DATA (with DATA/ppl)")
+    ap.add_argument("--base", default=".carry15")
+    ap.add_argument("--carry", default=".carry18e")
+    ap.add_argument("--work", default="/tmp/w18")
+    ap.add_argument("--out")
+    ap.add_argument("--scale", default="gpu", help="the perplexity benchmark's scale (cpu: the tiny model, for a smoke run)")
+    ap.add_argument("--steps", type=int, help="override the scale's steps")
+    ap.add_argument("--limit", type=int, help="each task's first N examples only (a smoke run)")
+    a = ap.parse_args()
+    if a.stage == "prepare":
+        print(json.dumps(prepare(Path(a.data), Path(a.carry)), indent=1))
+        return 0
+    if not a.out:
+        raise SystemExit("--out is needed for train and evals")
+    paths = (Path(a.base), Path(a.carry), Path(a.work), Path(a.out))
+    if a.stage == "train":
+        info = stage_train(*paths, scale=a.scale, steps=a.steps, limit=a.limit)
+    else:
+        info = stage_evals(*paths, limit=a.limit)
+    print(json.dumps(info, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
