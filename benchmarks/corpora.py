@@ -447,17 +447,19 @@ _VOID = frozenset(("img", "br", "meta", "link", "input", "hr", "base", "col", "a
 
 
 def _markup_text(markup: str) -> str:
-    """The prose of an HTML or Mallard (XML) page: text outside _NOT_PROSE elements, one line
-    per block element, runs of blank lines and spaces squeezed."""
+    """The prose of an HTML or Mallard (XML) page: the text outside _NOT_PROSE elements, each
+    block element's text on its own paragraph, whitespace collapsed as a browser does (but
+    inside <pre>, whose lines stay lines)."""
     from html.parser import HTMLParser
 
+    brk = "\0"  # a block boundary (markup text holds no NUL: _read refuses binary files)
     out: list[str] = []
     stack: list[tuple[str, bool]] = []  # (tag, skipped) of the open elements
 
     class P(HTMLParser):
         def handle_starttag(self, tag, attrs):
             if tag in _BLOCK:
-                out.append("\n")
+                out.append(brk)
             if tag in _VOID:
                 return
             skip = (stack[-1][1] if stack else False) or tag in _NOT_PROSE or any(k == "hidden" for k, _ in attrs)
@@ -465,11 +467,11 @@ def _markup_text(markup: str) -> str:
 
         def handle_startendtag(self, tag, attrs):
             if tag in _BLOCK:
-                out.append("\n")
+                out.append(brk)
 
         def handle_endtag(self, tag):
             if tag in _BLOCK:
-                out.append("\n")
+                out.append(brk)
             for i in range(len(stack) - 1, -1, -1):  # close it and whatever was left open inside it
                 if stack[i][0] == tag:
                     del stack[i:]
@@ -477,13 +479,13 @@ def _markup_text(markup: str) -> str:
 
         def handle_data(self, data):
             if not (stack and stack[-1][1]):
-                out.append(data)
+                out.append(data.replace("\n", brk) if any(t == "pre" for t, _ in stack) else data)
 
     p = P(convert_charrefs=True)
     p.feed(markup)
     p.close()
-    lines = (" ".join(line.split()) for line in "".join(out).split("\n"))
-    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
+    blocks = (" ".join(b.split()) for b in "".join(out).split(brk))
+    return "\n\n".join(b for b in blocks if b)
 
 
 _WORDNET_POS = {"noun": "n", "verb": "v", "adj": "a", "adv": "r"}

@@ -9,8 +9,9 @@ every test half (indist, everyday, timeshift, prose), all and decontaminated, al
     python -m benchmarks.evals_gpu prepare --data DATA --carry .carry18e                  # here
     python -m benchmarks.evals_gpu train --base .carry15 --carry .carry18e --work W --out OUT   # GPU
     python -m benchmarks.evals_gpu evals --base .carry15 --carry .carry18e --work W --out OUT   # GPU, at once
-    python -m benchmarks.evals --results OUT/evals.json --index ... --name evals_125m_english   # here
+    python -m benchmarks.evals --results OUT/evals.json --model-name ... --name evals_125m_english   # here
     python -m benchmarks.evals --curve OUT/log.jsonl --model-name ... --name evals_125m_english_curve
+    python -m benchmarks.evals_gpu report --out OUT --note ...                             # here: test perplexity
 
 BASE is the index-size benchmark's carry (benchmarks/index_size.py prepare: the perplexity
 benchmark's train-code/train-english, its tokenizer, the indist/timeshift/prose halves); CARRY
@@ -90,20 +91,25 @@ def stage_train(
 
 
 def stage_evals(base: Path, carry: Path, work: Path, out: Path, limit: int | None = None) -> dict:
+    """The gate fit on the valid halves, each test half's perplexity (OUT/t/SET[-dc].json: all,
+    decontaminated), then every task (OUT/evals.json). Each result is written as it comes: a
+    call that runs out of time keeps what it finished."""
     import subprocess
 
     py, n, dev = sys.executable, str(os.cpu_count() or 1), _device()
     run, idx, gate = work / "runs" / "a", work / "idx", out / "gate.json"
     ev = [py, "-m", "teragram.serve.cli", "eval", "--checkpoint", str(run), "--index", str(idx), "--device", dev, "--workers", n]
+    (out / "t").mkdir(parents=True, exist_ok=True)
     info: dict = {}
     t = time.time()
-    sh(*ev, "--corpus", *_halves_of(base, carry, "valid").values(), "--fit-gate", gate, "--quiet")
+    if not gate.exists():
+        sh(*ev, "--corpus", *_halves_of(base, carry, "valid").values(), "--fit-gate", gate, "--quiet")
     info["fit_gate_s"] = time.time() - t
     t = time.time()
     for name, path in _halves_of(base, carry, "test").items():
-        for tag, extra in (("", []), ("/decontaminated", ["--decontaminate"])):
+        for tag, extra in (("", []), ("-dc", ["--decontaminate"])):
             cmd = [*ev, "--corpus", str(path), "--gate", str(gate), *extra, "--json", "--quiet"]
-            info[f"test/{name}{tag}"] = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+            (out / "t" / f"{name}{tag}.json").write_text(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
     info["test_s"] = time.time() - t
     t = time.time()
     sh(
@@ -132,9 +138,56 @@ def stage_evals(base: Path, carry: Path, work: Path, out: Path, limit: int | Non
     return info
 
 
+def report(out: Path, earlier: Path, note: str, name: str) -> None:
+    """Test perplexity of this run's (a) alone and gated beside the earlier recipe's (a) and
+    post-hoc (t) without the English part (benchmarks/index_size.py eval's JSON, same sets)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from benchmarks.common import save, table
+
+    old = json.loads(earlier.read_text())["indexes"][-1]["sets"]
+    rows = []
+    for s in ("indist", "everyday", "timeshift", "prose"):
+        for tag, key, label in (("", "ppl", "all"), ("-dc", "ppl_decontaminated", "decontaminated")):
+            f = out / "t" / f"{s}{tag}.json"
+            if not f.exists() and not tag:  # all is decontaminated when it dropped nothing
+                f = out / "t" / f"{s}-dc.json"
+                if not f.exists() or json.loads(f.read_text())["decontaminated"]["dropped_docs"]:
+                    continue
+            if not f.exists():
+                continue
+            r = json.loads(f.read_text())
+            row = {"set": s, "text": label, "tokens": r["tokens"]}
+            if s in old:
+                row |= {"(a) before": old[s][key]["a"], "(t) before": old[s][key]["t"]}
+            else:
+                row |= {"(a) before": None, "(t) before": None}
+            row |= {"(a) with English": r["model"]["perplexity"], "(a)+gate with English": r["perplexity"]}
+            rows.append(row)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    x = range(len(rows))
+    for i, k in enumerate(("(a) before", "(a) with English", "(t) before", "(a)+gate with English")):
+        ax.bar([j + (i - 1.5) * 0.2 for j in x], [r[k] or 0 for r in rows], 0.2, label=k)
+    ax.set_xticks(list(x), [f"{r['set']} {r['text'][:5]}" for r in rows], rotation=30)
+    ax.set_yscale("log")
+    ax.set_ylabel("test perplexity")
+    ax.legend()
+    fig.tight_layout()
+    md = (
+        f"{note}\n\nTest perplexity of the 125M (a) trained with the everyday English part (train-everyday) and of its "
+        f"post-hoc gate (one gate, fit on the indist and everyday valid halves), beside the same recipe without the part "
+        f"({earlier}: (a) and its post-hoc (t), whose gate is fit on each set's own valid half). "
+        "The everyday set: the part's held-out documents (not in heldout-english).\n\n"
+    )
+    save(name, {"rows": rows, "outputs": str(out), "earlier": str(earlier), "note": note}, md + table(rows, list(rows[0])), fig)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=["prepare", "train", "evals"])
+    ap.add_argument("stage", choices=["prepare", "train", "evals", "report"])
     ap.add_argument("--data", help="prepare: DATA (with DATA/ppl)")
     ap.add_argument("--base", default=".carry15")
     ap.add_argument("--carry", default=".carry18e")
@@ -143,12 +196,18 @@ def main() -> int:
     ap.add_argument("--scale", default="gpu", help="the perplexity benchmark's scale (cpu: the tiny model, for a smoke run)")
     ap.add_argument("--steps", type=int, help="override the scale's steps")
     ap.add_argument("--limit", type=int, help="each task's first N examples only (a smoke run)")
+    ap.add_argument("--earlier", default="benchmarks/results/joint_posthoc_refit.json", help="report: the recipe without the part")
+    ap.add_argument("--note", default="", help="report: where and at which commit OUT was made")
+    ap.add_argument("--name", default="evals_125m_english_ppl")
     a = ap.parse_args()
     if a.stage == "prepare":
         print(json.dumps(prepare(Path(a.data), Path(a.carry)), indent=1))
         return 0
     if not a.out:
-        raise SystemExit("--out is needed for train and evals")
+        raise SystemExit("--out is needed for train, evals and report")
+    if a.stage == "report":
+        report(Path(a.out), Path(a.earlier), a.note, a.name)
+        return 0
     paths = (Path(a.base), Path(a.carry), Path(a.work), Path(a.out))
     if a.stage == "train":
         info = stage_train(*paths, scale=a.scale, steps=a.steps, limit=a.limit)

@@ -81,3 +81,60 @@ def test_tar_files_skips_binary_invalid_large_and_unwanted(tmp_path):
             tar.addfile(info, io.BytesIO(data))
     got = list(corpora._tar_files(tb, corpora._is_source))
     assert got == [("top/a.c", "int a;\n"), ("top/g.h", "#define G 1\n")]
+
+
+def test_markup_text_keeps_prose_only():
+    html = (
+        "<html><head><title>T</title><script>var x = 1;</script></head><body><header>Menu</header>"
+        "<h1>Find Bar</h1><p>The <span>Find</span> toolbar &amp; its\n  options.</p>"
+        '<span hidden="true"><span>Command</span></span><span>Ctrl</span><img src="a.svg" alt="icon">'
+        "<aside>Contents</aside><p>Last<br>line</p></body></html>"
+    )
+    assert corpora._markup_text(html) == "Find Bar\n\nThe Find toolbar & its options.\n\nCtrl\n\nLast\n\nline"
+    page = (
+        '<page xmlns="http://projectmallard.org/1.0/" id="x"><info><link type="guide" xref="a11y"/>'
+        "<credit><name>Shaun</name></credit><desc>Short.</desc></info><title>Turn on slow keys</title>"
+        "<steps><item><p>Open the <gui>Activities</gui> overview.</p></item></steps></page>"
+    )
+    assert corpora._markup_text(page) == "Turn on slow keys\n\nOpen the Activities overview."
+
+
+def test_wordnet_documents_group_synsets_by_lexicographer_file(tmp_path):
+    d = tmp_path / "usr/share/wordnet"
+    d.mkdir(parents=True)
+    header = "  1 This software and database is being provided to you, the LICENSEE, by\n"
+    lines = {
+        "noun": [
+            '00021265 13 n 02 food 0 solid_food 0 001 @ 00021939 n 0000 | any solid substance; "food and drink"  ',
+            "00000001 03 n 01 entity 0 000 | that which is perceived  ",
+        ],
+        "verb": ["00001740 29 v 02 breathe 0 take_a_breath 0 000 01 + 02 00 | draw air into the lungs  "],
+        "adj": ["00001740 00 a 01 able(a) 0 000 | having the necessary means  "],
+        "adv": [],
+    }
+    for pos, ls in lines.items():
+        (d / f"data.{pos}").write_text(header + "".join(x + "\n" for x in ls))
+    docs = dict(corpora._wordnet_documents(tmp_path))
+    assert docs == {
+        "wordnet/noun/03#0": "entity: that which is perceived\n",
+        "wordnet/noun/13#0": 'food, solid food: any solid substance; "food and drink"\n',
+        "wordnet/verb/29#0": "breathe, take a breath: draw air into the lungs\n",
+        "wordnet/adj/00#0": "able: having the necessary means\n",
+    }
+
+
+def test_everyday_documents_skip_stubs_and_comments(tmp_path):
+    root = tmp_path / "crawl"
+    (root / "usr/share/crawl/dat/descript").mkdir(parents=True)
+    (root / "usr/share/crawl/dat/database").mkdir(parents=True)
+    (root / "usr/share/crawl/dat/descript/monsters.txt").write_text("%%%%\n# Uniques\nAgnes\n\nThis spriggan is aged.\n%%%%\n")
+    (root / "usr/share/crawl/dat/database/FAQ.txt").write_text("Q: What?\nA: That.\n")
+    assert list(corpora._everyday_documents("crawl-common", root)) == [
+        ("usr/share/crawl/dat/descript/monsters.txt#0", "Agnes\n\nThis spriggan is aged.\n"),
+        ("usr/share/crawl/dat/database/FAQ.txt#0", "Q: What?\nA: That.\n"),
+    ]
+    root = tmp_path / "hb"
+    (root / "usr/share/doc/debian-handbook/html/en-US").mkdir(parents=True)
+    (root / "usr/share/doc/debian-handbook/html/en-US/index.html").write_text("<p>Next</p>")
+    (root / "usr/share/doc/debian-handbook/html/en-US/apt.html").write_text("<p>" + "APT installs packages. " * 20 + "</p>")
+    assert [p for p, _ in corpora._everyday_documents("debian-handbook", root)] == ["usr/share/doc/debian-handbook/html/en-US/apt.html"]
