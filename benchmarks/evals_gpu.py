@@ -8,6 +8,7 @@ every test half (indist, everyday, timeshift, prose), all and decontaminated, al
     python -m benchmarks.perplexity_data --out DATA/ppl --parts everyday                  # here
     python -m benchmarks.evals_gpu prepare --data DATA --carry .carry18e                  # here
     python -m benchmarks.evals_gpu train --base .carry15 --carry .carry18e --work W --out OUT   # GPU
+    python -m benchmarks.evals_gpu ppl   --base .carry15 --carry .carry18e --work W --out OUT   # GPU, at once
     python -m benchmarks.evals_gpu evals --base .carry15 --carry .carry18e --work W --out OUT   # GPU, at once
     python -m benchmarks.evals --results OUT/evals.json --model-name ... --name evals_125m_english   # here
     python -m benchmarks.evals --curve OUT/log.jsonl --model-name ... --name evals_125m_english_curve
@@ -17,9 +18,11 @@ BASE is the index-size benchmark's carry (benchmarks/index_size.py prepare: the 
 benchmark's train-code/train-english, its tokenizer, the indist/timeshift/prose halves); CARRY
 holds train-everyday and the everyday part's held-out halves (its held-out documents that
 heldout-english does not already hold, split by the perplexity benchmark's rule). `train` indexes
-the three training files with BASE's tokenizer and trains (a) on that index's text; `evals` (W
-must still be there: the machine keeps /tmp only while warm) fits the gate, reports perplexity
-on every test half alone and gated, and scores the tasks. OUT holds only small files.
+the three training files with BASE's tokenizer and trains (a) on that index's text (~4 minutes
+on the H200); `ppl` and `evals` (W must still be there: the machine keeps /tmp only while warm)
+fit the gate once, then report perplexity on every test half alone and gated (~5 minutes), and
+score the tasks (~7 minutes): one stage per call, each under the device's 10 minutes. OUT holds
+only small files.
 """
 
 from __future__ import annotations
@@ -90,52 +93,53 @@ def stage_train(
     return info
 
 
-def stage_evals(base: Path, carry: Path, work: Path, out: Path, limit: int | None = None) -> dict:
-    """The gate fit on the valid halves, each test half's perplexity (OUT/t/SET[-dc].json: all,
-    decontaminated), then every task (OUT/evals.json). Each result is written as it comes: a
-    call that runs out of time keeps what it finished."""
-    import subprocess
-
-    py, n, dev = sys.executable, str(os.cpu_count() or 1), _device()
-    run, idx, gate = work / "runs" / "a", work / "idx", out / "gate.json"
-    ev = [py, "-m", "teragram.serve.cli", "eval", "--checkpoint", str(run), "--index", str(idx), "--device", dev, "--workers", n]
-    (out / "t").mkdir(parents=True, exist_ok=True)
-    info: dict = {}
-    t = time.time()
+def _gate(base: Path, carry: Path, work: Path, out: Path, ev: list[str]) -> Path:
+    """The post-hoc gate, fit once on the valid halves (kept in WORK: OUT is new each call), and
+    a copy in OUT."""
+    gate = work / "gate.json"
     if not gate.exists():
         sh(*ev, "--corpus", *_halves_of(base, carry, "valid").values(), "--fit-gate", gate, "--quiet")
-    info["fit_gate_s"] = time.time() - t
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy(gate, out / "gate.json")
+    return gate
+
+
+def _cli(work: Path, command: str) -> list[str]:
+    """`teragram eval` or `teragram evals` of the trained (a) with WORK's index."""
+    run, idx = work / "runs" / "a", work / "idx"
+    if not (run / "latest.json").exists():
+        raise SystemExit(f"{run}: no trained model (run the train stage first, on this machine while it is warm)")
+    return [sys.executable, "-m", "teragram.serve.cli", command, "--checkpoint", str(run), "--index", str(idx)] + [
+        *("--device", _device(), "--workers", str(os.cpu_count() or 1))
+    ]
+
+
+def stage_ppl(base: Path, carry: Path, work: Path, out: Path) -> dict:
+    """Each test half's perplexity alone and gated, all and decontaminated (OUT/t/SET[-dc].json,
+    each written as it comes). About 5 minutes on the H200."""
+    import subprocess
+
+    ev = _cli(work, "eval")
+    t = time.time()
+    gate = _gate(base, carry, work, out, ev)
+    info: dict = {"fit_gate_s": time.time() - t}
+    (out / "t").mkdir(parents=True, exist_ok=True)
     t = time.time()
     for name, path in _halves_of(base, carry, "test").items():
         for tag, extra in (("", []), ("-dc", ["--decontaminate"])):
             cmd = [*ev, "--corpus", str(path), "--gate", str(gate), *extra, "--json", "--quiet"]
             (out / "t" / f"{name}{tag}.json").write_text(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
     info["test_s"] = time.time() - t
-    t = time.time()
-    sh(
-        py,
-        "-m",
-        "teragram.serve.cli",
-        "evals",
-        "--checkpoint",
-        run,
-        "--index",
-        idx,
-        "--gate",
-        gate,
-        "--tasks",
-        "all",
-        "--device",
-        dev,
-        "--workers",
-        n,
-        "--out",
-        out / "evals.json",
-        *(["--limit", limit] if limit else []),
-    )
-    info["evals_s"] = time.time() - t
-    (out / "evals_run.json").write_text(json.dumps(info, indent=1))
     return info
+
+
+def stage_evals(base: Path, carry: Path, work: Path, out: Path, limit: int | None = None) -> dict:
+    """Every task's whole validation set alone and gated (OUT/evals.json): about 7 minutes on
+    the H200 with 16 threads for the index side."""
+    gate = _gate(base, carry, work, out, _cli(work, "eval"))
+    t = time.time()
+    sh(*_cli(work, "evals"), "--gate", gate, "--tasks", "all", "--out", out / "evals.json", *(["--limit", limit] if limit else []))
+    return {"evals_s": time.time() - t}
 
 
 def report(out: Path, earlier: Path, note: str, name: str) -> None:
@@ -187,7 +191,7 @@ def report(out: Path, earlier: Path, note: str, name: str) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=["prepare", "train", "evals", "report"])
+    ap.add_argument("stage", choices=["prepare", "train", "ppl", "evals", "report"])
     ap.add_argument("--data", help="prepare: DATA (with DATA/ppl)")
     ap.add_argument("--base", default=".carry15")
     ap.add_argument("--carry", default=".carry18e")
@@ -211,6 +215,8 @@ def main() -> int:
     paths = (Path(a.base), Path(a.carry), Path(a.work), Path(a.out))
     if a.stage == "train":
         info = stage_train(*paths, scale=a.scale, steps=a.steps, limit=a.limit)
+    elif a.stage == "ppl":
+        info = stage_ppl(*paths)
     else:
         info = stage_evals(*paths, limit=a.limit)
     print(json.dumps(info, indent=1))
