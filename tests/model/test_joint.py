@@ -214,3 +214,64 @@ def test_refusals(joint_root, tmp_path):
     compute_features(joint_root / "idx", tmp_path / "causal", FeatureConfig("causal", 4, 4), progress=False)
     with pytest.raises(TeragramError, match="exclude-doc"):
         joint.write_train_estimates(joint_root / "idx", [tmp_path / "causal"], tmp_path / "e2", 4, progress=False)
+
+
+def test_contaminated_positions_equal_brute_force(joint_root):
+    """joint_decontaminate's mask: every position of the documents with >= 80% of their 13-grams
+    in another indexed document, by brute force over the documents' n-grams."""
+    idx = Index(joint_root / "idx")
+    docs = _docs(idx)
+    where: dict[tuple, set[int]] = {}
+    for i, (_, _, d) in enumerate(docs):
+        for p in range(len(d) - 12):
+            where.setdefault(tuple(d[p : p + 13]), set()).add(i)
+    masks, info = joint.contaminated_positions(joint_root / "idx", [joint_root / f"len-{c}" for c in (1, 8, 16, 255)])
+    want_bad = 0
+    for i, (sid, a, d) in enumerate(docs):
+        grams = [tuple(d[p : p + 13]) for p in range(len(d) - 12)]
+        bad = bool(grams) and sum(len(where[g] - {i}) > 0 for g in grams) >= 0.8 * len(grams)
+        m = masks[[s.id for s in idx.shards].index(sid)]
+        assert set(m[a : a + len(d) + 1].tolist()) == {bad}, (i, bad)  # its tokens and its separator
+        want_bad += bad
+    assert 0 < want_bad < len(docs) and info["contaminated_docs"] == want_bad and info["docs"] == len(docs)
+    assert info["contaminated_positions"] == sum(int(m.sum()) for m in masks)
+    with pytest.raises(TeragramError, match="max-len >= 13"):
+        joint.contaminated_positions(joint_root / "idx", [joint_root / "len-8"])
+
+
+def test_decontaminated_positions_train_the_lm_alone(joint_root):
+    """Where the mask is set, every estimate defers to the model: the mixture's loss is the
+    LM's own and the gate gets no gradient there (but rounding: log-softmax weights sum to 1)."""
+    from dataclasses import replace
+
+    from teragram.model.data import TrainData
+    from teragram.model.gpt import GPT
+
+    comps = ("index_infgram", "index_3gram", "cache_longest")
+    est = joint.open_train_estimates(joint_root / "est", joint_root / "idx", comps, 4)
+    masks, _ = joint.contaminated_positions(joint_root / "idx", [joint_root / "len-16"])
+    plain, dc = (TrainData(joint_root / "idx", None, 32, est, d) for d in (None, masks))
+    torch.manual_seed(0)
+    cfg = model_config(TrainConfig(**(TINY | {"index": "x", "out": "x"})), Index(joint_root / "idx").vocab_size, 0)
+    model = GPT(replace(cfg, joint=comps, block_size=32))
+    seen = 0
+    for step in range(12):
+        x, y, _, e0 = plain.batch(step, 4)
+        x1, _, _, e = dc.batch(step, 4)
+        assert torch.equal(x, x1)
+        h, _ = model.hidden(x)
+        mix, logp = model.head_losses(h, y, None, e)
+        own = -logp.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+        m = (e.q == 0).all(-1) & (e.rest == 1).all(-1)
+        changed = (e.q != e0.q).any(-1) | (e.rest != e0.rest).any(-1)
+        assert bool(m[changed].all())
+        assert torch.allclose(mix[m], own[m], atol=1e-5)
+        model.zero_grad()
+        mix[m].sum().backward()
+        assert all(p.grad is None or float(p.grad.abs().max()) < 1e-5 for p in model.joint_gate.parameters())
+        seen += int(changed.sum())
+    assert seen > 0
+    with pytest.raises(ConfigError, match="joint_decontaminate"):
+        train_tiny(joint_root, "bad", max_steps=1, joint_decontaminate=True)
+    r = train_tiny(joint_root, "dc", max_steps=3, **joint_kw(joint_root, joint_decontaminate=True))
+    assert r["step"] == 3
