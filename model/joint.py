@@ -252,7 +252,7 @@ def contaminated_positions(index_dir, feature_dirs) -> tuple[list[np.ndarray], d
     whose --max-len is the smallest >= 13; returns the masks and their document and position
     shares."""
     from teragram.index.heldout import DECONTAMINATION_N as N
-    from teragram.index.heldout import DECONTAMINATION_SHARE
+    from teragram.index.heldout import DECONTAMINATION_SHARE, ngram_share
 
     index_dir = Path(index_dir)
     digest = fmt.file_digest(index_dir / "manifest.json")
@@ -270,14 +270,10 @@ def contaminated_positions(index_dir, feature_dirs) -> tuple[list[np.ndarray], d
         sd = fmt.shard_dir(index_dir, s["shard"], s.get("dir"))
         starts = np.asarray(fmt.open_array(sd / "docs.bin", "docs")).astype(np.int64)
         length = np.asarray(fmt.open_array(fd / f"{s['shard']:06d}" / "length.bin", "feat.length"))
-        n_pos = len(length)
-        doc = np.repeat(np.arange(len(starts) - 1), np.diff(starts))  # each position's document
-        inside = np.arange(n_pos) - starts[doc]  # offset in it (its separator: the last)
-        grams = np.maximum(np.diff(starts) - 1 - (N - 1), 0)  # n-grams of each document's tokens
-        hit = (length >= N) & (inside >= N - 1) & (inside < np.diff(starts)[doc] - 1)
-        found = np.bincount(doc[hit], minlength=len(starts) - 1)
-        bad = (grams > 0) & (found >= DECONTAMINATION_SHARE * np.maximum(grams, 1))
-        masks.append(bad[doc])
+        if len(length) != starts[-1]:
+            raise TeragramError(f"{fd}: shard {s['shard']} has {len(length)} positions, the index's {starts[-1]}")
+        bad = np.array([ngram_share(length[starts[k] : starts[k + 1] - 1]) >= DECONTAMINATION_SHARE for k in range(len(starts) - 1)], bool)
+        masks.append(np.repeat(bad, np.diff(starts)))  # each document's tokens and its separator
         docs, bad_docs, bad_pos = docs + len(bad), bad_docs + int(bad.sum()), bad_pos + int(masks[-1].sum())
     n = sum(len(x) for x in masks)
     return masks, {"docs": docs, "contaminated_docs": bad_docs, "positions": n, "contaminated_positions": bad_pos}

@@ -1,0 +1,74 @@
+"""Does the post-hoc gate (t) do better on decontaminated test text when it is fit on the
+decontaminated part of validation only? A check of the hypothesis behind joint_decontaminate
+(near-duplicates make the index look better in fitting than on clean text), from saved outputs
+of (a) (benchmarks/joint.py's, or benchmarks/index_size.py's) mixed with the index here.
+
+    python -m benchmarks.decontaminated_fit --outputs OUT --index DATA/idx-050m [--name decontaminated_fit]
+
+Decontaminated: documents with < 80% of their 13-grams in the index (infini-gram's criterion,
+as everywhere here). Both gates are fit on the same number of validation targets at most
+(index_size.FIT_ROWS, a fixed random sample).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import save, table
+from benchmarks.index_size import FIT_ROWS, HALVES, SETS, _contamination
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--outputs", required=True, help="a directory with unpacked/SET-HALF outputs of (a)")
+    ap.add_argument("--index", required=True)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--name", default="decontaminated_fit")
+    a = ap.parse_args()
+    from teragram.index import format as fmt
+    from teragram.model.estimates import COMPONENTS
+    from teragram.model.gate import Gate, component_logp, gate_inputs, mix_nll_multi
+    from teragram.model.outputs import load_outputs, outputs_estimates
+
+    rows = []
+    for name in SETS:
+        t = time.time()
+        X, lp, clean = {}, {}, {}
+        for h in HALVES:
+            o = load_outputs(Path(a.outputs) / "unpacked" / f"{name}-{h}")
+            est = outputs_estimates(o, Path(a.index), workers=a.workers)
+            starts = np.asarray(fmt.open_array(o.path / "000000" / "docs.bin", "docs")).astype(np.int64)
+            clean[h] = (_contamination(est, starts) < 0.8)[o.doc.astype(np.int64)]
+            X[h] = gate_inputs(est, o.maxp.astype(np.float64), o.top.astype(np.int64), COMPONENTS)
+            lp[h] = component_logp(est, o.nll.astype(np.float64), COMPONENTS)
+        row = {"set": name, "valid clean share": float(clean["valid"].mean()), "test clean share": float(clean["test"].mean())}
+        for tag, keep in (("fit on all valid", np.ones(len(X["valid"]), bool)), ("fit on clean valid", clean["valid"])):
+            fit = np.nonzero(keep)[0]
+            if len(fit) > FIT_ROWS:
+                fit = np.sort(np.random.default_rng(0).choice(fit, FIT_ROWS, replace=False))
+            nll = mix_nll_multi(lp["test"], Gate.fit(X["valid"][fit], lp["valid"][fit], components=COMPONENTS)(X["test"]))
+            row[f"(t) {tag}: test"] = float(np.exp(nll.mean()))
+            row[f"(t) {tag}: test decontaminated"] = float(np.exp(nll[clean["test"]].mean()))
+        row["seconds"] = time.time() - t
+        rows.append(row)
+        print(row, flush=True)
+    md = (
+        f"The post-hoc gate (t) over (a)'s outputs in `{a.outputs}` and the index `{a.index}`, fit on each set's whole "
+        "validation half or on its decontaminated documents only (< 80% of their 13-grams in the index), evaluated on "
+        "the test half, all and decontaminated (perplexity).\n\n"
+    )
+    lines = [
+        f"- {r['set']}: decontaminated test {r['(t) fit on all valid: test decontaminated']:.3f} with the gate fit on all "
+        f"validation text, {r['(t) fit on clean valid: test decontaminated']:.3f} fit on its clean part "
+        f"({r['(t) fit on clean valid: test decontaminated'] / r['(t) fit on all valid: test decontaminated'] - 1:+.2%})"
+        for r in rows
+    ]
+    save(a.name, {"rows": rows, "outputs": a.outputs, "index": a.index}, md + table(rows, list(rows[0])) + "\n\n" + "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
