@@ -415,34 +415,7 @@ def documents(name: str) -> Iterator[tuple[str, str]]:
 # markup whose contents are not prose: page furniture, scripts, Mallard's <info> (credits,
 # links, revisions); any element with a `hidden` attribute (LibreOffice's per-platform variants)
 _NOT_PROSE = frozenset(("head", "script", "style", "header", "aside", "nav", "footer", "noscript", "info"))
-_BLOCK = frozenset(
-    (
-        "p",
-        "div",
-        "br",
-        "li",
-        "item",
-        "tr",
-        "title",
-        "h1",
-        "h2",
-        "h3",
-        "h4",
-        "h5",
-        "h6",
-        "pre",
-        "code-block",
-        "screen",
-        "dt",
-        "dd",
-        "table",
-        "section",
-        "steps",
-        "list",
-        "terms",
-        "note",
-    )
-)
+_BLOCK = frozenset("p div br li item tr title h1 h2 h3 h4 h5 h6 pre code-block screen dt dd table section steps list terms note".split())
 _VOID = frozenset(("img", "br", "meta", "link", "input", "hr", "base", "col", "area", "wbr", "source"))
 
 
@@ -488,7 +461,7 @@ def _markup_text(markup: str) -> str:
     return "\n\n".join(b for b in blocks if b)
 
 
-_WORDNET_POS = {"noun": "n", "verb": "v", "adj": "a", "adv": "r"}
+_WORDNET_POS = ("noun", "verb", "adj", "adv")  # data.POS, one file each
 
 
 def _wordnet_documents(root: Path) -> Iterator[tuple[str, str]]:
