@@ -90,7 +90,7 @@ SETS = ("indist", "timeshift", "prose")
 HALVES = ("valid", "test")
 
 
-def stage_prep(carry: Path, work: Path, scale: str = "gpu", steps: int | None = None) -> dict:
+def stage_prep(carry: Path, work: Path, scale: str = "gpu", steps: int | None = None, seed: int = 7) -> dict:
     """Index, exclude-doc features per context length, the training positions' estimates; the
     plain model (a) trains meanwhile on the idle GPU (its step rate is measured again, alone, by
     the variant plain: this run shares the CPUs)."""
@@ -99,7 +99,7 @@ def stage_prep(carry: Path, work: Path, scale: str = "gpu", steps: int | None = 
     from benchmarks.perplexity import SCALES, train_cmd
 
     py, n = sys.executable, os.cpu_count() or 1
-    s = dict(SCALES[scale]) | ({"steps": steps} if steps else {})
+    s = dict(SCALES[scale]) | ({"steps": steps} if steps else {}) | {"seed": seed}
     train = [carry / "train-code.jsonl.zst", carry / "train-english.jsonl.zst"]
     t = time.time()
     sh(py, "-m", "teragram.builder.cli", *train, "--out", work / "idx", "--tokenizer", carry / "tokenizer.model", "--workers", n, "--quiet")
@@ -176,7 +176,14 @@ def _eval_refits(model, v: str, held: dict, idx, out: Path, device: str, batch: 
 
 
 def stage_train(
-    carry: Path, work: Path, out: Path, variants: list[str], steps: int | None, scale: str = "gpu", refit: bool = False
+    carry: Path,
+    work: Path,
+    out: Path,
+    variants: list[str],
+    steps: int | None,
+    scale: str = "gpu",
+    refit: bool = False,
+    seed: int = 7,
 ) -> None:
     import torch
     from teragram.index.engine import Index
@@ -186,9 +193,7 @@ def stage_train(
     from benchmarks.index_size import heldout_features, save_outputs_a
     from benchmarks.perplexity import SCALES, train_cmd
 
-    s = dict(SCALES[scale])
-    if steps:
-        s["steps"] = steps
+    s = dict(SCALES[scale]) | ({"steps": steps} if steps else {}) | {"seed": seed}
     n = os.cpu_count() or 1
     device = "cuda" if torch.cuda.is_available() else "cpu"
     idx = Index(work / "idx")
@@ -395,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stage", dest="gpu_stage", choices=["prep", "train", "all"], default="all")
     ap.add_argument("--variants", default="a,plain,joint")
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=7, help="the training runs' seed (7: every published run's; others for replicates)")
     ap.add_argument(
         "--refit",
         action="store_true",
@@ -410,9 +416,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.stage == "gpu":
         a.out.mkdir(parents=True, exist_ok=True)
         if a.gpu_stage in ("prep", "all"):
-            (a.out / "prep.json").write_text(json.dumps(stage_prep(a.carry, a.work, a.scale, a.steps)))
+            (a.out / "prep.json").write_text(json.dumps(stage_prep(a.carry, a.work, a.scale, a.steps, a.seed)))
         if a.gpu_stage in ("train", "all"):
-            stage_train(a.carry, a.work, a.out, a.variants.split(","), a.steps, a.scale, a.refit)
+            stage_train(a.carry, a.work, a.out, a.variants.split(","), a.steps, a.scale, a.refit, a.seed)
     else:
         report(stage_eval(a.joint, a.index, a.carry, a.posthoc, a.work or Path("/tmp/joint-eval"), a.workers), a.name)
     return 0

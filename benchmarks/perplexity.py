@@ -140,7 +140,7 @@ def train_cmd(v: str, w: Path, s: dict) -> list[str]:
     return [
         sys.executable, "-m", "teragram.serve.cli", "train", f"--index={w / 'idx'}", f"--out={w / 'runs' / v}", f"--preset={s['preset']}",
         f"--block_size={s['block_size']}", f"--batch_size={s['batch_size']}", f"--max_steps={s['steps']}", f"--lr={s['lr']}",
-        f"--min_lr={s['min_lr']}", f"--warmup={s['warmup']}", "--log_every=25", "--progress=false", "--seed=7", *extra,
+        f"--min_lr={s['min_lr']}", f"--warmup={s['warmup']}", "--log_every=25", "--progress=false", f"--seed={s.get('seed', 7)}", *extra,
     ]  # fmt: skip
 
 
