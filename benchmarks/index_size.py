@@ -163,8 +163,8 @@ def heldout_features(index: Path, root: Path, carry: Path, workers: int) -> dict
     return held
 
 
-def save_outputs_a(work: Path, out: Path, held: dict, batch: int, device: str) -> None:
-    """(a)'s (WORK/runs/a) per-token outputs on each held-out half (held[set, half]: its features
+def save_outputs_a(work: Path, out: Path, held: dict, batch: int, device: str, run: Path | None = None) -> None:
+    """(a)'s (RUN, default WORK/runs/a) per-token outputs on each held-out half (held[set, half]: its features
     directory), one .tgz each in OUT: one file each, so that < 16 MB comes back."""
     from teragram.index.engine import Index
     from teragram.model.data import EvalData
@@ -172,7 +172,7 @@ def save_outputs_a(work: Path, out: Path, held: dict, batch: int, device: str) -
     from teragram.model.outputs import save_outputs
     from teragram.model.train import load_model
 
-    model, meta = load_model(work / "runs" / "a", device)
+    model, meta = load_model(run or work / "runs" / "a", device)
     idx = Index(work / "idx")
     for (name, h), feats in held.items():
         r = token_eval(model, feats, idx.eos_id, idx.sep, device, batch=batch)

@@ -90,6 +90,12 @@ SETS = ("indist", "timeshift", "prose")
 HALVES = ("valid", "test")
 
 
+def _run(work: Path, v: str, seed: int) -> Path:
+    """A variant's run directory: WORK/runs/V for seed 7 (every published run's), else
+    WORK/runs-seedN/V (a run directory keeps its seed: the trainer refuses another)."""
+    return work / ("runs" if seed == 7 else f"runs-seed{seed}") / v
+
+
 def stage_prep(carry: Path, work: Path, scale: str = "gpu", steps: int | None = None, seed: int = 7) -> dict:
     """Index, exclude-doc features per context length, the training positions' estimates; the
     plain model (a) trains meanwhile on the idle GPU (its step rate is measured again, alone, by
@@ -105,7 +111,8 @@ def stage_prep(carry: Path, work: Path, scale: str = "gpu", steps: int | None = 
     sh(py, "-m", "teragram.builder.cli", *train, "--out", work / "idx", "--tokenizer", carry / "tokenizer.model", "--workers", n, "--quiet")
     ph = {"index_s": time.time() - t}
     t = time.time()
-    a = subprocess.Popen(train_cmd("a", work, s), stdout=open(work / "train-a.log", "w"), stderr=subprocess.STDOUT)
+    cmd = [x for x in train_cmd("a", work, s) if not x.startswith("--out=")] + [f"--out={_run(work, 'a', seed)}"]
+    a = subprocess.Popen(cmd, stdout=open(work / "train-a.log", "w"), stderr=subprocess.STDOUT)
     procs = [  # one process per context length: each is one pass over the (single) shard
         subprocess.Popen(
             [py, "-m", "teragram.serve.cli", "features", str(work / "idx"), "--out", str(work / f"len-{c}"), "--mode", "exclude-doc"]
@@ -202,33 +209,35 @@ def stage_train(
     t = time.time()
     held = heldout_features(work / "idx", work / "held", carry, n)
     info["heldout_s"] = time.time() - t
+    if {"a", "knn"} & set(variants) and not (_run(work, "a", seed) / "latest.json").exists():
+        raise SystemExit(f"{_run(work, 'a', seed)}: no (a) of seed {seed}: run --stage prep with the same --seed first")
     for v in sorted(variants, key=lambda v: (v != "a", v != "plain")):  # (a)'s outputs, then plain's short run: the rates need it
         t = time.time()
         if v == "knn":  # the peer (d) over (a), trained during prep
-            model, _ = load_model(work / "runs" / "a", device)
+            model, _ = load_model(_run(work, "a", seed), device)
             info[v] = knnlm.run(model, work / "idx", held, out, device, eval_batch=s["eval_batch"]) | {"total_s": time.time() - t}
             saved.write_text(json.dumps(info, indent=1))
             del model
             continue
         if v == "a":  # trained during prep
-            save_outputs_a(work, out, held, s["eval_batch"], device)
-            info[v] = {"outputs_s": time.time() - t, "log": [json.loads(x) for x in open(work / "runs" / "a" / "log.jsonl")]}
+            save_outputs_a(work, out, held, s["eval_batch"], device, _run(work, "a", seed))
+            info[v] = {"outputs_s": time.time() - t, "log": [json.loads(x) for x in open(_run(work, "a", seed) / "log.jsonl")]}
             saved.write_text(json.dumps(info, indent=1))
             continue
-        cmd = [a for a in train_cmd("a", work, s) if not a.startswith("--out=")] + [f"--out={work / 'runs' / v}"]
+        cmd = [a for a in train_cmd("a", work, s) if not a.startswith("--out=")] + [f"--out={_run(work, v, seed)}"]
         if v != "plain":
             feats = ",".join(str(work / f"len-{c}") for c in CAPS)
             cmd += ["--gate=joint", f"--joint_features={feats}", f"--joint_estimates={work / 'est'}", *VARIANTS[v]]
         else:
             cmd += [f"--max_steps={min(300, s['steps'])}", "--checkpoint=false"]
         sh(*cmd)
-        log = [json.loads(x) for x in open(work / "runs" / v / "log.jsonl")]
+        log = [json.loads(x) for x in open(_run(work, v, seed) / "log.jsonl")]
         info[v] = {"train_s": time.time() - t, "log": log}
         saved.write_text(json.dumps(info, indent=1))
         if v == "plain":
             continue
         t = time.time()
-        model, _ = load_model(work / "runs" / v, device)
+        model, _ = load_model(_run(work, v, seed), device)
         if refit:
             info[v]["refit"] = _eval_refits(model, v, held, idx, out, device, s["eval_batch"], n)
         else:

@@ -275,6 +275,33 @@ def _save(
     return d
 
 
+# what a run learns, beyond its model's shape (a checkpoint of another shape fails to load) and
+# its paths (an index may move): a resume must keep them; world size, zero1, offload and
+# max_steps may change
+RESUME_SAME = ("seed", "batch_size", "grad_accum", "lr", "min_lr", "warmup", "weight_decay", "optimizer", "gate", "use_index")
+RESUME_SAME += ("joint_components", "joint_top_k", "joint_hidden", "joint_lm_weight", "joint_decontaminate")
+
+
+def _check_resume(cfg: TrainConfig, out: Path) -> None:
+    """Refuse to resume a run in OUT that was started with other settings of what it learns
+    (a replicate with another seed into the same directory would otherwise continue, or end
+    at once as complete, and record the new settings over the old)."""
+    try:
+        was = fmt.read_json(out / "config.json")["train"]
+    except (OSError, ValueError, KeyError):
+        return  # a run from before config.json: nothing to compare
+    now = asdict(cfg)
+    diff = [f"{k} {was[k]!r} -> {now[k]!r}" for k in RESUME_SAME if k in was and _same(was[k]) != _same(now[k])]
+    if diff:
+        raise ConfigError(
+            f"{out} holds a run started with other settings ({', '.join(diff)}): give another --out, or --resume=false to start over"
+        )
+
+
+def _same(v):
+    return list(v) if isinstance(v, tuple | list) else v
+
+
 def load_model(checkpoint: str | Path, device: str = "cpu") -> tuple[GPT, dict]:
     """A model from a checkpoint directory (or a run directory: its latest checkpoint)."""
     p = Path(checkpoint)
@@ -370,6 +397,7 @@ def train(cfg: TrainConfig) -> dict:
     lowp.convert(model, cfg.precision)
     start, st = 0, None
     if cfg.resume and (out / "latest.json").exists():
+        _check_resume(cfg, out)
         ck = out / fmt.read_json(out / "latest.json")["checkpoint"]
         sd = load_file(str(ck / "model.safetensors"))
         sd.setdefault("lm_head.weight", sd["transformer.wte.weight"])  # tied (gpt2 arch)

@@ -13,6 +13,7 @@ import torch
 from teragram.builder.features import compute_features
 from teragram.index.engine import Index
 from teragram.index.features import FeatureConfig, Features
+from teragram.model.config import ConfigError
 from teragram.model.gpt import GPT, GPTConfig
 from teragram.model.sample import generate
 from teragram.model.train import TrainConfig, load_model, train
@@ -116,6 +117,12 @@ def test_resume_continues_the_same_loss_curve(dup_setup):
     read = lambda n: {r["step"]: r["loss"] for r in map(json.loads, (dup_setup / n / "log.jsonl").read_text().splitlines()) if "loss" in r}  # noqa: E731
     a, b = read("full"), read("part")
     assert [a[s] for s in range(5, 9)] == [b[s] for s in range(5, 9)]
+    # a resume with other settings of what the run learns is refused, and the run's record kept
+    saved = (dup_setup / "part" / "config.json").read_text()
+    with pytest.raises(ConfigError, match=r"other settings \(seed 1337 -> 3, lr"):
+        train(replace(part, max_steps=8, seed=3, lr=part.lr * 2))
+    assert (dup_setup / "part" / "config.json").read_text() == saved
+    assert train(replace(part, max_steps=8, resume=False, out=str(dup_setup / "part2")))["step"] == 8
 
 
 def test_ddp_two_gloo_processes_match_single_process_gradients(dup_setup, tmp_path):
@@ -124,6 +131,7 @@ def test_ddp_two_gloo_processes_match_single_process_gradients(dup_setup, tmp_pa
         f"""
 import os, sys, torch, torch.distributed as dist
 from teragram.model.data import TrainData
+from teragram.model.config import ConfigError
 from teragram.model.gpt import GPT, GPTConfig
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
