@@ -286,10 +286,9 @@ def _check_resume(cfg: TrainConfig, out: Path) -> None:
     """Refuse to resume a run in OUT that was started with other settings of what it learns
     (a replicate with another seed into the same directory would otherwise continue, or end
     at once as complete, and record the new settings over the old)."""
-    try:
-        was = fmt.read_json(out / "config.json")["train"]
-    except (OSError, ValueError, KeyError):
-        return  # a run from before config.json: nothing to compare
+    if not (out / "config.json").exists():
+        return  # checkpoints copied without their run's record: nothing to compare
+    was = fmt.read_json(out / "config.json").get("train", {})
     now = asdict(cfg)
     diff = [f"{k} {was[k]!r} -> {now[k]!r}" for k in RESUME_SAME if k in was and _same(was[k]) != _same(now[k])]
     if diff:
