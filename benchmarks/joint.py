@@ -22,10 +22,6 @@ model's evaluation cannot be split like the post-hoc one's). Variants:
   nocache   the index's estimates only
   lm1       joint, the loss adding the LM's own nll (joint_lm_weight = 1): the LM stays a whole LM
   lm1h      lm1 without the hidden state in the gate
-  lm1dc     lm1 with joint_decontaminate: the training documents that held-out decontamination
-            would drop (>= 80% of their 13-grams in other documents: 34% of idx-050m's documents,
-            21% of its positions) train the LM alone, so that the gate learns to mix on text
-            like the decontaminated test set's (the bar's)
   knn       the peer (d): kNN-LM over (a) with every training position in the datastore
             (benchmarks/knnlm.py; its temperature and λ are fit here, by `eval`)
 With --refit, each joint variant V is also scored with its gate refit on each set's validation
@@ -58,7 +54,6 @@ VARIANTS = {
     "plain": [],
     "lm1": ["--joint_lm_weight=1.0"],
     "lm1h": ["--joint_lm_weight=1.0", "--joint_hidden=false"],
-    "lm1dc": ["--joint_lm_weight=1.0", "--joint_decontaminate=true"],
 }
 TRAINED = {
     "joint": "(j) joint: LM + gate over index and cache, trained together",
@@ -66,7 +61,6 @@ TRAINED = {
     "nocache": "(j-c) joint, index estimates only",
     "lm1": "(j+lm) joint, plus the LM's own loss (joint_lm_weight = 1)",
     "lm1h": "(j+lm-h) the same, gate without the hidden state",
-    "lm1dc": "(j+lm-dc) the same, the mixture's loss on the training documents decontamination keeps",
 }
 # --refit: each joint variant's gate refit on each set's validation half, the LM frozen (model/refit.py)
 REFITS = {

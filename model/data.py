@@ -19,7 +19,6 @@ from teragram.index.features import Features, open_features
 
 from .gpt import to_torch
 from .joint import Est
-from .joint import defer as defer_to_model
 from .joint import to_torch as est_to_torch
 
 
@@ -28,7 +27,6 @@ class _Shard:
     tokens: np.ndarray
     feats: Features | None  # as stored
     est: Est | None = None  # joint training's estimates (model/joint.py), memmapped
-    defer: np.ndarray | None = None  # positions whose estimates defer to the model (joint_decontaminate)
 
 
 class TrainData:
@@ -36,12 +34,7 @@ class TrainData:
     estimates (per shard, and the columns the model reads) when given)."""
 
     def __init__(
-        self,
-        index_dir: str | Path,
-        features_dir: str | Path | None,
-        block_size: int,
-        estimates: tuple[list[Est], list[int]] | None = None,
-        defer: list[np.ndarray] | None = None,
+        self, index_dir: str | Path, features_dir: str | Path | None, block_size: int, estimates: tuple[list[Est], list[int]] | None = None
     ):
         self.index_dir = Path(index_dir)
         m = fmt.read_json(self.index_dir / "manifest.json")
@@ -64,7 +57,7 @@ class TrainData:
             if est is not None and len(est) != len(tok):
                 raise TeragramError(f"joint estimates of shard {s['shard']} hold {len(est)} positions, its tokens {len(tok)}")
             if len(tok) > block_size + 1:
-                self.shards.append(_Shard(tok, feats, est, defer[i] if defer is not None else None))
+                self.shards.append(_Shard(tok, feats, est))
         if not self.shards:
             raise TeragramError(f"no shard of {index_dir} holds more than block_size + 1 = {block_size + 1} tokens")
         sizes = np.array([len(s.tokens) - block_size - 1 for s in self.shards], dtype=np.float64)
@@ -92,8 +85,6 @@ class TrainData:
                 fs.append(_slice_features(sh.feats, a, a + T, self.sep))
             if sh.est is not None:
                 es.append(sh.est.rows(a, a + T, self.cols))
-                if sh.defer is not None and sh.defer[a : a + T].any():
-                    es[-1] = defer_to_model(es[-1], sh.defer[a : a + T])
         x = torch.from_numpy(np.stack(xs))
         y = torch.from_numpy(np.stack(ys))
         f = to_torch(Features.combine(fs, np.stack)) if fs else None

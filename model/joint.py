@@ -26,7 +26,7 @@ whole index, and `live` for one context during generation: the three agree (test
 from __future__ import annotations
 
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -88,14 +88,6 @@ def empty(n: int, M: int) -> Est:
     return Est(
         np.zeros((n, M), np.float32), np.ones((n, M), np.float32), z, z, np.full((n, M), -1, np.int32), *(np.zeros(n, np.uint8),) * 3
     )
-
-
-def defer(e: Est, where: np.ndarray) -> Est:
-    """e with every estimate at the positions `where` deferring wholly to the model (q = 0,
-    rest = 1): there the mixture is the model's own distribution whatever the gate's weights,
-    so those positions train the LM alone and give the gate no gradient."""
-    w = np.asarray(where, bool)[:, None]
-    return replace(e, q=np.where(w, np.float32(0), e.q), rest=np.where(w, np.float32(1), e.rest))
 
 
 def _stats(count, topk_ids, topk_cnt, target) -> tuple[np.ndarray, ...]:
@@ -242,41 +234,6 @@ def write_train_estimates(index_dir, feature_dirs, out, top_k: int = 4, workers:
         fmt.write_json(out / f"{s['shard']:06d}.done", {"shard": s["shard"], "positions": len(tok)})
     fmt.write_json(out / "manifest.json", ident | {"shards": [s["shard"] for s in m["shards"]]})
     return out
-
-
-def contaminated_positions(index_dir, feature_dirs) -> tuple[list[np.ndarray], dict]:
-    """Per shard, a mask of the positions in training documents that held-out decontamination
-    would drop: >= 80% of their 13-grams found in another indexed document (the exclude-doc
-    match length at the n-gram's last token >= 13: index/heldout.py's criterion, as `eval
-    --decontaminate` applies it to held-out text). Read from the exclude-doc feature directory
-    whose --max-len is the smallest >= 13; returns the masks and their document and position
-    shares."""
-    from teragram.index.heldout import DECONTAMINATION_N as N
-    from teragram.index.heldout import DECONTAMINATION_SHARE, ngram_share
-
-    index_dir = Path(index_dir)
-    digest = fmt.file_digest(index_dir / "manifest.json")
-    caps = {}
-    for d in map(Path, feature_dirs):
-        fm = fmt.read_json(d / "manifest.json")
-        if fm["index_manifest"] == digest and fm["mode"] == "exclude-doc" and fm["max_len"] >= N:
-            caps[fm["max_len"]] = d
-    if not caps:
-        raise TeragramError(f"decontaminating the training positions needs exclude-doc features of this index with --max-len >= {N}")
-    fd = caps[min(caps)]
-    m = fmt.read_json(index_dir / "manifest.json")
-    masks, docs, bad_docs, bad_pos = [], 0, 0, 0
-    for s in m["shards"]:
-        sd = fmt.shard_dir(index_dir, s["shard"], s.get("dir"))
-        starts = np.asarray(fmt.open_array(sd / "docs.bin", "docs")).astype(np.int64)
-        length = np.asarray(fmt.open_array(fd / f"{s['shard']:06d}" / "length.bin", "feat.length"))
-        if len(length) != starts[-1]:
-            raise TeragramError(f"{fd}: shard {s['shard']} has {len(length)} positions, the index's {starts[-1]}")
-        bad = np.array([ngram_share(length[starts[k] : starts[k + 1] - 1]) >= DECONTAMINATION_SHARE for k in range(len(starts) - 1)], bool)
-        masks.append(np.repeat(bad, np.diff(starts)))  # each document's tokens and its separator
-        docs, bad_docs, bad_pos = docs + len(bad), bad_docs + int(bad.sum()), bad_pos + int(masks[-1].sum())
-    n = sum(len(x) for x in masks)
-    return masks, {"docs": docs, "contaminated_docs": bad_docs, "positions": n, "contaminated_positions": bad_pos}
 
 
 def open_train_estimates(out, index_dir, components, top_k: int) -> tuple[list[Est], list[int]]:

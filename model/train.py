@@ -115,10 +115,6 @@ class TrainConfig:
     joint_top_k: int = 4  # continuations kept per index estimate (the features' --top-k)
     joint_hidden: bool = True  # the gate reads the final hidden state (false: the ablation without it)
     joint_lm_weight: float = 0.0  # the loss adds this times the LM's own nll (0: the mixture's alone)
-    # true: the mixture's loss leaves out the training documents that held-out decontamination would
-    # drop (>= 80% of their 13-grams in other documents; their estimates defer to the model, so
-    # they train the LM alone): the gate learns on text like the decontaminated test set's
-    joint_decontaminate: bool = False
 
 
 CHOICES = {
@@ -167,8 +163,6 @@ def check(cfg: TrainConfig) -> None:
             raise ConfigError("gate = joint trains a model without index inputs: leave features unset or use_index = false")
         if cfg.joint_components:
             joint.check_components(cfg.joint_components)
-    if cfg.joint_decontaminate and cfg.gate != "joint":
-        raise ConfigError("joint_decontaminate goes with gate = joint")
     if cfg.joint_lm_weight < 0 or (cfg.joint_lm_weight and cfg.gate != "joint"):
         raise ConfigError(f"joint_lm_weight must be >= 0 and goes with gate = joint (got {cfg.joint_lm_weight}, gate = {cfg.gate})")
     if cfg.recompute_blocks < 0 or (cfg.recompute_blocks and cfg.recompute != "block"):
@@ -279,7 +273,7 @@ def _save(
 # its paths (an index may move): a resume must keep them; world size, zero1, offload and
 # max_steps may change
 RESUME_SAME = ("seed", "batch_size", "grad_accum", "lr", "min_lr", "warmup", "weight_decay", "optimizer", "gate", "use_index")
-RESUME_SAME += ("joint_components", "joint_top_k", "joint_hidden", "joint_lm_weight", "joint_decontaminate")
+RESUME_SAME += ("joint_components", "joint_top_k", "joint_hidden", "joint_lm_weight")
 
 
 def _check_resume(cfg: TrainConfig, out: Path) -> None:
@@ -364,7 +358,7 @@ def train(cfg: TrainConfig) -> dict:
     vocab = fmt.read_json(Path(cfg.index) / "manifest.json")["tokenizer"]["vocab_size"]
     top_k = fmt.read_json(Path(cfg.features) / "manifest.json")["top_k"] if use_index else 0
     mcfg = model_config(cfg, vocab, top_k)
-    est = defer = None
+    est = None
     if cfg.gate == "joint":
         est_dir = Path(cfg.joint_estimates or Path(cfg.joint_features[0]).parent / "joint")
         if master:
@@ -381,15 +375,7 @@ def train(cfg: TrainConfig) -> dict:
             joint_lm_weight=cfg.joint_lm_weight,
             joint_tokenizer=joint.tokenizer_digest(cfg.index),
         )
-        if cfg.joint_decontaminate:
-            defer, dc = joint.contaminated_positions(cfg.index, cfg.joint_features)
-            if master:
-                print(
-                    f"joint_decontaminate: {dc['contaminated_docs']:,} of {dc['docs']:,} documents, {dc['contaminated_positions']:,} of "
-                    f"{dc['positions']:,} positions train the LM alone",
-                    flush=True,
-                )
-    data = TrainData(cfg.index, cfg.features if use_index else None, mcfg.block_size, est, defer)
+    data = TrainData(cfg.index, cfg.features if use_index else None, mcfg.block_size, est)
     out = Path(cfg.out)
     model = GPT(mcfg).to(device)
     model.set_recompute(cfg.recompute, cfg.recompute_blocks)
