@@ -106,7 +106,7 @@ def stage_setup(carry: Path, work: Path, out: Path | None, tiny_steps: int) -> N
         return
     t = time.time()
     tiny = dict(preset="tiny", block_size=512, batch_size=32, steps=tiny_steps, lr=3e-3, min_lr=3e-4, warmup=50)
-    sh(*[f"--out={work / 'runs' / 'tiny'}" if c.startswith("--out=") else c for c in train_cmd("a", work, tiny)])
+    sh(*train_cmd("a", work, tiny, out=work / "runs" / "tiny"))
     phases["train_tiny_s"] = time.time() - t
     if out is not None:
         export_bf16(work / "runs" / "tiny", out / "tiny")

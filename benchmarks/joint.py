@@ -105,8 +105,9 @@ def stage_prep(carry: Path, work: Path, scale: str = "gpu", steps: int | None = 
     sh(py, "-m", "teragram.builder.cli", *train, "--out", work / "idx", "--tokenizer", carry / "tokenizer.model", "--workers", n, "--quiet")
     ph = {"index_s": time.time() - t}
     t = time.time()
-    cmd = [x for x in train_cmd("a", work, s) if not x.startswith("--out=")] + [f"--out={_run(work, 'a', seed)}"]
-    a = subprocess.Popen(cmd, stdout=open(work / "train-a.log", "w"), stderr=subprocess.STDOUT)
+    a = subprocess.Popen(
+        train_cmd("a", work, s, out=_run(work, "a", seed)), stdout=open(work / "train-a.log", "w"), stderr=subprocess.STDOUT
+    )
     procs = [  # one process per context length: each is one pass over the (single) shard
         subprocess.Popen(
             [py, "-m", "teragram.serve.cli", "features", str(work / "idx"), "--out", str(work / f"len-{c}"), "--mode", "exclude-doc"]
@@ -218,7 +219,7 @@ def stage_train(
             info[v] = {"outputs_s": time.time() - t, "log": [json.loads(x) for x in open(_run(work, "a", seed) / "log.jsonl")]}
             saved.write_text(json.dumps(info, indent=1))
             continue
-        cmd = [a for a in train_cmd("a", work, s) if not a.startswith("--out=")] + [f"--out={_run(work, v, seed)}"]
+        cmd = train_cmd("a", work, s, out=_run(work, v, seed))
         if v != "plain":
             feats = ",".join(str(work / f"len-{c}") for c in CAPS)
             cmd += ["--gate=joint", f"--joint_features={feats}", f"--joint_estimates={work / 'est'}", *VARIANTS[v]]

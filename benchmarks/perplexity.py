@@ -135,10 +135,11 @@ def stage_build(data: Path, w: Path, s: dict, workers: int, variants: list[str])
 # ---- train -----------------------------------------------------------------------------------
 
 
-def train_cmd(v: str, w: Path, s: dict) -> list[str]:
+def train_cmd(v: str, w: Path, s: dict, out: Path | None = None) -> list[str]:
+    """The training command of variant v with scale s's settings, into out (default W/runs/V)."""
     extra = [x.format(w=w) for x in VARIANTS[v][1]]
     return [
-        sys.executable, "-m", "teragram.serve.cli", "train", f"--index={w / 'idx'}", f"--out={w / 'runs' / v}", f"--preset={s['preset']}",
+        sys.executable, "-m", "teragram.serve.cli", "train", f"--index={w / 'idx'}", f"--out={out or w / 'runs' / v}", f"--preset={s['preset']}",
         f"--block_size={s['block_size']}", f"--batch_size={s['batch_size']}", f"--max_steps={s['steps']}", f"--lr={s['lr']}",
         f"--min_lr={s['min_lr']}", f"--warmup={s['warmup']}", "--log_every=25", "--progress=false", f"--seed={s.get('seed', 7)}", *extra,
     ]  # fmt: skip

@@ -283,16 +283,12 @@ def _check_resume(cfg: TrainConfig, out: Path) -> None:
     if not (out / "config.json").exists():
         return  # checkpoints copied without their run's record: nothing to compare
     was = fmt.read_json(out / "config.json").get("train", {})
-    now = asdict(cfg)
-    diff = [f"{k} {was[k]!r} -> {now[k]!r}" for k in RESUME_SAME if k in was and _same(was[k]) != _same(now[k])]
+    now = json.loads(json.dumps(asdict(cfg)))  # as config.json holds it (tuples as lists)
+    diff = [f"{k} {was[k]!r} -> {now[k]!r}" for k in RESUME_SAME if k in was and was[k] != now[k]]
     if diff:
         raise ConfigError(
             f"{out} holds a run started with other settings ({', '.join(diff)}): give another --out, or --resume=false to start over"
         )
-
-
-def _same(v):
-    return list(v) if isinstance(v, tuple | list) else v
 
 
 def load_model(checkpoint: str | Path, device: str = "cpu") -> tuple[GPT, dict]:
