@@ -90,10 +90,11 @@ def _run(work: Path, v: str, seed: int) -> Path:
     return work / ("runs" if seed == 7 else f"runs-seed{seed}") / v
 
 
-def stage_prep(carry: Path, work: Path, scale: str = "gpu", steps: int | None = None, seed: int = 7) -> dict:
+def stage_prep(carry: Path, work: Path, scale: str = "gpu", steps: int | None = None, seed: int = 7, joint_inputs: bool = True) -> dict:
     """Index, exclude-doc features per context length, the training positions' estimates; the
     plain model (a) trains meanwhile on the idle GPU (its step rate is measured again, alone, by
-    the variant plain: this run shares the CPUs)."""
+    the variant plain: this run shares the CPUs). joint_inputs False (no joint variant to train,
+    e.g. --variants a,knn): the index and (a) only."""
     from teragram.model import joint
 
     from benchmarks.perplexity import SCALES, train_cmd
@@ -113,13 +114,14 @@ def stage_prep(carry: Path, work: Path, scale: str = "gpu", steps: int | None = 
             [py, "-m", "teragram.serve.cli", "features", str(work / "idx"), "--out", str(work / f"len-{c}"), "--mode", "exclude-doc"]
             + ["--max-len", str(c), "--top-k", "4", "--quiet"]
         )
-        for c in CAPS
+        for c in (CAPS if joint_inputs else ())
     ]
     if any([p.wait() for p in procs]):  # every pass waited for, then judged
         raise SystemExit("exclude-doc features failed")
     ph["features_s"] = time.time() - t
     t = time.time()
-    joint.write_train_estimates(work / "idx", [work / f"len-{c}" for c in CAPS], work / "est", 4, workers=n)
+    if joint_inputs:
+        joint.write_train_estimates(work / "idx", [work / f"len-{c}" for c in CAPS], work / "est", 4, workers=n)
     ph["estimates_s"] = time.time() - t
     if a.wait():
         raise SystemExit(f"training (a) failed: see {work / 'train-a.log'}")
@@ -326,12 +328,12 @@ def stage_eval(joint_outs: list[Path], index: Path, carry: Path, posthoc: Path, 
                     r["test_decontaminated"] = float(np.exp(z["nll"][keep].mean()))
             if knn:
                 z = np.load(home["knn"] / f"knn-{s}-{h}.npz")
-                rows = z["rows"]
+                rows = z["rows"] if "rows" in z else np.arange(len(target))  # older runs kept a sample of validation
                 if not np.array_equal(z["target"], target[rows]) or (h == "test" and len(rows) != len(target)):
                     raise SystemExit(f"knn {s}-{h}: the kNN run's targets differ from the held-out text's here")
                 r = row["knn"]
                 nll = baselines.mix_nll(z["nll_a"].astype(np.float64), z["p_knn"][:, r["column"]], r["lambda"])
-                r[h] = float(np.exp(nll.mean()))  # validation: its sample of rows
+                r[h] = float(np.exp(nll.mean()))
                 r[f"{h}_model_alone"] = float(np.exp(z["nll_a"].mean()))
                 if keep is not None:
                     r["test_decontaminated"] = float(np.exp(nll[keep].mean()))
@@ -382,8 +384,8 @@ def report(res: dict, name: str = "joint") -> None:
             f"(d): {k['keys']:,} keys (every training position), {k['centroids']} inverted lists, {k['nprobe']} probed, "
             f"k = {k['k']}; recall of the {k['k']} neighbours against exact search on {knnlm.RECALL_ROWS:,} validation "
             f"queries {k['recall_at_k']:.3f} (nearest neighbour the same: {k['nearest_exact_share']:.3f}); datastore "
-            f"{k['keys_s']:.0f} s, search {sum(v for n, v in k.items() if n.startswith('search_')):.0f} s on the GPU. Its "
-            f"validation column is a random sample of {knnlm.VALID_ROWS:,} targets per set (where its temperature and λ are fit)."
+            f"{k['keys_s']:.0f} s, search {sum(v for n, v in k.items() if 'search_' in n):.0f} s on the GPU; its temperature and λ fit on "
+            f"the validation halves, its temperatures' scale the median nearest distance of {knnlm.VALID_ROWS:,} of their targets per set."
         )
         lines.append("")
     if res["rates"]:
@@ -419,10 +421,12 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.stage == "gpu":
         a.out.mkdir(parents=True, exist_ok=True)
+        variants = a.variants.split(",")
         if a.gpu_stage in ("prep", "all"):
-            (a.out / "prep.json").write_text(json.dumps(stage_prep(a.carry, a.work, a.scale, a.steps, a.seed)))
+            joint_inputs = bool(set(variants) & set(VARIANTS) - {"plain"})  # a joint variant will train: its estimates
+            (a.out / "prep.json").write_text(json.dumps(stage_prep(a.carry, a.work, a.scale, a.steps, a.seed, joint_inputs)))
         if a.gpu_stage in ("train", "all"):
-            stage_train(a.carry, a.work, a.out, a.variants.split(","), a.steps, a.scale, a.refit, a.seed)
+            stage_train(a.carry, a.work, a.out, variants, a.steps, a.scale, a.refit, a.seed)
     else:
         report(stage_eval(a.joint, a.index, a.carry, a.posthoc, a.work or Path("/tmp/joint-eval"), a.workers), a.name)
     return 0

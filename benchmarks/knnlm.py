@@ -14,9 +14,11 @@ few lists, as FAISS's IVF), with exact float32 distances to the probed keys (the
 full-precision distances; no product quantisation here), k = 1024 neighbours. Its recall against
 exact brute-force search is measured on a sample of queries and reported.
 
-On the GPU, `run` writes, per held-out half, p_knn(target) for a grid of temperatures (multiples
-of the median nearest distance of the validation queries) and (a)'s nll; `fit` picks the
-temperature and λ on validation, here, and the test halves are only reported (benchmarks/joint.py).
+On the GPU, `run` writes, per held-out half, p_knn(target) of every target for a grid of
+temperatures (multiples of the median nearest distance of a sample of validation queries), the
+nearest distance (in that scale) and (a)'s nll; `fit` picks the temperature and λ on validation,
+here, and the test halves are only reported (benchmarks/joint.py). benchmarks/gate_headroom.py
+also gives the post-hoc gate p_knn as one more estimate.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ CENTROIDS = 4096  # the paper's inverted lists
 NPROBE = 32  # lists probed per query (the paper's 32)
 KMEANS_SAMPLE = 1_000_000  # keys the centroids are fit on
 KMEANS_ITERS = 20
-VALID_ROWS = 20_000  # validation queries per set (a fixed random sample: two parameters are fit)
+VALID_ROWS = 20_000  # validation queries per set that set the temperature scale (a fixed random sample)
+QUERY_CHUNK = 131_072  # queries searched at once (their 1024 neighbours each stay in GPU memory)
 RECALL_ROWS = 1_000  # queries whose IVF neighbours are checked against exact search
 FACTORS = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0)  # temperatures, x the median nearest distance
 SEED = 20261201
@@ -215,9 +218,21 @@ def build(model, index_dir: Path, device: str, batch: int = 64):
     return keys[:n], vals[:n], mu
 
 
-def run(model, index_dir: Path, held: dict, out: Path, device: str, *, batch: int = 64, eval_batch: int = 16) -> dict:
+def run(
+    model,
+    index_dir: Path,
+    held: dict,
+    out: Path,
+    device: str,
+    *,
+    batch: int = 64,
+    eval_batch: int = 16,
+    centroids: int = CENTROIDS,
+    nprobe: int = NPROBE,
+    k: int = K_NEIGHBOURS,
+) -> dict:
     """On the GPU: the datastore, then every held-out half's p_knn(target) per temperature with
-    (a)'s nll, saved as OUT/knn-SET-HALF.npz (validation: VALID_ROWS random rows)."""
+    the nearest distance and (a)'s nll, saved as OUT/knn-SET-HALF.npz."""
     import torch
     from teragram.index.engine import Index
     from teragram.model.evaluate import token_eval
@@ -230,40 +245,48 @@ def run(model, index_dir: Path, held: dict, out: Path, device: str, *, batch: in
     prev = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = True  # keys are fp16: TF32's 10-bit inputs lose nothing more; sums stay float32
     try:
-        ds = Datastore(keys, vals)
-        info |= {"ivf_s": time.time() - t, "centroids": len(ds.cent), "nprobe": NPROBE, "k": K_NEIGHBOURS}
+        ds = Datastore(keys, vals, centroids=centroids)
+        info |= {"ivf_s": time.time() - t, "centroids": len(ds.cent), "nprobe": nprobe, "k": k}
         idx = Index(index_dir)
         rng = np.random.default_rng(SEED)
-        res = {}
+        evals, nearest = {}, []
         for (name, h), feats in sorted(held.items(), key=lambda kv: kv[0][1] != "valid"):  # validation first: it sets the scale
             t = time.time()
-            r = token_eval(model, feats, idx.eos_id, idx.sep, device, batch=eval_batch, hidden=True)
-            rows = np.arange(len(r["target"]))
-            if h == "valid":
-                rows = np.sort(rng.choice(len(rows), min(VALID_ROWS, len(rows)), replace=False))
+            r = evals[name, h] = token_eval(model, feats, idx.eos_id, idx.sep, device, batch=eval_batch, hidden=True)
+            info[f"eval_{name}_{h}_s"] = time.time() - t
+            if h != "valid":
+                continue
+            t = time.time()
+            rows = np.sort(rng.choice(len(r["target"]), min(VALID_ROWS, len(r["target"])), replace=False))
             q = torch.from_numpy(np.ascontiguousarray(r["hidden"][rows], np.float32)).to(device) - mu
-            d, i = ds.search(q, K_NEIGHBOURS)
-            res[name, h] = (rows, r, d, i)
-            info[f"search_{name}_{h}_s"] = time.time() - t
-            if name == "indist" and h == "valid":  # recall against exact search, on a sample
+            d, i = ds.search(q, k, nprobe)
+            nearest.append(d[:, 0])
+            info[f"scale_search_{name}_s"] = time.time() - t
+            if name == "indist":  # recall against exact search, on a sample
                 s = slice(0, min(RECALL_ROWS, len(q)))
-                ed, ei = ds.exact(q[s], K_NEIGHBOURS)
+                ed, ei = ds.exact(q[s], k)
                 inter = [len(np.intersect1d(a, b)) for a, b in zip(i[s].cpu().numpy(), ei.cpu().numpy())]
-                info["recall_at_k"] = float(np.mean(inter)) / K_NEIGHBOURS
+                info["recall_at_k"] = float(np.mean(inter)) / k
                 info["nearest_exact_share"] = float((i[s, 0] == ei[:, 0]).float().mean())
-        nearest = torch.cat([d[:, 0] for (_, h), (_, _, d, _) in res.items() if h == "valid"])
-        scale = float(nearest.median())
+        scale = float(torch.cat(nearest).median())
         info |= {"temperature_scale": scale, "factors": list(FACTORS)}
-        for (name, h), (rows, r, d, i) in res.items():
-            tgt = torch.from_numpy(r["target"][rows].astype(np.int64)).to(device)
-            nb = torch.where(i >= 0, vals[i.clamp_min(0)].long(), -1)
-            p = knn_target_probs(d, nb, tgt, [f * scale for f in FACTORS])
+        for (name, h), r in evals.items():  # every target of every half, in chunks (the neighbours of all would not fit)
+            t = time.time()
+            ps, near = [], []
+            for a in range(0, len(r["target"]), QUERY_CHUNK):
+                q = torch.from_numpy(np.ascontiguousarray(r["hidden"][a : a + QUERY_CHUNK], np.float32)).to(device) - mu
+                d, i = ds.search(q, k, nprobe)
+                tgt = torch.from_numpy(r["target"][a : a + QUERY_CHUNK].astype(np.int64)).to(device)
+                nb = torch.where(i >= 0, vals[i.clamp_min(0)].long(), -1)
+                ps.append(knn_target_probs(d, nb, tgt, [f * scale for f in FACTORS]).cpu().numpy())
+                near.append((d[:, 0] / scale).cpu().numpy())
+            info[f"search_{name}_{h}_s"] = time.time() - t
             np.savez_compressed(
                 out / f"knn-{name}-{h}.npz",
-                rows=rows.astype(np.int32),
-                p_knn=p.cpu().numpy().astype(np.float32),
-                nll_a=r["nll"][rows].astype(np.float32),
-                target=r["target"][rows].astype(np.int32),
+                p_knn=np.concatenate(ps).astype(np.float32),
+                nearest=np.concatenate(near).astype(np.float32),
+                nll_a=r["nll"].astype(np.float32),
+                target=r["target"].astype(np.int32),
             )
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev

@@ -67,6 +67,38 @@ def mix_nll_multi(logp: np.ndarray, weights: np.ndarray) -> np.ndarray:
     return -(m + np.log(np.exp(z - m[:, None]).sum(1)))
 
 
+def fit_weights(X: np.ndarray, logp: np.ndarray, *, steps: int = 300, l2: float = 1e-4) -> np.ndarray:
+    """W (F, M - 1) of the mixture softmax([0, X W]) with the least mean nll of the targets, by
+    L-BFGS (features X (N, F); logp (N, M): the target's log-probability under the model, then
+    each component), an L2 penalty on every weight but the bias (the last feature)."""
+    import torch
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    Xt = torch.from_numpy(np.ascontiguousarray(X, np.float32)).to(dev).double()
+    lp = torch.from_numpy(np.maximum(logp.astype(np.float64), -700.0)).to(dev)
+    W = torch.zeros((X.shape[1], logp.shape[1] - 1), dtype=torch.float64, device=dev, requires_grad=True)
+    opt = torch.optim.LBFGS([W], lr=1, max_iter=steps, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        z = torch.cat([torch.zeros(len(Xt), 1, dtype=Xt.dtype, device=dev), Xt @ W], 1)
+        nll = -torch.logsumexp(torch.log_softmax(z, 1) + lp, 1)
+        loss = nll.mean() + l2 * (W[:-1] ** 2).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    return W.detach().cpu().numpy().copy()
+
+
+def mixture_weights(X: np.ndarray, W: np.ndarray) -> np.ndarray:
+    """(N, M) softmax([0, X W]): the model's weight (its logit 0), then each component's."""
+    z = np.concatenate([np.zeros((len(X), 1)), X.astype(np.float64) @ W], 1)
+    z -= z.max(1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(1, keepdims=True)
+
+
 @dataclass
 class Gate:
     """Mixture weights softmax(X W) over the model and the estimates named by `components`
@@ -87,30 +119,10 @@ class Gate:
     def fit(cls, X: np.ndarray, logp: np.ndarray, *, components=(), steps: int = 300, l2: float = 1e-4) -> Gate:
         """X (N, F) gate features; logp (N, M) log-probability of the actual next token under
         the model, then each component."""
-        import torch
-
-        dev = "cuda" if torch.cuda.is_available() else "cpu"
-        Xt = torch.from_numpy(np.ascontiguousarray(X, np.float32)).to(dev).double()
-        lp = torch.from_numpy(np.maximum(logp.astype(np.float64), -700.0)).to(dev)
-        W = torch.zeros((X.shape[1], logp.shape[1] - 1), dtype=torch.float64, device=dev, requires_grad=True)
-        opt = torch.optim.LBFGS([W], lr=1, max_iter=steps, line_search_fn="strong_wolfe")
-
-        def closure():
-            opt.zero_grad()
-            z = torch.cat([torch.zeros(len(Xt), 1, dtype=Xt.dtype, device=dev), Xt @ W], 1)
-            nll = -torch.logsumexp(torch.log_softmax(z, 1) + lp, 1)
-            loss = nll.mean() + l2 * (W[:-1] ** 2).sum()
-            loss.backward()
-            return loss
-
-        opt.step(closure)
-        return cls(W.detach().cpu().numpy().copy(), tuple(components))
+        return cls(fit_weights(X, logp, steps=steps, l2=l2), tuple(components))
 
     def __call__(self, X: np.ndarray) -> np.ndarray:
-        z = np.concatenate([np.zeros((len(X), 1)), X.astype(np.float64) @ self.W], 1)
-        z -= z.max(1, keepdims=True)
-        e = np.exp(z)
-        return e / e.sum(1, keepdims=True)
+        return mixture_weights(X, self.W)
 
     def save(self, path: str | Path) -> None:
         edges = {

@@ -23,6 +23,21 @@ def _brute(keys: np.ndarray, q: np.ndarray, k: int):
     return np.take_along_axis(d, i, 1), i
 
 
+def _brute_chunked(keys: np.ndarray, q: np.ndarray, k: int, chunk: int = 128):
+    """_brute for many keys: squared distances in float64 by the expansion, 128 queries at a time."""
+    K = keys.astype(np.float64)
+    kn = (K * K).sum(1)
+    ds, ids = [], []
+    for a in range(0, len(q), chunk):
+        x = q[a : a + chunk].astype(np.float64)
+        d = (x * x).sum(1)[:, None] + kn[None] - 2 * x @ K.T
+        i = np.argpartition(d, k, axis=1)[:, :k]
+        o = np.argsort(np.take_along_axis(d, i, 1), axis=1, kind="stable")
+        ids.append(np.take_along_axis(i, o, 1))
+        ds.append(np.take_along_axis(d, ids[-1], 1))
+    return np.concatenate(ds), np.concatenate(ids)
+
+
 def test_search_equals_brute_force():
     g = torch.Generator().manual_seed(0)
     centres = torch.randn(8, 16, generator=g) * 4
@@ -89,3 +104,51 @@ def test_fit_picks_the_validation_optimum():
     p = np.stack([np.zeros(500), np.exp(-nll) * 3], 1).clip(0, 1)  # the second column helps
     j, lam = knnlm.fit(nll, p)
     assert j == 1 and lam > 0
+
+
+def test_run_scores_every_target_as_brute_force(real_index, tmp_path):
+    """run: every target of every half, p_knn per temperature as the softmax over the k nearest of
+    all training keys (every list probed: exact), the scale the validation's median nearest."""
+    from teragram.builder.features import compute_features
+    from teragram.index import format as fmt
+    from teragram.index.engine import Index
+    from teragram.index.features import FeatureConfig
+    from teragram.model.evaluate import token_eval
+    from teragram.model.gpt import GPT, GPTConfig
+
+    from tests.conftest import real_texts
+
+    torch.manual_seed(0)
+    m = fmt.read_json(real_index / "manifest.json")
+    model = GPT(GPTConfig.preset("tiny", vocab_size=m["tokenizer"]["vocab_size"], block_size=64, use_index=False, mixture=False)).eval()
+    held = {}
+    for h, texts in (("valid", real_texts(2, 1500)), ("test", real_texts(4, 1200)[2:])):
+        src = tmp_path / f"text-{h}"
+        src.mkdir()
+        for j, (_, t) in enumerate(texts):
+            (src / f"{j}.txt").write_text(t)
+        compute_features(real_index, tmp_path / h, FeatureConfig("held-out", 64, 1), corpus=[str(src)], progress=False)
+        held["s", h] = tmp_path / h
+    k = 32
+    info = knnlm.run(model, real_index, held, tmp_path, "cpu", batch=8, centroids=4, nprobe=4, k=k)
+    keys, vals, mu = knnlm.build(model, real_index, "cpu", batch=8)
+    K = keys.float().numpy()
+    idx = Index(real_index)
+    near = {}
+    for h in ("valid", "test"):
+        r = token_eval(model, held["s", h], idx.eos_id, idx.sep, "cpu", hidden=True)
+        d, i = _brute_chunked(K, r["hidden"] - mu.numpy(), k + 1)
+        near[h] = (r, d[:, :k], i[:, :k], d[:, k] - d[:, k - 1] > 1e-3)  # rows whose k nearest are not tied with the next
+    scale = float(np.median(near["valid"][1][:, 0]))
+    assert info["temperature_scale"] == pytest.approx(scale, rel=1e-3)
+    for h, (r, d, i, sure) in near.items():
+        z = np.load(tmp_path / f"knn-s-{h}.npz")
+        assert (z["target"] == r["target"]).all() and len(z["p_knn"]) == len(r["target"])
+        np.testing.assert_allclose(z["nll_a"], r["nll"], rtol=1e-5)
+        np.testing.assert_allclose(z["nearest"], d[:, 0] / scale, rtol=1e-3, atol=1e-4)  # float32 distances by the expansion
+        hit = vals.numpy()[i] == r["target"][:, None]
+        for j, f in enumerate(knnlm.FACTORS):
+            w = np.exp(-(d - d[:, :1]) / (f * scale))
+            want = (w * hit).sum(1) / w.sum(1)
+            np.testing.assert_allclose(z["p_knn"][sure, j], want[sure], rtol=1e-3, atol=1e-5)
+        assert sure.mean() > 0.5
