@@ -28,6 +28,7 @@ import argparse
 import io
 import json
 import re
+import tarfile
 import time
 from pathlib import Path
 
@@ -176,7 +177,7 @@ def _knn(path: Path, o) -> tuple[np.ndarray, np.ndarray]:
 def evaluate_set(name: str, a, nb: Neighbours | None) -> dict:
     from teragram.index import format as fmt
     from teragram.model import estimates as E
-    from teragram.model.gate import component_logp, gate_features, gate_inputs
+    from teragram.model.gate import component_logp, gate_inputs
     from teragram.model.outputs import load_outputs, outputs_estimates
 
     from benchmarks import knnlm
@@ -184,6 +185,9 @@ def evaluate_set(name: str, a, nb: Neighbours | None) -> dict:
     t0 = time.time()
     o, est = {}, {}
     for h in HALVES:
+        if not (Path(a.outputs) / "unpacked" / f"{name}-{h}").exists():
+            with tarfile.open(Path(a.outputs) / f"outputs-{name}-{h}.tgz") as tar:
+                tar.extractall(Path(a.outputs) / "unpacked", filter="data")
         o[h] = load_outputs(Path(a.outputs) / "unpacked" / f"{name}-{h}")
         cached = Path(a.outputs) / "eval" / f"headroom-{name}-{h}.npz"
         if cached.exists():
@@ -238,7 +242,6 @@ def evaluate_set(name: str, a, nb: Neighbours | None) -> dict:
     row["decomposition"] = _decomposition(
         est["test"], nll["(t) post-hoc gate"]["test"], nll["(a) no index"]["test"], lp["test"], clean, E.COMPONENTS
     )
-    del gate_features
     return row
 
 
