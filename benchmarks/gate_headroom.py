@@ -25,8 +25,8 @@ documents with < 80% of their 13-grams in the index, as everywhere here.
 from __future__ import annotations
 
 import argparse
-import io
 import json
+import os
 import re
 import tarfile
 import time
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import save, table
+from benchmarks.common import read_jsonl, save, table
 from benchmarks.index_size import FIT_ROWS, HALVES, SETS, _contamination
 
 NEIGHBOUR_TOKENS = 65536  # the neighbour cache's training text per document (one setting, not tuned)
@@ -43,10 +43,7 @@ DIST_EDGES = (0.1, 0.25, 0.5, 0.75, 0.9)  # quantiles (on validation) of kNN's n
 
 
 def _paths(source: Path) -> list[str]:
-    import zstandard
-
-    with open(source, "rb") as f:
-        return [json.loads(line)["path"] for line in io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(f))]
+    return [r["path"] for r in read_jsonl(source)]
 
 
 def _dir_parts(path: str) -> list[str]:
@@ -82,7 +79,7 @@ class Neighbours:
         name = parts[-1]
         for k in range(len(parts) - 1, 0, -1):
             cand = [d for d in self.by_dir.get("/".join(parts[:k]), []) if d not in seen]
-            cand.sort(key=lambda d: (-len(_common_prefix(self.parts[d][-1], name)), self.starts[d + 1] - self.starts[d]))
+            cand.sort(key=lambda d: (-len(os.path.commonprefix([self.parts[d][-1], name])), self.starts[d + 1] - self.starts[d]))
             for d in cand:
                 seen.add(d)
                 size = int(self.starts[d + 1] - self.starts[d])  # the document and its separator
@@ -93,13 +90,6 @@ class Neighbours:
                 break
         ids = [np.asarray(self.tok[self.starts[d] : self.starts[d + 1]]).astype(np.int64) for d in out]
         return np.concatenate(ids) if ids else np.zeros(0, np.int64)
-
-
-def _common_prefix(a: str, b: str) -> str:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return a[:n]
 
 
 def neighbour_estimates(o, nb: Neighbours, carry_root: Path) -> dict[str, np.ndarray]:
