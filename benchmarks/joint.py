@@ -24,6 +24,9 @@ model's evaluation cannot be split like the post-hoc one's). Variants:
   lm1h      lm1 without the hidden state in the gate
   knn       the peer (d): kNN-LM over (a) with every training position in the datastore
             (benchmarks/knnlm.py; its temperature and λ are fit here, by `eval`)
+  knnest    (no model) the kNN-LM's estimate as a joint component, dense_knn: every held-out
+            target's and every training position's in exclude-doc mode (knnlm.joint_estimates)
+  knnj      lm1 with dense_knn as one more component (after knnest, on the same machine)
 With --refit, each joint variant V is also scored with its gate refit on each set's validation
 half after training, the LM frozen (model/refit.py), as the post-hoc gates are fit per set:
   Vr        the statistics' weights refit (the hidden state's projection as trained)
@@ -54,13 +57,16 @@ VARIANTS = {
     "plain": [],
     "lm1": ["--joint_lm_weight=1.0"],
     "lm1h": ["--joint_lm_weight=1.0", "--joint_hidden=false"],
+    "knnj": ["--joint_lm_weight=1.0", "--joint_components={all},dense_knn"],  # {all}: model/estimates.COMPONENTS
 }
+DENSE_ESTIMATES = "est-knn"  # W/est with dense_knn appended (variant knnest), the estimates of the variants reading it
 TRAINED = {
     "joint": "(j) joint: LM + gate over index and cache, trained together",
     "nohidden": "(j-h) joint, gate without the hidden state",
     "nocache": "(j-c) joint, index estimates only",
     "lm1": "(j+lm) joint, plus the LM's own loss (joint_lm_weight = 1)",
     "lm1h": "(j+lm-h) the same, gate without the hidden state",
+    "knnj": "(j+lm+knn) j+lm, the kNN-LM's estimate one more component (exclude-doc in training)",
 }
 # --refit: each joint variant's gate refit on each set's validation half, the LM frozen (model/refit.py)
 REFITS = {
@@ -147,6 +153,15 @@ def _load_nll(home: dict, v: str, s: str, h: str) -> dict:
     return z
 
 
+def _dense_of(model, out: Path):
+    """The held-out halves' dense estimates (knnlm.joint_estimates' files in OUT) for a model whose
+    gate reads them: (set, half) -> Est or None."""
+    from teragram.model.joint import DENSE
+
+    wants = any(c in DENSE for c in model.cfg.joint)
+    return lambda name, h: knnlm.load_est(out, name, h) if wants else None
+
+
 def _eval_refits(model, v: str, held: dict, idx, out: Path, device: str, batch: int, threads: int) -> dict:
     """A joint variant's nll on every held-out half with its trained gate (OUT/V-SET-HALF.npz, as
     without --refit) and with the gate refit on that set's validation half (OUT/Vr-SET-HALF.npz;
@@ -155,10 +170,11 @@ def _eval_refits(model, v: str, held: dict, idx, out: Path, device: str, batch: 
     from teragram.model import refit
 
     info = {}
+    dense = _dense_of(model, out)
     for name in SETS:
         inputs, res = {}, {}
         for h in HALVES:
-            inputs[h], res[h] = refit.gate_inputs(model, held[name, h], idx, device, batch=batch, threads=threads)
+            inputs[h], res[h] = refit.gate_inputs(model, held[name, h], idx, device, batch=batch, threads=threads, dense=dense(name, h))
             _save_nll(out / f"{v}-{name}-{h}.npz", res[h]["nll"], res[h])
         for suffix, (_, hidden) in REFITS.items():
             if hidden and not model.cfg.joint_hidden:
@@ -191,7 +207,9 @@ def stage_train(
 ) -> None:
     import torch
     from teragram.index.engine import Index
+    from teragram.model.estimates import COMPONENTS, heldout_docs
     from teragram.model.evaluate import token_eval
+    from teragram.model.joint import heldout_est
     from teragram.model.train import load_model
 
     from benchmarks.index_size import heldout_features, save_outputs_a
@@ -206,13 +224,20 @@ def stage_train(
     t = time.time()
     held = heldout_features(work / "idx", work / "held", carry, n)
     info["heldout_s"] = time.time() - t
-    if {"a", "knn"} & set(variants) and not (_run(work, "a", seed) / "latest.json").exists():
+    if {"a", "knn", "knnest"} & set(variants) and not (_run(work, "a", seed) / "latest.json").exists():
         raise SystemExit(f"{_run(work, 'a', seed)}: no (a) of seed {seed}: run --stage prep with the same --seed first")
     for v in sorted(variants, key=lambda v: (v != "a", v != "plain")):  # (a)'s outputs, then plain's short run: the rates need it
         t = time.time()
         if v == "knn":  # the peer (d) over (a), trained during prep
             model, _ = load_model(_run(work, "a", seed), device)
             info[v] = knnlm.run(model, work / "idx", held, out, device, eval_batch=s["eval_batch"]) | {"total_s": time.time() - t}
+            saved.write_text(json.dumps(info, indent=1))
+            del model
+            continue
+        if v == "knnest":  # dense_knn for the joint gate, over (a) trained during prep
+            model, _ = load_model(_run(work, "a", seed), device)
+            args = (model, work / "idx", held, work / "est", work / DENSE_ESTIMATES, out, device)
+            info[v] = knnlm.joint_estimates(*args, eval_batch=s["eval_batch"]) | {"total_s": time.time() - t}
             saved.write_text(json.dumps(info, indent=1))
             del model
             continue
@@ -224,7 +249,9 @@ def stage_train(
         cmd = train_cmd("a", work, s, out=_run(work, v, seed))
         if v != "plain":
             feats = ",".join(str(work / f"len-{c}") for c in CAPS)
-            cmd += ["--gate=joint", f"--joint_features={feats}", f"--joint_estimates={work / 'est'}", *VARIANTS[v]]
+            est = work / (DENSE_ESTIMATES if any("dense_knn" in x for x in VARIANTS[v]) else "est")
+            cmd += ["--gate=joint", f"--joint_features={feats}", f"--joint_estimates={est}"]
+            cmd += [x.format(all=",".join(COMPONENTS)) for x in VARIANTS[v]]
         else:
             cmd += [f"--max_steps={min(300, s['steps'])}", "--checkpoint=false"]
         sh(*cmd)
@@ -238,8 +265,12 @@ def stage_train(
         if refit:
             info[v]["refit"] = _eval_refits(model, v, held, idx, out, device, s["eval_batch"], n)
         else:
+            dense = _dense_of(model, out)
             for (name, h), feats in held.items():
-                r = token_eval(model, feats, idx.eos_id, idx.sep, device, batch=s["eval_batch"], index=idx, threads=n)
+                e = dense(name, h)
+                if e is not None:
+                    e = heldout_est(idx, heldout_docs(feats), model.cfg.joint, model.cfg.joint_top_k, n, dense=e)
+                r = token_eval(model, feats, idx.eos_id, idx.sep, device, batch=s["eval_batch"], index=idx, threads=n, estimates=e)
                 _save_nll(out / f"{v}-{name}-{h}.npz", r["nll"], r)
         info[v]["eval_s"] = time.time() - t
         saved.write_text(json.dumps(info, indent=1))

@@ -19,6 +19,11 @@ temperatures (multiples of the median nearest distance of a sample of validation
 nearest distance (in that scale) and (a)'s nll; `fit` picks the temperature and λ on validation,
 here, and the test halves are only reported (benchmarks/joint.py). benchmarks/gate_headroom.py
 also gives the post-hoc gate p_knn as one more estimate.
+
+`joint_estimates` makes the same kNN estimate a component of the joint gate (model/joint.py's
+dense_knn): for held-out text as above, and for every training position in exclude-doc mode
+(the keys of the position's own document, its own key among them, masked inside the search), so
+that a model trained with it sees what held-out text sees.
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ QUERY_CHUNK = 131_072  # queries searched at once (their 1024 neighbours each st
 RECALL_ROWS = 1_000  # queries whose IVF neighbours are checked against exact search
 FACTORS = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0)  # temperatures, x the median nearest distance
 SEED = 20261201
+K_JOINT = 64  # neighbours of the joint gate's kNN estimate (its p(target) against k = 1024's is measured: knn_est.json)
+TRAIN_CHUNK = 1 << 21  # training positions searched at once
+DIST_EDGES = np.geomspace(0.02, 20.0, 19)  # the nearest distance / scale: the estimate's buckets 1..20 (0: no neighbour)
 
 
 def train_windows(n: int, T: int) -> list[tuple[int, int]]:
@@ -116,10 +124,11 @@ class Datastore:
             best_i = torch.gather(torch.cat([best_i, dj + s], 1), 1, j)
         return best_d, best_i
 
-    def search(self, q, k: int, nprobe: int = NPROBE, max_elems: int = 1 << 29):
+    def search(self, q, k: int, nprobe: int = NPROBE, max_elems: int = 1 << 29, qdoc=None, kdoc=None):
         """(squared distances, ids) of the k nearest keys among the nprobe nearest lists of each
         query (ids -1 and distance inf where fewer than k keys were probed). All queries go at
-        once: one pass over the lists, each scored against the queries probing it."""
+        once: one pass over the lists, each scored against the queries probing it. With qdoc
+        (nq,) and kdoc (N,), document numbers, a query's own document's keys are left out."""
         import torch
 
         nq = len(q)
@@ -145,10 +154,12 @@ class Datastore:
             for a in range(0, len(qs_all), step):
                 qs = qs_all[a : a + step]
                 d = qn[qs][:, None] + knc[None] - 2 * q[qs] @ kc.T
+                if qdoc is not None:
+                    d.masked_fill_(qdoc[qs][:, None] == kdoc[ids][None], float("inf"))
                 kk = min(k, d.shape[1])
                 dv, dj = torch.topk(d, kk, dim=1, largest=False)
                 md, mj = torch.topk(torch.cat([best_d[qs], dv], 1), k, dim=1, largest=False)
-                best_i[qs] = torch.gather(torch.cat([best_i[qs], ids[dj]], 1), 1, mj)
+                best_i[qs] = torch.gather(torch.cat([best_i[qs], torch.where(torch.isfinite(dv), ids[dj], -1)], 1), 1, mj)
                 best_d[qs] = md
         return best_d, best_i
 
@@ -291,6 +302,178 @@ def run(
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev
     (out / "knn_gpu.json").write_text(json.dumps(info, indent=1))
+    return info
+
+
+# ---- the kNN estimate as a component of the joint gate (model/joint.py's dense_knn) ----------
+
+
+def estimate_columns(d, nb, target, temp: float, scale: float) -> dict:
+    """The kNN estimate as one joint component, numpy columns of model/joint.Est: q = p_knn(target)
+    (softmax(-d / temp) over the neighbours), rest 0 (1 without any neighbour: it defers to the
+    model), in the count's place the nearest distance's bucket (in units of `scale`; 0: none), the
+    share of the nearest neighbour's token and that token as top (-1: none)."""
+    import torch
+    from teragram.model.gate import SHARE_EDGES
+
+    has = torch.isfinite(d[:, 0])
+    w = torch.nan_to_num(torch.softmax(-d / temp, dim=1))  # no neighbour at all: 0
+    q = (w * (nb == target[:, None])).sum(1)
+    share = (w * (nb == nb[:, :1])).sum(1)
+    edges = torch.as_tensor(DIST_EDGES, dtype=d.dtype, device=d.device)
+    near = torch.where(has, torch.bucketize(torch.where(has, d[:, 0], 0) / scale, edges, right=True) + 1, 0)
+    share_b = torch.bucketize(share, torch.as_tensor(SHARE_EDGES, dtype=share.dtype, device=d.device), right=True)
+    return {
+        "q": q.cpu().numpy().astype(np.float32),
+        "rest": (~has).float().cpu().numpy(),
+        "count": near.cpu().numpy().astype(np.uint8),
+        "share": torch.where(has, share_b, 0).cpu().numpy().astype(np.uint8),
+        "top": torch.where(has, nb[:, 0], -1).cpu().numpy().astype(np.int32),
+    }
+
+
+def as_est(cols: dict):
+    """estimate_columns' arrays as a one-column model/joint.Est (the per-position fields zero:
+    with_columns keeps the index's)."""
+    from teragram.model.joint import Est
+
+    n = len(cols["q"])
+    z = np.zeros(n, np.uint8)
+    return Est(*(cols[f][:, None] for f in ("q", "rest", "count", "share", "top")), z, z, z)
+
+
+def load_est(out: Path, name: str, half: str):
+    """A held-out half's kNN estimate saved by joint_estimates, as a one-column Est."""
+    z = np.load(Path(out) / f"knnest-{name}-{half}.npz")
+    return as_est({f: z[f] for f in ("q", "rest", "count", "share", "top")})
+
+
+def key_documents(index_dir: Path, T: int) -> list[tuple[int, int, np.ndarray]]:
+    """Per shard, in build's order: (shard, first key, document number of each key). A key is a
+    position t of the stream predicting t + 1 (every t < n - 1 of a shard that holds a window);
+    its document is the target's: a separator starts the next one."""
+    from teragram.index import format as fmt
+
+    m = fmt.read_json(Path(index_dir) / "manifest.json")
+    out, n_keys, n_docs = [], 0, 0
+    for s in m["shards"]:
+        tok = np.asarray(fmt.open_array(fmt.shard_dir(Path(index_dir), s["shard"], s.get("dir")) / "tokens.bin", "tokens"))
+        doc = np.zeros(0, np.int64)
+        if len(tok) >= T + 1:  # build skips a stream shorter than one window
+            doc = n_docs + np.cumsum(tok[:-1] == m["separator"])
+            n_docs = int(doc[-1]) + 1
+        out.append((s["shard"], n_keys, doc))
+        n_keys += len(doc)
+    return out
+
+
+def joint_estimates(
+    model, index_dir: Path, held: dict, est_dir: Path, out_dir: Path, out: Path, device: str,
+    *, batch: int = 64, eval_batch: int = 16, k: int = K_JOINT, centroids: int = CENTROIDS, nprobe: int = NPROBE,
+    chunk: int = TRAIN_CHUNK,
+) -> dict:  # fmt: skip
+    """On the GPU: the kNN estimate of every held-out target (OUT/knnest-SET-HALF.npz) and of every
+    training position in exclude-doc mode, appended to the joint estimates in est_dir as the
+    component dense_knn (written to out_dir). The datastore is build's (every training position
+    under `model`); the temperature, one for all text as training needs, is fit on the
+    in-distribution validation half (fit's λ-interpolation loss, as the peer), in units of the
+    median nearest distance there."""
+    import torch
+    from teragram.index import format as fmt
+    from teragram.index.engine import Index
+    from teragram.model import joint
+    from teragram.model.evaluate import token_eval
+
+    info: dict = {"k": k, "nprobe": nprobe}
+    t = time.time()
+    keys, vals, mu = build(model, index_dir, device, batch)
+    docs = key_documents(index_dir, model.cfg.block_size)
+    kdoc = torch.from_numpy(np.concatenate([d for *_, d in docs])).to(device)
+    if len(kdoc) != len(keys):
+        raise SystemExit(f"{len(keys):,} keys, {len(kdoc):,} training positions: the datastore and the stream disagree")
+    info |= {"keys": len(keys), "keys_s": time.time() - t}
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        t = time.time()
+        ds = Datastore(keys, vals, centroids=centroids)
+        info |= {"ivf_s": time.time() - t, "centroids": len(ds.cent)}
+        idx = Index(index_dir)
+        found = {}
+        for (name, h), feats in sorted(held.items(), key=lambda kv: kv[0] != ("indist", "valid")):  # it sets the temperature
+            t = time.time()
+            r = token_eval(model, feats, idx.eos_id, idx.sep, device, batch=eval_batch, hidden=True)
+            parts = []
+            for a in range(0, len(r["target"]), QUERY_CHUNK):
+                q = torch.from_numpy(np.ascontiguousarray(r["hidden"][a : a + QUERY_CHUNK], np.float32)).to(device) - mu
+                d, i = ds.search(q, k, nprobe)
+                parts.append((d, torch.where(i >= 0, vals[i.clamp_min(0)].long(), -1)))
+            d, nb = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+            tgt = torch.from_numpy(r["target"].astype(np.int64)).to(device)
+            found[name, h] = (d, nb, tgt, r["target"].astype(np.int32))
+            info[f"heldout_{name}_{h}_s"] = time.time() - t
+            if (name, h) == ("indist", "valid"):  # the scale and temperature, here only
+                scale = float(d[:, 0].median())
+                p = knn_target_probs(d, nb, tgt, [f * scale for f in FACTORS]).cpu().numpy()
+                j, lam = fit(r["nll"].astype(np.float64), p)
+                temp = FACTORS[j] * scale
+                info |= {"temperature_scale": scale, "temperature_factor": FACTORS[j], "lambda_at_fit": lam}
+                s = slice(0, min(VALID_ROWS, len(r["target"])))  # k against the peer's 1024, on the first targets
+                q = torch.from_numpy(np.ascontiguousarray(r["hidden"][s], np.float32)).to(device) - mu
+                d2, i2 = ds.search(q, K_NEIGHBOURS, nprobe)
+                nb2 = torch.where(i2 >= 0, vals[i2.clamp_min(0)].long(), -1)
+                big = knn_target_probs(d2, nb2, tgt[s], [temp])[:, 0]
+                small = knn_target_probs(d2[:, :k], nb2[:, :k], tgt[s], [temp])[:, 0]
+                diff = (big - small).abs()
+                info |= {"k_vs_1024_max_abs": float(diff.max()), "k_vs_1024_mean_abs": float(diff.mean())}
+        for (name, h), (d, nb, tgt, target) in found.items():
+            c = estimate_columns(d, nb, tgt, temp, scale)
+            info[f"heldout_{name}_{h}_mean_q"] = float(c["q"].mean())
+            np.savez_compressed(out / f"knnest-{name}-{h}.npz", target=target, **c)
+        del found
+        t = time.time()
+        cols = {f: [] for f in ("q", "rest", "count", "share", "top")}
+        done = Path(out_dir) / "searched"  # each chunk's columns once searched: a call cut short resumes here
+        done.mkdir(parents=True, exist_ok=True)
+        for a in range(0, len(keys), chunk):
+            b = min(a + chunk, len(keys))
+            f_ = done / f"{a:012d}-{b:012d}-{temp:.6g}.npz"
+            if not f_.exists():
+                d, i = ds.search(keys[a:b].float(), k, nprobe, qdoc=kdoc[a:b], kdoc=kdoc)
+                nb = torch.where(i >= 0, vals[i.clamp_min(0)].long(), -1)
+                np.savez(done / "part.npz", **estimate_columns(d, nb, vals[a:b].long(), temp, scale))
+                (done / "part.npz").rename(f_)
+                del d, i, nb
+            z = np.load(f_)
+            for f in cols:
+                cols[f].append(z[f])
+        cols = {f: np.concatenate(v) for f, v in cols.items()}
+        info["train_search_s"] = time.time() - t
+        info["train_mean_q"] = float(cols["q"].mean())  # beside the held-out's: training sees what held-out text sees
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+    t = time.time()
+    est_dir, out_dir = Path(est_dir), Path(out_dir)
+    m = fmt.read_json(est_dir / "manifest.json")
+    if any(c in joint.DENSE for c in m["components"]):
+        raise SystemExit(f"{est_dir}: these estimates already hold {', '.join(joint.DENSE)}")
+    for shard, first, doc in docs:
+        e = joint.Est(*(np.load(est_dir / f"{shard:06d}" / f"{f}.npy") for f in joint.Est.__dataclass_fields__))
+        n = len(e)
+        if len(doc) not in (0, n - 1):
+            raise SystemExit(f"shard {shard}: {len(doc):,} keys for {n:,} positions")
+        rows = joint.empty(n, 1)  # the last position (and a shard without keys) defers to the model
+        if len(doc):
+            rows = joint.Est.combine([as_est({f: v[first : first + n - 1] for f, v in cols.items()}), joint.empty(1, 1)])
+        merged = joint.with_columns(e, rows)
+        d = out_dir / f"{shard:06d}"
+        d.mkdir(parents=True, exist_ok=True)
+        for f in joint.Est.__dataclass_fields__:
+            np.save(d / f"{f}.npy", getattr(merged, f))
+        fmt.write_json(out_dir / f"{shard:06d}.done", {"shard": shard, "positions": n})
+    info["write_s"] = time.time() - t
+    fmt.write_json(out_dir / "manifest.json", m | {"components": [*m["components"], *joint.DENSE], "dense_knn": info})
+    (out / "knn_est.json").write_text(json.dumps(info, indent=1))
     return info
 
 

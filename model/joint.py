@@ -43,6 +43,9 @@ INFGRAM_CAP = 255  # the ∞-gram's match length cap (the builder's largest --ma
 N_COUNT = 21  # floor(log2(count + 1)) buckets, the last one open
 NL, NS, NM = len(LEN_EDGES) + 1, len(SHARE_EDGES) + 1, len(MAXP_EDGES) + 1
 KIND = "joint-estimates"
+# estimates from a kNN datastore over a model's final hidden states (benchmarks/knnlm.py): given
+# in bulk, for training positions (exclude-doc) and held-out text alike; the index has no live source
+DENSE = ("dense_knn",)
 
 
 def cap(name: str) -> int:
@@ -134,11 +137,27 @@ def assemble(index: dict, cache: dict | None, target: np.ndarray, components) ->
 
 
 def check_components(components) -> tuple[str, ...]:
+    """Distinct component names; the dense ones last, after at least one of the index or cache."""
     comps = tuple(components)
-    bad = [c for c in comps if c not in COMPONENTS]
+    bad = [c for c in comps if c not in COMPONENTS + DENSE]
     if bad or not comps or len(set(comps)) != len(comps):
-        raise TeragramError(f"joint components must be distinct names of {', '.join(COMPONENTS)}; got {', '.join(comps) or 'none'}")
+        raise TeragramError(f"joint components must be distinct names of {', '.join(COMPONENTS + DENSE)}; got {', '.join(comps) or 'none'}")
+    own = [c for c in comps if c not in DENSE]
+    if not own or comps[: len(own)] != tuple(own):
+        raise TeragramError(
+            f"joint components: {', '.join(DENSE)} go last, after at least one index or cache estimate; got {', '.join(comps)}"
+        )
     return comps
+
+
+def with_columns(e: Est, more: Est) -> Est:
+    """e with more's component columns appended (its per-position fields are e's)."""
+    if len(more) != len(e):
+        raise TeragramError(f"{len(more)} rows of dense estimates given for {len(e)} targets")
+    cols = ("q", "rest", "count", "share", "top")
+    return Est(
+        *(np.concatenate([getattr(e, f.name), getattr(more, f.name)], 1) if f.name in cols else getattr(e, f.name) for f in fields(Est))
+    )
 
 
 # ---- training positions: exclude-doc features + the document cache, written once ------------
@@ -211,7 +230,9 @@ def write_train_estimates(index_dir, feature_dirs, out, top_k: int = 4, workers:
         "infgram_cap": INFGRAM_CAP,
     }
     if (out / "manifest.json").exists():
-        if {k: v for k, v in fmt.read_json(out / "manifest.json").items() if k in ident} == ident:
+        have = fmt.read_json(out / "manifest.json")
+        have["components"] = [c for c in have["components"] if c not in DENSE]  # dense columns added later (benchmarks/knnlm.py)
+        if {k: v for k, v in have.items() if k in ident} == ident:
             return out
         raise TeragramError(f"{out}: joint estimates of another index or other components; give another directory")
     sep, eos = m["separator"], m["tokenizer"]["eos_id"]
@@ -272,12 +293,18 @@ def check_index(cfg, idx) -> None:
         )
 
 
-def heldout_est(idx, docs: list[np.ndarray], components, top_k: int, threads: int = 1) -> Est:
+def heldout_est(idx, docs: list[np.ndarray], components, top_k: int, threads: int = 1, dense: Est | None = None) -> Est:
     """Est of every target of the documents, each read as EOS + ids predicting ids + EOS
-    (model.evaluate.token_eval's order), against the whole index."""
+    (model.evaluate.token_eval's order), against the whole index; the DENSE components' columns
+    are `dense`'s (a kNN datastore's, benchmarks/knnlm.py), appended."""
     from teragram.index.bulk import continuations
 
     components = check_components(components)
+    want = [c for c in components if c in DENSE]
+    if want and (dense is None or dense.q.shape[1] != len(want)):
+        raise TeragramError(f"{', '.join(want)}: a kNN datastore's estimates (benchmarks/knnlm.py), given in bulk; the index has none")
+    if want:
+        return with_columns(heldout_est(idx, docs, components[: -len(want)], top_k, threads), dense)
     lens = np.array([len(d) for d in docs], np.int64)
     starts = np.concatenate([[0], np.cumsum(lens)])
     ids = np.concatenate([np.asarray(d, np.int64) for d in docs]) if len(docs) else np.zeros(0, np.int64)
@@ -310,6 +337,11 @@ def live(idx, context, V: int, components, top_k: int) -> tuple[Est, np.ndarray]
     """For the next token after `context` (a document's ids so far): its Est row (target
     fields unused) and each component's truncated distribution (M, V) -- the mass it gives
     each token besides what it leaves to the model."""
+    if any(c in DENSE for c in components):
+        raise TeragramError(
+            f"the gate reads {', '.join(c for c in components if c in DENSE)}: a kNN datastore's estimates, made in bulk"
+            " (benchmarks/knnlm.py); generation has no live source for them"
+        )
     q = np.asarray(context, np.int64)
     dense = np.zeros((len(components), V))
     index = {}

@@ -76,10 +76,12 @@ class GateInputs:
         return [getattr(self, f.name) for f in fields(self)]
 
 
-def gate_inputs(model: GPT, heldout, index, device: str = "cpu", *, batch: int = 16, threads: int = 1) -> tuple[GateInputs, dict]:
+def gate_inputs(
+    model: GPT, heldout, index, device: str = "cpu", *, batch: int = 16, threads: int = 1, dense: joint.Est | None = None
+) -> tuple[GateInputs, dict]:
     """The gate's inputs on held-out features' text (index: an Index or its directory; the
-    estimates on `threads` threads) and token_eval's result there with the trained gate (nll,
-    nll_model, maxp, top, target, doc, pos): one pass of the model."""
+    estimates on `threads` threads, a kNN datastore's given as `dense`) and token_eval's result
+    there with the trained gate (nll, nll_model, maxp, top, target, doc, pos): one pass of the model."""
     from teragram.index.engine import Index
 
     if not model.cfg.joint:
@@ -87,7 +89,7 @@ def gate_inputs(model: GPT, heldout, index, device: str = "cpu", *, batch: int =
     idx = index if isinstance(index, Index) else Index(index)
     joint.check_index(model.cfg, idx)
     docs = heldout_docs(heldout)
-    est = joint.heldout_est(idx, docs, model.cfg.joint, model.cfg.joint_top_k, threads)
+    est = joint.heldout_est(idx, docs, model.cfg.joint, model.cfg.joint_top_k, threads, dense)
     r = token_eval(model, heldout, idx.eos_id, idx.sep, device, batch=batch, hidden=True, index=idx, estimates=est)
     row0 = np.concatenate([[0], np.cumsum([len(d) + 1 for d in docs])]).astype(np.int64)  # each document's first row in est
     order = row0[r["doc"].astype(np.int64)] + r["pos"].astype(np.int64)

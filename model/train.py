@@ -362,6 +362,11 @@ def train(cfg: TrainConfig) -> dict:
         if world > 1:
             dist.barrier()
         comps = cfg.joint_components or tuple(fmt.read_json(est_dir / "manifest.json")["components"])
+        if any(c in joint.DENSE for c in comps) and (cfg.heldout or cfg.evals):
+            raise ConfigError(
+                f"the gate reads {', '.join(c for c in comps if c in joint.DENSE)}, which evaluation during training has no"
+                " source for: leave heldout and evals unset and score with the dense estimates (benchmarks/joint.py)"
+            )
         est = joint.open_train_estimates(est_dir, cfg.index, comps, cfg.joint_top_k)
         mcfg = replace(
             mcfg,

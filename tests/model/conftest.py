@@ -13,26 +13,33 @@ CAPS = (1, 2, 4, 8, 16, joint.INFGRAM_CAP)
 TINY = dict(preset="tiny", block_size=64, batch_size=8, log_every=5, progress=False, warmup=5, lr=3e-3, min_lr=3e-4, seed=3)
 
 
-@pytest.fixture(scope="session")
-def joint_root(tmp_path_factory, tokenizer_model):
+def make_joint_root(root, tokenizer_model, n_docs: int = 30, max_chars: int = 5000, n_held: int = 6, shard_tokens: int = 40000):
     """Real text with duplicated documents in several shards, held-out near-copies (held-text/,
     their features in held/), exclude-doc features at every cap, and the joint estimates of the
-    training positions."""
+    training positions, under root."""
     from teragram.builder.build import BuildConfig, build
 
     from tests.conftest import write_dup_corpus
 
-    root = tmp_path_factory.mktemp("joint")
     tr, held = root / "train", root / "held-text"
-    write_dup_corpus(tr, held, 30, 5000, 6)
+    root.mkdir(parents=True, exist_ok=True)
+    write_dup_corpus(tr, held, n_docs, max_chars, n_held)
     build(
-        BuildConfig(inputs=(str(tr),), out=str(root / "idx"), tokenizer=str(tokenizer_model), shard_tokens=40000, workers=1, progress=False)
+        BuildConfig(
+            inputs=(str(tr),), out=str(root / "idx"), tokenizer=str(tokenizer_model), shard_tokens=shard_tokens, workers=1, progress=False
+        )
     )
     for c in CAPS:
         compute_features(root / "idx", root / f"len-{c}", FeatureConfig("exclude-doc", c, 4), progress=False)
     compute_features(root / "idx", root / "held", FeatureConfig("held-out", 64, 1), corpus=[str(held)], progress=False)
     joint.write_train_estimates(root / "idx", [root / f"len-{c}" for c in CAPS], root / "est", 4, workers=2, progress=False)
     return root
+
+
+@pytest.fixture(scope="session")
+def joint_root(tmp_path_factory, tokenizer_model):
+    """make_joint_root's, built once per session."""
+    return make_joint_root(tmp_path_factory.mktemp("joint"), tokenizer_model)
 
 
 def train_tiny(root, name, **kw) -> dict:

@@ -18,7 +18,7 @@ from teragram.model.gate import LEN_EDGES, SHARE_EDGES
 from teragram.model.sample import generate
 from teragram.model.train import TrainConfig, load_model, model_config
 
-from tests.model.conftest import TINY, joint_kw, train_tiny
+from tests.model.conftest import TINY, joint_kw, make_joint_root, train_tiny
 
 
 def _docs(idx: Index) -> list[tuple[int, int, np.ndarray]]:
@@ -214,3 +214,90 @@ def test_refusals(joint_root, tmp_path):
     compute_features(joint_root / "idx", tmp_path / "causal", FeatureConfig("causal", 4, 4), progress=False)
     with pytest.raises(TeragramError, match="exclude-doc"):
         joint.write_train_estimates(joint_root / "idx", [tmp_path / "causal"], tmp_path / "e2", 4, progress=False)
+
+
+def test_dense_knn_estimates_exclude_the_own_document(tokenizer_model, tmp_path):
+    """benchmarks/knnlm.joint_estimates (every list probed: exact): each training position's kNN
+    estimate is brute force's over every key but its own document's (its copies elsewhere are
+    found), a held-out target's over every key; a model trains with it as one more component
+    and is scored with the held-out estimates given; nothing else can supply them."""
+    from teragram.model.gpt import GPT, GPTConfig
+
+    from benchmarks import knnlm
+
+    joint_root = make_joint_root(
+        tmp_path / "small", tokenizer_model, 12, 2500, 3, shard_tokens=6000
+    )  # a smaller one: every pair is searched
+    idx = Index(joint_root / "idx")
+    assert len(idx.shards) > 1
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny", vocab_size=idx.vocab_size, block_size=64, use_index=False, mixture=False)).eval()
+    held = {("indist", h): joint_root / "held" for h in ("valid", "test")}
+    k = 8
+    est_knn = tmp_path / "est-knn"
+    args = (model, joint_root / "idx", held, joint_root / "est", est_knn, tmp_path, "cpu")
+    info = knnlm.joint_estimates(*args, batch=8, eval_batch=8, k=k, centroids=4, nprobe=4, chunk=5000)
+    temp, scale = info["temperature_factor"] * info["temperature_scale"], info["temperature_scale"]
+    keys, vals, mu = knnlm.build(model, joint_root / "idx", "cpu", batch=8)  # keys centred on mu: held-out queries too
+    K, V = keys.float().numpy().astype(np.float64), vals.numpy()
+    doc, where, off = [], [], 0  # per key: its target's document (the one whose span holds it), its shard and row
+    for s in idx.shards:
+        tok = np.asarray(s.tok)
+        ends = np.nonzero(tok == idx.sep)[0]
+        doc.append(off + np.searchsorted(ends, np.arange(1, len(tok)), side="left"))
+        where += [(s.id, r) for r in range(len(tok) - 1)]
+        off += len(ends) + 1
+    doc = np.concatenate(doc)
+    comps = (*joint.COMPONENTS, *joint.DENSE)
+    shards, cols = joint.open_train_estimates(est_knn, joint_root / "idx", comps, 4)
+    ids = [s.id for s in idx.shards]
+    base, _ = joint.open_train_estimates(joint_root / "est", joint_root / "idx", joint.COMPONENTS, 4)
+
+    def oracle(q, mask=None):
+        d = ((K - q) ** 2).sum(1)
+        if mask is not None:
+            d[mask] = np.inf
+        o = np.argsort(d, kind="stable")[: k + 1]
+        w = np.exp(-(d[o[:k]] - d[o[0]]) / temp)
+        return d[o], o, w / w.sum()
+
+    rng = np.random.default_rng(0)
+    checked = copies = 0
+    for p in rng.choice(len(K), 300, replace=False):
+        d, o, w = oracle(K[p], doc == doc[p])
+        if d[k] - d[k - 1] < 1e-3:
+            continue  # the k-th nearest tied with the next
+        sid, r = where[p]
+        row = shards[ids.index(sid)].rows(r, r + 1, cols)
+        assert row.q[0, -1] == pytest.approx((w * (V[o[:k]] == V[p])).sum(), rel=2e-3, abs=1e-5)
+        assert row.top[0, -1] in V[o[d[: k + 1] - d[0] < 1e-3]] and row.rest[0, -1] == 0  # the nearest (or one tied with it)
+        assert row.count[0, -1] == 1 + np.searchsorted(knnlm.DIST_EDGES, d[0] / scale, side="right")
+        np.testing.assert_array_equal(row.q[0, :-1], base[ids.index(sid)].q[r])  # the index's and cache's columns kept
+        checked += 1
+        copies += d[0] < 1e-2  # the same context in a copy of the document
+    assert checked > 200 and copies > 20, (checked, copies)
+    for e in shards:  # the last position of a shard predicts nothing indexed: it defers to the model
+        assert e.rest[-1, -1] == 1 and e.q[-1, -1] == 0
+    r = token_eval(model, held["indist", "test"], idx.eos_id, idx.sep, "cpu", hidden=True)
+    z = np.load(tmp_path / "knnest-indist-test.npz")
+    assert (z["target"] == r["target"]).all()
+    for j in rng.choice(len(r["target"]), 100, replace=False):
+        d, o, w = oracle(r["hidden"][j].astype(np.float64) - mu.numpy())
+        if d[k] - d[k - 1] >= 1e-3:
+            assert z["q"][j] == pytest.approx((w * (V[o[:k]] == r["target"][j])).sum(), rel=2e-3, abs=1e-5)
+    # a model trained with it; scored only with the held-out estimates given
+    train_tiny(joint_root, "dense", max_steps=6, heldout=None, **joint_kw(joint_root, joint_estimates=str(est_knn)))
+    m2, _ = load_model(joint_root / "dense")
+    assert m2.cfg.joint == comps
+    docs = heldout_docs(joint_root / "held")
+    with pytest.raises(TeragramError, match="kNN datastore"):
+        token_eval(m2, joint_root / "held", idx.eos_id, idx.sep, "cpu", index=idx)
+    e = joint.heldout_est(idx, docs, m2.cfg.joint, 4, dense=knnlm.load_est(tmp_path, "indist", "test"))
+    got = token_eval(m2, joint_root / "held", idx.eos_id, idx.sep, "cpu", index=idx, estimates=e)
+    assert np.isfinite(got["nll"]).all() and len(got["nll"]) == len(z["q"])
+    with pytest.raises(TeragramError, match="no live source"):
+        joint.live(idx, docs[0][:5], idx.vocab_size, m2.cfg.joint, 4)
+    with pytest.raises(TeragramError, match="go last"):
+        joint.check_components(("dense_knn", "index_infgram"))
+    with pytest.raises(ConfigError, match="no source"):
+        train_tiny(joint_root, "dense-bad", max_steps=1, **joint_kw(joint_root, joint_estimates=str(est_knn)))
