@@ -132,7 +132,10 @@ class Datastore:
         import torch
 
         nq = len(q)
-        probe = torch.topk(assign_scores(q, self.cent), min(nprobe, len(self.cent)), dim=1, largest=False).indices  # (nq, nprobe)
+        npr = min(nprobe, len(self.cent))
+        probe = torch.cat(  # (nq, nprobe), 2^17 queries' centroid scores at a time
+            [torch.topk(assign_scores(q[a : a + (1 << 17)], self.cent), npr, dim=1, largest=False).indices for a in range(0, nq, 1 << 17)]
+        )
         lists = probe.reshape(-1)
         order = torch.argsort(lists, stable=True)
         qof = (order // probe.shape[1]).contiguous()  # query of each (list, query) pair, grouped by list
