@@ -314,15 +314,18 @@ def stage_eval(joint_outs: list[Path], index: Path, carry: Path, posthoc: Path, 
         gpu = json.loads((d / "joint_gpu.json").read_text())
         mine = [v for v in NAMES if v not in home and (d / f"{v}-indist-test.npz").exists()]
         home |= {v: d for v in mine}
-        if "plain" in gpu:
-            plain = _rate(gpu["plain"]["log"])
-            for v in mine:
-                if "train_s" in gpu.get(v, {}):
-                    res["rates"][v] = {"tokens_per_s": _rate(gpu[v]["log"]), "vs_plain": _rate(gpu[v]["log"]) / plain, "run": str(d)}
+        plain = _rate(gpu["plain"]["log"]) if "plain" in gpu else None  # rates compared within a run only
+        for v in mine:
+            if "train_s" in gpu.get(v, {}):
+                r = _rate(gpu[v]["log"])
+                res["rates"][v] = {"tokens_per_s": r, "vs_plain": r / plain if plain else "", "run": str(d)}
     variants = [v for v in NAMES if v in home and v != "knn"]
     knn = "knn" in home
     if knn:
         res["knn"] = json.loads((home["knn"] / "knn_gpu.json").read_text())
+    dense = next((home[v] / "knn_est.json" for v in ("knnj", "knnjr") if v in home and (home[v] / "knn_est.json").exists()), None)
+    if dense is not None:
+        res["knn_est"] = json.loads(dense.read_text())
     held = heldout_features(index, work / "held", carry, workers)
     for s in SETS:
         row = {}
@@ -417,6 +420,17 @@ def report(res: dict, name: str = "joint") -> None:
             f"queries {k['recall_at_k']:.3f} (nearest neighbour the same: {k['nearest_exact_share']:.3f}); datastore "
             f"{k['keys_s']:.0f} s, search {sum(v for n, v in k.items() if 'search_' in n):.0f} s on the GPU; its temperature and λ fit on "
             f"the validation halves, its temperatures' scale the median nearest distance of {knnlm.VALID_ROWS:,} of their targets per set."
+        )
+        lines.append("")
+    if "knn_est" in res:
+        k = res["knn_est"]
+        searched = k["keys"] - k.get("unsearched", 0)
+        lines.append(
+            f"(j+lm+knn)'s dense_knn: the kNN-LM over (a), k = {k['k']} neighbours among {k['nprobe']} of {k['centroids']} lists, "
+            f"temperature {k['temperature_factor']} x the in-distribution validation's median nearest distance ({k['temperature_scale']:.4g}), "
+            f"fit there; p(target) against k = 1024's on {knnlm.VALID_ROWS:,} validation targets: mean |difference| "
+            f"{k['k_vs_1024_mean_abs']:.4f}, max {k['k_vs_1024_max_abs']:.3f}. Training positions searched (exclude-doc): "
+            f"{searched:,} of {k['keys']:,} ({100 * searched / k['keys']:.0f}%; the rest defer to the model)."
         )
         lines.append("")
     if res["rates"]:
