@@ -439,22 +439,25 @@ def joint_estimates(
         cols = {f: [] for f in ("q", "rest", "count", "share", "top")}
         done = Path(out_dir) / "searched"  # each chunk's columns once searched: a call cut short resumes here
         done.mkdir(parents=True, exist_ok=True)
-        for a in range(0, len(keys), chunk):
-            b = min(a + chunk, len(keys))
-            f_ = done / f"{a:012d}-{b:012d}-{temp:.6g}.npz"
-            if not f_.exists() and os.environ.get("TERAGRAM_KNN_PARTIAL"):  # unsearched: these positions defer to the model
-                e0 = joint.empty(b - a, 1)
-                for f in cols:
-                    cols[f].append(getattr(e0, f)[:, 0])
-                info["unsearched"] = info.get("unsearched", 0) + b - a
-                continue
-            if not f_.exists():
+        spans = [(a, min(a + chunk, len(keys))) for a in range(0, len(keys), chunk)]
+        file = {(a, b): done / f"{a:012d}-{b:012d}-{temp:.6g}.npz" for a, b in spans}
+        partial = bool(os.environ.get("TERAGRAM_KNN_PARTIAL"))  # merge what is searched; the rest defer to the model
+        for j in [] if partial else np.random.default_rng(SEED).permutation(len(spans)):  # random order: a cut is a sample
+            a, b = spans[j]
+            if not file[a, b].exists():
                 d, i = ds.search(keys[a:b].float(), k, nprobe, qdoc=kdoc[a:b], kdoc=kdoc)
                 nb = torch.where(i >= 0, vals[i.clamp_min(0)].long(), -1)
                 np.savez(done / "part.npz", **estimate_columns(d, nb, vals[a:b].long(), temp, scale))
-                (done / "part.npz").rename(f_)
+                (done / "part.npz").rename(file[a, b])
                 del d, i, nb
-            z = np.load(f_)
+        for a, b in spans:
+            if file[a, b].exists():
+                z = np.load(file[a, b])
+                z = {f: z[f] for f in cols}
+            else:
+                e0 = joint.empty(b - a, 1)
+                z = {f: getattr(e0, f)[:, 0] for f in cols}
+                info["unsearched"] = info.get("unsearched", 0) + b - a
             for f in cols:
                 cols[f].append(z[f])
         cols = {f: np.concatenate(v) for f, v in cols.items()}

@@ -285,6 +285,23 @@ def test_dense_knn_estimates_exclude_the_own_document(tokenizer_model, tmp_path)
         d, o, w = oracle(r["hidden"][j].astype(np.float64) - mu.numpy())
         if d[k] - d[k - 1] >= 1e-3:
             assert z["q"][j] == pytest.approx((w * (V[o[:k]] == r["target"][j])).sum(), rel=2e-3, abs=1e-5)
+    # a run cut short (TERAGRAM_KNN_PARTIAL): the chunks searched are merged, the rest defer to the model
+    q_all = np.concatenate([e.q[:-1, -1] for e in shards])  # in memory: the files are rewritten; keys: positions but a shard's last
+    gone = sorted((est_knn / "searched").glob("*.npz"))[0]
+    a, b = (int(x) for x in gone.name.split("-")[:2])
+    gone.unlink()
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TERAGRAM_KNN_PARTIAL", "1")
+    part = knnlm.joint_estimates(*args, batch=8, eval_batch=8, k=k, centroids=4, nprobe=4, chunk=5000)
+    mp.undo()
+    assert part["unsearched"] == b - a
+    cut, _ = joint.open_train_estimates(est_knn, joint_root / "idx", comps, 4)
+    q_cut = np.concatenate([e.q[:-1, -1] for e in cut])
+    rest_cut = np.concatenate([e.rest[:-1, -1] for e in cut])
+    assert q_all[a:b].max() > 0 and (q_cut[a:b] == 0).all() and (rest_cut[a:b] == 1).all()
+    keep = np.ones(len(q_all), bool)
+    keep[a:b] = False
+    np.testing.assert_array_equal(q_cut[keep], q_all[keep])
     # a model trained with it; scored only with the held-out estimates given
     train_tiny(joint_root, "dense", max_steps=6, heldout=None, **joint_kw(joint_root, joint_estimates=str(est_knn)))
     m2, _ = load_model(joint_root / "dense")
