@@ -388,6 +388,8 @@ def joint_estimates(
     from teragram.model import joint
     from teragram.model.evaluate import token_eval
 
+    if ("indist", "valid") not in held:
+        raise SystemExit("joint_estimates fits the temperature on the in-distribution validation half: give it (held['indist', 'valid'])")
     info: dict = {"k": k, "nprobe": nprobe}
     t = time.time()
     keys, vals, mu = build(model, index_dir, device, batch)
@@ -462,7 +464,7 @@ def joint_estimates(
                 cols[f].append(z[f])
         cols = {f: np.concatenate(v) for f, v in cols.items()}
         info["train_search_s"] = time.time() - t
-        info["train_mean_q"] = float(cols["q"].mean())  # beside the held-out's: training sees what held-out text sees
+        info["train_mean_q"] = float(cols["q"].mean())  # beside the held-out's (unsearched positions count 0)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev
     t = time.time()
