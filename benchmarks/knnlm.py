@@ -152,16 +152,18 @@ class Datastore:
                 continue
             ids = self.ids[off[c] : off[c + 1]]
             kc = self.keys[ids].float()
-            knc = self.kn[ids]
+            knc = self.kn[ids][None]
+            kdc = kdoc[ids][None] if qdoc is not None else None
             qs_all = qof[bounds[c] : bounds[c + 1]]
             step = max(1, max_elems // len(ids))
             for a in range(0, len(qs_all), step):
                 qs = qs_all[a : a + step]
-                d = qn[qs][:, None] + knc[None] - 2 * q[qs] @ kc.T
-                if qdoc is not None:
-                    d.masked_fill_(qdoc[qs][:, None] == kdoc[ids][None], float("inf"))
+                d = torch.addmm(knc, q[qs], kc.T, alpha=-2)  # |k|^2 - 2 q.k: the ranking; |q|^2 added to the k kept
+                if kdc is not None:
+                    d.masked_fill_(qdoc[qs][:, None] == kdc, float("inf"))
                 kk = min(k, d.shape[1])
                 dv, dj = torch.topk(d, kk, dim=1, largest=False)
+                dv = dv + qn[qs][:, None]
                 md, mj = torch.topk(torch.cat([best_d[qs], dv], 1), k, dim=1, largest=False)
                 best_i[qs] = torch.gather(torch.cat([best_i[qs], torch.where(torch.isfinite(dv), ids[dj], -1)], 1), 1, mj)
                 best_d[qs] = md
