@@ -169,6 +169,20 @@ class Datastore:
                 best_d[qs] = md
         return best_d, best_i
 
+    def neighbours(self, q, k: int, nprobe: int = NPROBE, **kw):
+        """search's squared distances and the neighbours' values (-1 where there is none)."""
+        import torch
+
+        d, i = self.search(q, k, nprobe, **kw)
+        return d, torch.where(i >= 0, self.vals[i.clamp_min(0)].long(), -1)
+
+
+def _queries(hidden: np.ndarray, rows, mu, device: str):
+    """Held-out hidden states (rows of them) as queries: float32 on device, centred as the keys are."""
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(hidden[rows], np.float32)).to(device) - mu
+
 
 def assign_scores(q, c):
     """Squared distances (up to a per-query constant) of queries to centroids."""
@@ -275,7 +289,7 @@ def run(
                 continue
             t = time.time()
             rows = np.sort(rng.choice(len(r["target"]), min(VALID_ROWS, len(r["target"])), replace=False))
-            q = torch.from_numpy(np.ascontiguousarray(r["hidden"][rows], np.float32)).to(device) - mu
+            q = _queries(r["hidden"], rows, mu, device)
             d, i = ds.search(q, k, nprobe)
             nearest.append(d[:, 0])
             info[f"scale_search_{name}_s"] = time.time() - t
@@ -291,10 +305,8 @@ def run(
             t = time.time()
             ps, near = [], []
             for a in range(0, len(r["target"]), QUERY_CHUNK):
-                q = torch.from_numpy(np.ascontiguousarray(r["hidden"][a : a + QUERY_CHUNK], np.float32)).to(device) - mu
-                d, i = ds.search(q, k, nprobe)
+                d, nb = ds.neighbours(_queries(r["hidden"], slice(a, a + QUERY_CHUNK), mu, device), k, nprobe)
                 tgt = torch.from_numpy(r["target"][a : a + QUERY_CHUNK].astype(np.int64)).to(device)
-                nb = torch.where(i >= 0, vals[i.clamp_min(0)].long(), -1)
                 ps.append(knn_target_probs(d, nb, tgt, [f * scale for f in FACTORS]).cpu().numpy())
                 near.append((d[:, 0] / scale).cpu().numpy())
             info[f"search_{name}_{h}_s"] = time.time() - t
@@ -413,9 +425,7 @@ def joint_estimates(
             r = token_eval(model, feats, idx.eos_id, idx.sep, device, batch=eval_batch, hidden=True)
             parts = []
             for a in range(0, len(r["target"]), QUERY_CHUNK):
-                q = torch.from_numpy(np.ascontiguousarray(r["hidden"][a : a + QUERY_CHUNK], np.float32)).to(device) - mu
-                d, i = ds.search(q, k, nprobe)
-                parts.append((d, torch.where(i >= 0, vals[i.clamp_min(0)].long(), -1)))
+                parts.append(ds.neighbours(_queries(r["hidden"], slice(a, a + QUERY_CHUNK), mu, device), k, nprobe))
             d, nb = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
             tgt = torch.from_numpy(r["target"].astype(np.int64)).to(device)
             found[name, h] = (d, nb, tgt, r["target"].astype(np.int32))
@@ -427,9 +437,7 @@ def joint_estimates(
                 temp = FACTORS[j] * scale
                 info |= {"temperature_scale": scale, "temperature_factor": FACTORS[j], "lambda_at_fit": lam}
                 s = slice(0, min(VALID_ROWS, len(r["target"])))  # k against the peer's 1024, on the first targets
-                q = torch.from_numpy(np.ascontiguousarray(r["hidden"][s], np.float32)).to(device) - mu
-                d2, i2 = ds.search(q, K_NEIGHBOURS, nprobe)
-                nb2 = torch.where(i2 >= 0, vals[i2.clamp_min(0)].long(), -1)
+                d2, nb2 = ds.neighbours(_queries(r["hidden"], s, mu, device), K_NEIGHBOURS, nprobe)
                 big = knn_target_probs(d2, nb2, tgt[s], [temp])[:, 0]
                 small = knn_target_probs(d2[:, :k], nb2[:, :k], tgt[s], [temp])[:, 0]
                 diff = (big - small).abs()
@@ -449,11 +457,10 @@ def joint_estimates(
         for j in [] if partial else np.random.default_rng(SEED).permutation(len(spans)):  # random order: a cut is a sample
             a, b = spans[j]
             if not file[a, b].exists():
-                d, i = ds.search(keys[a:b].float(), k, nprobe, qdoc=kdoc[a:b], kdoc=kdoc)
-                nb = torch.where(i >= 0, vals[i.clamp_min(0)].long(), -1)
+                d, nb = ds.neighbours(keys[a:b].float(), k, nprobe, qdoc=kdoc[a:b], kdoc=kdoc)
                 np.savez(done / "part.npz", **estimate_columns(d, nb, vals[a:b].long(), temp, scale))
                 (done / "part.npz").rename(file[a, b])
-                del d, i, nb
+                del d, nb
         for a, b in spans:
             if file[a, b].exists():
                 z = np.load(file[a, b])
