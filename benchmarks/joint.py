@@ -2,7 +2,7 @@
 peers, on the index-size benchmark's data: the same 125M, steps and text as its model (a).
 
     python -m benchmarks.index_size prepare --data DATA --carry .carry15       # here: text + held-out halves
-    python -m benchmarks.joint gpu --carry .carry15 --work W --out OUT --stage prep   # on the GPU machine
+    python -m benchmarks.joint gpu --carry .carry15 --work W --out OUT --stage prep [--then knnest]  # on the GPU machine
     python -m benchmarks.joint gpu --carry .carry15 --work W --out OUT --stage train [--refit]  # at once: W is lost when idle
     python -m benchmarks.index_size eval --outputs OUT --index DATA/idx-050m --name joint_posthoc   # here
     python -m benchmarks.joint eval --joint OUT [OUT2 ...] --index DATA/idx-050m --carry .carry15 \
@@ -41,6 +41,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -59,6 +60,7 @@ VARIANTS = {
     "lm1h": ["--joint_lm_weight=1.0", "--joint_hidden=false"],
     "knnj": ["--joint_lm_weight=1.0", "--joint_components={all},dense_knn"],  # {all}: model/estimates.COMPONENTS
 }
+THEN_OK = {"knn", "knnest"}  # variants that need only (a) and the index: prep can start them once (a) is trained
 DENSE_ESTIMATES = "est-knn"  # W/est with dense_knn appended (variant knnest), the estimates of the variants reading it
 TRAINED = {
     "joint": "(j) joint: LM + gate over index and cache, trained together",
@@ -96,11 +98,17 @@ def _run(work: Path, v: str, seed: int) -> Path:
     return work / ("runs" if seed == 7 else f"runs-seed{seed}") / v
 
 
-def stage_prep(carry: Path, work: Path, scale: str = "gpu", steps: int | None = None, seed: int = 7, joint_inputs: bool = True) -> dict:
+def stage_prep(
+    carry: Path, work: Path, scale: str = "gpu", steps: int | None = None, seed: int = 7, joint_inputs: bool = True,
+    then: tuple[str, ...] = (), out: Path | None = None,
+) -> tuple[dict, list]:  # fmt: skip
     """Index, exclude-doc features per context length, the training positions' estimates; the
     plain model (a) trains meanwhile on the idle GPU (its step rate is measured again, alone, by
     the variant plain: this run shares the CPUs). joint_inputs False (no joint variant to train,
-    e.g. --variants a,knn): the index and (a) only."""
+    e.g. --variants a,knn): the index and (a) only. `then`: variants over (a) (THEN_OK) started
+    on the GPU as soon as (a) is trained, beside the estimates, writing to `out` (knnest's search
+    only: its merge needs the estimates, so a later train stage finishes it); returned with the
+    phases' times, still running."""
     from teragram.model import joint
 
     from benchmarks.perplexity import SCALES, train_cmd
@@ -115,6 +123,20 @@ def stage_prep(carry: Path, work: Path, scale: str = "gpu", steps: int | None = 
     a = subprocess.Popen(
         train_cmd("a", work, s, out=_run(work, "a", seed)), stdout=open(work / "train-a.log", "w"), stderr=subprocess.STDOUT
     )
+    follow: list = []
+
+    def start_then():  # (a)'s followers, once it is trained
+        if a.wait() == 0:
+            cmd = [py, "-m", "benchmarks.joint", "gpu", "--carry", str(carry), "--work", str(work), "--out", str(out)]
+            cmd += ["--stage", "train", "--variants", ",".join(then), "--seed", str(seed), "--scale", scale] + (
+                ["--steps", str(steps)] if steps else []
+            )
+            log = open(work / "train-then.log", "w")
+            follow.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"TERAGRAM_KNN_SEARCH_ONLY": "1"}))
+
+    waiter = threading.Thread(target=start_then, daemon=True)
+    if then:
+        waiter.start()
     procs = [  # one process per context length: each is one pass over the (single) shard
         subprocess.Popen(
             [py, "-m", "teragram.serve.cli", "features", str(work / "idx"), "--out", str(work / f"len-{c}"), "--mode", "exclude-doc"]
@@ -132,8 +154,10 @@ def stage_prep(carry: Path, work: Path, scale: str = "gpu", steps: int | None = 
     if a.wait():
         raise SystemExit(f"training (a) failed: see {work / 'train-a.log'}")
     ph["a_done_s"] = time.time() - t
+    if then:
+        waiter.join()
     print(json.dumps(ph))
-    return ph
+    return ph, follow
 
 
 def _save_nll(path: Path, nll: np.ndarray, r: dict | None) -> None:
@@ -451,6 +475,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stage", dest="gpu_stage", choices=["prep", "train", "all"], default="all")
     ap.add_argument("--variants", default="a,plain,joint")
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument(
+        "--then",
+        default="",
+        help="prep: variants over (a) to start on the GPU once (a) is trained, beside the estimates (knnest: the search only)",
+    )
     ap.add_argument("--seed", type=int, default=7, help="the training runs' seed (7: every published run's; others for replicates)")
     ap.add_argument(
         "--refit",
@@ -469,7 +498,13 @@ def main(argv: list[str] | None = None) -> int:
         variants = a.variants.split(",")
         if a.gpu_stage in ("prep", "all"):
             joint_inputs = bool(set(variants) & set(VARIANTS) - {"plain"})  # a joint variant will train: its estimates
-            (a.out / "prep.json").write_text(json.dumps(stage_prep(a.carry, a.work, a.scale, a.steps, a.seed, joint_inputs)))
+            then = tuple(a.then.split(",")) if a.then else ()
+            if set(then) - THEN_OK:
+                raise SystemExit(f"--then {a.then}: only {', '.join(sorted(THEN_OK))} (over (a), GPU only) can run beside prep")
+            ph, follow = stage_prep(a.carry, a.work, a.scale, a.steps, a.seed, joint_inputs, then, a.out)
+            (a.out / "prep.json").write_text(json.dumps(ph))
+            if any([p.wait() for p in follow]):
+                raise SystemExit(f"--then {a.then} failed: see {a.work / 'train-then.log'}")
         if a.gpu_stage in ("train", "all"):
             stage_train(a.carry, a.work, a.out, variants, a.steps, a.scale, a.refit, a.seed)
     else:

@@ -385,6 +385,43 @@ def key_documents(index_dir: Path, T: int) -> list[tuple[int, int, np.ndarray]]:
     return out
 
 
+def _heldout(model, ds, mu, held: dict, idx, out: Path, device: str, eval_batch: int, k: int, nprobe: int, info: dict):
+    """joint_estimates' held-out part: every held-out target's kNN estimate (OUT/knnest-SET-HALF.npz),
+    the temperature fit on the in-distribution validation half first. Returns (temperature, scale)."""
+    import torch
+    from teragram.model.evaluate import token_eval
+
+    found = {}
+    for (name, h), feats in sorted(held.items(), key=lambda kv: kv[0] != ("indist", "valid")):  # it sets the temperature
+        t = time.time()
+        r = token_eval(model, feats, idx.eos_id, idx.sep, device, batch=eval_batch, hidden=True)
+        parts = []
+        for a in range(0, len(r["target"]), QUERY_CHUNK):
+            parts.append(ds.neighbours(_queries(r["hidden"], slice(a, a + QUERY_CHUNK), mu, device), k, nprobe))
+        d, nb = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        tgt = torch.from_numpy(r["target"].astype(np.int64)).to(device)
+        found[name, h] = (d, nb, tgt, r["target"].astype(np.int32))
+        info[f"heldout_{name}_{h}_s"] = time.time() - t
+        if (name, h) == ("indist", "valid"):  # the scale and temperature, here only
+            scale = float(d[:, 0].median())
+            p = knn_target_probs(d, nb, tgt, [f * scale for f in FACTORS]).cpu().numpy()
+            j, lam = fit(r["nll"].astype(np.float64), p)
+            temp = FACTORS[j] * scale
+            info |= {"temperature_scale": scale, "temperature_factor": FACTORS[j], "lambda_at_fit": lam}
+            s = slice(0, min(VALID_ROWS, len(r["target"])))  # k against the peer's 1024, on the first targets
+            d2, nb2 = ds.neighbours(_queries(r["hidden"], s, mu, device), K_NEIGHBOURS, nprobe)
+            big = knn_target_probs(d2, nb2, tgt[s], [temp])[:, 0]
+            small = knn_target_probs(d2[:, :k], nb2[:, :k], tgt[s], [temp])[:, 0]
+            diff = (big - small).abs()
+            info |= {"k_vs_1024_max_abs": float(diff.max()), "k_vs_1024_mean_abs": float(diff.mean())}
+    for (name, h), (d, nb, tgt, target) in found.items():
+        c = estimate_columns(d, nb, tgt, temp, scale)
+        info[f"heldout_{name}_{h}_mean_q"] = float(c["q"].mean())
+        np.savez_compressed(out / f"knnest-{name}-{h}.npz", target=target, **c)
+    del found
+    return temp, scale
+
+
 def joint_estimates(
     model, index_dir: Path, held: dict, est_dir: Path, out_dir: Path, out: Path, device: str,
     *, batch: int = 64, eval_batch: int = 16, k: int = K_JOINT, centroids: int = CENTROIDS, nprobe: int = NPROBE,
@@ -395,12 +432,14 @@ def joint_estimates(
     component dense_knn (written to out_dir). The datastore is build's (every training position
     under `model`); the temperature, one for all text as training needs, is fit on the
     in-distribution validation half (fit's λ-interpolation loss, as the peer), in units of the
-    median nearest distance there."""
+    median nearest distance there. A call cut short resumes: its chunks are kept in out_dir/searched
+    and the held-out part in OUT (knnest-heldout.json). With TERAGRAM_KNN_SEARCH_ONLY set it returns
+    once the training positions are searched, writing nothing to out_dir but those chunks; with
+    TERAGRAM_KNN_PARTIAL it searches nothing more and merges what is searched."""
     import torch
     from teragram.index import format as fmt
     from teragram.index.engine import Index
     from teragram.model import joint
-    from teragram.model.evaluate import token_eval
 
     if ("indist", "valid") not in held:
         raise SystemExit("joint_estimates fits the temperature on the in-distribution validation half: give it (held['indist', 'valid'])")
@@ -418,35 +457,22 @@ def joint_estimates(
         t = time.time()
         ds = Datastore(keys, vals, centroids=centroids)
         info |= {"ivf_s": time.time() - t, "centroids": len(ds.cent)}
-        idx = Index(index_dir)
-        found = {}
-        for (name, h), feats in sorted(held.items(), key=lambda kv: kv[0] != ("indist", "valid")):  # it sets the temperature
-            t = time.time()
-            r = token_eval(model, feats, idx.eos_id, idx.sep, device, batch=eval_batch, hidden=True)
-            parts = []
-            for a in range(0, len(r["target"]), QUERY_CHUNK):
-                parts.append(ds.neighbours(_queries(r["hidden"], slice(a, a + QUERY_CHUNK), mu, device), k, nprobe))
-            d, nb = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-            tgt = torch.from_numpy(r["target"].astype(np.int64)).to(device)
-            found[name, h] = (d, nb, tgt, r["target"].astype(np.int32))
-            info[f"heldout_{name}_{h}_s"] = time.time() - t
-            if (name, h) == ("indist", "valid"):  # the scale and temperature, here only
-                scale = float(d[:, 0].median())
-                p = knn_target_probs(d, nb, tgt, [f * scale for f in FACTORS]).cpu().numpy()
-                j, lam = fit(r["nll"].astype(np.float64), p)
-                temp = FACTORS[j] * scale
-                info |= {"temperature_scale": scale, "temperature_factor": FACTORS[j], "lambda_at_fit": lam}
-                s = slice(0, min(VALID_ROWS, len(r["target"])))  # k against the peer's 1024, on the first targets
-                d2, nb2 = ds.neighbours(_queries(r["hidden"], s, mu, device), K_NEIGHBOURS, nprobe)
-                big = knn_target_probs(d2, nb2, tgt[s], [temp])[:, 0]
-                small = knn_target_probs(d2[:, :k], nb2[:, :k], tgt[s], [temp])[:, 0]
-                diff = (big - small).abs()
-                info |= {"k_vs_1024_max_abs": float(diff.max()), "k_vs_1024_mean_abs": float(diff.mean())}
-        for (name, h), (d, nb, tgt, target) in found.items():
-            c = estimate_columns(d, nb, tgt, temp, scale)
-            info[f"heldout_{name}_{h}_mean_q"] = float(c["q"].mean())
-            np.savez_compressed(out / f"knnest-{name}-{h}.npz", target=target, **c)
-        del found
+        cache = out / "knnest-heldout.json"  # a later call (the search resumed) reuses the held-out part
+        sig = {"k": k, "nprobe": nprobe, "centroids": len(ds.cent), "keys": len(keys), "mu_abs_sum": float(mu.double().abs().sum())}
+        prior = json.loads(cache.read_text()) if cache.exists() else None
+        if prior and all((out / f"knnest-{n}-{h}.npz").exists() for n, h in held):
+            same = all(prior["sig"][f] == v for f, v in sig.items() if f != "mu_abs_sum")
+            if not same or abs(prior["sig"]["mu_abs_sum"] - sig["mu_abs_sum"]) > 1e-4 * sig["mu_abs_sum"]:
+                raise SystemExit(
+                    f"{cache}: the held-out kNN estimates there are another datastore's ({prior['sig']} vs {sig}): remove them"
+                )
+            temp, scale = prior["temperature"], prior["info"]["temperature_scale"]
+            info |= prior["info"] | {"heldout_cached": True}
+        else:
+            temp, scale = _heldout(model, ds, mu, held, Index(index_dir), out, device, eval_batch, k, nprobe, info)
+            cache.write_text(
+                json.dumps({"sig": sig, "temperature": temp, "info": {f: v for f, v in info.items() if f not in ("keys_s", "ivf_s")}})
+            )
         t = time.time()
         cols = {f: [] for f in ("q", "rest", "count", "share", "top")}
         done = Path(out_dir) / "searched"  # each chunk's columns once searched: a call cut short resumes here
@@ -461,6 +487,9 @@ def joint_estimates(
                 np.savez(done / "part.npz", **estimate_columns(d, nb, vals[a:b].long(), temp, scale))
                 (done / "part.npz").rename(file[a, b])
                 del d, nb
+                info["chunks_searched_now"] = info.get("chunks_searched_now", 0) + 1
+        if os.environ.get("TERAGRAM_KNN_SEARCH_ONLY"):  # e.g. beside benchmarks/joint.py's prep, before est_dir is written
+            return info | {"search_only": True, "search_s": time.time() - t}
         for a, b in spans:
             if file[a, b].exists():
                 z = np.load(file[a, b])

@@ -287,14 +287,19 @@ def test_dense_knn_estimates_exclude_the_own_document(tokenizer_model, tmp_path)
             assert z["q"][j] == pytest.approx((w * (V[o[:k]] == r["target"][j])).sum(), rel=2e-3, abs=1e-5)
     # a run cut short (TERAGRAM_KNN_PARTIAL): the chunks searched are merged, the rest defer to the model
     q_all = np.concatenate([e.q[:-1, -1] for e in shards])  # in memory: the files are rewritten; keys: positions but a shard's last
+    top_all = np.concatenate([e.top[:-1, -1] for e in shards])
     gone = sorted((est_knn / "searched").glob("*.npz"))[0]
     a, b = (int(x) for x in gone.name.split("-")[:2])
     gone.unlink()
     mp = pytest.MonkeyPatch()
     mp.setenv("TERAGRAM_KNN_PARTIAL", "1")
+    held_z = {f: np.load(f) for f in sorted(tmp_path.glob("knnest-*.npz"))}
     part = knnlm.joint_estimates(*args, batch=8, eval_batch=8, k=k, centroids=4, nprobe=4, chunk=5000)
     mp.undo()
-    assert part["unsearched"] == b - a
+    assert part["unsearched"] == b - a and part["heldout_cached"] and "heldout_cached" not in info
+    assert part["temperature_scale"] == scale and len(held_z) == 2
+    for f, z0 in held_z.items():  # the held-out part reused, untouched
+        assert all((np.load(f)[c] == z0[c]).all() for c in z0.files)
     cut, _ = joint.open_train_estimates(est_knn, joint_root / "idx", comps, 4)
     q_cut = np.concatenate([e.q[:-1, -1] for e in cut])
     rest_cut = np.concatenate([e.rest[:-1, -1] for e in cut])
@@ -302,6 +307,29 @@ def test_dense_knn_estimates_exclude_the_own_document(tokenizer_model, tmp_path)
     keep = np.ones(len(q_all), bool)
     keep[a:b] = False
     np.testing.assert_array_equal(q_cut[keep], q_all[keep])
+    # search only (benchmarks/joint.py's prep, before the estimates exist): the missing chunk searched
+    # again, as it was, and nothing written but it
+    mp.setenv("TERAGRAM_KNN_SEARCH_ONLY", "1")
+    only = knnlm.joint_estimates(
+        model,
+        joint_root / "idx",
+        held,
+        tmp_path / "none",
+        tmp_path / "only",
+        tmp_path,
+        "cpu",
+        batch=8,
+        eval_batch=8,
+        k=k,
+        centroids=4,
+        nprobe=4,
+        chunk=5000,
+    )
+    mp.undo()
+    assert only["search_only"] and only["chunks_searched_now"] == len(list((est_knn / "searched").glob("*.npz"))) + 1
+    assert [x.name for x in (tmp_path / "only").iterdir()] == ["searched"] and not (tmp_path / "none").exists()
+    again = np.load(tmp_path / "only" / "searched" / gone.name)
+    assert np.abs(again["q"] - q_all[a:b]).max() < 1e-5 and (again["top"] == top_all[a:b]).all()
     # a model trained with it; scored only with the held-out estimates given
     train_tiny(joint_root, "dense", max_steps=6, heldout=None, **joint_kw(joint_root, joint_estimates=str(est_knn)))
     m2, _ = load_model(joint_root / "dense")
