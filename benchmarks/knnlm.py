@@ -8,8 +8,9 @@ neighbours' distribution, softmax(-squared distance / temperature), with the mod
 
 Here the model is the joint benchmark's plain 125M (a) and the datastore holds all ~47M
 training positions (non-overlapping windows of the block size, the way held-out text is read,
-so every target appears once). The keys, fp16, live in GPU memory (~72 GB on the H200). The
-search is the paper's: an inverted file (k-means centroids, each query probing the nearest
+so every target appears once). The keys, fp16, live in GPU memory (~72 GB on the H200); the
+store and its search are model/knn.py's (the library's: a joint model that reads the estimate is
+served with it). The search is the paper's: an inverted file (k-means centroids, each query probing the nearest
 few lists, as FAISS's IVF), with exact float32 distances to the probed keys (the paper recomputed
 full-precision distances; no product quantisation here), k = 1024 neighbours. Its recall against
 exact brute-force search is measured on a sample of queries and reported.
@@ -34,159 +35,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+from teragram.model.knn import CENTROIDS, K_JOINT, NPROBE, QUERY_CHUNK, SEED, Datastore, as_est, build, estimate_columns, queries
 
 K_NEIGHBOURS = 1024  # the paper's k
-CENTROIDS = 4096  # the paper's inverted lists
-NPROBE = 32  # lists probed per query (the paper's 32)
-KMEANS_SAMPLE = 1_000_000  # keys the centroids are fit on
-KMEANS_ITERS = 20
 VALID_ROWS = 20_000  # validation queries per set that set the temperature scale (a fixed random sample)
-QUERY_CHUNK = 131_072  # queries searched at once (their 1024 neighbours each stay in GPU memory)
 RECALL_ROWS = 1_000  # queries whose IVF neighbours are checked against exact search
 FACTORS = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0)  # temperatures, x the median nearest distance
-SEED = 20261201
-K_JOINT = 64  # neighbours of the joint gate's kNN estimate (its p(target) against k = 1024's is measured: knn_est.json)
 TRAIN_CHUNK = 1 << 21  # training positions searched at once
-DIST_EDGES = np.geomspace(0.02, 20.0, 19)  # the nearest distance / scale: the estimate's buckets 1..20 (0: no neighbour)
-
-
-def train_windows(n: int, T: int) -> list[tuple[int, int]]:
-    """(start, first kept target) of windows of T + 1 tokens over a stream of n tokens, so that
-    every target position 1..n-1 is predicted exactly once: consecutive windows, the last one
-    moved back to end at the stream's end and keeping only targets not seen before."""
-    if n < 2:
-        return []
-    if n <= T + 1:
-        return [(0, 0)]
-    out = [(a, 0) for a in range(0, n - T - 1, T)]
-    last = n - T - 1
-    done = out[-1][0] + T  # targets 1..done are covered
-    if done < n - 1:
-        out.append((last, done - last))  # window row j predicts position last + 1 + j
-    return out
-
-
-def _windows_of(tokens: np.ndarray, T: int, sep: int, eos: int):
-    for a, keep in train_windows(len(tokens), T):
-        w = np.asarray(tokens[a : a + T + 1]).astype(np.int64)
-        w[w == sep] = eos
-        yield w[:-1], w[1:], keep
-
-
-def kmeans(x, k: int, iters: int, seed: int):
-    """Lloyd's k-means (float32) from k distinct random points; an empty cluster keeps its centroid."""
-    import torch
-
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    c = x[torch.randperm(len(x), generator=g)[:k].to(x.device)].clone()
-    for _ in range(iters):
-        a = assign(x, c)
-        s = torch.zeros_like(c).index_add_(0, a, x)
-        n = torch.bincount(a, minlength=len(c)).to(x.dtype)
-        c = torch.where(n[:, None] > 0, s / n.clamp_min(1)[:, None], c)
-    return c
-
-
-def assign(x, c, chunk: int = 65536):
-    """The nearest centroid of each row of x."""
-    import torch
-
-    cn = (c * c).sum(1)
-    return torch.cat([(cn[None] - 2 * x[a : a + chunk] @ c.T).argmin(1) for a in range(0, len(x), chunk)])
-
-
-class Datastore:
-    """Keys (N, C) float16, centred on mu, their values (N,) int32, and an inverted file: the
-    keys' ids grouped by nearest centroid (ids[off[c]:off[c+1]] are list c)."""
-
-    def __init__(self, keys, vals, *, centroids: int = CENTROIDS, sample: int = KMEANS_SAMPLE, iters: int = KMEANS_ITERS, seed: int = SEED):
-        import torch
-
-        self.keys, self.vals = keys, vals
-        g = torch.Generator(device="cpu").manual_seed(seed)
-        rows = torch.randperm(len(keys), generator=g)[: min(sample, len(keys))].to(keys.device)
-        self.cent = kmeans(keys[rows].float(), min(centroids, len(rows)), iters, seed)
-        a = torch.cat([assign(keys[s : s + (1 << 20)].float(), self.cent) for s in range(0, len(keys), 1 << 20)])
-        self.ids = torch.argsort(a, stable=True)
-        self.off = torch.cat([torch.zeros(1, dtype=torch.long, device=a.device), torch.bincount(a, minlength=len(self.cent)).cumsum(0)])
-        self.kn = torch.cat([(keys[s : s + (1 << 22)].float() ** 2).sum(1) for s in range(0, len(keys), 1 << 22)])
-
-    def exact(self, q, k: int, chunk: int = 1 << 20):
-        """(squared distances, ids) of the k nearest keys by brute force (float32)."""
-        import torch
-
-        qn = (q * q).sum(1, keepdim=True)
-        best_d = torch.full((len(q), 0), float("inf"), device=q.device)
-        best_i = torch.zeros((len(q), 0), dtype=torch.long, device=q.device)
-        for s in range(0, len(self.keys), chunk):
-            d = qn + self.kn[s : s + chunk][None] - 2 * q @ self.keys[s : s + chunk].float().T
-            dv, dj = torch.topk(d, min(k, d.shape[1]), dim=1, largest=False)
-            best_d, j = torch.topk(torch.cat([best_d, dv], 1), min(k, best_d.shape[1] + dv.shape[1]), dim=1, largest=False)
-            best_i = torch.gather(torch.cat([best_i, dj + s], 1), 1, j)
-        return best_d, best_i
-
-    def search(self, q, k: int, nprobe: int = NPROBE, max_elems: int = 1 << 29, qdoc=None, kdoc=None):
-        """(squared distances, ids) of the k nearest keys among the nprobe nearest lists of each
-        query (ids -1 and distance inf where fewer than k keys were probed). All queries go at
-        once: one pass over the lists, each scored against the queries probing it. With qdoc
-        (nq,) and kdoc (N,), document numbers, a query's own document's keys are left out."""
-        import torch
-
-        nq = len(q)
-        npr = min(nprobe, len(self.cent))
-        probe = torch.cat(  # (nq, nprobe), 2^17 queries' centroid scores at a time
-            [torch.topk(assign_scores(q[a : a + (1 << 17)], self.cent), npr, dim=1, largest=False).indices for a in range(0, nq, 1 << 17)]
-        )
-        lists = probe.reshape(-1)
-        order = torch.argsort(lists, stable=True)
-        qof = (order // probe.shape[1]).contiguous()  # query of each (list, query) pair, grouped by list
-        bounds = torch.cat(
-            [torch.zeros(1, dtype=torch.long, device=q.device), torch.bincount(lists, minlength=len(self.cent)).cumsum(0)]
-        ).tolist()
-        off = self.off.tolist()
-        qn = (q * q).sum(1)
-        best_d = torch.full((nq, k), float("inf"), device=q.device)
-        best_i = torch.full((nq, k), -1, dtype=torch.long, device=q.device)
-        for c in range(len(self.cent)):
-            if bounds[c] == bounds[c + 1] or off[c] == off[c + 1]:
-                continue
-            ids = self.ids[off[c] : off[c + 1]]
-            kc = self.keys[ids].float()
-            knc = self.kn[ids][None]
-            kdc = kdoc[ids][None] if qdoc is not None else None
-            qs_all = qof[bounds[c] : bounds[c + 1]]
-            step = max(1, max_elems // len(ids))
-            for a in range(0, len(qs_all), step):
-                qs = qs_all[a : a + step]
-                d = torch.addmm(knc, q[qs], kc.T, alpha=-2)  # |k|^2 - 2 q.k: the ranking; |q|^2 added to the k kept
-                if kdc is not None:
-                    d.masked_fill_(qdoc[qs][:, None] == kdc, float("inf"))
-                kk = min(k, d.shape[1])
-                dv, dj = torch.topk(d, kk, dim=1, largest=False)
-                dv = dv + qn[qs][:, None]
-                md, mj = torch.topk(torch.cat([best_d[qs], dv], 1), k, dim=1, largest=False)
-                best_i[qs] = torch.gather(torch.cat([best_i[qs], torch.where(torch.isfinite(dv), ids[dj], -1)], 1), 1, mj)
-                best_d[qs] = md
-        return best_d, best_i
-
-    def neighbours(self, q, k: int, nprobe: int = NPROBE, **kw):
-        """search's squared distances and the neighbours' values (-1 where there is none)."""
-        import torch
-
-        d, i = self.search(q, k, nprobe, **kw)
-        return d, torch.where(i >= 0, self.vals[i.clamp_min(0)].long(), -1)
-
-
-def _queries(hidden: np.ndarray, rows, mu, device: str):
-    """Held-out hidden states (rows of them) as queries: float32 on device, centred as the keys are."""
-    import torch
-
-    return torch.from_numpy(np.ascontiguousarray(hidden[rows], np.float32)).to(device) - mu
-
-
-def assign_scores(q, c):
-    """Squared distances (up to a per-query constant) of queries to centroids."""
-    return (c * c).sum(1)[None] - 2 * q @ c.T
 
 
 def knn_target_probs(d, nb_vals, target, temps):
@@ -200,53 +55,6 @@ def knn_target_probs(d, nb_vals, target, temps):
         w = torch.softmax(-d / t, dim=1)
         out.append((w * hit).sum(1))
     return torch.nan_to_num(torch.stack(out, 1))  # no neighbour at all: 0
-
-
-def build(model, index_dir: Path, device: str, batch: int = 64):
-    """The datastore of every training position of the index's shards under `model`: keys are
-    its final hidden states (float16, centred), values the next tokens."""
-    import torch
-    from teragram.index import format as fmt
-
-    m = fmt.read_json(Path(index_dir) / "manifest.json")
-    sep, eos = m["separator"], m["tokenizer"]["eos_id"]
-    T = model.cfg.block_size
-    toks = [fmt.open_array(fmt.shard_dir(Path(index_dir), s["shard"], s.get("dir")) / "tokens.bin", "tokens") for s in m["shards"]]
-    N = sum(max(len(t) - 1, 0) for t in toks)
-    C = model.cfg.n_embd
-    keys = torch.empty((N, C), dtype=torch.float16, device=device)
-    vals = torch.empty(N, dtype=torch.int32, device=device)
-    model.eval()
-    cuda = str(device).startswith("cuda")
-    mu = None
-    n = 0
-    buf: list = []
-
-    def flush():
-        nonlocal n, mu
-        x = torch.from_numpy(np.stack([b[0] for b in buf])).to(device)
-        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
-            h, _ = model.hidden(x)
-        h = h.float()
-        if mu is None:
-            mu = h.reshape(-1, C).mean(0)  # any vector gives the same distances; centring keeps fp16 precise
-        for j, (_, y, keep) in enumerate(buf):
-            r = len(y) - keep
-            keys[n : n + r] = (h[j, keep:] - mu).half()
-            vals[n : n + r] = torch.from_numpy(y[keep:]).to(device, torch.int32)
-            n += r
-        buf.clear()
-
-    for t in toks:
-        for x, y, keep in _windows_of(t, T, sep, eos):
-            if len(x) < T:  # a stream shorter than a window
-                continue
-            buf.append((x, y, keep))
-            if len(buf) == batch:
-                flush()
-    if buf:
-        flush()
-    return keys[:n], vals[:n], mu
 
 
 def run(
@@ -289,7 +97,7 @@ def run(
                 continue
             t = time.time()
             rows = np.sort(rng.choice(len(r["target"]), min(VALID_ROWS, len(r["target"])), replace=False))
-            q = _queries(r["hidden"], rows, mu, device)
+            q = queries(r["hidden"], rows, mu, device)
             d, i = ds.search(q, k, nprobe)
             nearest.append(d[:, 0])
             info[f"scale_search_{name}_s"] = time.time() - t
@@ -305,7 +113,7 @@ def run(
             t = time.time()
             ps, near = [], []
             for a in range(0, len(r["target"]), QUERY_CHUNK):
-                d, nb = ds.neighbours(_queries(r["hidden"], slice(a, a + QUERY_CHUNK), mu, device), k, nprobe)
+                d, nb = ds.neighbours(queries(r["hidden"], slice(a, a + QUERY_CHUNK), mu, device), k, nprobe)
                 tgt = torch.from_numpy(r["target"][a : a + QUERY_CHUNK].astype(np.int64)).to(device)
                 ps.append(knn_target_probs(d, nb, tgt, [f * scale for f in FACTORS]).cpu().numpy())
                 near.append((d[:, 0] / scale).cpu().numpy())
@@ -324,40 +132,6 @@ def run(
 
 
 # ---- the kNN estimate as a component of the joint gate (model/joint.py's dense_knn) ----------
-
-
-def estimate_columns(d, nb, target, temp: float, scale: float) -> dict:
-    """The kNN estimate as one joint component, numpy columns of model/joint.Est: q = p_knn(target)
-    (softmax(-d / temp) over the neighbours), rest 0 (1 without any neighbour: it defers to the
-    model), in the count's place the nearest distance's bucket (in units of `scale`; 0: none), the
-    share of the nearest neighbour's token and that token as top (-1: none)."""
-    import torch
-    from teragram.model.gate import SHARE_EDGES
-
-    has = torch.isfinite(d[:, 0])
-    w = torch.nan_to_num(torch.softmax(-d / temp, dim=1))  # no neighbour at all: 0
-    q = (w * (nb == target[:, None])).sum(1)
-    share = (w * (nb == nb[:, :1])).sum(1)
-    edges = torch.as_tensor(DIST_EDGES, dtype=d.dtype, device=d.device)
-    near = torch.where(has, torch.bucketize(torch.where(has, d[:, 0], 0) / scale, edges, right=True) + 1, 0)
-    share_b = torch.bucketize(share, torch.as_tensor(SHARE_EDGES, dtype=share.dtype, device=d.device), right=True)
-    return {
-        "q": q.cpu().numpy().astype(np.float32),
-        "rest": (~has).float().cpu().numpy(),
-        "count": near.cpu().numpy().astype(np.uint8),
-        "share": torch.where(has, share_b, 0).cpu().numpy().astype(np.uint8),
-        "top": torch.where(has, nb[:, 0], -1).cpu().numpy().astype(np.int32),
-    }
-
-
-def as_est(cols: dict):
-    """estimate_columns' arrays as a one-column model/joint.Est (the per-position fields zero:
-    with_columns keeps the index's)."""
-    from teragram.model.joint import Est
-
-    n = len(cols["q"])
-    z = np.zeros(n, np.uint8)
-    return Est(*(cols[f][:, None] for f in ("q", "rest", "count", "share", "top")), z, z, z)
 
 
 def load_est(out: Path, name: str, half: str):
@@ -397,7 +171,7 @@ def _heldout(model, ds, mu, held: dict, idx, out: Path, device: str, eval_batch:
         r = token_eval(model, feats, idx.eos_id, idx.sep, device, batch=eval_batch, hidden=True)
         parts = []
         for a in range(0, len(r["target"]), QUERY_CHUNK):
-            parts.append(ds.neighbours(_queries(r["hidden"], slice(a, a + QUERY_CHUNK), mu, device), k, nprobe))
+            parts.append(ds.neighbours(queries(r["hidden"], slice(a, a + QUERY_CHUNK), mu, device), k, nprobe))
         d, nb = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
         tgt = torch.from_numpy(r["target"].astype(np.int64)).to(device)
         found[name, h] = (d, nb, tgt, r["target"].astype(np.int32))
@@ -409,7 +183,7 @@ def _heldout(model, ds, mu, held: dict, idx, out: Path, device: str, eval_batch:
             temp = FACTORS[j] * scale
             info |= {"temperature_scale": scale, "temperature_factor": FACTORS[j], "lambda_at_fit": lam}
             s = slice(0, min(VALID_ROWS, len(r["target"])))  # k against the peer's 1024, on the first targets
-            d2, nb2 = ds.neighbours(_queries(r["hidden"], s, mu, device), K_NEIGHBOURS, nprobe)
+            d2, nb2 = ds.neighbours(queries(r["hidden"], s, mu, device), K_NEIGHBOURS, nprobe)
             big = knn_target_probs(d2, nb2, tgt[s], [temp])[:, 0]
             small = knn_target_probs(d2[:, :k], nb2[:, :k], tgt[s], [temp])[:, 0]
             diff = (big - small).abs()
@@ -443,7 +217,7 @@ def joint_estimates(
 
     if ("indist", "valid") not in held:
         raise SystemExit("joint_estimates fits the temperature on the in-distribution validation half: give it (held['indist', 'valid'])")
-    info: dict = {"k": k, "nprobe": nprobe}
+    info: dict = {"k": k, "nprobe": nprobe, "build_batch": batch}
     t = time.time()
     keys, vals, mu = build(model, index_dir, device, batch)
     docs = key_documents(index_dir, model.cfg.block_size)
@@ -459,6 +233,7 @@ def joint_estimates(
         info |= {"ivf_s": time.time() - t, "centroids": len(ds.cent)}
         cache = out / "knnest-heldout.json"  # a later call (the search resumed) reuses the held-out part
         sig = {"k": k, "nprobe": nprobe, "centroids": len(ds.cent), "keys": len(keys), "mu_abs_sum": float(mu.double().abs().sum())}
+        info["mu_abs_sum"] = sig["mu_abs_sum"]  # the keys' fingerprint: model/knn.KnnSource checks its rebuilt store by it
         prior = json.loads(cache.read_text()) if cache.exists() else None
         if prior and all((out / f"knnest-{n}-{h}.npz").exists() for n, h in held):
             same = all(prior["sig"][f] == v for f, v in sig.items() if f != "mu_abs_sum")

@@ -27,6 +27,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    import dataclasses
     import tempfile
 
     from teragram.index.engine import Index
@@ -88,6 +89,9 @@ def cmd_eval(args) -> int:
             from .refit import use_gate_file
 
             use_gate_file(model, args.joint_gate)
+        from .knn import source_for
+
+        opts = dataclasses.replace(opts, knn=source_for(model, args.knn_keys, args.index, args.device))
         with tempfile.TemporaryDirectory() as tmp:
             feats = args.features_out or tmp
             cfg = FeatureConfig("held-out", model.cfg.max_match, max(model.cfg.top_k, 1))
@@ -146,6 +150,7 @@ def cmd_sample(args) -> int:
 
     from .draft import Drafter
     from .gate import Gate
+    from .knn import source_for
     from .sample import generate
     from .train import load_model
 
@@ -167,6 +172,7 @@ def cmd_sample(args) -> int:
         gate=Gate.load(args.gate) if args.gate else None,
         draft=Drafter(max_tokens=args.draft),
         provenance=args.provenance,
+        knn=source_for(model, args.knn_keys, args.index, args.device),
     )
     print(idx.decode(g.ids))
     if args.provenance:
@@ -305,6 +311,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--joint-gate", metavar="FILE", help="a jointly trained model: mix with this refit gate (--refit-gate) instead of its own"
     )
     ev.add_argument(
+        "--knn-keys",
+        metavar="RUN",
+        help="a joint model whose gate reads dense_knn: the run whose hidden states key its kNN store (rebuilt here, on the device)",
+    )
+    ev.add_argument(
         "--baseline",
         choices=["infini-gram", "infini-gram+cache", "knn"],
         help="a peer's interpolation instead of the gate: infini-gram's 2 λ; those plus the document cache's longest match"
@@ -360,6 +371,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     sa.add_argument("--device", default="cpu")
     sa.add_argument("--gate", help="mix in the index's and the document cache's estimates with this gate (eval --fit-gate)")
     sa.add_argument("--joint-gate", metavar="FILE", help="a jointly trained model: this refit gate (eval --refit-gate) instead of its own")
+    sa.add_argument(
+        "--knn-keys",
+        metavar="RUN",
+        help="a joint model whose gate reads dense_knn: the run whose hidden states key its kNN store (rebuilt here, on the device)",
+    )
     sa.add_argument(
         "--draft", type=draft_length, default=0, metavar="N", help="draft up to N tokens from exact matches, verified in one forward pass"
     )

@@ -35,13 +35,15 @@ def token_eval(
     index=None,
     threads: int = 1,
     estimates: joint.Est | None = None,
+    knn=None,
 ) -> dict:
     """Per predicted token: nll (mixture when the model has one), nll_model (the model's own
     softmax), maxp and top (its most likely token and that token's probability), target, doc
     (document number), pos (index of the target in EOS+doc+EOS order minus one), and with
     hidden=True the final hidden state (for kNN-LM queries). A jointly trained model mixes in
     its estimates against `index` (an Index or its directory), computed on `threads` threads
-    unless the caller has them already (`estimates`: joint.heldout_est of this text and index)."""
+    unless the caller has them already (`estimates`: joint.heldout_est of this text and index);
+    a gate that reads dense_knn takes it from `knn` (model/knn.KnnSource)."""
     ev = EvalData(heldout, model.cfg.block_size, eos, sep)
     est = None
     if model.cfg.joint:
@@ -52,7 +54,12 @@ def token_eval(
         idx = index if isinstance(index, Index) else Index(index)
         joint.check_index(model.cfg, idx)
         if estimates is None:
-            estimates = joint.heldout_est(idx, heldout_docs(heldout), model.cfg.joint, model.cfg.joint_top_k, threads)
+            dense = (
+                knn.documents(heldout_docs(heldout), eos, batch)
+                if knn is not None and any(c in joint.DENSE for c in model.cfg.joint)
+                else None
+            )
+            estimates = joint.heldout_est(idx, heldout_docs(heldout), model.cfg.joint, model.cfg.joint_top_k, threads, dense=dense)
         if len(estimates) != int(ev.starts[-1]) or estimates.q.shape[1] != len(model.cfg.joint):
             raise TeragramError(
                 f"{heldout}: joint estimates of {len(estimates)} targets x {estimates.q.shape[1]} components given;"
@@ -172,6 +179,7 @@ class EvalOptions:
     params: dict | None = None  # the baseline's fitted parameters to apply
     decontaminate: bool = False  # drop documents with >= 80% of their 13-grams in the index
     dense: str | Path | None = None  # the kNN baseline's dense store (default IDX/dense)
+    knn: object = None  # a jointly trained model's dense_knn source (model/knn.KnnSource)
     workers: int = 1  # processes for the index estimates
 
 
@@ -185,7 +193,18 @@ def heldout_report(model: GPT, index_dir, heldout, device: str = "cpu", opts: Ev
     from teragram.index.tokenizer import load
 
     idx = Index(index_dir)
-    r = token_eval(model, heldout, idx.eos_id, idx.sep, device, batch=batch, hidden=opts.baseline == "knn", index=idx, threads=opts.workers)
+    r = token_eval(
+        model,
+        heldout,
+        idx.eos_id,
+        idx.sep,
+        device,
+        batch=batch,
+        hidden=opts.baseline == "knn",
+        index=idx,
+        threads=opts.workers,
+        knn=opts.knn,
+    )
     ev = EvalData(heldout, model.cfg.block_size, idx.eos_id, idx.sep)
     per_doc = doc_bytes(ev, load(Path(heldout) / "tokenizer.model").decode)
     return mix_report(r, per_doc, index_dir, heldout, opts)

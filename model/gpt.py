@@ -57,6 +57,7 @@ class GPTConfig:
     joint_hidden: bool = True  # the joint gate reads the final hidden state
     joint_tokenizer: str = ""  # blake2b of the tokenizer its estimates were made with (an index must have it)
     joint_lm_weight: float = 0.0  # training adds this times the model's own nll to the mixture's (keeps the LM a whole LM)
+    joint_knn: tuple = ()  # (name, value) pairs of dense_knn's store (model/knn.SETTINGS): KnnSource rebuilds it
 
     @classmethod
     def preset(cls, name: str, **kw) -> GPTConfig:

@@ -43,8 +43,9 @@ INFGRAM_CAP = 255  # the ∞-gram's match length cap (the builder's largest --ma
 N_COUNT = 21  # floor(log2(count + 1)) buckets, the last one open
 NL, NS, NM = len(LEN_EDGES) + 1, len(SHARE_EDGES) + 1, len(MAXP_EDGES) + 1
 KIND = "joint-estimates"
-# estimates from a kNN datastore over a model's final hidden states (benchmarks/knnlm.py): given
-# in bulk, for training positions (exclude-doc) and held-out text alike; the index has no live source
+# estimates from a kNN datastore over a model's final hidden states (model/knn.py): written in bulk
+# for training positions (exclude-doc) and held-out text by benchmarks/knnlm.py; outside training,
+# from the store rebuilt by model/knn.KnnSource (live and bulk); the index itself has none
 DENSE = ("dense_knn",)
 
 
@@ -302,7 +303,9 @@ def heldout_est(idx, docs: list[np.ndarray], components, top_k: int, threads: in
     components = check_components(components)
     want = [c for c in components if c in DENSE]
     if want and (dense is None or dense.q.shape[1] != len(want)):
-        raise TeragramError(f"{', '.join(want)}: a kNN datastore's estimates (benchmarks/knnlm.py), given in bulk; the index has none")
+        raise TeragramError(
+            f"{', '.join(want)}: a kNN datastore's estimates (benchmarks/knnlm.py), given in bulk (--knn-keys: the store rebuilt from its keys model); the index has none"
+        )
     if want:
         return with_columns(heldout_est(idx, docs, components[: -len(want)], top_k, threads), dense)
     lens = np.array([len(d) for d in docs], np.int64)
@@ -333,15 +336,20 @@ def heldout_est(idx, docs: list[np.ndarray], components, top_k: int, threads: in
     return assemble(index, cache, target, components)
 
 
-def live(idx, context, V: int, components, top_k: int) -> tuple[Est, np.ndarray]:
+def live(idx, context, V: int, components, top_k: int, knn=None) -> tuple[Est, np.ndarray]:
     """For the next token after `context` (a document's ids so far): its Est row (target
     fields unused) and each component's truncated distribution (M, V) -- the mass it gives
-    each token besides what it leaves to the model."""
+    each token besides what it leaves to the model. A gate that reads dense_knn takes it from
+    `knn` (model/knn.KnnSource)."""
     if any(c in DENSE for c in components):
-        raise TeragramError(
-            f"the gate reads {', '.join(c for c in components if c in DENSE)}: a kNN datastore's estimates, made in bulk"
-            " (benchmarks/knnlm.py); generation has no live source for them"
-        )
+        if knn is None:
+            raise TeragramError(
+                f"the gate reads {', '.join(c for c in components if c in DENSE)}: a kNN datastore's estimates; without the"
+                " store (--knn-keys: the checkpoint whose hidden states key it) generation has no live source for them"
+            )
+        e, dist = live(idx, context, V, tuple(c for c in components if c not in DENSE), top_k)
+        ek, dk = knn.live(context, idx.eos_id)  # dense components go last (check_components): one, dense_knn
+        return with_columns(e, ek), np.vstack([dist, dk[None]])
     q = np.asarray(context, np.int64)
     dense = np.zeros((len(components), V))
     index = {}

@@ -168,7 +168,12 @@ def refit_report(model: GPT, index_dir, heldout, device: str = "cpu", opts=None,
 
     opts = opts or EvalOptions()
     idx = Index(index_dir)
-    inputs, r = gate_inputs(model, heldout, idx, device, batch=batch, threads=opts.workers)
+    dense = (
+        opts.knn.documents(heldout_docs(heldout), idx.eos_id, batch)
+        if opts.knn is not None and any(c in joint.DENSE for c in model.cfg.joint)
+        else None
+    )
+    inputs, r = gate_inputs(model, heldout, idx, device, batch=batch, threads=opts.workers, dense=dense)
     keep = np.ones(len(inputs), bool)
     if opts.decontaminate:
         keep = (contamination(heldout, index_dir) < DECONTAMINATION_SHARE)[r["doc"].astype(np.int64)]

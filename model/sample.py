@@ -112,13 +112,15 @@ def stream(
     gate=None,
     draft: int | Drafter = 0,
     provenance: bool = False,
+    knn=None,
 ):
     """Yield a Token per generated token.
     `state` (a dict, optional) receives "features" (all positions so far), "stopped" and
     "stats" (DraftStats of this call). With `gate` (model.gate.Gate) the model's distribution
     is mixed with the index's ∞-gram and fixed-order estimates, and the document cache's, for
     the document so far. `draft`: the longest draft (0: none), or a Drafter to use (and to
-    keep learning in). `provenance`: give each token the document of its longest index match."""
+    keep learning in). `provenance`: give each token the document of its longest index match.
+    `knn` (model/knn.KnnSource): the dense_knn estimates of a joint gate that reads them."""
     if not prompt:
         prompt = [idx.eos_id]  # an empty prompt starts a document
     drafter = draft if isinstance(draft, Drafter) else Drafter(max_tokens=int(draft))
@@ -152,7 +154,12 @@ def stream(
         if model.cfg.joint:  # the model's own gate, with live estimates of the document so far
             lv = [
                 joint.live(
-                    idx, _doc(toks, len(toks) - len(h) + 1 + j, idx.eos_id), model.cfg.vocab_size, model.cfg.joint, model.cfg.joint_top_k
+                    idx,
+                    _doc(toks, len(toks) - len(h) + 1 + j, idx.eos_id),
+                    model.cfg.vocab_size,
+                    model.cfg.joint,
+                    model.cfg.joint_top_k,
+                    knn=knn,
                 )
                 for j in range(len(h))
             ]

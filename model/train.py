@@ -45,7 +45,7 @@ from teragram.index import format as fmt
 from teragram.index.features import Features
 from tqdm import tqdm
 
-from . import comm, joint, lowp, optim
+from . import comm, joint, knn, lowp, optim
 from .config import ConfigError
 from .data import TrainData
 from .evaluate import evaluate
@@ -300,6 +300,7 @@ def load_model(checkpoint: str | Path, device: str = "cpu") -> tuple[GPT, dict]:
     mc = meta["model"]
     mc["index_inputs"] = tuple(mc["index_inputs"])
     mc["joint"] = tuple(mc.get("joint", ()))
+    mc["joint_knn"] = tuple(tuple(kv) for kv in mc.get("joint_knn", ()))
     model = GPT(GPTConfig(**mc))
     sd = load_file(str(p / "model.safetensors"))
     sd.setdefault("lm_head.weight", sd["transformer.wte.weight"])  # tied (gpt2 arch)
@@ -368,9 +369,11 @@ def train(cfg: TrainConfig) -> dict:
                 " source for: leave heldout and evals unset and score with the dense estimates (benchmarks/joint.py)"
             )
         est = joint.open_train_estimates(est_dir, cfg.index, comps, cfg.joint_top_k)
+        store = fmt.read_json(est_dir / "manifest.json").get("dense_knn", {}) if any(c in joint.DENSE for c in comps) else {}
         mcfg = replace(
             mcfg,
             joint=comps,
+            joint_knn=tuple((f, store[f]) for f in knn.SETTINGS if f in store),
             joint_top_k=cfg.joint_top_k,
             joint_hidden=cfg.joint_hidden,
             joint_lm_weight=cfg.joint_lm_weight,

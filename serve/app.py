@@ -36,6 +36,7 @@ class ServeConfig:
     checkpoint: str | None = None
     gate: str | None = None  # index gate (model/gate.py) mixed into completions and scores
     joint_gate: str | None = None  # a jointly trained model: a refit gate (eval --refit-gate) instead of its own
+    knn_keys: str | None = None  # a joint model whose gate reads dense_knn: the run whose hidden states key its kNN store
     host: str = "127.0.0.1"
     port: int = 8080
     api_key: str | None = None
@@ -130,6 +131,18 @@ def create_app(cfg: ServeConfig) -> FastAPI:
         from teragram.model.refit import use_gate_file
 
         use_gate_file(model, cfg.joint_gate)
+    knn_src = None
+    reads_knn = model is not None and "dense_knn" in model.cfg.joint  # model/joint.DENSE
+    if cfg.knn_keys:
+        if model is None:
+            raise TeragramError("--knn-keys needs --checkpoint")
+        from teragram.model.knn import source_for
+
+        knn_src = source_for(model, cfg.knn_keys, cfg.index, cfg.device)  # the store rebuilt at start, in device memory
+    elif reads_knn:
+        raise TeragramError(
+            f"{cfg.checkpoint}: its gate reads the kNN-LM's estimate (dense_knn): give --knn-keys, the run that keys its store"
+        )
     gate = None
     if cfg.gate:
         from teragram.model.gate import Gate
@@ -269,6 +282,7 @@ def create_app(cfg: ServeConfig) -> FastAPI:
             gate=gate,
             draft=drafter,
             provenance=req.provenance,
+            knn=knn_src,
         )
         created = int(time.time())
         name = req.model or "teragram"
@@ -348,7 +362,8 @@ def create_app(cfg: ServeConfig) -> FastAPI:
             from teragram.model.joint import heldout_est
             from teragram.model.joint import to_torch as est_torch
 
-            e = heldout_est(idx, [np.asarray(ids)], model.cfg.joint, model.cfg.joint_top_k).rows(0, len(ids))
+            dense = knn_src.documents([np.asarray(ids)], idx.eos_id) if knn_src is not None else None
+            e = heldout_est(idx, [np.asarray(ids)], model.cfg.joint, model.cfg.joint_top_k, dense=dense).rows(0, len(ids))
             e = est_torch(e.map(lambda a: a[None]), cfg.device)
         with model_lock, torch.no_grad():
             h = model.hidden(X, f)[0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from teragram.model import knn
 
 from benchmarks import knnlm
 
@@ -12,7 +13,7 @@ from benchmarks import knnlm
 @pytest.mark.parametrize("n,T", [(2, 4), (5, 4), (6, 4), (7, 4), (20, 4), (21, 4), (22, 4), (1000, 16)])
 def test_windows_predict_every_target_once(n, T):
     seen = []
-    for a, keep in knnlm.train_windows(n, T):
+    for a, keep in knn.train_windows(n, T):
         seen += range(a + 1 + keep, min(a + T, n - 1) + 1)
     assert seen == list(range(1, n))
 
@@ -44,7 +45,7 @@ def test_search_equals_brute_force():
     keys = (centres[torch.randint(0, 8, (3000,), generator=g)] + torch.randn(3000, 16, generator=g)).half()
     vals = torch.randint(0, 50, (3000,), generator=g, dtype=torch.int32)
     q = centres[torch.randint(0, 8, (40,), generator=g)] + torch.randn(40, 16, generator=g)
-    ds = knnlm.Datastore(keys, vals, centroids=16, sample=2000, iters=5)
+    ds = knn.Datastore(keys, vals, centroids=16, sample=2000, iters=5)
     assert int(ds.off[-1]) == len(keys) and sorted(ds.ids.tolist()) == list(range(len(keys)))
     bd, bi = _brute(keys.float().numpy(), q.numpy(), 64)
     ed, ei = ds.exact(q, 64, chunk=700)
@@ -85,7 +86,7 @@ def test_datastore_keys_are_the_models_hidden_states(real_index):
     m = fmt.read_json(real_index / "manifest.json")
     cfg = GPTConfig.preset("tiny", vocab_size=m["tokenizer"]["vocab_size"], block_size=64, use_index=False, mixture=False)
     model = GPT(cfg).eval()
-    keys, vals, mu = knnlm.build(model, real_index, "cpu", batch=8)
+    keys, vals, mu = knn.build(model, real_index, "cpu", batch=8)
     toks = [fmt.open_array(fmt.shard_dir(real_index, s["shard"], s.get("dir")) / "tokens.bin", "tokens") for s in m["shards"]]
     assert len(keys) == sum(len(t) - 1 for t in toks)
     sep, eos = m["separator"], m["tokenizer"]["eos_id"]
@@ -131,7 +132,7 @@ def test_run_scores_every_target_as_brute_force(real_index, tmp_path):
         held["s", h] = tmp_path / h
     k = 32
     info = knnlm.run(model, real_index, held, tmp_path, "cpu", batch=8, centroids=4, nprobe=4, k=k)
-    keys, vals, mu = knnlm.build(model, real_index, "cpu", batch=8)
+    keys, vals, mu = knn.build(model, real_index, "cpu", batch=8)
     K = keys.float().numpy()
     idx = Index(real_index)
     near = {}

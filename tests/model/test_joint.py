@@ -2,6 +2,8 @@
 exclude-doc oracle, the mixture a distribution whose live computation equals the bulk
 evaluation, generation, and training that uses the index."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -10,7 +12,7 @@ from teragram.index import format as fmt
 from teragram.index.engine import Index
 from teragram.index.errors import TeragramError, TokenizerMismatch
 from teragram.index.features import FeatureConfig
-from teragram.model import joint
+from teragram.model import joint, knn
 from teragram.model.config import ConfigError
 from teragram.model.estimates import cache_estimates, heldout_docs
 from teragram.model.evaluate import token_eval
@@ -216,7 +218,7 @@ def test_refusals(joint_root, tmp_path):
         joint.write_train_estimates(joint_root / "idx", [tmp_path / "causal"], tmp_path / "e2", 4, progress=False)
 
 
-def test_dense_knn_estimates_exclude_the_own_document(tokenizer_model, tmp_path):
+def test_dense_knn_estimates_exclude_the_own_document(tokenizer_model, tmp_path, capsys):
     """benchmarks/knnlm.joint_estimates (every list probed: exact): each training position's kNN
     estimate is brute force's over every key but its own document's (its copies elsewhere are
     found), a held-out target's over every key; a model trains with it as one more component
@@ -230,15 +232,16 @@ def test_dense_knn_estimates_exclude_the_own_document(tokenizer_model, tmp_path)
     )  # a smaller one: every pair is searched
     idx = Index(joint_root / "idx")
     assert len(idx.shards) > 1
-    torch.manual_seed(0)
-    model = GPT(GPTConfig.preset("tiny", vocab_size=idx.vocab_size, block_size=64, use_index=False, mixture=False)).eval()
+    train_tiny(joint_root, "keys", max_steps=2, use_index=False, heldout=None)  # the keys model, a checkpoint (--knn-keys)
+    model, _ = load_model(joint_root / "keys")
+    model.eval()
     held = {("indist", h): joint_root / "held" for h in ("valid", "test")}
     k = 8
     est_knn = tmp_path / "est-knn"
     args = (model, joint_root / "idx", held, joint_root / "est", est_knn, tmp_path, "cpu")
     info = knnlm.joint_estimates(*args, batch=8, eval_batch=8, k=k, centroids=4, nprobe=4, chunk=5000)
     temp, scale = info["temperature_factor"] * info["temperature_scale"], info["temperature_scale"]
-    keys, vals, mu = knnlm.build(model, joint_root / "idx", "cpu", batch=8)  # keys centred on mu: held-out queries too
+    keys, vals, mu = knn.build(model, joint_root / "idx", "cpu", batch=8)  # keys centred on mu: held-out queries too
     K, V = keys.float().numpy().astype(np.float64), vals.numpy()
     doc, where, off = [], [], 0  # per key: its target's document (the one whose span holds it), its shard and row
     for s in idx.shards:
@@ -271,7 +274,7 @@ def test_dense_knn_estimates_exclude_the_own_document(tokenizer_model, tmp_path)
         row = shards[ids.index(sid)].rows(r, r + 1, cols)
         assert row.q[0, -1] == pytest.approx((w * (V[o[:k]] == V[p])).sum(), rel=2e-3, abs=1e-5)
         assert row.top[0, -1] in V[o[d[: k + 1] - d[0] < 1e-3]] and row.rest[0, -1] == 0  # the nearest (or one tied with it)
-        assert row.count[0, -1] == 1 + np.searchsorted(knnlm.DIST_EDGES, d[0] / scale, side="right")
+        assert row.count[0, -1] == 1 + np.searchsorted(knn.DIST_EDGES, d[0] / scale, side="right")
         np.testing.assert_array_equal(row.q[0, :-1], base[ids.index(sid)].q[r])  # the index's and cache's columns kept
         checked += 1
         copies += d[0] < 1e-2  # the same context in a copy of the document
@@ -346,3 +349,54 @@ def test_dense_knn_estimates_exclude_the_own_document(tokenizer_model, tmp_path)
         joint.check_components(("dense_knn", "index_infgram"))
     with pytest.raises(ConfigError, match="no source"):
         train_tiny(joint_root, "dense-bad", max_steps=1, **joint_kw(joint_root, joint_estimates=str(est_knn)))
+    # outside training (teragram eval/sample/serve --knn-keys): the store rebuilt from the keys model
+    # with the settings the checkpoint keeps gives the held-out estimates joint_estimates wrote, in bulk
+    # and live, and the live mixture equals the bulk one
+    assert dict(m2.cfg.joint_knn)["temperature_factor"] == info["temperature_factor"]
+    src = knn.KnnSource(model, joint_root / "idx", m2.cfg.joint_knn)
+    bulk = src.documents(docs, idx.eos_id)
+    assert len(bulk) == len(z["q"]) and np.abs(bulk.q[:, 0] - z["q"]).max() < 1e-4
+    assert (bulk.top[:, 0] == z["top"]).mean() > 0.99 and (bulk.count[:, 0] == z["count"]).mean() > 0.99
+    via = token_eval(m2, joint_root / "held", idx.eos_id, idx.sep, "cpu", index=idx, knn=src)
+    np.testing.assert_allclose(via["nll"], got["nll"], atol=1e-3)
+    V = m2.cfg.vocab_size
+    for d in (0, 2):
+        ids = docs[d]
+        x = torch.tensor([[idx.eos_id, *ids[: m2.cfg.block_size - 1]]])
+        with torch.no_grad():
+            h, _ = m2.hidden(x)
+        sel = np.nonzero(via["doc"] == d)[0]
+        for t in range(min(30, x.shape[1])):
+            e, dense = joint.live(idx, ids[:t], V, m2.cfg.joint, 4, knn=src)
+            p = m2.next_distribution(h[:, t], None, joint.to_torch(e), torch.from_numpy(dense[None]).float())[0]
+            assert float(p.sum()) == pytest.approx(1.0, abs=1e-5) and dense[-1].sum() == pytest.approx(1.0 - e.rest[0, -1], abs=1e-6)
+            assert float(-torch.log(p[int(via["target"][sel[t]])])) == pytest.approx(float(via["nll"][sel[t]]), abs=2e-4), (d, t)
+    g = generate(m2, idx, [int(i) for i in docs[0][:5]], max_new_tokens=4, knn=src)
+    assert len(g.new_ids) == 4
+    torch.manual_seed(1)
+    other = GPT(GPTConfig.preset("tiny", vocab_size=idx.vocab_size, block_size=64, use_index=False, mixture=False)).eval()
+    with pytest.raises(TeragramError, match="another keys model"):
+        knn.KnnSource(other, joint_root / "idx", m2.cfg.joint_knn)
+    with pytest.raises(TeragramError, match="reads no kNN estimate"):
+        knn.source_for(other, "x", joint_root / "idx")  # a model that reads none
+    # the CLI: eval with the store gives token_eval's mixture, without it a one-line refusal; sample runs
+    from teragram.serve.cli import main
+
+    ev = ["eval", "--checkpoint", str(joint_root / "dense"), "--index", str(joint_root / "idx"), "--corpus", str(joint_root / "held-text")]
+    assert main([*ev, "--knn-keys", str(joint_root / "keys"), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["perplexity"] == pytest.approx(float(np.exp(via["nll"].mean())), rel=1e-3)
+    assert main(ev) == 2 and "--knn-keys" in capsys.readouterr().err
+    sa = ["sample", "--checkpoint", str(joint_root / "dense"), "--index", str(joint_root / "idx"), "The", "--max-tokens", "3"]
+    assert main([*sa, "--knn-keys", str(joint_root / "keys")]) == 0 and capsys.readouterr().out.startswith("The")
+    assert main(sa) == 2 and "no live source" in capsys.readouterr().err
+    # serve: refused at start without the store; with it, /v1/score's gated logprobs are token_eval's
+    from fastapi.testclient import TestClient
+    from teragram.serve.app import ServeConfig, create_app
+
+    with pytest.raises(TeragramError, match="give --knn-keys"):
+        create_app(ServeConfig(index=str(joint_root / "idx"), checkpoint=str(joint_root / "dense")))
+    app = create_app(ServeConfig(index=str(joint_root / "idx"), checkpoint=str(joint_root / "dense"), knn_keys=str(joint_root / "keys")))
+    n = 40
+    out = TestClient(app).post("/v1/score", json={"ids": [int(i) for i in docs[0][:n]]}).json()
+    np.testing.assert_allclose(-np.array(out["logprobs_with_gate"]), via["nll"][np.nonzero(via["doc"] == 0)[0][:n]], atol=2e-4)

@@ -1,0 +1,356 @@
+"""The dense store of every training position, searched as the kNN-LM searches it (Khandelwal et
+al., 2020), and its estimate as a component of the joint gate (model/joint.py's dense_knn).
+
+Keys are a model's final hidden states at every training position of an index's shards (float16,
+centred, in device memory: ~72 GB for 47M positions of a 125M model on the H200), values the next
+tokens. The search is an inverted file (k-means centroids, each query probing the nearest few
+lists, as FAISS's IVF) with exact float32 distances to the probed keys, so that the store built
+twice from the same model and index answers the same. benchmarks/knnlm.py measures the kNN-LM
+peer with it and writes the dense_knn estimates of training positions (exclude-doc) and held-out
+text in bulk; `KnnSource` gives the same estimate live (`teragram sample/serve --knn-keys`) and in
+bulk for `teragram eval`, with the settings a jointly trained model keeps (GPTConfig.joint_knn).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from teragram.index.errors import TeragramError
+
+CENTROIDS = 4096  # the paper's inverted lists
+NPROBE = 32  # lists probed per query (the paper's 32)
+KMEANS_SAMPLE = 1_000_000  # keys the centroids are fit on
+KMEANS_ITERS = 20
+QUERY_CHUNK = 131_072  # queries searched at once (their 1024 neighbours each stay in GPU memory)
+SEED = 20261201
+K_JOINT = 64  # neighbours of the joint gate's kNN estimate (its p(target) against k = 1024's is measured: knn_est.json)
+DIST_EDGES = np.geomspace(0.02, 20.0, 19)  # the nearest distance / scale: the estimate's buckets 1..20 (0: no neighbour)
+
+
+def train_windows(n: int, T: int) -> list[tuple[int, int]]:
+    """(start, first kept target) of windows of T + 1 tokens over a stream of n tokens, so that
+    every target position 1..n-1 is predicted exactly once: consecutive windows, the last one
+    moved back to end at the stream's end and keeping only targets not seen before."""
+    if n < 2:
+        return []
+    if n <= T + 1:
+        return [(0, 0)]
+    out = [(a, 0) for a in range(0, n - T - 1, T)]
+    last = n - T - 1
+    done = out[-1][0] + T  # targets 1..done are covered
+    if done < n - 1:
+        out.append((last, done - last))  # window row j predicts position last + 1 + j
+    return out
+
+
+def _windows_of(tokens: np.ndarray, T: int, sep: int, eos: int):
+    for a, keep in train_windows(len(tokens), T):
+        w = np.asarray(tokens[a : a + T + 1]).astype(np.int64)
+        w[w == sep] = eos
+        yield w[:-1], w[1:], keep
+
+
+def kmeans(x, k: int, iters: int, seed: int):
+    """Lloyd's k-means (float32) from k distinct random points; an empty cluster keeps its centroid."""
+    import torch
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    c = x[torch.randperm(len(x), generator=g)[:k].to(x.device)].clone()
+    for _ in range(iters):
+        a = assign(x, c)
+        s = torch.zeros_like(c).index_add_(0, a, x)
+        n = torch.bincount(a, minlength=len(c)).to(x.dtype)
+        c = torch.where(n[:, None] > 0, s / n.clamp_min(1)[:, None], c)
+    return c
+
+
+def assign(x, c, chunk: int = 65536):
+    """The nearest centroid of each row of x."""
+    import torch
+
+    cn = (c * c).sum(1)
+    return torch.cat([(cn[None] - 2 * x[a : a + chunk] @ c.T).argmin(1) for a in range(0, len(x), chunk)])
+
+
+class Datastore:
+    """Keys (N, C) float16, centred on mu, their values (N,) int32, and an inverted file: the
+    keys' ids grouped by nearest centroid (ids[off[c]:off[c+1]] are list c)."""
+
+    def __init__(self, keys, vals, *, centroids: int = CENTROIDS, sample: int = KMEANS_SAMPLE, iters: int = KMEANS_ITERS, seed: int = SEED):
+        import torch
+
+        self.keys, self.vals = keys, vals
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        rows = torch.randperm(len(keys), generator=g)[: min(sample, len(keys))].to(keys.device)
+        self.cent = kmeans(keys[rows].float(), min(centroids, len(rows)), iters, seed)
+        a = torch.cat([assign(keys[s : s + (1 << 20)].float(), self.cent) for s in range(0, len(keys), 1 << 20)])
+        self.ids = torch.argsort(a, stable=True)
+        self.off = torch.cat([torch.zeros(1, dtype=torch.long, device=a.device), torch.bincount(a, minlength=len(self.cent)).cumsum(0)])
+        self.kn = torch.cat([(keys[s : s + (1 << 22)].float() ** 2).sum(1) for s in range(0, len(keys), 1 << 22)])
+
+    def exact(self, q, k: int, chunk: int = 1 << 20):
+        """(squared distances, ids) of the k nearest keys by brute force (float32)."""
+        import torch
+
+        qn = (q * q).sum(1, keepdim=True)
+        best_d = torch.full((len(q), 0), float("inf"), device=q.device)
+        best_i = torch.zeros((len(q), 0), dtype=torch.long, device=q.device)
+        for s in range(0, len(self.keys), chunk):
+            d = qn + self.kn[s : s + chunk][None] - 2 * q @ self.keys[s : s + chunk].float().T
+            dv, dj = torch.topk(d, min(k, d.shape[1]), dim=1, largest=False)
+            best_d, j = torch.topk(torch.cat([best_d, dv], 1), min(k, best_d.shape[1] + dv.shape[1]), dim=1, largest=False)
+            best_i = torch.gather(torch.cat([best_i, dj + s], 1), 1, j)
+        return best_d, best_i
+
+    def search(self, q, k: int, nprobe: int = NPROBE, max_elems: int = 1 << 29, qdoc=None, kdoc=None):
+        """(squared distances, ids) of the k nearest keys among the nprobe nearest lists of each
+        query (ids -1 and distance inf where fewer than k keys were probed). All queries go at
+        once: one pass over the lists, each scored against the queries probing it. With qdoc
+        (nq,) and kdoc (N,), document numbers, a query's own document's keys are left out."""
+        import torch
+
+        nq = len(q)
+        npr = min(nprobe, len(self.cent))
+        probe = torch.cat(  # (nq, nprobe), 2^17 queries' centroid scores at a time
+            [torch.topk(assign_scores(q[a : a + (1 << 17)], self.cent), npr, dim=1, largest=False).indices for a in range(0, nq, 1 << 17)]
+        )
+        lists = probe.reshape(-1)
+        order = torch.argsort(lists, stable=True)
+        qof = (order // probe.shape[1]).contiguous()  # query of each (list, query) pair, grouped by list
+        bounds = torch.cat(
+            [torch.zeros(1, dtype=torch.long, device=q.device), torch.bincount(lists, minlength=len(self.cent)).cumsum(0)]
+        ).tolist()
+        off = self.off.tolist()
+        qn = (q * q).sum(1)
+        best_d = torch.full((nq, k), float("inf"), device=q.device)
+        best_i = torch.full((nq, k), -1, dtype=torch.long, device=q.device)
+        for c in range(len(self.cent)):
+            if bounds[c] == bounds[c + 1] or off[c] == off[c + 1]:
+                continue
+            ids = self.ids[off[c] : off[c + 1]]
+            kc = self.keys[ids].float()
+            knc = self.kn[ids][None]
+            kdc = kdoc[ids][None] if qdoc is not None else None
+            qs_all = qof[bounds[c] : bounds[c + 1]]
+            step = max(1, max_elems // len(ids))
+            for a in range(0, len(qs_all), step):
+                qs = qs_all[a : a + step]
+                d = torch.addmm(knc, q[qs], kc.T, alpha=-2)  # |k|^2 - 2 q.k: the ranking; |q|^2 added to the k kept
+                if kdc is not None:
+                    d.masked_fill_(qdoc[qs][:, None] == kdc, float("inf"))
+                kk = min(k, d.shape[1])
+                dv, dj = torch.topk(d, kk, dim=1, largest=False)
+                dv = dv + qn[qs][:, None]
+                md, mj = torch.topk(torch.cat([best_d[qs], dv], 1), k, dim=1, largest=False)
+                best_i[qs] = torch.gather(torch.cat([best_i[qs], torch.where(torch.isfinite(dv), ids[dj], -1)], 1), 1, mj)
+                best_d[qs] = md
+        return best_d, best_i
+
+    def neighbours(self, q, k: int, nprobe: int = NPROBE, **kw):
+        """search's squared distances and the neighbours' values (-1 where there is none)."""
+        import torch
+
+        d, i = self.search(q, k, nprobe, **kw)
+        return d, torch.where(i >= 0, self.vals[i.clamp_min(0)].long(), -1)
+
+
+def queries(hidden: np.ndarray, rows, mu, device: str):
+    """Held-out hidden states (rows of them) as queries: float32 on device, centred as the keys are."""
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(hidden[rows], np.float32)).to(device) - mu
+
+
+def assign_scores(q, c):
+    """Squared distances (up to a per-query constant) of queries to centroids."""
+    return (c * c).sum(1)[None] - 2 * q @ c.T
+
+
+def build(model, index_dir: Path, device: str, batch: int = 64):
+    """The datastore of every training position of the index's shards under `model`: keys are
+    its final hidden states (float16, centred), values the next tokens."""
+    import torch
+    from teragram.index import format as fmt
+
+    m = fmt.read_json(Path(index_dir) / "manifest.json")
+    sep, eos = m["separator"], m["tokenizer"]["eos_id"]
+    T = model.cfg.block_size
+    toks = [fmt.open_array(fmt.shard_dir(Path(index_dir), s["shard"], s.get("dir")) / "tokens.bin", "tokens") for s in m["shards"]]
+    N = sum(max(len(t) - 1, 0) for t in toks)
+    C = model.cfg.n_embd
+    keys = torch.empty((N, C), dtype=torch.float16, device=device)
+    vals = torch.empty(N, dtype=torch.int32, device=device)
+    model.eval()
+    cuda = str(device).startswith("cuda")
+    mu = None
+    n = 0
+    buf: list = []
+
+    def flush():
+        nonlocal n, mu
+        x = torch.from_numpy(np.stack([b[0] for b in buf])).to(device)
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+            h, _ = model.hidden(x)
+        h = h.float()
+        if mu is None:
+            mu = h.reshape(-1, C).mean(0)  # any vector gives the same distances; centring keeps fp16 precise
+        for j, (_, y, keep) in enumerate(buf):
+            r = len(y) - keep
+            keys[n : n + r] = (h[j, keep:] - mu).half()
+            vals[n : n + r] = torch.from_numpy(y[keep:]).to(device, torch.int32)
+            n += r
+        buf.clear()
+
+    for t in toks:
+        for x, y, keep in _windows_of(t, T, sep, eos):
+            if len(x) < T:  # a stream shorter than a window
+                continue
+            buf.append((x, y, keep))
+            if len(buf) == batch:
+                flush()
+    if buf:
+        flush()
+    return keys[:n], vals[:n], mu
+
+
+def estimate_columns(d, nb, target, temp: float, scale: float) -> dict:
+    """The kNN estimate as one joint component, numpy columns of model/joint.Est: q = p_knn(target)
+    (softmax(-d / temp) over the neighbours), rest 0 (1 without any neighbour: it defers to the
+    model), in the count's place the nearest distance's bucket (in units of `scale`; 0: none), the
+    share of the nearest neighbour's token and that token as top (-1: none)."""
+    import torch
+    from teragram.model.gate import SHARE_EDGES
+
+    has = torch.isfinite(d[:, 0])
+    w = torch.nan_to_num(torch.softmax(-d / temp, dim=1))  # no neighbour at all: 0
+    q = (w * (nb == target[:, None])).sum(1)
+    share = (w * (nb == nb[:, :1])).sum(1)
+    edges = torch.as_tensor(DIST_EDGES, dtype=d.dtype, device=d.device)
+    near = torch.where(has, torch.bucketize(torch.where(has, d[:, 0], 0) / scale, edges, right=True) + 1, 0)
+    share_b = torch.bucketize(share, torch.as_tensor(SHARE_EDGES, dtype=share.dtype, device=d.device), right=True)
+    return {
+        "q": q.cpu().numpy().astype(np.float32),
+        "rest": (~has).float().cpu().numpy(),
+        "count": near.cpu().numpy().astype(np.uint8),
+        "share": torch.where(has, share_b, 0).cpu().numpy().astype(np.uint8),
+        "top": torch.where(has, nb[:, 0], -1).cpu().numpy().astype(np.int32),
+    }
+
+
+def as_est(cols: dict):
+    """estimate_columns' arrays as a one-column model/joint.Est (the per-position fields zero:
+    with_columns keeps the index's)."""
+    from teragram.model.joint import Est
+
+    n = len(cols["q"])
+    z = np.zeros(n, np.uint8)
+    return Est(*(cols[f][:, None] for f in ("q", "rest", "count", "share", "top")), z, z, z)
+
+
+# what a model trained with dense_knn keeps of its store (GPTConfig.joint_knn): KnnSource rebuilds it
+SETTINGS = ("k", "nprobe", "centroids", "temperature_scale", "temperature_factor", "keys", "mu_abs_sum", "build_batch")
+
+
+class KnnSource:
+    """dense_knn's estimate outside training: the store of every training position of the index
+    under the keys model (the checkpoint the training estimates were made with, e.g. the joint
+    benchmark's plain (a)), rebuilt and searched with the settings the jointly trained model keeps.
+    `documents` gives held-out text's estimates in bulk (for token_eval and /v1/score), `live` one
+    position's with its distribution (for generation); both see what benchmarks/knnlm.joint_estimates
+    wrote for held-out text. The keys live in device memory (2 bytes x n_embd per training position)."""
+
+    def __init__(self, keys_model, index_dir: str | Path, settings, device: str = "cpu"):
+        settings = dict(settings)
+        missing = [f for f in SETTINGS if f not in settings]
+        if missing:
+            raise TeragramError(f"the model's dense_knn settings lack {', '.join(missing)}: its estimates predate a live store")
+        self.model, self.device = keys_model.eval(), device
+        keys, vals, self.mu = build(keys_model, index_dir, device, settings["build_batch"])  # mu: its first batch's mean
+        got, want = float(self.mu.double().abs().sum()), settings["mu_abs_sum"]
+        if len(keys) != settings["keys"] or abs(got - want) > 1e-4 * abs(want):
+            raise TeragramError(
+                f"the kNN store's keys model gives {len(keys):,} keys (mean state |sum| {got:.6g}); the gate was trained with"
+                f" {settings['keys']:,} ({want:.6g}): another keys model or index"
+            )
+        self.ds = Datastore(keys, vals, centroids=settings["centroids"])
+        self.k, self.nprobe, self.scale = settings["k"], settings["nprobe"], settings["temperature_scale"]
+        self.temp = settings["temperature_factor"] * self.scale
+        self.V = keys_model.cfg.vocab_size
+
+    def _neighbours(self, q):
+        import torch
+
+        prev = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = True  # as joint_estimates searched
+        try:
+            return self.ds.neighbours(q, self.k, self.nprobe)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = prev
+
+    def _hidden(self, windows: list[np.ndarray], batch: int):
+        """The keys model's final hidden states (n, C) float32 of every position of windows of at
+        most block_size ids, in order (a batch padded on the right: causal, nothing read)."""
+        import torch
+
+        cuda = str(self.device).startswith("cuda")
+        out = []
+        for a in range(0, len(windows), batch):
+            ws = windows[a : a + batch]
+            x = np.zeros((len(ws), max(len(w) for w in ws)), np.int64)
+            for j, w in enumerate(ws):
+                x[j, : len(w)] = w
+            with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+                h, _ = self.model.hidden(torch.from_numpy(x).to(self.device))
+            out += [h[j, : len(w)].float() for j, w in enumerate(ws)]
+        return torch.cat(out)
+
+    def documents(self, docs: list[np.ndarray], eos: int, batch: int = 16):
+        """Every target's estimate of documents read as held-out text (EOS + the document,
+        predicting the document + EOS, in windows of block_size from its start: EvalData's), a
+        one-column joint.Est in model.evaluate.token_eval's order (joint.heldout_est's dense=)."""
+        import torch
+
+        T = self.model.cfg.block_size
+        windows, targets = [], []
+        for d in docs:
+            x = np.concatenate([[eos], np.asarray(d, np.int64)])
+            windows += [x[s : s + T] for s in range(0, len(x), T)]
+            targets.append(np.concatenate([np.asarray(d, np.int64), [eos]]))
+        tgt = torch.from_numpy(np.concatenate(targets)).to(self.device)
+        first = np.concatenate([[0], np.cumsum([len(w) for w in windows])])  # each window's first target
+        step, parts = max(1, QUERY_CHUNK // T), []
+        for a in range(0, len(windows), step):
+            d, nb = self._neighbours(self._hidden(windows[a : a + step], batch) - self.mu)
+            parts.append(estimate_columns(d, nb, tgt[first[a] : first[min(a + step, len(windows))]], self.temp, self.scale))
+        return as_est({f: np.concatenate([p[f] for p in parts]) for f in parts[0]})
+
+    def live(self, context, eos: int):
+        """For the next token after `context` (a document's ids so far): the estimate's one-row
+        Est (q unused) and its distribution (V,), softmax(-d / T) summed by the neighbours'
+        tokens. The keys model reads the position's window as `documents` does."""
+        import torch
+
+        T = self.model.cfg.block_size
+        x = np.concatenate([[eos], np.asarray(context, np.int64)])
+        d, nb = self._neighbours(self._hidden([x[(len(x) - 1) // T * T :]], 1)[-1:] - self.mu)
+        cols = estimate_columns(d, nb, torch.full((1,), -1, device=nb.device), self.temp, self.scale)
+        w = torch.nan_to_num(torch.softmax(-d[0].double() / self.temp, 0)) * (nb[0] >= 0)
+        dist = torch.zeros(self.V, dtype=torch.float64).index_add_(0, nb[0].clamp_min(0).cpu(), w.cpu())
+        return as_est(cols), dist.numpy()
+
+
+def source_for(model, keys_checkpoint, index_dir, device: str = "cpu") -> KnnSource | None:
+    """The KnnSource of a jointly trained model whose gate reads dense_knn, rebuilt from
+    `keys_checkpoint` (--knn-keys: the run whose hidden states key the store) over the index;
+    None when the gate reads none (or no keys are given: whoever needs the estimates refuses)."""
+    from .joint import DENSE
+    from .train import load_model
+
+    reads = any(c in DENSE for c in model.cfg.joint)
+    if keys_checkpoint and not reads:
+        raise TeragramError("--knn-keys: this model's gate reads no kNN estimate (it was not trained with dense_knn)")
+    if not (keys_checkpoint and reads):
+        return None
+    keys_model, _ = load_model(keys_checkpoint, device)
+    return KnnSource(keys_model, index_dir, model.cfg.joint_knn, device)
