@@ -143,17 +143,23 @@ def test_live_mixture_equals_bulk_and_is_a_distribution(joint_root):
     idx = Index(joint_root / "idx")
     r = token_eval(model, joint_root / "held", idx.eos_id, idx.sep, index=idx)
     docs = heldout_docs(joint_root / "held")
-    V = model.cfg.vocab_size
-    for d in (0, 3):
+    assert_live_is_bulk(model, idx, docs, r, (0, 3), 60)
+
+
+def assert_live_is_bulk(model, idx, docs, r, which, n, knn=None):
+    """joint.live's mixture at each of the first n positions of documents `which` is a distribution
+    whose nll of the target is token_eval's (r) there; a dense component's mass is what it keeps."""
+    for d in which:
         ids = docs[d]
         x = torch.tensor([[idx.eos_id, *ids[: model.cfg.block_size - 1]]])
         with torch.no_grad():
             h, _ = model.hidden(x)
         sel = np.nonzero(r["doc"] == d)[0]
-        for t in range(0, min(60, x.shape[1])):
-            e, dense = joint.live(idx, ids[:t], V, model.cfg.joint, model.cfg.joint_top_k)
+        for t in range(min(n, x.shape[1])):
+            e, dense = joint.live(idx, ids[:t], model.cfg.vocab_size, model.cfg.joint, model.cfg.joint_top_k, knn=knn)
             p = model.next_distribution(h[:, t], None, joint.to_torch(e), torch.from_numpy(dense[None]).float())[0]
             assert float(p.sum()) == pytest.approx(1.0, abs=1e-5)
+            assert knn is None or dense[-1].sum() == pytest.approx(1.0 - e.rest[0, -1], abs=1e-6)  # the kNN's: all or nothing
             assert int(r["target"][sel[t]]) == (int(ids[t]) if t < len(ids) else idx.eos_id)
             assert float(-torch.log(p[int(r["target"][sel[t]])])) == pytest.approx(float(r["nll"][sel[t]]), abs=2e-4), (d, t)
 
@@ -359,18 +365,7 @@ def test_dense_knn_estimates_exclude_the_own_document(tokenizer_model, tmp_path,
     assert (bulk.top[:, 0] == z["top"]).mean() > 0.99 and (bulk.count[:, 0] == z["count"]).mean() > 0.99
     via = token_eval(m2, joint_root / "held", idx.eos_id, idx.sep, "cpu", index=idx, knn=src)
     np.testing.assert_allclose(via["nll"], got["nll"], atol=1e-3)
-    V = m2.cfg.vocab_size
-    for d in (0, 2):
-        ids = docs[d]
-        x = torch.tensor([[idx.eos_id, *ids[: m2.cfg.block_size - 1]]])
-        with torch.no_grad():
-            h, _ = m2.hidden(x)
-        sel = np.nonzero(via["doc"] == d)[0]
-        for t in range(min(30, x.shape[1])):
-            e, dense = joint.live(idx, ids[:t], V, m2.cfg.joint, 4, knn=src)
-            p = m2.next_distribution(h[:, t], None, joint.to_torch(e), torch.from_numpy(dense[None]).float())[0]
-            assert float(p.sum()) == pytest.approx(1.0, abs=1e-5) and dense[-1].sum() == pytest.approx(1.0 - e.rest[0, -1], abs=1e-6)
-            assert float(-torch.log(p[int(via["target"][sel[t]])])) == pytest.approx(float(via["nll"][sel[t]]), abs=2e-4), (d, t)
+    assert_live_is_bulk(m2, idx, docs, via, (0, 2), 30, knn=src)
     g = generate(m2, idx, [int(i) for i in docs[0][:5]], max_new_tokens=4, knn=src)
     assert len(g.new_ids) == 4
     torch.manual_seed(1)
