@@ -132,7 +132,11 @@ def create_app(cfg: ServeConfig) -> FastAPI:
 
         use_gate_file(model, cfg.joint_gate)
     knn_src = None
-    reads_knn = model is not None and "dense_knn" in model.cfg.joint  # model/joint.DENSE
+    reads_knn = False
+    if model is not None:
+        from teragram.model.joint import DENSE
+
+        reads_knn = any(c in DENSE for c in model.cfg.joint)
     if cfg.knn_keys:
         if model is None:
             raise TeragramError("--knn-keys needs --checkpoint")
