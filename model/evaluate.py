@@ -54,12 +54,7 @@ def token_eval(
         idx = index if isinstance(index, Index) else Index(index)
         joint.check_index(model.cfg, idx)
         if estimates is None:
-            dense = (
-                knn.documents(heldout_docs(heldout), eos, batch)
-                if knn is not None and any(c in joint.DENSE for c in model.cfg.joint)
-                else None
-            )
-            estimates = joint.heldout_est(idx, heldout_docs(heldout), model.cfg.joint, model.cfg.joint_top_k, threads, dense=dense)
+            estimates = joint.heldout_est(idx, heldout_docs(heldout), model.cfg.joint, model.cfg.joint_top_k, threads, knn=knn)
         if len(estimates) != int(ev.starts[-1]) or estimates.q.shape[1] != len(model.cfg.joint):
             raise TeragramError(
                 f"{heldout}: joint estimates of {len(estimates)} targets x {estimates.q.shape[1]} components given;"

@@ -294,14 +294,17 @@ def check_index(cfg, idx) -> None:
         )
 
 
-def heldout_est(idx, docs: list[np.ndarray], components, top_k: int, threads: int = 1, dense: Est | None = None) -> Est:
+def heldout_est(idx, docs: list[np.ndarray], components, top_k: int, threads: int = 1, dense: Est | None = None, knn=None) -> Est:
     """Est of every target of the documents, each read as EOS + ids predicting ids + EOS
     (model.evaluate.token_eval's order), against the whole index; the DENSE components' columns
-    are `dense`'s (a kNN datastore's, benchmarks/knnlm.py), appended."""
+    are `dense`'s (a kNN datastore's, benchmarks/knnlm.py), appended, or else `knn`'s
+    (model/knn.KnnSource) of these documents."""
     from teragram.index.bulk import continuations
 
     components = check_components(components)
     want = [c for c in components if c in DENSE]
+    if want and dense is None and knn is not None:
+        dense = knn.documents(docs, idx.eos_id)
     if want and (dense is None or dense.q.shape[1] != len(want)):
         raise TeragramError(
             f"{', '.join(want)}: a kNN datastore's estimates (benchmarks/knnlm.py), given in bulk (--knn-keys: the store rebuilt from its keys model); the index has none"

@@ -77,10 +77,10 @@ class GateInputs:
 
 
 def gate_inputs(
-    model: GPT, heldout, index, device: str = "cpu", *, batch: int = 16, threads: int = 1, dense: joint.Est | None = None
+    model: GPT, heldout, index, device: str = "cpu", *, batch: int = 16, threads: int = 1, dense: joint.Est | None = None, knn=None
 ) -> tuple[GateInputs, dict]:
     """The gate's inputs on held-out features' text (index: an Index or its directory; the
-    estimates on `threads` threads, a kNN datastore's given as `dense`) and token_eval's result
+    estimates on `threads` threads, a kNN datastore's given as `dense` or taken from `knn`) and token_eval's result
     there with the trained gate (nll, nll_model, maxp, top, target, doc, pos): one pass of the model."""
     from teragram.index.engine import Index
 
@@ -89,7 +89,7 @@ def gate_inputs(
     idx = index if isinstance(index, Index) else Index(index)
     joint.check_index(model.cfg, idx)
     docs = heldout_docs(heldout)
-    est = joint.heldout_est(idx, docs, model.cfg.joint, model.cfg.joint_top_k, threads, dense)
+    est = joint.heldout_est(idx, docs, model.cfg.joint, model.cfg.joint_top_k, threads, dense, knn)
     r = token_eval(model, heldout, idx.eos_id, idx.sep, device, batch=batch, hidden=True, index=idx, estimates=est)
     row0 = np.concatenate([[0], np.cumsum([len(d) + 1 for d in docs])]).astype(np.int64)  # each document's first row in est
     order = row0[r["doc"].astype(np.int64)] + r["pos"].astype(np.int64)
@@ -168,12 +168,7 @@ def refit_report(model: GPT, index_dir, heldout, device: str = "cpu", opts=None,
 
     opts = opts or EvalOptions()
     idx = Index(index_dir)
-    dense = (
-        opts.knn.documents(heldout_docs(heldout), idx.eos_id, batch)
-        if opts.knn is not None and any(c in joint.DENSE for c in model.cfg.joint)
-        else None
-    )
-    inputs, r = gate_inputs(model, heldout, idx, device, batch=batch, threads=opts.workers, dense=dense)
+    inputs, r = gate_inputs(model, heldout, idx, device, batch=batch, threads=opts.workers, knn=opts.knn)
     keep = np.ones(len(inputs), bool)
     if opts.decontaminate:
         keep = (contamination(heldout, index_dir) < DECONTAMINATION_SHARE)[r["doc"].astype(np.int64)]

@@ -366,8 +366,7 @@ def create_app(cfg: ServeConfig) -> FastAPI:
             from teragram.model.joint import heldout_est
             from teragram.model.joint import to_torch as est_torch
 
-            dense = knn_src.documents([np.asarray(ids)], idx.eos_id) if knn_src is not None else None
-            e = heldout_est(idx, [np.asarray(ids)], model.cfg.joint, model.cfg.joint_top_k, dense=dense).rows(0, len(ids))
+            e = heldout_est(idx, [np.asarray(ids)], model.cfg.joint, model.cfg.joint_top_k, knn=knn_src).rows(0, len(ids))
             e = est_torch(e.map(lambda a: a[None]), cfg.device)
         with model_lock, torch.no_grad():
             h = model.hidden(X, f)[0]
