@@ -81,52 +81,47 @@ def run(
     keys, vals, mu = build(model, index_dir, device, batch)
     info |= {"keys": len(keys), "keys_s": time.time() - t}
     t = time.time()
-    prev = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True  # keys are fp16: TF32's 10-bit inputs lose nothing more; sums stay float32
-    try:
-        ds = Datastore(keys, vals, centroids=centroids)
-        info |= {"ivf_s": time.time() - t, "centroids": len(ds.cent), "nprobe": nprobe, "k": k}
-        idx = Index(index_dir)
-        rng = np.random.default_rng(SEED)
-        evals, nearest = {}, []
-        for (name, h), feats in sorted(held.items(), key=lambda kv: kv[0][1] != "valid"):  # validation first: it sets the scale
-            t = time.time()
-            r = evals[name, h] = token_eval(model, feats, idx.eos_id, idx.sep, device, batch=eval_batch, hidden=True)
-            info[f"eval_{name}_{h}_s"] = time.time() - t
-            if h != "valid":
-                continue
-            t = time.time()
-            rows = np.sort(rng.choice(len(r["target"]), min(VALID_ROWS, len(r["target"])), replace=False))
-            q = queries(r["hidden"], rows, mu, device)
-            d, i = ds.search(q, k, nprobe)
-            nearest.append(d[:, 0])
-            info[f"scale_search_{name}_s"] = time.time() - t
-            if name == "indist":  # recall against exact search, on a sample
-                s = slice(0, min(RECALL_ROWS, len(q)))
-                ed, ei = ds.exact(q[s], k)
-                inter = [len(np.intersect1d(a, b)) for a, b in zip(i[s].cpu().numpy(), ei.cpu().numpy())]
-                info["recall_at_k"] = float(np.mean(inter)) / k
-                info["nearest_exact_share"] = float((i[s, 0] == ei[:, 0]).float().mean())
-        scale = float(torch.cat(nearest).median())
-        info |= {"temperature_scale": scale, "factors": list(FACTORS)}
-        for (name, h), r in evals.items():  # every target of every half, in chunks (the neighbours of all would not fit)
-            t = time.time()
-            ps, near = [], []
-            for a in range(0, len(r["target"]), QUERY_CHUNK):
-                d, nb = ds.neighbours(queries(r["hidden"], slice(a, a + QUERY_CHUNK), mu, device), k, nprobe)
-                tgt = torch.from_numpy(r["target"][a : a + QUERY_CHUNK].astype(np.int64)).to(device)
-                ps.append(knn_target_probs(d, nb, tgt, [f * scale for f in FACTORS]).cpu().numpy())
-                near.append((d[:, 0] / scale).cpu().numpy())
-            info[f"search_{name}_{h}_s"] = time.time() - t
-            np.savez_compressed(
-                out / f"knn-{name}-{h}.npz",
-                p_knn=np.concatenate(ps).astype(np.float32),
-                nearest=np.concatenate(near).astype(np.float32),
-                nll_a=r["nll"].astype(np.float32),
-                target=r["target"].astype(np.int32),
-            )
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = prev
+    ds = Datastore(keys, vals, centroids=centroids)
+    info |= {"ivf_s": time.time() - t, "centroids": len(ds.cent), "nprobe": nprobe, "k": k}
+    idx = Index(index_dir)
+    rng = np.random.default_rng(SEED)
+    evals, nearest = {}, []
+    for (name, h), feats in sorted(held.items(), key=lambda kv: kv[0][1] != "valid"):  # validation first: it sets the scale
+        t = time.time()
+        r = evals[name, h] = token_eval(model, feats, idx.eos_id, idx.sep, device, batch=eval_batch, hidden=True)
+        info[f"eval_{name}_{h}_s"] = time.time() - t
+        if h != "valid":
+            continue
+        t = time.time()
+        rows = np.sort(rng.choice(len(r["target"]), min(VALID_ROWS, len(r["target"])), replace=False))
+        q = queries(r["hidden"], rows, mu, device)
+        d, i = ds.search(q, k, nprobe)
+        nearest.append(d[:, 0])
+        info[f"scale_search_{name}_s"] = time.time() - t
+        if name == "indist":  # recall against exact search, on a sample
+            s = slice(0, min(RECALL_ROWS, len(q)))
+            ed, ei = ds.exact(q[s], k)
+            inter = [len(np.intersect1d(a, b)) for a, b in zip(i[s].cpu().numpy(), ei.cpu().numpy())]
+            info["recall_at_k"] = float(np.mean(inter)) / k
+            info["nearest_exact_share"] = float((i[s, 0] == ei[:, 0]).float().mean())
+    scale = float(torch.cat(nearest).median())
+    info |= {"temperature_scale": scale, "factors": list(FACTORS)}
+    for (name, h), r in evals.items():  # every target of every half, in chunks (the neighbours of all would not fit)
+        t = time.time()
+        ps, near = [], []
+        for a in range(0, len(r["target"]), QUERY_CHUNK):
+            d, nb = ds.neighbours(queries(r["hidden"], slice(a, a + QUERY_CHUNK), mu, device), k, nprobe)
+            tgt = torch.from_numpy(r["target"][a : a + QUERY_CHUNK].astype(np.int64)).to(device)
+            ps.append(knn_target_probs(d, nb, tgt, [f * scale for f in FACTORS]).cpu().numpy())
+            near.append((d[:, 0] / scale).cpu().numpy())
+        info[f"search_{name}_{h}_s"] = time.time() - t
+        np.savez_compressed(
+            out / f"knn-{name}-{h}.npz",
+            p_knn=np.concatenate(ps).astype(np.float32),
+            nearest=np.concatenate(near).astype(np.float32),
+            nll_a=r["nll"].astype(np.float32),
+            target=r["target"].astype(np.int32),
+        )
     (out / "knn_gpu.json").write_text(json.dumps(info, indent=1))
     return info
 
@@ -225,61 +220,54 @@ def joint_estimates(
     if len(kdoc) != len(keys):
         raise SystemExit(f"{len(keys):,} keys, {len(kdoc):,} training positions: the datastore and the stream disagree")
     info |= {"keys": len(keys), "keys_s": time.time() - t}
-    prev = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
-    try:
-        t = time.time()
-        ds = Datastore(keys, vals, centroids=centroids)
-        info |= {"ivf_s": time.time() - t, "centroids": len(ds.cent)}
-        cache = out / "knnest-heldout.json"  # a later call (the search resumed) reuses the held-out part
-        sig = {"k": k, "nprobe": nprobe, "centroids": len(ds.cent), "keys": len(keys), "mu_abs_sum": float(mu.double().abs().sum())}
-        info["mu_abs_sum"] = sig["mu_abs_sum"]  # the keys' fingerprint: model/knn.KnnSource checks its rebuilt store by it
-        prior = json.loads(cache.read_text()) if cache.exists() else None
-        if prior and all((out / f"knnest-{n}-{h}.npz").exists() for n, h in held):
-            same = all(prior["sig"][f] == v for f, v in sig.items() if f != "mu_abs_sum")
-            if not same or abs(prior["sig"]["mu_abs_sum"] - sig["mu_abs_sum"]) > 1e-4 * sig["mu_abs_sum"]:
-                raise SystemExit(
-                    f"{cache}: the held-out kNN estimates there are another datastore's ({prior['sig']} vs {sig}): remove them"
-                )
-            temp, scale = prior["temperature"], prior["info"]["temperature_scale"]
-            info |= prior["info"] | {"heldout_cached": True}
+    t = time.time()
+    ds = Datastore(keys, vals, centroids=centroids)
+    info |= {"ivf_s": time.time() - t, "centroids": len(ds.cent)}
+    cache = out / "knnest-heldout.json"  # a later call (the search resumed) reuses the held-out part
+    sig = {"k": k, "nprobe": nprobe, "centroids": len(ds.cent), "keys": len(keys), "mu_abs_sum": float(mu.double().abs().sum())}
+    info["mu_abs_sum"] = sig["mu_abs_sum"]  # the keys' fingerprint: model/knn.KnnSource checks its rebuilt store by it
+    prior = json.loads(cache.read_text()) if cache.exists() else None
+    if prior and all((out / f"knnest-{n}-{h}.npz").exists() for n, h in held):
+        same = all(prior["sig"][f] == v for f, v in sig.items() if f != "mu_abs_sum")
+        if not same or abs(prior["sig"]["mu_abs_sum"] - sig["mu_abs_sum"]) > 1e-4 * sig["mu_abs_sum"]:
+            raise SystemExit(f"{cache}: the held-out kNN estimates there are another datastore's ({prior['sig']} vs {sig}): remove them")
+        temp, scale = prior["temperature"], prior["info"]["temperature_scale"]
+        info |= prior["info"] | {"heldout_cached": True}
+    else:
+        temp, scale = _heldout(model, ds, mu, held, Index(index_dir), out, device, eval_batch, k, nprobe, info)
+        cache.write_text(
+            json.dumps({"sig": sig, "temperature": temp, "info": {f: v for f, v in info.items() if f not in ("keys_s", "ivf_s")}})
+        )
+    t = time.time()
+    cols = {f: [] for f in ("q", "rest", "count", "share", "top")}
+    done = Path(out_dir) / "searched"  # each chunk's columns once searched: a call cut short resumes here
+    done.mkdir(parents=True, exist_ok=True)
+    spans = [(a, min(a + chunk, len(keys))) for a in range(0, len(keys), chunk)]
+    file = {(a, b): done / f"{a:012d}-{b:012d}-{temp:.6g}.npz" for a, b in spans}
+    partial = bool(os.environ.get("TERAGRAM_KNN_PARTIAL"))  # merge what is searched; the rest defer to the model
+    for j in [] if partial else np.random.default_rng(SEED).permutation(len(spans)):  # random order: a cut is a sample
+        a, b = spans[j]
+        if not file[a, b].exists():
+            d, nb = ds.neighbours(keys[a:b].float(), k, nprobe, qdoc=kdoc[a:b], kdoc=kdoc)
+            np.savez(done / "part.npz", **estimate_columns(d, nb, vals[a:b].long(), temp, scale))
+            (done / "part.npz").rename(file[a, b])
+            del d, nb
+            info["chunks_searched_now"] = info.get("chunks_searched_now", 0) + 1
+    if os.environ.get("TERAGRAM_KNN_SEARCH_ONLY"):  # e.g. beside benchmarks/joint.py's prep, before est_dir is written
+        return info | {"search_only": True, "search_s": time.time() - t}
+    for a, b in spans:
+        if file[a, b].exists():
+            z = np.load(file[a, b])
+            z = {f: z[f] for f in cols}
         else:
-            temp, scale = _heldout(model, ds, mu, held, Index(index_dir), out, device, eval_batch, k, nprobe, info)
-            cache.write_text(
-                json.dumps({"sig": sig, "temperature": temp, "info": {f: v for f, v in info.items() if f not in ("keys_s", "ivf_s")}})
-            )
-        t = time.time()
-        cols = {f: [] for f in ("q", "rest", "count", "share", "top")}
-        done = Path(out_dir) / "searched"  # each chunk's columns once searched: a call cut short resumes here
-        done.mkdir(parents=True, exist_ok=True)
-        spans = [(a, min(a + chunk, len(keys))) for a in range(0, len(keys), chunk)]
-        file = {(a, b): done / f"{a:012d}-{b:012d}-{temp:.6g}.npz" for a, b in spans}
-        partial = bool(os.environ.get("TERAGRAM_KNN_PARTIAL"))  # merge what is searched; the rest defer to the model
-        for j in [] if partial else np.random.default_rng(SEED).permutation(len(spans)):  # random order: a cut is a sample
-            a, b = spans[j]
-            if not file[a, b].exists():
-                d, nb = ds.neighbours(keys[a:b].float(), k, nprobe, qdoc=kdoc[a:b], kdoc=kdoc)
-                np.savez(done / "part.npz", **estimate_columns(d, nb, vals[a:b].long(), temp, scale))
-                (done / "part.npz").rename(file[a, b])
-                del d, nb
-                info["chunks_searched_now"] = info.get("chunks_searched_now", 0) + 1
-        if os.environ.get("TERAGRAM_KNN_SEARCH_ONLY"):  # e.g. beside benchmarks/joint.py's prep, before est_dir is written
-            return info | {"search_only": True, "search_s": time.time() - t}
-        for a, b in spans:
-            if file[a, b].exists():
-                z = np.load(file[a, b])
-                z = {f: z[f] for f in cols}
-            else:
-                e0 = joint.empty(b - a, 1)
-                z = {f: getattr(e0, f)[:, 0] for f in cols}
-                info["unsearched"] = info.get("unsearched", 0) + b - a
-            for f in cols:
-                cols[f].append(z[f])
-        cols = {f: np.concatenate(v) for f, v in cols.items()}
-        info["train_search_s"] = time.time() - t
-        info["train_mean_q"] = float(cols["q"].mean())  # beside the held-out's (unsearched positions count 0)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = prev
+            e0 = joint.empty(b - a, 1)
+            z = {f: getattr(e0, f)[:, 0] for f in cols}
+            info["unsearched"] = info.get("unsearched", 0) + b - a
+        for f in cols:
+            cols[f].append(z[f])
+    cols = {f: np.concatenate(v) for f, v in cols.items()}
+    info["train_search_s"] = time.time() - t
+    info["train_mean_q"] = float(cols["q"].mean())  # beside the held-out's (unsearched positions count 0)
     t = time.time()
     est_dir, out_dir = Path(est_dir), Path(out_dir)
     m = fmt.read_json(est_dir / "manifest.json")

@@ -13,6 +13,7 @@ bulk for `teragram eval`, with the settings a jointly trained model keeps (GPTCo
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -73,10 +74,25 @@ def assign(x, c, chunk: int = 65536):
     return torch.cat([(cn[None] - 2 * x[a : a + chunk] @ c.T).argmin(1) for a in range(0, len(x), chunk)])
 
 
+@contextmanager
+def _tf32():
+    """The store's float32 matmuls in TF32 (k-means, assignment, search): the keys are fp16, so
+    TF32's 10-bit inputs lose nothing more; the sums stay float32."""
+    import torch
+
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+
+
 class Datastore:
     """Keys (N, C) float16, centred on mu, their values (N,) int32, and an inverted file: the
     keys' ids grouped by nearest centroid (ids[off[c]:off[c+1]] are list c)."""
 
+    @_tf32()
     def __init__(self, keys, vals, *, centroids: int = CENTROIDS, sample: int = KMEANS_SAMPLE, iters: int = KMEANS_ITERS, seed: int = SEED):
         import torch
 
@@ -89,6 +105,7 @@ class Datastore:
         self.off = torch.cat([torch.zeros(1, dtype=torch.long, device=a.device), torch.bincount(a, minlength=len(self.cent)).cumsum(0)])
         self.kn = torch.cat([(keys[s : s + (1 << 22)].float() ** 2).sum(1) for s in range(0, len(keys), 1 << 22)])
 
+    @_tf32()
     def exact(self, q, k: int, chunk: int = 1 << 20):
         """(squared distances, ids) of the k nearest keys by brute force (float32)."""
         import torch
@@ -103,6 +120,7 @@ class Datastore:
             best_i = torch.gather(torch.cat([best_i, dj + s], 1), 1, j)
         return best_d, best_i
 
+    @_tf32()
     def search(self, q, k: int, nprobe: int = NPROBE, max_elems: int = 1 << 29, qdoc=None, kdoc=None):
         """(squared distances, ids) of the k nearest keys among the nprobe nearest lists of each
         query (ids -1 and distance inf where fewer than k keys were probed). All queries go at
@@ -278,16 +296,6 @@ class KnnSource:
         self.temp = settings["temperature_factor"] * self.scale
         self.V = keys_model.cfg.vocab_size
 
-    def _neighbours(self, q):
-        import torch
-
-        prev = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = True  # as joint_estimates searched
-        try:
-            return self.ds.neighbours(q, self.k, self.nprobe)
-        finally:
-            torch.backends.cuda.matmul.allow_tf32 = prev
-
     def _hidden(self, windows: list[np.ndarray], batch: int):
         """The keys model's final hidden states (n, C) float32 of every position of windows of at
         most block_size ids, in order (a batch padded on the right: causal, nothing read)."""
@@ -321,7 +329,7 @@ class KnnSource:
         first = np.concatenate([[0], np.cumsum([len(w) for w in windows])])  # each window's first target
         step, parts = max(1, QUERY_CHUNK // T), []
         for a in range(0, len(windows), step):
-            d, nb = self._neighbours(self._hidden(windows[a : a + step], batch) - self.mu)
+            d, nb = self.ds.neighbours(self._hidden(windows[a : a + step], batch) - self.mu, self.k, self.nprobe)
             parts.append(estimate_columns(d, nb, tgt[first[a] : first[min(a + step, len(windows))]], self.temp, self.scale))
         return as_est({f: np.concatenate([p[f] for p in parts]) for f in parts[0]})
 
@@ -333,7 +341,7 @@ class KnnSource:
 
         T = self.model.cfg.block_size
         x = np.concatenate([[eos], np.asarray(context, np.int64)])
-        d, nb = self._neighbours(self._hidden([x[(len(x) - 1) // T * T :]], 1)[-1:] - self.mu)
+        d, nb = self.ds.neighbours(self._hidden([x[(len(x) - 1) // T * T :]], 1)[-1:] - self.mu, self.k, self.nprobe)
         cols = estimate_columns(d, nb, torch.full((1,), -1, device=nb.device), self.temp, self.scale)
         w = torch.nan_to_num(torch.softmax(-d[0].double() / self.temp, 0)) * (nb[0] >= 0)
         dist = torch.zeros(self.V, dtype=torch.float64).index_add_(0, nb[0].clamp_min(0).cpu(), w.cpu())
