@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -61,6 +62,7 @@ VARIANTS = {
     "knnj": ["--joint_lm_weight=1.0", "--joint_components={all},dense_knn"],  # {all}: model/estimates.COMPONENTS
 }
 THEN_OK = {"knn", "knnest"}  # variants that need only (a) and the index: prep can start them once (a) is trained
+KEY_NAMES = {"final": "final hidden states", "ffn_in": "last block's feed-forward inputs after its layer norm (the kNN-LM paper's keys)"}
 DENSE_ESTIMATES = "est-knn"  # W/est with dense_knn appended (variant knnest), the estimates of the variants reading it
 TRAINED = {
     "joint": "(j) joint: LM + gate over index and cache, trained together",
@@ -261,7 +263,7 @@ def stage_train(
         if v == "knnest":  # dense_knn for the joint gate, over (a) trained during prep
             model, _ = load_model(_run(work, "a", seed), device)
             args = (model, work / "idx", held, work / "est", work / DENSE_ESTIMATES, out, device)
-            info[v] = knnlm.joint_estimates(*args, eval_batch=s["eval_batch"]) | {"total_s": time.time() - t}
+            info[v] = knnlm.joint_estimates(*args, eval_batch=s["eval_batch"], peer=True) | {"total_s": time.time() - t}
             saved.write_text(json.dumps(info, indent=1))
             del model
             continue
@@ -443,7 +445,12 @@ def report(res: dict, name: str = "joint") -> None:
             f"k = {k['k']}; recall of the {k['k']} neighbours against exact search on {knnlm.RECALL_ROWS:,} validation "
             f"queries {k['recall_at_k']:.3f} (nearest neighbour the same: {k['nearest_exact_share']:.3f}); datastore "
             f"{k['keys_s']:.0f} s, search {sum(v for n, v in k.items() if 'search_' in n):.0f} s on the GPU; its temperature and λ fit on "
-            f"the validation halves, its temperatures' scale the median nearest distance of {knnlm.VALID_ROWS:,} of their targets per set."
+            + (
+                f"the validation halves, its temperatures' scale the median nearest distance of {knnlm.VALID_ROWS:,} of their targets per set."
+                if "key" not in k
+                else f"the validation halves, its temperatures' scale the in-distribution validation's median nearest distance; keys: (a)'s "
+                f"{KEY_NAMES[k['key']]}, the store dense_knn searches (the validation's choice, below)."
+            )
         )
         lines.append("")
     if "knn_est" in res:
@@ -455,6 +462,18 @@ def report(res: dict, name: str = "joint") -> None:
             f"fit there; p(target) against k = 1024's on {knnlm.VALID_ROWS:,} validation targets: mean |difference| "
             f"{k['k_vs_1024_mean_abs']:.4f}, max {k['k_vs_1024_max_abs']:.3f}. Training positions searched (exclude-doc): "
             f"{searched:,} of {k['keys']:,} ({100 * searched / k['keys']:.0f}%; the rest defer to the model)."
+            + (
+                f" Keys: (a)'s {KEY_NAMES[k['key']]}, chosen on the in-distribution validation half by the kNN-LM's loss over a store of "
+                f"every {knnlm.SELECT_EVERY}rd training window's positions, temperature and λ fit there: "
+                + "; ".join(
+                    f"{KEY_NAMES[x]} {c['valid_nll']:.4f} nats (perplexity {math.exp(c['valid_nll']):.3g}; (a) alone {math.exp(c['model_nll']):.3g}, "
+                    f"{c['keys']:,} keys, temperature {c['temperature_factor']}, λ {c['lambda']})"
+                    for x, c in k["key_choice"].items()
+                )
+                + "."
+                if "key_choice" in k
+                else ""
+            )
         )
         lines.append("")
     if res["rates"]:

@@ -35,13 +35,26 @@ import time
 from pathlib import Path
 
 import numpy as np
-from teragram.model.knn import CENTROIDS, K_JOINT, NPROBE, QUERY_CHUNK, SEED, Datastore, as_est, build, estimate_columns, queries
+from teragram.model.knn import (
+    CENTROIDS,
+    K_JOINT,
+    KEY_STATES,
+    NPROBE,
+    QUERY_CHUNK,
+    SEED,
+    Datastore,
+    as_est,
+    build,
+    estimate_columns,
+    queries,
+)
 
 K_NEIGHBOURS = 1024  # the paper's k
 VALID_ROWS = 20_000  # validation queries per set that set the temperature scale (a fixed random sample)
 RECALL_ROWS = 1_000  # queries whose IVF neighbours are checked against exact search
 FACTORS = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0)  # temperatures, x the median nearest distance
 TRAIN_CHUNK = 1 << 21  # training positions searched at once
+SELECT_EVERY = 3  # the key choice's stores hold the positions of every 3rd training window
 
 
 def knn_target_probs(d, nb_vals, target, temps):
@@ -99,31 +112,46 @@ def run(
         nearest.append(d[:, 0])
         info[f"scale_search_{name}_s"] = time.time() - t
         if name == "indist":  # recall against exact search, on a sample
-            s = slice(0, min(RECALL_ROWS, len(q)))
-            ed, ei = ds.exact(q[s], k)
-            inter = [len(np.intersect1d(a, b)) for a, b in zip(i[s].cpu().numpy(), ei.cpu().numpy())]
-            info["recall_at_k"] = float(np.mean(inter)) / k
-            info["nearest_exact_share"] = float((i[s, 0] == ei[:, 0]).float().mean())
+            info |= _recall(ds, q[:RECALL_ROWS], k, nprobe)
     scale = float(torch.cat(nearest).median())
     info |= {"temperature_scale": scale, "factors": list(FACTORS)}
-    for (name, h), r in evals.items():  # every target of every half, in chunks (the neighbours of all would not fit)
+    for (name, h), r in evals.items():
         t = time.time()
-        ps, near = [], []
-        for a in range(0, len(r["target"]), QUERY_CHUNK):
-            d, nb = ds.neighbours(queries(r["hidden"], slice(a, a + QUERY_CHUNK), mu, device), k, nprobe)
-            tgt = torch.from_numpy(r["target"][a : a + QUERY_CHUNK].astype(np.int64)).to(device)
-            ps.append(knn_target_probs(d, nb, tgt, [f * scale for f in FACTORS]).cpu().numpy())
-            near.append((d[:, 0] / scale).cpu().numpy())
+        _peer_half(ds, r, mu, scale, out / f"knn-{name}-{h}.npz", device, k, nprobe)
         info[f"search_{name}_{h}_s"] = time.time() - t
-        np.savez_compressed(
-            out / f"knn-{name}-{h}.npz",
-            p_knn=np.concatenate(ps).astype(np.float32),
-            nearest=np.concatenate(near).astype(np.float32),
-            nll_a=r["nll"].astype(np.float32),
-            target=r["target"].astype(np.int32),
-        )
     (out / "knn_gpu.json").write_text(json.dumps(info, indent=1))
     return info
+
+
+def _peer_half(ds, r: dict, mu, scale: float, path: Path, device: str, k: int, nprobe: int) -> None:
+    """The peer's file of one held-out half (token_eval's `r` with the keys' states): p_knn(target)
+    per temperature (FACTORS x scale), the nearest distance (in scale) and the model's nll. Every
+    target, in chunks (the neighbours of all would not fit)."""
+    import torch
+
+    ps, near = [], []
+    for a in range(0, len(r["target"]), QUERY_CHUNK):
+        d, nb = ds.neighbours(queries(r["hidden"], slice(a, a + QUERY_CHUNK), mu, device), k, nprobe)
+        tgt = torch.from_numpy(r["target"][a : a + QUERY_CHUNK].astype(np.int64)).to(device)
+        ps.append(knn_target_probs(d, nb, tgt, [f * scale for f in FACTORS]).cpu().numpy())
+        near.append((d[:, 0] / scale).cpu().numpy())
+    np.savez_compressed(
+        path,
+        p_knn=np.concatenate(ps).astype(np.float32),
+        nearest=np.concatenate(near).astype(np.float32),
+        nll_a=r["nll"].astype(np.float32),
+        target=r["target"].astype(np.int32),
+    )
+
+
+def _recall(ds, q, k: int, nprobe: int) -> dict:
+    """The inverted file's neighbours of queries q against exact search's."""
+    import torch
+
+    d, i = ds.search(q, k, nprobe)
+    ed, ei = ds.exact(q, k)
+    inter = [len(np.intersect1d(a, b)) for a, b in zip(i.cpu().numpy(), ei.cpu().numpy())]
+    return {"recall_at_k": float(np.mean(inter)) / k, "nearest_exact_share": float(torch.eq(i[:, 0], ei[:, 0]).float().mean())}
 
 
 # ---- the kNN estimate as a component of the joint gate (model/joint.py's dense_knn) ----------
@@ -154,16 +182,20 @@ def key_documents(index_dir: Path, T: int) -> list[tuple[int, int, np.ndarray]]:
     return out
 
 
-def _heldout(model, ds, mu, held: dict, idx, out: Path, device: str, eval_batch: int, k: int, nprobe: int, info: dict):
+def _heldout(
+    model, ds, mu, held: dict, idx, out: Path, device: str, eval_batch: int, k: int, nprobe: int, info: dict, key: str, peer: bool
+):
     """joint_estimates' held-out part: every held-out target's kNN estimate (OUT/knnest-SET-HALF.npz),
-    the temperature fit on the in-distribution validation half first. Returns (temperature, scale)."""
+    the temperature fit on the in-distribution validation half first; with `peer`, the same store's
+    kNN-LM peer (d) too, k = 1024 (OUT/knn-SET-HALF.npz and knn_gpu.json, as `run` writes them).
+    Returns (temperature, scale)."""
     import torch
     from teragram.model.evaluate import token_eval
 
-    found = {}
+    found, gpu = {}, {f: info[f] for f in ("keys", "keys_s", "centroids", "nprobe")} | {"k": K_NEIGHBOURS, "key": key}
     for (name, h), feats in sorted(held.items(), key=lambda kv: kv[0] != ("indist", "valid")):  # it sets the temperature
         t = time.time()
-        r = token_eval(model, feats, idx.eos_id, idx.sep, device, batch=eval_batch, hidden=True)
+        r = token_eval(model, feats, idx.eos_id, idx.sep, device, batch=eval_batch, hidden=key)
         parts = []
         for a in range(0, len(r["target"]), QUERY_CHUNK):
             parts.append(ds.neighbours(queries(r["hidden"], slice(a, a + QUERY_CHUNK), mu, device), k, nprobe))
@@ -183,6 +215,16 @@ def _heldout(model, ds, mu, held: dict, idx, out: Path, device: str, eval_batch:
             small = knn_target_probs(d2[:, :k], nb2[:, :k], tgt[s], [temp])[:, 0]
             diff = (big - small).abs()
             info |= {"k_vs_1024_max_abs": float(diff.max()), "k_vs_1024_mean_abs": float(diff.mean())}
+            if peer:
+                gpu |= {"temperature_scale": scale, "factors": list(FACTORS)}
+                gpu |= _recall(ds, queries(r["hidden"], slice(0, RECALL_ROWS), mu, device), K_NEIGHBOURS, nprobe)
+        if peer:  # the scale is the in-distribution validation's (the grid; each set fits its own on validation)
+            t = time.time()
+            _peer_half(ds, r, mu, scale, out / f"knn-{name}-{h}.npz", device, K_NEIGHBOURS, nprobe)
+            gpu[f"search_{name}_{h}_s"] = time.time() - t
+        del r
+    if peer:
+        (out / "knn_gpu.json").write_text(json.dumps(gpu, indent=1))
     for (name, h), (d, nb, tgt, target) in found.items():
         c = estimate_columns(d, nb, tgt, temp, scale)
         info[f"heldout_{name}_{h}_mean_q"] = float(c["q"].mean())
@@ -191,18 +233,60 @@ def _heldout(model, ds, mu, held: dict, idx, out: Path, device: str, eval_batch:
     return temp, scale
 
 
+def choose_key(model, index_dir: Path, feats, idx, device: str, *, batch: int, eval_batch: int, k: int, centroids: int, nprobe: int,
+               every: int = SELECT_EVERY) -> tuple[str, dict]:  # fmt: skip
+    """The keys (model/knn.KEY_STATES) whose kNN-LM does best on the in-distribution validation
+    half `feats`: per kind, a store of the positions of every every-th training window, its
+    temperature (FACTORS x the median nearest distance) and λ fit there (fit), and that fit's
+    loss; the lowest wins. Returns it with each kind's figures."""
+    import torch
+    from teragram.model.baselines import mix_nll
+    from teragram.model.evaluate import token_eval
+
+    res = {}
+    for key in KEY_STATES:
+        t = time.time()
+        keys, vals, mu = build(model, index_dir, device, batch, key, every)
+        ds = Datastore(keys, vals, centroids=centroids)
+        r = token_eval(model, feats, idx.eos_id, idx.sep, device, batch=eval_batch, hidden=key)
+        tgt = torch.from_numpy(r["target"].astype(np.int64)).to(device)
+        ds_nb = [
+            ds.neighbours(queries(r["hidden"], slice(a, a + QUERY_CHUNK), mu, device), k, nprobe) for a in range(0, len(tgt), QUERY_CHUNK)
+        ]
+        d, nb = torch.cat([x[0] for x in ds_nb]), torch.cat([x[1] for x in ds_nb])
+        scale = float(d[:, 0].median())
+        p = knn_target_probs(d, nb, tgt, [f * scale for f in FACTORS]).cpu().numpy()
+        nll = r["nll"].astype(np.float64)
+        j, lam = fit(nll, p)
+        res[key] = {
+            "valid_nll": float(mix_nll(nll, p[:, j], lam).mean()),
+            "model_nll": float(nll.mean()),
+            "temperature_factor": FACTORS[j],
+            "lambda": lam,
+            "keys": len(keys),
+            "targets": len(tgt),
+            "s": time.time() - t,
+        }
+        del keys, vals, ds, d, nb, ds_nb, r
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return min(res, key=lambda x: res[x]["valid_nll"]), res
+
+
 def joint_estimates(
     model, index_dir: Path, held: dict, est_dir: Path, out_dir: Path, out: Path, device: str,
     *, batch: int = 64, eval_batch: int = 16, k: int = K_JOINT, centroids: int = CENTROIDS, nprobe: int = NPROBE,
-    chunk: int = TRAIN_CHUNK,
+    chunk: int = TRAIN_CHUNK, key: str = "auto", peer: bool = False,
 ) -> dict:  # fmt: skip
     """On the GPU: the kNN estimate of every held-out target (OUT/knnest-SET-HALF.npz) and of every
     training position in exclude-doc mode, appended to the joint estimates in est_dir as the
     component dense_knn (written to out_dir). The datastore is build's (every training position
     under `model`); the temperature, one for all text as training needs, is fit on the
     in-distribution validation half (fit's λ-interpolation loss, as the peer), in units of the
-    median nearest distance there. A call cut short resumes: its chunks are kept in out_dir/searched
-    and the held-out part in OUT (knnest-heldout.json). With TERAGRAM_KNN_SEARCH_ONLY set it returns
+    median nearest distance there. The keys are `key`'s states (model/knn.KEY_STATES; "auto": the
+    one choose_key finds best on that half). With `peer`, the held-out part also writes the peer
+    (d) over the same store (`_heldout`). A call cut short resumes: its chunks are kept in
+    out_dir/searched and the held-out part, with the key chosen, in OUT (knnest-heldout.json). With TERAGRAM_KNN_SEARCH_ONLY set it returns
     once the training positions are searched, writing nothing to out_dir but those chunks; with
     TERAGRAM_KNN_PARTIAL it searches nothing more and merges what is searched."""
     import torch
@@ -213,8 +297,22 @@ def joint_estimates(
     if ("indist", "valid") not in held:
         raise SystemExit("joint_estimates fits the temperature on the in-distribution validation half: give it (held['indist', 'valid'])")
     info: dict = {"k": k, "nprobe": nprobe, "build_batch": batch}
+    cache = out / "knnest-heldout.json"  # a later call (the search resumed) reuses the held-out part
+    prior = json.loads(cache.read_text()) if cache.exists() else None
+    if not (prior and all((out / f"knnest-{n}-{h}.npz").exists() for n, h in held)):
+        prior = None
+    if key == "auto" and prior:
+        key = prior["sig"].get("key", "final")
+    elif key == "auto":
+        t = time.time()
+        key, choice = choose_key(
+            model, index_dir, held["indist", "valid"], Index(index_dir), device,
+            batch=batch, eval_batch=eval_batch, k=k, centroids=centroids, nprobe=nprobe,
+        )  # fmt: skip
+        info |= {"key_choice": choice, "key_choice_s": time.time() - t}
+    info["key"] = key
     t = time.time()
-    keys, vals, mu = build(model, index_dir, device, batch)
+    keys, vals, mu = build(model, index_dir, device, batch, key)
     docs = key_documents(index_dir, model.cfg.block_size)
     kdoc = torch.from_numpy(np.concatenate([d for *_, d in docs])).to(device)
     if len(kdoc) != len(keys):
@@ -223,18 +321,16 @@ def joint_estimates(
     t = time.time()
     ds = Datastore(keys, vals, centroids=centroids)
     info |= {"ivf_s": time.time() - t, "centroids": len(ds.cent)}
-    cache = out / "knnest-heldout.json"  # a later call (the search resumed) reuses the held-out part
-    sig = {"k": k, "nprobe": nprobe, "centroids": len(ds.cent), "keys": len(keys), "mu_abs_sum": float(mu.double().abs().sum())}
-    info["mu_abs_sum"] = sig["mu_abs_sum"]  # the keys' fingerprint: model/knn.KnnSource checks its rebuilt store by it
-    prior = json.loads(cache.read_text()) if cache.exists() else None
-    if prior and all((out / f"knnest-{n}-{h}.npz").exists() for n, h in held):
-        same = all(prior["sig"][f] == v for f, v in sig.items() if f != "mu_abs_sum")
+    sig = {"k": k, "nprobe": nprobe, "centroids": len(ds.cent), "keys": len(keys), "key": key}
+    sig["mu_abs_sum"] = info["mu_abs_sum"] = float(mu.double().abs().sum())  # the keys' fingerprint: KnnSource checks by it
+    if prior:
+        same = all(prior["sig"].get(f, "final" if f == "key" else None) == v for f, v in sig.items() if f != "mu_abs_sum")
         if not same or abs(prior["sig"]["mu_abs_sum"] - sig["mu_abs_sum"]) > 1e-4 * sig["mu_abs_sum"]:
             raise SystemExit(f"{cache}: the held-out kNN estimates there are another datastore's ({prior['sig']} vs {sig}): remove them")
         temp, scale = prior["temperature"], prior["info"]["temperature_scale"]
         info |= prior["info"] | {"heldout_cached": True}
     else:
-        temp, scale = _heldout(model, ds, mu, held, Index(index_dir), out, device, eval_batch, k, nprobe, info)
+        temp, scale = _heldout(model, ds, mu, held, Index(index_dir), out, device, eval_batch, k, nprobe, info, key, peer)
         cache.write_text(
             json.dumps({"sig": sig, "temperature": temp, "info": {f: v for f, v in info.items() if f not in ("keys_s", "ivf_s")}})
         )
@@ -243,7 +339,7 @@ def joint_estimates(
     done = Path(out_dir) / "searched"  # each chunk's columns once searched: a call cut short resumes here
     done.mkdir(parents=True, exist_ok=True)
     spans = [(a, min(a + chunk, len(keys))) for a in range(0, len(keys), chunk)]
-    file = {(a, b): done / f"{a:012d}-{b:012d}-{temp:.6g}.npz" for a, b in spans}
+    file = {(a, b): done / f"{a:012d}-{b:012d}-{key}-{temp:.6g}.npz" for a, b in spans}
     partial = bool(os.environ.get("TERAGRAM_KNN_PARTIAL"))  # merge what is searched; the rest defer to the model
     for j in [] if partial else np.random.default_rng(SEED).permutation(len(spans)):  # random order: a cut is a sample
         a, b = spans[j]

@@ -7,6 +7,7 @@ of the model's context (no window spans two documents); every token is predicted
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from .data import EvalData
 from .estimates import COMPONENTS, heldout_docs, heldout_estimates
 from .gate import Gate, component_logp, gate_inputs, mix_nll_multi
 from .gpt import GPT, to_torch
+from .knn import key_states
 
 
 @torch.no_grad()
@@ -31,7 +33,7 @@ def token_eval(
     device: str = "cpu",
     *,
     batch: int = 16,
-    hidden: bool = False,
+    hidden: bool | str = False,
     index=None,
     threads: int = 1,
     estimates: joint.Est | None = None,
@@ -40,11 +42,13 @@ def token_eval(
     """Per predicted token: nll (mixture when the model has one), nll_model (the model's own
     softmax), maxp and top (its most likely token and that token's probability), target, doc
     (document number), pos (index of the target in EOS+doc+EOS order minus one), and with
-    hidden=True the final hidden state (for kNN-LM queries). A jointly trained model mixes in
+    hidden=True the final hidden state (for kNN-LM queries; hidden="ffn_in": the state
+    model/knn.key_states names). A jointly trained model mixes in
     its estimates against `index` (an Index or its directory), computed on `threads` threads
     unless the caller has them already (`estimates`: joint.heldout_est of this text and index);
     a gate that reads dense_knn takes it from `knn` (model/knn.KnnSource)."""
     ev = EvalData(heldout, model.cfg.block_size, eos, sep)
+    key = "final" if hidden is True else hidden
     est = None
     if model.cfg.joint:
         from teragram.index.engine import Index
@@ -86,7 +90,7 @@ def token_eval(
             rows = [joint.Est.combine([r, joint.empty(T - len(r), len(model.cfg.joint))]) for r in rows]
             e = joint.to_torch(joint.Est.combine(rows, np.stack), device)
         xd, yd = x.to(device), y.to(device)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda), key_states(model, key) if hidden else nullcontext() as got:
             h, _ = model.hidden(xd, f)
             nll, logp = model.head_losses(h, yd, f, e)
         nll_model = -logp.gather(-1, yd.unsqueeze(-1)).squeeze(-1)
@@ -98,7 +102,7 @@ def token_eval(
         out["top"].append(top[mk].cpu().numpy())
         out["target"].append(y[mask].numpy())
         if hidden:
-            out["hidden"].append(h.float()[mk].cpu().numpy())
+            out["hidden"].append(got[0].float()[mk].cpu().numpy())
         for xx, _, _, d, s in buf:
             out["doc"].append(np.full(len(xx), d))
             out["pos"].append(np.arange(s, s + len(xx)))

@@ -1,9 +1,10 @@
 """The dense store of every training position, searched as the kNN-LM searches it (Khandelwal et
 al., 2020), and its estimate as a component of the joint gate (model/joint.py's dense_knn).
 
-Keys are a model's final hidden states at every training position of an index's shards (float16,
-centred, in device memory: ~72 GB for 47M positions of a 125M model on the H200), values the next
-tokens. The search is an inverted file (k-means centroids, each query probing the nearest few
+Keys are a model's states at every training position of an index's shards (float16, centred, in
+device memory: ~72 GB for 47M positions of a 125M model on the H200), values the next tokens. Which
+states (KEY_STATES) is chosen on validation (benchmarks/knnlm.choose_key): the final hidden state,
+what the head reads, or the paper's, the last block's feed-forward input after its layer norm. The search is an inverted file (k-means centroids, each query probing the nearest few
 lists, as FAISS's IVF) with exact float32 distances to the probed keys, so that the store built
 twice from the same model and index answers the same. benchmarks/knnlm.py measures the kNN-LM
 peer with it and writes the dense_knn estimates of training positions (exclude-doc) and held-out
@@ -26,6 +27,7 @@ KMEANS_ITERS = 20
 QUERY_CHUNK = 131_072  # queries searched at once (their 1024 neighbours each stay in GPU memory)
 SEED = 20261201
 K_JOINT = 64  # neighbours of the joint gate's kNN estimate (its p(target) against k = 1024's is measured: knn_est.json)
+KEY_STATES = ("final", "ffn_in")  # ln_f's output; the last block's ln_2 output (the FFN's input: Khandelwal et al.'s keys)
 DIST_EDGES = np.geomspace(0.02, 20.0, 19)  # the nearest distance / scale: the estimate's buckets 1..20 (0: no neighbour)
 
 
@@ -86,6 +88,31 @@ def _tf32():
         yield
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+@contextmanager
+def key_states(model, key: str):
+    """Within it, a list that receives the `key` states (B, T, C) of each forward of `model`
+    (KEY_STATES: "final", the output of ln_f, as GPT.hidden returns it; "ffn_in", the output of
+    the last block's ln_2, its feed-forward's input)."""
+    if key not in KEY_STATES:
+        raise TeragramError(f"kNN keys {key!r}: one of {', '.join(KEY_STATES)}")
+    mod = model.transformer.ln_f if key == "final" else model.transformer.h[-1].ln_2
+    got: list = []
+    hook = mod.register_forward_hook(lambda m, i, o: got.append(o))
+    try:
+        yield got
+    finally:
+        hook.remove()
+
+
+def states(model, x, key: str):
+    """The `key` states (B, T, C) of windows x (B, T) under `model` (no gradient)."""
+    import torch
+
+    with torch.no_grad(), key_states(model, key) as got:
+        model.hidden(x)
+    return got[-1]
 
 
 class Datastore:
@@ -185,9 +212,10 @@ def assign_scores(q, c):
     return (c * c).sum(1)[None] - 2 * q @ c.T
 
 
-def build(model, index_dir: Path, device: str, batch: int = 64):
+def build(model, index_dir: Path, device: str, batch: int = 64, key: str = "final", every: int = 1):
     """The datastore of every training position of the index's shards under `model`: keys are
-    its final hidden states (float16, centred), values the next tokens."""
+    its `key` states (float16, centred), values the next tokens (every > 1: the positions of
+    every every-th window only, a sample)."""
     import torch
     from teragram.index import format as fmt
 
@@ -196,6 +224,8 @@ def build(model, index_dir: Path, device: str, batch: int = 64):
     T = model.cfg.block_size
     toks = [fmt.open_array(fmt.shard_dir(Path(index_dir), s["shard"], s.get("dir")) / "tokens.bin", "tokens") for s in m["shards"]]
     N = sum(max(len(t) - 1, 0) for t in toks)
+    if every > 1:  # at most a window's T more per shard (its last, moved back), one window more in all
+        N = (N + len(toks) * T) // every + T
     C = model.cfg.n_embd
     keys = torch.empty((N, C), dtype=torch.float16, device=device)
     vals = torch.empty(N, dtype=torch.int32, device=device)
@@ -208,9 +238,8 @@ def build(model, index_dir: Path, device: str, batch: int = 64):
     def flush():
         nonlocal n, mu
         x = torch.from_numpy(np.stack([b[0] for b in buf])).to(device)
-        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
-            h, _ = model.hidden(x)
-        h = h.float()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+            h = states(model, x, key).float()
         if mu is None:
             mu = h.reshape(-1, C).mean(0)  # any vector gives the same distances; centring keeps fp16 precise
         for j, (_, y, keep) in enumerate(buf):
@@ -220,9 +249,13 @@ def build(model, index_dir: Path, device: str, batch: int = 64):
             n += r
         buf.clear()
 
+    w = 0
     for t in toks:
         for x, y, keep in _windows_of(t, T, sep, eos):
             if len(x) < T:  # a stream shorter than a window
+                continue
+            w += 1
+            if (w - 1) % every:
                 continue
             buf.append((x, y, keep))
             if len(buf) == batch:
@@ -267,7 +300,8 @@ def as_est(cols: dict):
 
 
 # what a model trained with dense_knn keeps of its store (GPTConfig.joint_knn): KnnSource rebuilds it
-SETTINGS = ("k", "nprobe", "centroids", "temperature_scale", "temperature_factor", "keys", "mu_abs_sum", "build_batch")
+SETTINGS = ("k", "nprobe", "centroids", "temperature_scale", "temperature_factor", "keys", "mu_abs_sum", "build_batch", "key")
+OPTIONAL = {"key": "final"}  # a setting estimates written before it existed did not keep: their value
 
 
 class KnnSource:
@@ -279,12 +313,13 @@ class KnnSource:
     wrote for held-out text. The keys live in device memory (2 bytes x n_embd per training position)."""
 
     def __init__(self, keys_model, index_dir: str | Path, settings, device: str = "cpu"):
-        settings = dict(settings)
+        settings = OPTIONAL | dict(settings)
         missing = [f for f in SETTINGS if f not in settings]
         if missing:
             raise TeragramError(f"the model's dense_knn settings lack {', '.join(missing)}: its estimates predate a live store")
         self.model, self.device = keys_model.eval(), device
-        keys, vals, self.mu = build(keys_model, index_dir, device, settings["build_batch"])  # mu: its first batch's mean
+        self.key = settings["key"]
+        keys, vals, self.mu = build(keys_model, index_dir, device, settings["build_batch"], self.key)  # mu: its first batch's mean
         got, want = float(self.mu.double().abs().sum()), settings["mu_abs_sum"]
         if len(keys) != settings["keys"] or abs(got - want) > 1e-4 * abs(want):
             raise TeragramError(
@@ -297,7 +332,7 @@ class KnnSource:
         self.V = keys_model.cfg.vocab_size
 
     def _hidden(self, windows: list[np.ndarray], batch: int):
-        """The keys model's final hidden states (n, C) float32 of every position of windows of at
+        """The keys model's key states (n, C) float32 of every position of windows of at
         most block_size ids, in order (a batch padded on the right: causal, nothing read)."""
         import torch
 
@@ -308,8 +343,8 @@ class KnnSource:
             x = np.zeros((len(ws), max(len(w) for w in ws)), np.int64)
             for j, w in enumerate(ws):
                 x[j, : len(w)] = w
-            with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
-                h, _ = self.model.hidden(torch.from_numpy(x).to(self.device))
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+                h = states(self.model, torch.from_numpy(x).to(self.device), self.key)
             out += [h[j, : len(w)].float() for j, w in enumerate(ws)]
         return torch.cat(out)
 
