@@ -346,19 +346,26 @@ def stage_eval(joint_outs: list[Path], index: Path, carry: Path, posthoc: Path, 
                 r = _rate(gpu[v]["log"])
                 res["rates"][v] = {"tokens_per_s": r, "vs_plain": r / plain if plain else "", "run": str(d)}
     variants = [v for v in NAMES if v in home and v != "knn"]
-    knn = "knn" in home
+    peers = [d for d in joint_outs if (d / "knn-indist-test.npz").exists()]  # (d) from every run that has it: each set takes
+    knn = bool(peers)  # the one best on its validation half (runs differ in their keys, model/knn.KEY_STATES)
     if knn:
-        res["knn"] = json.loads((home["knn"] / "knn_gpu.json").read_text())
+        res["knn"] = {str(d): json.loads((d / "knn_gpu.json").read_text()) for d in peers}
     dense = next((home[v] / "knn_est.json" for v in ("knnj", "knnjr") if v in home and (home[v] / "knn_est.json").exists()), None)
     if dense is not None:
         res["knn_est"] = json.loads(dense.read_text())
     held = heldout_features(index, work / "held", carry, workers)
     for s in SETS:
         row = {}
-        if knn:  # temperature and λ fit on this set's validation sample
-            zv = np.load(home["knn"] / f"knn-{s}-valid.npz")
-            j, lam = knnlm.fit(zv["nll_a"], zv["p_knn"])
-            row["knn"] = {"column": j, "temperature_factor": res["knn"]["factors"][j], "lambda": lam}
+        if knn:  # temperature and λ fit on this set's validation sample, in each run; the run best there
+            fits = []
+            for d in peers:
+                zv = np.load(d / f"knn-{s}-valid.npz")
+                j, lam = knnlm.fit(zv["nll_a"], zv["p_knn"])
+                loss = float(baselines.mix_nll(zv["nll_a"].astype(np.float64), zv["p_knn"][:, j], lam).mean())
+                info = res["knn"][str(d)]
+                fits.append({"run": str(d), "key": info.get("key", "final"), "valid_nll": loss, "column": j,
+                             "temperature_factor": info["factors"][j], "lambda": lam})  # fmt: skip
+            row["knn"] = min(fits, key=lambda f: f["valid_nll"]) | {"candidates": fits}
         for h in HALVES:
             docs = heldout_docs(held[s, h])
             target = np.concatenate([np.append(d, idx.eos_id) for d in docs]).astype(np.int32)  # each document's ids, then EOS
@@ -387,7 +394,7 @@ def stage_eval(joint_outs: list[Path], index: Path, carry: Path, posthoc: Path, 
                 if keep is not None:
                     r["test_decontaminated"] = float(np.exp(z["nll"][keep].mean()))
             if knn:
-                z = np.load(home["knn"] / f"knn-{s}-{h}.npz")
+                z = np.load(Path(row["knn"]["run"]) / f"knn-{s}-{h}.npz")
                 rows = z["rows"] if "rows" in z else np.arange(len(target))  # older runs kept a sample of validation
                 if not np.array_equal(z["target"], target[rows]) or (h == "test" and len(rows) != len(target)):
                     raise SystemExit(f"knn {s}-{h}: the kNN run's targets differ from the held-out text's here")
@@ -426,7 +433,14 @@ def report(res: dict, name: str = "joint") -> None:
             peers["d"] = r["joint"]["knn"]["test_decontaminated"]
             lines.append(
                 f"- {s}: kNN-LM fit on validation: temperature {r['joint']['knn']['temperature_factor']} x the median nearest "
-                f"distance, λ {r['joint']['knn']['lambda']}."
+                f"distance, λ {r['joint']['knn']['lambda']}"
+                + (
+                    f"; keys: {r['joint']['knn']['key']} states, the lower validation perplexity of "
+                    + " and ".join(f"{c['key']} ({math.exp(c['valid_nll']):.4g})" for c in r["joint"]["knn"]["candidates"])
+                    if len(r["joint"]["knn"].get("candidates", ())) > 1
+                    else ""
+                )
+                + "."
             )
         best = min(peers, key=peers.get)
         t = r["posthoc"]["ppl_decontaminated"]["t"]
@@ -438,10 +452,9 @@ def report(res: dict, name: str = "joint") -> None:
                     f"{100 * (1 - d / peers[best]):.1f}% below the best peer ({best}: {peers[best]:.3g})."
                 )
         lines.append("")
-    if "knn" in res:
-        k = res["knn"]
+    for run, k in res.get("knn", {}).items():
         lines.append(
-            f"(d): {k['keys']:,} keys (every training position), {k['centroids']} inverted lists, {k['nprobe']} probed, "
+            f"(d) in {Path(run).name}: {k['keys']:,} keys (every training position), {k['centroids']} inverted lists, {k['nprobe']} probed, "
             f"k = {k['k']}; recall of the {k['k']} neighbours against exact search on {knnlm.RECALL_ROWS:,} validation "
             f"queries {k['recall_at_k']:.3f} (nearest neighbour the same: {k['nearest_exact_share']:.3f}); datastore "
             f"{k['keys_s']:.0f} s, search {sum(v for n, v in k.items() if 'search_' in n):.0f} s on the GPU; its temperature and λ fit on "
@@ -449,7 +462,7 @@ def report(res: dict, name: str = "joint") -> None:
                 f"the validation halves, its temperatures' scale the median nearest distance of {knnlm.VALID_ROWS:,} of their targets per set."
                 if "key" not in k
                 else f"the validation halves, its temperatures' scale the in-distribution validation's median nearest distance; keys: (a)'s "
-                f"{KEY_NAMES[k['key']]}, the store dense_knn searches (the validation's choice, below)."
+                f"{KEY_NAMES[k['key']]}, dense_knn's store (chosen on validation: below)."
             )
         )
         lines.append("")
