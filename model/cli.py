@@ -231,8 +231,15 @@ def cmd_evals(args) -> int:
     model = load_model(args.checkpoint, args.device)[0] if args.checkpoint else None
     idx = Index(args.index)
     gate = Gate.load(args.gate) if args.gate else None
-    check_run(model, idx, gate=gate, save_dir=args.save_outputs)
+    check_run(model, idx, gate=gate, save_dir=args.save_outputs, knn=args.knn_keys, index_side=not args.model_only)
     is_joint = model is not None and bool(model.cfg.joint)
+    knn = None
+    if args.knn_keys:
+        if model is None:
+            raise TeragramError("--knn-keys goes with the --checkpoint of a jointly trained model that reads dense_knn")
+        from .knn import source_for
+
+        knn = source_for(model, args.knn_keys, args.index, args.device)
     if args.joint_gate:
         if model is None:
             raise TeragramError("--joint-gate goes with the --checkpoint of a jointly trained model")
@@ -242,7 +249,7 @@ def cmd_evals(args) -> int:
     rows = []
     for name in tqdm(tasks, desc="tasks", disable=args.quiet):
         kw = dict(gate=gate, limit=args.limit, device=args.device, batch=args.batch, threads=args.workers)
-        kw |= dict(save_dir=args.save_outputs, outputs_dir=args.outputs, index_side=not args.model_only)
+        kw |= dict(save_dir=args.save_outputs, outputs_dir=args.outputs, index_side=not args.model_only, knn=knn)
         rows.append(run_task(model, idx, name, **kw))
     if args.model_only:
         for r in rows:
@@ -350,6 +357,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--tasks",
         default="hellaswag",
         help="comma-separated, or all: " + "hellaswag, arc_easy, arc_challenge, piqa, winogrande, sciq, openbookqa, boolq, social_iqa",
+    )
+    es.add_argument(
+        "--knn-keys",
+        metavar="RUN",
+        help="a joint model whose gate reads dense_knn: the run whose hidden states key its kNN store (rebuilt at start)",
     )
     es.add_argument("--limit", type=int, help="the first N examples of each task")
     es.add_argument("--device", default="cpu")

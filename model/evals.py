@@ -219,14 +219,15 @@ def model_outputs(
     return [res[i] for i in range(len(docs))]
 
 
-def joint_estimates(model: GPT, idx, docs: list[tuple[np.ndarray, int]], threads: int = 1) -> joint.Est:
+def joint_estimates(model: GPT, idx, docs: list[tuple[np.ndarray, int]], threads: int = 1, knn=None) -> joint.Est:
     """A jointly trained model's estimates of every target of the candidates, each read as one
-    held-out document against the whole index (joint.heldout_est, token_eval's), on `threads`
+    held-out document against the whole index (joint.heldout_est, token_eval's; a gate reading
+    dense_knn takes it from `knn`, model/knn.KnnSource), on `threads`
     threads; an index whose estimates the model's gate cannot read is refused."""
     if not model.cfg.joint:
         raise TeragramError("only a jointly trained model (train --gate=joint) mixes its own estimates")
     joint.check_index(model.cfg, idx)
-    return joint.heldout_est(idx, [d for d, _ in docs], model.cfg.joint, model.cfg.joint_top_k, threads)
+    return joint.heldout_est(idx, [d for d, _ in docs], model.cfg.joint, model.cfg.joint_top_k, threads, knn=knn)
 
 
 def gated_nll(idx, docs: list[tuple[np.ndarray, int]], outs: list[dict], gate: Gate, threads: int = 1) -> list[np.ndarray]:
@@ -326,12 +327,17 @@ def downstream(model: GPT, tasks: dict, eos: int, device: str = "cpu") -> dict[s
     return res
 
 
-def check_run(model: GPT | None, idx, *, gate: Gate | None = None, save_dir=None) -> None:
+def check_run(model: GPT | None, idx, *, gate: Gate | None = None, save_dir=None, knn=None, index_side: bool = True) -> None:
     """Refuse, before any work, what a jointly trained model cannot do: be mixed by a post-hoc
     gate besides its own, save outputs for the index side elsewhere (its mixture reads the
-    index as it runs), or read an index whose estimates its gate was not trained on."""
+    index as it runs), read an index whose estimates its gate was not trained on, or mix
+    without the kNN store its gate reads (`knn`: the store or what will build it)."""
     if model is None or not model.cfg.joint:
         return
+    if index_side and knn is None and any(c in joint.DENSE for c in model.cfg.joint):
+        raise TeragramError(
+            "this model's gate reads the kNN-LM's estimate (dense_knn): give --knn-keys RUN, the run whose states key its store"
+        )
     if gate is not None:
         raise TeragramError("a jointly trained model mixes the index through its own gate: no post-hoc --gate (--joint-gate: a refit one)")
     if save_dir is not None:
@@ -354,15 +360,17 @@ def run_task(
     save_dir: str | Path | None = None,
     outputs_dir: str | Path | None = None,
     index_side: bool = True,
+    knn=None,
 ) -> dict:
     """One task: accuracy of the model (and of the gated mixture, or of a joint model's own
     mixture), and contamination. The model's outputs are computed (model), or read from
     outputs_dir (saved by an earlier call with save_dir, e.g. on a GPU machine); index_side=False
     stops at the model's accuracy. A joint model's mixture reads the index as it runs, so its
-    outputs are not saved, and a post-hoc gate has no place beside its own."""
+    outputs are not saved, and a post-hoc gate has no place beside its own; a gate reading
+    dense_knn takes it from `knn` (model/knn.KnnSource)."""
     from .outputs import tokenizer_digest
 
-    check_run(model, idx, gate=gate, save_dir=save_dir)
+    check_run(model, idx, gate=gate, save_dir=save_dir, knn=knn, index_side=index_side)
     is_joint = model is not None and bool(model.cfg.joint)
     examples = load_task(name, limit)
     tok = idx.tokenize
@@ -373,7 +381,7 @@ def run_task(
         if len(outs) != len(docs):
             raise TeragramError(f"{outputs_dir}/{name}.npz: {len(outs)} candidates saved, {len(docs)} in the task")
     else:
-        est = joint_estimates(model, idx, docs, threads) if is_joint and index_side else None
+        est = joint_estimates(model, idx, docs, threads, knn) if is_joint and index_side else None
         outs = model_outputs(model, docs, idx.eos_id, device, batch, est=est)
     if save_dir is not None:
         Path(save_dir).mkdir(parents=True, exist_ok=True)

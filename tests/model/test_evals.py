@@ -153,9 +153,9 @@ def joint_run(joint_root):
     return joint_root, load_model(joint_root / "evals-joint")[0], Index(joint_root / "idx")
 
 
-def _token_eval_of(model, idx, ids: np.ndarray, out) -> dict:
+def _token_eval_of(model, idx, ids: np.ndarray, out, **kw) -> dict:
     """The oracle: token_eval of one document (ids) as held-out text, its held-out features
-    written from the ids themselves."""
+    written from the ids themselves (kw: token_eval's, e.g. knn)."""
     from teragram.index import features as ff
     from teragram.index import format as fmt
     from teragram.index.heldout import write_held_out
@@ -165,7 +165,7 @@ def _token_eval_of(model, idx, ids: np.ndarray, out) -> dict:
     ident = ff.begin(idx.path, out, cfg, [])
     write_held_out(idx, out, cfg, [ids], [{}])
     ff.finish(out, ident, [fmt.read_json(out / "000000.done")], len(ids) + 1, {})
-    return token_eval(model, out, idx.eos_id, idx.sep, index=idx)
+    return token_eval(model, out, idx.eos_id, idx.sep, index=idx, **kw)
 
 
 def _completion(r: dict, n_ctx: int, n: int) -> dict:

@@ -436,6 +436,30 @@ def test_dense_knn_estimates_exclude_the_own_document(tokenizer_model, tmp_path,
     sa = ["sample", "--checkpoint", str(joint_root / "dense"), "--index", str(joint_root / "idx"), "The", "--max-tokens", "3"]
     assert main([*sa, "--knn-keys", str(joint_root / "keys")]) == 0 and capsys.readouterr().out.startswith("The")
     assert main(sa) == 2 and "no live source" in capsys.readouterr().err
+    # evals: each candidate's mixture is token_eval's with the store; without it, one line before any work
+    from teragram.model.evals import candidates, joint_estimates, load_task, model_outputs, run_task
+
+    from tests.model.test_evals import _acc, _completion, _token_eval_of
+
+    es = ["evals", "--checkpoint", str(joint_root / "dense"), "--index", str(joint_root / "idx"), "--tasks", "openbookqa"]
+    es += ["--limit", "3", "--quiet"]
+    assert main([*es, "--knn-keys", str(joint_root / "keys"), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows == [run_task(m2, idx, "openbookqa", limit=3, knn=src)]
+    examples = load_task("openbookqa", 3)
+    want = [
+        _completion(_token_eval_of(m2, idx, d, tmp_path / f"cand{j}", knn=src), n, len(d))
+        for j, (d, n) in enumerate(candidates(examples, idx.tokenize))
+    ]  # fmt: skip
+    cands = candidates(examples, idx.tokenize)
+    outs = model_outputs(m2, cands, idx.eos_id, est=joint_estimates(m2, idx, cands, knn=src))
+    assert all(len(d) <= m2.cfg.block_size for d, _ in cands)  # one window: the scorer's is token_eval's
+    for o, w in zip(outs, want, strict=True):
+        np.testing.assert_allclose(o["nll_joint"], w["nll"], atol=1e-4)
+    acc, acc_norm = _acc(examples, [w["nll"] for w in want])
+    assert (rows[0]["joint"]["acc"], rows[0]["joint"]["acc_norm"]) == (acc, acc_norm)
+    assert main(es) == 2 and "give --knn-keys" in capsys.readouterr().err
+    assert main([*es, "--model-only"]) == 0  # the model alone needs no store
     # serve: refused at start without the store; with it, /v1/score's gated logprobs are token_eval's
     from fastapi.testclient import TestClient
     from teragram.serve.app import ServeConfig, create_app
