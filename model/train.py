@@ -163,6 +163,11 @@ def check(cfg: TrainConfig) -> None:
             raise ConfigError("gate = joint trains a model without index inputs: leave features unset or use_index = false")
         if cfg.joint_components:
             joint.check_components(cfg.joint_components)
+        if cfg.evals and any(c in joint.DENSE for c in cfg.joint_components):
+            raise ConfigError(
+                "evals during training mix each candidate's estimates, and training has no kNN store for dense_knn's:"
+                " score the checkpoint with `teragram evals --knn-keys RUN`"
+            )
     if cfg.joint_lm_weight < 0 or (cfg.joint_lm_weight and cfg.gate != "joint"):
         raise ConfigError(f"joint_lm_weight must be >= 0 and goes with gate = joint (got {cfg.joint_lm_weight}, gate = {cfg.gate})")
     if cfg.recompute_blocks < 0 or (cfg.recompute_blocks and cfg.recompute != "block"):

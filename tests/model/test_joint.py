@@ -401,6 +401,14 @@ def test_dense_knn_estimates_exclude_the_own_document(tokenizer_model, tmp_path,
         joint.live(idx, docs[0][:5], idx.vocab_size, m2.cfg.joint, 4)
     with pytest.raises(TeragramError, match="go last"):
         joint.check_components(("dense_knn", "index_infgram"))
+    with pytest.raises(ConfigError, match="no kNN store"):
+        train_tiny(
+            joint_root,
+            "dense-evals",
+            max_steps=1,
+            evals=("openbookqa",),
+            **joint_kw(joint_root, joint_estimates=str(est_knn), joint_components=comps),
+        )
     with pytest.raises(ConfigError, match="no source"):
         train_tiny(joint_root, "dense-bad", max_steps=1, **joint_kw(joint_root, joint_estimates=str(est_knn)))
     # outside training (teragram eval/sample/serve --knn-keys): the store rebuilt from the keys model
