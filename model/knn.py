@@ -330,6 +330,7 @@ class KnnSource:
         self.k, self.nprobe, self.scale = settings["k"], settings["nprobe"], settings["temperature_scale"]
         self.temp = settings["temperature_factor"] * self.scale
         self.V = keys_model.cfg.vocab_size
+        self._last = None  # live's last window, its key/value cache and last state, one tuple (read and replaced whole)
 
     def _hidden(self, windows: list[np.ndarray], batch: int):
         """The keys model's key states (n, C) float32 of every position of windows of at
@@ -347,6 +348,25 @@ class KnnSource:
                 h = states(self.model, torch.from_numpy(x).to(self.device), self.key)
             out += [h[j, : len(w)].float() for j, w in enumerate(ws)]
         return torch.cat(out)
+
+    def _last_state(self, w: np.ndarray):
+        """The keys model's state (1, C) float32 at the last position of window w. Generation asks
+        for a window that extends the one before: the last call's key/value cache is kept, so only
+        the new tokens run (a window that does not extend it, after a rejected draft or at a
+        window's start, runs whole)."""
+        import torch
+
+        last = self._last
+        if last is not None and np.array_equal(last[0], w):
+            return last[2]
+        grow = last is not None and len(last[0]) < len(w) and np.array_equal(last[0], w[: len(last[0])])
+        new, kv, pos0 = (w[len(last[0]) :], last[1], len(last[0])) if grow else (w, None, 0)
+        cuda = str(self.device).startswith("cuda")
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda), key_states(self.model, self.key) as got:
+            _, kv = self.model.hidden(torch.from_numpy(new[None]).to(self.device), kv=kv, pos0=pos0)
+        state = got[-1][0, -1:].float()
+        self._last = (w.copy(), kv, state)
+        return state
 
     def documents(self, docs: list[np.ndarray], eos: int, batch: int = 16):
         """Every target's estimate of documents read as held-out text (EOS + the document,
@@ -371,12 +391,13 @@ class KnnSource:
     def live(self, context, eos: int):
         """For the next token after `context` (a document's ids so far): the estimate's one-row
         Est (q unused) and its distribution (V,), softmax(-d / T) summed by the neighbours'
-        tokens. The keys model reads the position's window as `documents` does."""
+        tokens. The keys model reads the position's window as `documents` does (its key/value
+        cache kept from the call before: `_last_state`)."""
         import torch
 
         T = self.model.cfg.block_size
         x = np.concatenate([[eos], np.asarray(context, np.int64)])
-        d, nb = self.ds.neighbours(self._hidden([x[(len(x) - 1) // T * T :]], 1)[-1:] - self.mu, self.k, self.nprobe)
+        d, nb = self.ds.neighbours(self._last_state(x[(len(x) - 1) // T * T :]) - self.mu, self.k, self.nprobe)
         cols = estimate_columns(d, nb, torch.full((1,), -1, device=nb.device), self.temp, self.scale)
         w = torch.nan_to_num(torch.softmax(-d[0].double() / self.temp, 0)) * (nb[0] >= 0)
         dist = torch.zeros(self.V, dtype=torch.float64).index_add_(0, nb[0].clamp_min(0).cpu(), w.cpu())

@@ -425,6 +425,9 @@ def test_dense_knn_estimates_exclude_the_own_document(tokenizer_model, tmp_path,
     via = token_eval(m2, joint_root / "held", idx.eos_id, idx.sep, "cpu", index=idx, knn=src)
     np.testing.assert_allclose(via["nll"], got["nll"], atol=1e-3)
     assert_live_is_bulk(m2, idx, docs, via, (0, 2), 30, knn=src)
+    w = np.concatenate([[idx.eos_id], docs[1][:40]]).astype(np.int64)  # live's cached window state is the window's own,
+    for n in (5, 6, 9, 9, 7, 12, 3):  # growing by one and by several, asked again, cut back (a rejected draft)
+        torch.testing.assert_close(src._last_state(w[:n]), src._hidden([w[:n]], 1)[-1:], atol=1e-5, rtol=1e-5)
     g = generate(m2, idx, [int(i) for i in docs[0][:5]], max_new_tokens=4, knn=src)
     assert len(g.new_ids) == 4
     torch.manual_seed(1)
