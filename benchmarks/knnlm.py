@@ -1,14 +1,16 @@
 """kNN-LM with every training position in the datastore: the fair dense peer of issue #15.
 
-Khandelwal et al. (2020) store a key (the model's final hidden state) and a value (the next
-token) for every training token, look the current hidden state up among them, and mix the
-neighbours' distribution, softmax(-squared distance / temperature), with the model's:
+Khandelwal et al. (2020) store a key (a hidden state of the model: theirs, the last block's
+feed-forward input after its layer norm) and a value (the next token) for every training token,
+look the current context's key up among them, and mix the neighbours' distribution,
+softmax(-squared distance / temperature), with the model's:
 
     p(y) = (1 - λ) p_model(y) + λ p_knn(y).
 
 Here the model is the joint benchmark's plain 125M (a) and the datastore holds all ~47M
 training positions (non-overlapping windows of the block size, the way held-out text is read,
-so every target appears once). The keys, fp16, live in GPU memory (~72 GB on the H200); the
+so every target appears once). `run` keys it by the final hidden states; `joint_estimates`
+by the states choose_key finds best on validation (model/knn.KEY_STATES). The keys, fp16, live in GPU memory (~72 GB on the H200); the
 store and its search are model/knn.py's (the library's: a joint model that reads the estimate is
 served with it). The search is the paper's: an inverted file (k-means centroids, each query probing the nearest
 few lists, as FAISS's IVF), with exact float32 distances to the probed keys (the paper recomputed

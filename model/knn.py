@@ -4,8 +4,9 @@ al., 2020), and its estimate as a component of the joint gate (model/joint.py's 
 Keys are a model's states at every training position of an index's shards (float16, centred, in
 device memory: ~72 GB for 47M positions of a 125M model on the H200), values the next tokens. Which
 states (KEY_STATES) is chosen on validation (benchmarks/knnlm.choose_key): the final hidden state,
-what the head reads, or the paper's, the last block's feed-forward input after its layer norm. The search is an inverted file (k-means centroids, each query probing the nearest few
-lists, as FAISS's IVF) with exact float32 distances to the probed keys, so that the store built
+what the head reads, or the paper's, the last block's feed-forward input after its layer norm.
+The search is an inverted file (k-means centroids, each query probing the nearest few lists, as
+FAISS's IVF) with exact float32 distances to the probed keys, so that the store built
 twice from the same model and index answers the same. benchmarks/knnlm.py measures the kNN-LM
 peer with it and writes the dense_knn estimates of training positions (exclude-doc) and held-out
 text in bulk; `KnnSource` gives the same estimate live (`teragram sample/serve --knn-keys`) and in
