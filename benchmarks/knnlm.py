@@ -198,17 +198,12 @@ def _heldout(
     for (name, h), feats in sorted(held.items(), key=lambda kv: kv[0] != ("indist", "valid")):  # it sets the temperature
         t = time.time()
         r = token_eval(model, feats, idx.eos_id, idx.sep, device, batch=eval_batch, hidden=key)
-        parts = []
-        for a in range(0, len(r["target"]), QUERY_CHUNK):
-            parts.append(ds.neighbours(queries(r["hidden"], slice(a, a + QUERY_CHUNK), mu, device), k, nprobe))
-        d, nb = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        d, nb = _search_all(ds, r["hidden"], mu, device, k, nprobe)
         tgt = torch.from_numpy(r["target"].astype(np.int64)).to(device)
         found[name, h] = (d, nb, tgt, r["target"].astype(np.int32))
         info[f"heldout_{name}_{h}_s"] = time.time() - t
         if (name, h) == ("indist", "valid"):  # the scale and temperature, here only
-            scale = float(d[:, 0].median())
-            p = knn_target_probs(d, nb, tgt, [f * scale for f in FACTORS]).cpu().numpy()
-            j, lam = fit(r["nll"].astype(np.float64), p)
+            scale, j, lam, _ = _fit_temperature(d, nb, tgt, r["nll"].astype(np.float64))
             temp = FACTORS[j] * scale
             info |= {"temperature_scale": scale, "temperature_factor": FACTORS[j], "lambda_at_fit": lam}
             s = slice(0, min(VALID_ROWS, len(r["target"])))  # k against the peer's 1024, on the first targets
@@ -235,6 +230,26 @@ def _heldout(
     return temp, scale
 
 
+def _search_all(ds, hidden: np.ndarray, mu, device: str, k: int, nprobe: int):
+    """The neighbours (squared distances, values) of every held-out state (token_eval's hidden), in
+    chunks of queries."""
+    import torch
+
+    parts = [ds.neighbours(queries(hidden, slice(a, a + QUERY_CHUNK), mu, device), k, nprobe) for a in range(0, len(hidden), QUERY_CHUNK)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def _fit_temperature(d, nb, tgt, nll: np.ndarray) -> tuple[float, int, float, float]:
+    """The scale (the median nearest distance), and fit's temperature column (FACTORS x the scale)
+    and λ for the model's nll, with that fit's validation loss."""
+    from teragram.model.baselines import mix_nll
+
+    scale = float(d[:, 0].median())
+    p = knn_target_probs(d, nb, tgt, [f * scale for f in FACTORS]).cpu().numpy()
+    j, lam = fit(nll, p)
+    return scale, j, lam, float(mix_nll(nll, p[:, j], lam).mean())
+
+
 def choose_key(model, index_dir: Path, feats, idx, device: str, *, batch: int, eval_batch: int, k: int, centroids: int, nprobe: int,
                every: int = SELECT_EVERY) -> tuple[str, dict]:  # fmt: skip
     """The keys (model/knn.KEY_STATES) whose kNN-LM does best on the in-distribution validation
@@ -242,7 +257,6 @@ def choose_key(model, index_dir: Path, feats, idx, device: str, *, batch: int, e
     temperature (FACTORS x the median nearest distance) and λ fit there (fit), and that fit's
     loss; the lowest wins. Returns it with each kind's figures."""
     import torch
-    from teragram.model.baselines import mix_nll
     from teragram.model.evaluate import token_eval
 
     res = {}
@@ -252,16 +266,11 @@ def choose_key(model, index_dir: Path, feats, idx, device: str, *, batch: int, e
         ds = Datastore(keys, vals, centroids=centroids)
         r = token_eval(model, feats, idx.eos_id, idx.sep, device, batch=eval_batch, hidden=key)
         tgt = torch.from_numpy(r["target"].astype(np.int64)).to(device)
-        ds_nb = [
-            ds.neighbours(queries(r["hidden"], slice(a, a + QUERY_CHUNK), mu, device), k, nprobe) for a in range(0, len(tgt), QUERY_CHUNK)
-        ]
-        d, nb = torch.cat([x[0] for x in ds_nb]), torch.cat([x[1] for x in ds_nb])
-        scale = float(d[:, 0].median())
-        p = knn_target_probs(d, nb, tgt, [f * scale for f in FACTORS]).cpu().numpy()
+        d, nb = _search_all(ds, r["hidden"], mu, device, k, nprobe)
         nll = r["nll"].astype(np.float64)
-        j, lam = fit(nll, p)
+        _, j, lam, loss = _fit_temperature(d, nb, tgt, nll)
         res[key] = {
-            "valid_nll": float(mix_nll(nll, p[:, j], lam).mean()),
+            "valid_nll": loss,
             "model_nll": float(nll.mean()),
             "temperature_factor": FACTORS[j],
             "lambda": lam,
@@ -269,7 +278,7 @@ def choose_key(model, index_dir: Path, feats, idx, device: str, *, batch: int, e
             "targets": len(tgt),
             "s": time.time() - t,
         }
-        del keys, vals, ds, d, nb, ds_nb, r
+        del keys, vals, ds, d, nb, r
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return min(res, key=lambda x: res[x]["valid_nll"]), res
