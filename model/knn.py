@@ -405,6 +405,17 @@ class KnnSource:
         return as_est(cols), dist.numpy()
 
 
+def require_store(model, given) -> None:
+    """Refuse, before any work, a jointly trained model whose gate reads dense_knn when no store is
+    `given` (the KnnSource, or the --knn-keys that will build it)."""
+    from .joint import DENSE
+
+    if given is None and model is not None and any(c in DENSE for c in model.cfg.joint):
+        raise TeragramError(
+            "this model's gate reads the kNN-LM's estimate (dense_knn): give --knn-keys RUN, the run whose states key its store"
+        )
+
+
 def source_for(model, keys_checkpoint, index_dir, device: str = "cpu") -> KnnSource | None:
     """The KnnSource of a jointly trained model whose gate reads dense_knn, rebuilt from
     `keys_checkpoint` (--knn-keys: the run whose hidden states key the store) over the index;

@@ -131,22 +131,14 @@ def create_app(cfg: ServeConfig) -> FastAPI:
         from teragram.model.refit import use_gate_file
 
         use_gate_file(model, cfg.joint_gate)
-    knn_src = None
-    reads_knn = False
-    if model is not None:
-        from teragram.model.joint import DENSE
+    from teragram.model.knn import require_store, source_for
 
-        reads_knn = any(c in DENSE for c in model.cfg.joint)
+    require_store(model, cfg.knn_keys)
+    knn_src = None
     if cfg.knn_keys:
         if model is None:
             raise TeragramError("--knn-keys needs --checkpoint")
-        from teragram.model.knn import source_for
-
         knn_src = source_for(model, cfg.knn_keys, cfg.index, cfg.device)  # the store rebuilt at start, in device memory
-    elif reads_knn:
-        raise TeragramError(
-            f"{cfg.checkpoint}: its gate reads the kNN-LM's estimate (dense_knn): give --knn-keys, the run that keys its store"
-        )
     gate = None
     if cfg.gate:
         from teragram.model.gate import Gate
