@@ -14,7 +14,8 @@ From (a)'s saved outputs (benchmarks/joint.py gpu) mixed with the index here, pe
      NEIGHBOUR_TOKENS, followed by the document's own earlier text;
    - kNN-LM's p_knn(target) over every training position (benchmarks/knnlm.py, with --knn:
      a run of the same (a)), its temperature fit on validation, the gate reading the nearest
-     distance's bucket.
+     distance's bucket; and the same at three temperatures (KNN3: the joint gate's), three
+     estimates the gate weighs per token.
 
     python -m benchmarks.gate_headroom --outputs OUT --index DATA/idx-050m [--knn OUT] [--name gate_headroom]
 
@@ -40,6 +41,7 @@ from benchmarks.index_size import FIT_ROWS, HALVES, SETS, _contamination
 NEIGHBOUR_TOKENS = 65536  # the neighbour cache's training text per document (one setting, not tuned)
 MLP_WIDTH, MLP_EPOCHS, MLP_BATCH = 256, 30, 4096
 DIST_EDGES = (0.1, 0.25, 0.5, 0.75, 0.9)  # quantiles (on validation) of kNN's nearest distance: the gate's buckets
+KNN3 = (0.1, 0.2, 0.5)  # (t+knn3)'s temperatures (x the median nearest distance): the joint gate's three (model/knn.MULTIPLES x 0.2)
 
 
 def _paths(source: Path) -> list[str]:
@@ -212,13 +214,18 @@ def evaluate_set(name: str, a, nb: Neighbours | None) -> dict:
 
         nll["(d) kNN-LM over (a)"] = {h: mix_nll(o[h].nll.astype(np.float64), p[h][:, j], lam) for h in HALVES}
         edges = np.quantile(dist["valid"], DIST_EDGES)
-        for tag, (Xb, lpb) in (("(t+knn) plus kNN-LM's estimate", (X, lp)), ("(t+near+knn) plus both", (Xn, lpn))):
+        three = [knnlm.FACTORS.index(f) for f in KNN3]
+        for tag, (Xb, lpb), cols in (
+            ("(t+knn) plus kNN-LM's estimate", (X, lp), [j]),
+            ("(t+near+knn) plus both", (Xn, lpn), [j]),
+            (f"(t+knn3) plus kNN-LM's estimate at {', '.join(map(str, KNN3))} x the median nearest distance: three", (X, lp), three),
+        ):
             Xk, lpk = {}, {}
             for h in HALVES:
                 B = np.zeros((len(dist[h]), len(edges) + 1), np.float32)
                 B[np.arange(len(B)), np.searchsorted(edges, dist[h])] = 1
                 Xk[h] = np.concatenate([B, Xb[h]], 1)
-                lpk[h] = np.concatenate([lpb[h], np.maximum(np.log(p[h][:, j : j + 1] + 1e-300), -700.0)], 1)
+                lpk[h] = np.concatenate([lpb[h], np.maximum(np.log(p[h][:, cols] + 1e-300), -700.0)], 1)
             nll[tag] = _linear(Xk, lpk)
         knn = {"temperature_factor": knnlm.FACTORS[j], "lambda": lam}
     row = {"set": name, "test targets": len(clean), "decontaminated targets": int(clean.sum())}

@@ -24,9 +24,12 @@ model's evaluation cannot be split like the post-hoc one's). Variants:
   lm1h      lm1 without the hidden state in the gate
   knn       the peer (d): kNN-LM over (a) with every training position in the datastore
             (benchmarks/knnlm.py; its temperature and λ are fit here, by `eval`)
-  knnest    (no model) the kNN-LM's estimate as a joint component, dense_knn: every held-out
-            target's and every training position's in exclude-doc mode (knnlm.joint_estimates)
+  knnest    (no model) the kNN-LM's estimate as joint components, model/joint.DENSE (dense_knn at
+            the temperature fit on validation, dense_knn_sharp/_broad at 0.5x/2.5x it): every
+            held-out target's and every training position's in exclude-doc mode (knnlm.joint_estimates)
   knnj      lm1 with dense_knn as one more component (after knnest, on the same machine)
+  knnj3     lm1 with all three dense components
+  knnj3w    knnj3 with the LM's own loss at half weight (joint_lm_weight = 0.5)
 With --refit, each joint variant V is also scored with its gate refit on each set's validation
 half after training, the LM frozen (model/refit.py), as the post-hoc gates are fit per set:
   Vr        the statistics' weights refit (the hidden state's projection as trained)
@@ -60,6 +63,8 @@ VARIANTS = {
     "lm1": ["--joint_lm_weight=1.0"],
     "lm1h": ["--joint_lm_weight=1.0", "--joint_hidden=false"],
     "knnj": ["--joint_lm_weight=1.0", "--joint_components={all},dense_knn"],  # {all}: model/estimates.COMPONENTS
+    "knnj3": ["--joint_lm_weight=1.0", "--joint_components={all},dense_knn,dense_knn_sharp,dense_knn_broad"],
+    "knnj3w": ["--joint_lm_weight=0.5", "--joint_components={all},dense_knn,dense_knn_sharp,dense_knn_broad"],
 }
 THEN_OK = {"knn", "knnest"}  # variants that need only (a) and the index: prep can start them once (a) is trained
 KEY_NAMES = {"final": "final hidden states", "ffn_in": "last block's feed-forward inputs after its layer norm (the kNN-LM paper's keys)"}
@@ -71,6 +76,8 @@ TRAINED = {
     "lm1": "(j+lm) joint, plus the LM's own loss (joint_lm_weight = 1)",
     "lm1h": "(j+lm-h) the same, gate without the hidden state",
     "knnj": "(j+lm+knn) j+lm, the kNN-LM's estimate one more component (exclude-doc in training)",
+    "knnj3": "(j+lm+knn3) j+lm+knn, the kNN estimate at three temperatures (0.5x, 1x, 2.5x the fit one): three components",
+    "knnj3w": "(j+lm/2+knn3) j+lm+knn3 with the LM's own loss at half weight (joint_lm_weight = 0.5)",
 }
 # --refit: each joint variant's gate refit on each set's validation half, the LM frozen (model/refit.py)
 REFITS = {
@@ -102,15 +109,15 @@ def _run(work: Path, v: str, seed: int) -> Path:
 
 def stage_prep(
     carry: Path, work: Path, scale: str = "gpu", steps: int | None = None, seed: int = 7, joint_inputs: bool = True,
-    then: tuple[str, ...] = (), out: Path | None = None,
+    then: tuple[str, ...] = (), out: Path | None = None, then_args: tuple[str, ...] = (),
 ) -> tuple[dict, list]:  # fmt: skip
     """Index, exclude-doc features per context length, the training positions' estimates; the
     plain model (a) trains meanwhile on the idle GPU (its step rate is measured again, alone, by
     the variant plain: this run shares the CPUs). joint_inputs False (no joint variant to train,
     e.g. --variants a,knn): the index and (a) only. `then`: variants over (a) (THEN_OK) started
     on the GPU as soon as (a) is trained, beside the estimates, writing to `out` (knnest's search
-    only: its merge needs the estimates, so a later train stage finishes it); returned with the
-    phases' times, still running."""
+    only: its merge needs the estimates, so a later train stage finishes it), with `then_args`
+    (the kNN options); returned with the phases' times, still running."""
     from teragram.model import joint
 
     from benchmarks.perplexity import SCALES, train_cmd
@@ -130,8 +137,10 @@ def stage_prep(
     def start_then():  # (a)'s followers, once it is trained
         if a.wait() == 0:
             cmd = [py, "-m", "benchmarks.joint", "gpu", "--carry", str(carry), "--work", str(work), "--out", str(out)]
-            cmd += ["--stage", "train", "--variants", ",".join(then), "--seed", str(seed), "--scale", scale] + (
-                ["--steps", str(steps)] if steps else []
+            cmd += (
+                ["--stage", "train", "--variants", ",".join(then), "--seed", str(seed), "--scale", scale]
+                + (["--steps", str(steps)] if steps else [])
+                + list(then_args)
             )
             log = open(work / "train-then.log", "w")
             follow.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"TERAGRAM_KNN_SEARCH_ONLY": "1"}))
@@ -185,7 +194,7 @@ def _dense_of(model, out: Path):
     from teragram.model.joint import DENSE
 
     wants = any(c in DENSE for c in model.cfg.joint)
-    return lambda name, h: knnlm.load_est(out, name, h) if wants else None
+    return lambda name, h: knnlm.load_est(out, name, h, model.cfg.joint) if wants else None
 
 
 def _eval_refits(model, v: str, held: dict, idx, out: Path, device: str, batch: int, threads: int) -> dict:
@@ -230,6 +239,8 @@ def stage_train(
     scale: str = "gpu",
     refit: bool = False,
     seed: int = 7,
+    knn_key: str = "auto",
+    knn_peer: bool = True,
 ) -> None:
     import torch
     from teragram.index.engine import Index
@@ -263,7 +274,7 @@ def stage_train(
         if v == "knnest":  # dense_knn for the joint gate, over (a) trained during prep
             model, _ = load_model(_run(work, "a", seed), device)
             args = (model, work / "idx", held, work / "est", work / DENSE_ESTIMATES, out, device)
-            info[v] = knnlm.joint_estimates(*args, eval_batch=s["eval_batch"], peer=True) | {"total_s": time.time() - t}
+            info[v] = knnlm.joint_estimates(*args, eval_batch=s["eval_batch"], key=knn_key, peer=knn_peer) | {"total_s": time.time() - t}
             saved.write_text(json.dumps(info, indent=1))
             del model
             continue
@@ -350,7 +361,7 @@ def stage_eval(joint_outs: list[Path], index: Path, carry: Path, posthoc: Path, 
     knn = bool(peers)  # the one best on its validation half (runs differ in their keys, model/knn.KEY_STATES)
     if knn:
         res["knn"] = {str(d): json.loads((d / "knn_gpu.json").read_text()) for d in peers}
-    dense = next((home[v] / "knn_est.json" for v in ("knnj", "knnjr") if v in home and (home[v] / "knn_est.json").exists()), None)
+    dense = next((home[v] / "knn_est.json" for v in home if v.startswith("knnj") and (home[v] / "knn_est.json").exists()), None)
     if dense is not None:
         res["knn_est"] = json.loads(dense.read_text())
     held = heldout_features(index, work / "held", carry, workers)
@@ -413,6 +424,13 @@ def report(res: dict, name: str = "joint") -> None:
     names = {"a": "(a) no index", "c": "(c) infini-gram interpolation", "c+c": "(c+cache) infini-gram + document cache"}
     names |= {"a+c": "(a+c) post-hoc cache gate", "t-c": "(t-c) post-hoc index gate", "t": "(t) post-hoc index + cache gate"}
     lines = []
+    valid = {v: j["valid"] for v, j in res["sets"].get("indist", {}).get("joint", {}).items() if v in TRAINED}
+    if valid:  # the headline among the trained variants, by validation only (a refit's validation is its fit's)
+        v = min(valid, key=valid.get)
+        lines += [
+            f"Chosen on the in-distribution validation half among the trained joint variants (gates as trained): {NAMES[v]} ({valid[v]:.4g}).",
+            "",
+        ]
     for s, r in res["sets"].items():
         rows = []
         for k, n in names.items():
@@ -472,7 +490,7 @@ def report(res: dict, name: str = "joint") -> None:
         lines.append(
             f"(j+lm+knn)'s dense_knn: the kNN-LM over (a), k = {k['k']} neighbours among {k['nprobe']} of {k['centroids']} lists, "
             f"temperature {k['temperature_factor']} x the in-distribution validation's median nearest distance ({k['temperature_scale']:.4g}), "
-            f"fit there; p(target) against k = 1024's on {knnlm.VALID_ROWS:,} validation targets: mean |difference| "
+            f"fit there (the other dense components: {', '.join(f'{m}x' for m in k.get('temperature_multiples', [1.0])[1:]) or 'none'} it); p(target) against k = 1024's on {knnlm.VALID_ROWS:,} validation targets: mean |difference| "
             f"{k['k_vs_1024_mean_abs']:.4f}, max {k['k_vs_1024_max_abs']:.3f}. Training positions searched (exclude-doc): "
             f"{searched:,} of {k['keys']:,} ({100 * searched / k['keys']:.0f}%; the rest defer to the model)."
             + (
@@ -548,6 +566,10 @@ def main(argv: list[str] | None = None) -> int:
         help="train: also refit each joint variant's gate on each set's validation half (outputs Vr-*, Vrh-*)",
     )
     ap.add_argument("--scale", choices=["gpu", "cpu"], default="gpu", help="gpu: the 125M; cpu: the tiny model (a smoke test)")
+    ap.add_argument(
+        "--knn-key", choices=["auto", *knnlm.KEY_STATES], default="auto", help="knnest: the store's keys (auto: chosen on validation)"
+    )
+    ap.add_argument("--no-knn-peer", action="store_true", help="knnest: leave out the peer (d) over the same store (k = 1024)")
     ap.add_argument("--joint", type=Path, nargs="+", help="eval: the GPU runs' outputs (a variant: from the first that has it)")
     ap.add_argument("--index", type=Path, help="eval: the model's index, here (DATA/idx-050m)")
     ap.add_argument("--posthoc", type=Path, default=Path(__file__).parent / "results" / "index_size_050m.json")
@@ -562,12 +584,13 @@ def main(argv: list[str] | None = None) -> int:
             then = tuple(a.then.split(",")) if a.then else ()
             if set(then) - THEN_OK:
                 raise SystemExit(f"--then {a.then}: only {', '.join(sorted(THEN_OK))} (over (a), GPU only) can run beside prep")
-            ph, follow = stage_prep(a.carry, a.work, a.scale, a.steps, a.seed, joint_inputs, then, a.out)
+            knn_args = ("--knn-key", a.knn_key) + (("--no-knn-peer",) if a.no_knn_peer else ())
+            ph, follow = stage_prep(a.carry, a.work, a.scale, a.steps, a.seed, joint_inputs, then, a.out, knn_args)
             (a.out / "prep.json").write_text(json.dumps(ph))
             if any([p.wait() for p in follow]):
                 raise SystemExit(f"--then {a.then} failed: see {a.work / 'train-then.log'}")
         if a.gpu_stage in ("train", "all"):
-            stage_train(a.carry, a.work, a.out, variants, a.steps, a.scale, a.refit, a.seed)
+            stage_train(a.carry, a.work, a.out, variants, a.steps, a.scale, a.refit, a.seed, a.knn_key, not a.no_knn_peer)
     else:
         report(stage_eval(a.joint, a.index, a.carry, a.posthoc, a.work or Path("/tmp/joint-eval"), a.workers), a.name)
     return 0

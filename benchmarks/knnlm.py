@@ -23,8 +23,9 @@ nearest distance (in that scale) and (a)'s nll; `fit` picks the temperature and 
 here, and the test halves are only reported (benchmarks/joint.py). benchmarks/gate_headroom.py
 also gives the post-hoc gate p_knn as one more estimate.
 
-`joint_estimates` makes the same kNN estimate a component of the joint gate (model/joint.py's
-dense_knn): for held-out text as above, and for every training position in exclude-doc mode
+`joint_estimates` makes the same kNN estimate components of the joint gate (model/joint.py's
+DENSE: dense_knn at the temperature fit on validation, dense_knn_sharp and dense_knn_broad at
+multiples of it): for held-out text as above, and for every training position in exclude-doc mode
 (the keys of the position's own document, its own key among them, masked inside the search), so
 that a model trained with it sees what held-out text sees.
 """
@@ -41,6 +42,7 @@ from teragram.model.knn import (
     CENTROIDS,
     K_JOINT,
     KEY_STATES,
+    MULTIPLES,
     NPROBE,
     QUERY_CHUNK,
     SEED,
@@ -159,10 +161,17 @@ def _recall(ds, q, k: int, nprobe: int) -> dict:
 # ---- the kNN estimate as a component of the joint gate (model/joint.py's dense_knn) ----------
 
 
-def load_est(out: Path, name: str, half: str):
-    """A held-out half's kNN estimate saved by joint_estimates, as a one-column Est."""
+def load_est(out: Path, name: str, half: str, components):
+    """A held-out half's kNN estimates saved by joint_estimates, as an Est of the dense
+    components among `components` (a model's, in its order)."""
+    from teragram.model.joint import DENSE
+
     z = np.load(Path(out) / f"knnest-{name}-{half}.npz")
-    return as_est({f: z[f] for f in ("q", "rest", "count", "share", "top")})
+    e = as_est({f: z[f] for f in ("q", "rest", "count", "share", "top")})
+    want = [DENSE.index(c) for c in components if c in DENSE]
+    if max(want, default=-1) >= e.q.shape[1]:
+        raise SystemExit(f"{out}: its kNN estimates hold {', '.join(DENSE[: e.q.shape[1]])}; the model reads {', '.join(components)}")
+    return type(e)(*(v[:, want] if v.ndim == 2 else v for v in (getattr(e, f) for f in e.__dataclass_fields__)))
 
 
 def key_documents(index_dir: Path, T: int) -> list[tuple[int, int, np.ndarray]]:
@@ -223,8 +232,8 @@ def _heldout(
     if peer:
         (out / "knn_gpu.json").write_text(json.dumps(gpu, indent=1))
     for (name, h), (d, nb, tgt, target) in found.items():
-        c = estimate_columns(d, nb, tgt, temp, scale)
-        info[f"heldout_{name}_{h}_mean_q"] = float(c["q"].mean())
+        c = estimate_columns(d, nb, tgt, [temp * m for m in MULTIPLES], scale)
+        info[f"heldout_{name}_{h}_mean_q"] = float(c["q"][:, 0].mean())
         np.savez_compressed(out / f"knnest-{name}-{h}.npz", target=target, **c)
     del found
     return temp, scale
@@ -291,10 +300,10 @@ def joint_estimates(
 ) -> dict:  # fmt: skip
     """On the GPU: the kNN estimate of every held-out target (OUT/knnest-SET-HALF.npz) and of every
     training position in exclude-doc mode, appended to the joint estimates in est_dir as the
-    component dense_knn (written to out_dir). The datastore is build's (every training position
+    components joint.DENSE (written to out_dir). The datastore is build's (every training position
     under `model`); the temperature, one for all text as training needs, is fit on the
     in-distribution validation half (fit's λ-interpolation loss, as the peer), in units of the
-    median nearest distance there. The keys are `key`'s states (model/knn.KEY_STATES; "auto": the
+    median nearest distance there; dense_knn's is it, the others' its MULTIPLES. The keys are `key`'s states (model/knn.KEY_STATES; "auto": the
     one choose_key finds best on that half). With `peer`, the held-out part also writes the peer
     (d) over the same store (`_heldout`). A call cut short resumes: its chunks are kept in
     out_dir/searched and the held-out part, with the key chosen, in OUT (knnest-heldout.json). With TERAGRAM_KNN_SEARCH_ONLY set it returns
@@ -321,7 +330,7 @@ def joint_estimates(
             batch=batch, eval_batch=eval_batch, k=k, centroids=centroids, nprobe=nprobe,
         )  # fmt: skip
         info |= {"key_choice": choice, "key_choice_s": time.time() - t}
-    info["key"] = key
+    info |= {"key": key, "temperature_multiples": list(MULTIPLES)}
     t = time.time()
     keys, vals, mu = build(model, index_dir, device, batch, key)
     docs = key_documents(index_dir, model.cfg.block_size)
@@ -332,10 +341,10 @@ def joint_estimates(
     t = time.time()
     ds = Datastore(keys, vals, centroids=centroids)
     info |= {"ivf_s": time.time() - t, "centroids": len(ds.cent)}
-    sig = {"k": k, "nprobe": nprobe, "centroids": len(ds.cent), "keys": len(keys), "key": key}
+    sig = {"k": k, "nprobe": nprobe, "centroids": len(ds.cent), "keys": len(keys), "key": key, "multiples": list(MULTIPLES)}
     sig["mu_abs_sum"] = info["mu_abs_sum"] = float(mu.double().abs().sum())  # the keys' fingerprint: KnnSource checks by it
     if prior:
-        same = all(prior["sig"].get(f, "final" if f == "key" else None) == v for f, v in sig.items() if f != "mu_abs_sum")
+        same = all(prior["sig"].get(f, {"key": "final", "multiples": [1.0]}.get(f)) == v for f, v in sig.items() if f != "mu_abs_sum")
         if not same or abs(prior["sig"]["mu_abs_sum"] - sig["mu_abs_sum"]) > 1e-4 * sig["mu_abs_sum"]:
             raise SystemExit(f"{cache}: the held-out kNN estimates there are another datastore's ({prior['sig']} vs {sig}): remove them")
         temp, scale = prior["temperature"], prior["info"]["temperature_scale"]
@@ -350,13 +359,14 @@ def joint_estimates(
     done = Path(out_dir) / "searched"  # each chunk's columns once searched: a call cut short resumes here
     done.mkdir(parents=True, exist_ok=True)
     spans = [(a, min(a + chunk, len(keys))) for a in range(0, len(keys), chunk)]
-    file = {(a, b): done / f"{a:012d}-{b:012d}-{key}-{temp:.6g}.npz" for a, b in spans}
+    temps, M = [temp * m for m in MULTIPLES], len(MULTIPLES)
+    file = {(a, b): done / f"{a:012d}-{b:012d}-{key}-{'-'.join(f'{t:.6g}' for t in temps)}.npz" for a, b in spans}
     partial = bool(os.environ.get("TERAGRAM_KNN_PARTIAL"))  # merge what is searched; the rest defer to the model
     for j in [] if partial else np.random.default_rng(SEED).permutation(len(spans)):  # random order: a cut is a sample
         a, b = spans[j]
         if not file[a, b].exists():
             d, nb = ds.neighbours(keys[a:b].float(), k, nprobe, qdoc=kdoc[a:b], kdoc=kdoc)
-            np.savez(done / "part.npz", **estimate_columns(d, nb, vals[a:b].long(), temp, scale))
+            np.savez(done / "part.npz", **estimate_columns(d, nb, vals[a:b].long(), temps, scale))
             (done / "part.npz").rename(file[a, b])
             del d, nb
             info["chunks_searched_now"] = info.get("chunks_searched_now", 0) + 1
@@ -367,14 +377,14 @@ def joint_estimates(
             z = np.load(file[a, b])
             z = {f: z[f] for f in cols}
         else:
-            e0 = joint.empty(b - a, 1)
-            z = {f: getattr(e0, f)[:, 0] for f in cols}
+            e0 = joint.empty(b - a, M)
+            z = {f: getattr(e0, f) for f in cols}
             info["unsearched"] = info.get("unsearched", 0) + b - a
         for f in cols:
             cols[f].append(z[f])
     cols = {f: np.concatenate(v) for f, v in cols.items()}
     info["train_search_s"] = time.time() - t
-    info["train_mean_q"] = float(cols["q"].mean())  # beside the held-out's (unsearched positions count 0)
+    info["train_mean_q"] = float(cols["q"][:, 0].mean())  # beside the held-out's (unsearched positions count 0)
     t = time.time()
     est_dir, out_dir = Path(est_dir), Path(out_dir)
     m = fmt.read_json(est_dir / "manifest.json")
@@ -385,9 +395,9 @@ def joint_estimates(
         n = len(e)
         if len(doc) not in (0, n - 1):
             raise SystemExit(f"shard {shard}: {len(doc):,} keys for {n:,} positions")
-        rows = joint.empty(n, 1)  # the last position (and a shard without keys) defers to the model
+        rows = joint.empty(n, M)  # the last position (and a shard without keys) defers to the model
         if len(doc):
-            rows = joint.Est.combine([as_est({f: v[first : first + n - 1] for f, v in cols.items()}), joint.empty(1, 1)])
+            rows = joint.Est.combine([as_est({f: v[first : first + n - 1] for f, v in cols.items()}), joint.empty(1, M)])
         merged = joint.with_columns(e, rows)
         d = out_dir / f"{shard:06d}"
         d.mkdir(parents=True, exist_ok=True)
@@ -395,7 +405,7 @@ def joint_estimates(
             np.save(d / f"{f}.npy", getattr(merged, f))
         fmt.write_json(out_dir / f"{shard:06d}.done", {"shard": shard, "positions": n})
     info["write_s"] = time.time() - t
-    fmt.write_json(out_dir / "manifest.json", m | {"components": [*m["components"], *joint.DENSE], "dense_knn": info})
+    fmt.write_json(out_dir / "manifest.json", m | {"components": [*m["components"], *joint.DENSE[:M]], "dense_knn": info})
     (out / "knn_est.json").write_text(json.dumps(info, indent=1))
     return info
 

@@ -43,10 +43,11 @@ INFGRAM_CAP = 255  # the ∞-gram's match length cap (the builder's largest --ma
 N_COUNT = 21  # floor(log2(count + 1)) buckets, the last one open
 NL, NS, NM = len(LEN_EDGES) + 1, len(SHARE_EDGES) + 1, len(MAXP_EDGES) + 1
 KIND = "joint-estimates"
-# estimates from a kNN datastore over a model's final hidden states (model/knn.py): written in bulk
-# for training positions (exclude-doc) and held-out text by benchmarks/knnlm.py; outside training,
-# from the store rebuilt by model/knn.KnnSource (live and bulk); the index itself has none
-DENSE = ("dense_knn",)
+# estimates from a kNN datastore over a model's states (model/knn.py), at the temperature fit on
+# validation and at sharper and broader multiples of it (model/knn.MULTIPLES): written in bulk for
+# training positions (exclude-doc) and held-out text by benchmarks/knnlm.py; outside training, from
+# the store rebuilt by model/knn.KnnSource (live and bulk); the index itself has none
+DENSE = ("dense_knn", "dense_knn_sharp", "dense_knn_broad")
 
 
 def cap(name: str) -> int:
@@ -351,8 +352,8 @@ def live(idx, context, V: int, components, top_k: int, knn=None) -> tuple[Est, n
                 " store (--knn-keys: the checkpoint whose hidden states key it) generation has no live source for them"
             )
         e, dist = live(idx, context, V, tuple(c for c in components if c not in DENSE), top_k)
-        ek, dk = knn.live(context, idx.eos_id)  # dense components go last (check_components): one, dense_knn
-        return with_columns(e, ek), np.vstack([dist, dk[None]])
+        ek, dk = knn.live(context, idx.eos_id)  # dense components go last (check_components), in the gate's order
+        return with_columns(e, ek), np.vstack([dist, dk])
     q = np.asarray(context, np.int64)
     dense = np.zeros((len(components), V))
     index = {}

@@ -30,6 +30,10 @@ SEED = 20261201
 K_JOINT = 64  # neighbours of the joint gate's kNN estimate (its p(target) against k = 1024's is measured: knn_est.json)
 KEY_STATES = ("final", "ffn_in")  # ln_f's output; the last block's ln_2 output (the FFN's input: Khandelwal et al.'s keys)
 DIST_EDGES = np.geomspace(0.02, 20.0, 19)  # the nearest distance / scale: the estimate's buckets 1..20 (0: no neighbour)
+# the joint gate's dense components (model/joint.DENSE, in its order): the kNN estimate at the temperature fit on
+# validation times these, so that the gate chooses per token how sharp it is (benchmarks/gate_headroom.py's (t+knn3):
+# the post-hoc gate over (a)'s estimate at three temperatures against the one fit on validation)
+MULTIPLES = (1.0, 0.5, 2.5)
 
 
 def train_windows(n: int, T: int) -> list[tuple[int, int]]:
@@ -266,43 +270,53 @@ def build(model, index_dir: Path, device: str, batch: int = 64, key: str = "fina
     return keys[:n], vals[:n], mu
 
 
-def estimate_columns(d, nb, target, temp: float, scale: float) -> dict:
-    """The kNN estimate as one joint component, numpy columns of model/joint.Est: q = p_knn(target)
-    (softmax(-d / temp) over the neighbours), rest 0 (1 without any neighbour: it defers to the
-    model), in the count's place the nearest distance's bucket (in units of `scale`; 0: none), the
-    share of the nearest neighbour's token and that token as top (-1: none)."""
+def estimate_columns(d, nb, target, temps, scale: float) -> dict:
+    """The kNN estimate at each temperature of `temps` as joint components, numpy columns (n, M)
+    of model/joint.Est: q = p_knn(target) (softmax(-d / temp) over the neighbours), rest 0 (1
+    without any neighbour: it defers to the model), in the count's place the nearest distance's
+    bucket (in units of `scale`; 0: none), the share of the nearest neighbour's token and that
+    token as top (-1: none)."""
     import torch
     from teragram.model.gate import SHARE_EDGES
 
     has = torch.isfinite(d[:, 0])
-    w = torch.nan_to_num(torch.softmax(-d / temp, dim=1))  # no neighbour at all: 0
-    q = (w * (nb == target[:, None])).sum(1)
-    share = (w * (nb == nb[:, :1])).sum(1)
     edges = torch.as_tensor(DIST_EDGES, dtype=d.dtype, device=d.device)
     near = torch.where(has, torch.bucketize(torch.where(has, d[:, 0], 0) / scale, edges, right=True) + 1, 0)
-    share_b = torch.bucketize(share, torch.as_tensor(SHARE_EDGES, dtype=share.dtype, device=d.device), right=True)
+    share_edges = torch.as_tensor(SHARE_EDGES, dtype=d.dtype, device=d.device)
+    same = (nb == nb[:, :1]) | (nb < 0)
+    every = same.all(1)  # every neighbour the nearest's token: share 1 exactly (a float sum may fall short of the last edge)
+    qs, shares = [], []
+    for temp in temps:
+        w = torch.nan_to_num(torch.softmax(-d / temp, dim=1))  # no neighbour at all: 0
+        qs.append((w * (nb == target[:, None])).sum(1))
+        share = torch.where(every, 1.0, (w * same).sum(1).clamp_max(1.0))
+        shares.append(torch.where(has, torch.bucketize(share, share_edges, right=True), 0))
+    M = len(temps)
     return {
-        "q": q.cpu().numpy().astype(np.float32),
-        "rest": (~has).float().cpu().numpy(),
-        "count": near.cpu().numpy().astype(np.uint8),
-        "share": torch.where(has, share_b, 0).cpu().numpy().astype(np.uint8),
-        "top": torch.where(has, nb[:, 0], -1).cpu().numpy().astype(np.int32),
+        "q": torch.stack(qs, 1).cpu().numpy().astype(np.float32),
+        "rest": (~has).float()[:, None].repeat(1, M).cpu().numpy(),
+        "count": near[:, None].repeat(1, M).cpu().numpy().astype(np.uint8),
+        "share": torch.stack(shares, 1).cpu().numpy().astype(np.uint8),
+        "top": torch.where(has, nb[:, 0], -1)[:, None].repeat(1, M).cpu().numpy().astype(np.int32),
     }
 
 
 def as_est(cols: dict):
-    """estimate_columns' arrays as a one-column model/joint.Est (the per-position fields zero:
-    with_columns keeps the index's)."""
+    """estimate_columns' arrays as a model/joint.Est (the per-position fields zero: with_columns
+    keeps the index's); a column (n,) of an older file is one component."""
     from teragram.model.joint import Est
 
-    n = len(cols["q"])
-    z = np.zeros(n, np.uint8)
-    return Est(*(cols[f][:, None] for f in ("q", "rest", "count", "share", "top")), z, z, z)
+    cols = {f: np.asarray(v).reshape(len(v), -1) for f, v in cols.items()}
+    z = np.zeros(len(cols["q"]), np.uint8)
+    return Est(*(cols[f] for f in ("q", "rest", "count", "share", "top")), z, z, z)
 
 
 # what a model trained with dense_knn keeps of its store (GPTConfig.joint_knn): KnnSource rebuilds it
-SETTINGS = ("k", "nprobe", "centroids", "temperature_scale", "temperature_factor", "keys", "mu_abs_sum", "build_batch", "key")
-OPTIONAL = {"key": "final"}  # a setting estimates written before it existed did not keep: their value
+SETTINGS = (
+    "k", "nprobe", "centroids", "temperature_scale", "temperature_factor", "keys", "mu_abs_sum", "build_batch", "key",
+    "temperature_multiples",
+)  # fmt: skip
+OPTIONAL = {"key": "final", "temperature_multiples": (1.0,)}  # settings estimates written before them did not keep: their value
 
 
 class KnnSource:
@@ -313,11 +327,20 @@ class KnnSource:
     position's with its distribution (for generation); both see what benchmarks/knnlm.joint_estimates
     wrote for held-out text. The keys live in device memory (2 bytes x n_embd per training position)."""
 
-    def __init__(self, keys_model, index_dir: str | Path, settings, device: str = "cpu"):
+    def __init__(self, keys_model, index_dir: str | Path, settings, components, device: str = "cpu"):
+        from .joint import DENSE
+
         settings = OPTIONAL | dict(settings)
         missing = [f for f in SETTINGS if f not in settings]
         if missing:
             raise TeragramError(f"the model's dense_knn settings lack {', '.join(missing)}: its estimates predate a live store")
+        self.components = tuple(c for c in components if c in DENSE)  # the dense ones of the gate's components, in its order
+        mult = settings["temperature_multiples"]
+        if not self.components or any(DENSE.index(c) >= len(mult) for c in self.components):
+            raise TeragramError(
+                f"the gate reads {', '.join(self.components) or 'no dense component'}; its kNN estimates had"
+                f" {', '.join(DENSE[: len(mult)])}"
+            )
         self.model, self.device = keys_model.eval(), device
         self.key = settings["key"]
         keys, vals, self.mu = build(keys_model, index_dir, device, settings["build_batch"], self.key)  # mu: its first batch's mean
@@ -329,7 +352,8 @@ class KnnSource:
             )
         self.ds = Datastore(keys, vals, centroids=settings["centroids"])
         self.k, self.nprobe, self.scale = settings["k"], settings["nprobe"], settings["temperature_scale"]
-        self.temp = settings["temperature_factor"] * self.scale
+        temp = settings["temperature_factor"] * self.scale  # fit on validation; each component's a multiple of it
+        self.temps = [temp * mult[DENSE.index(c)] for c in self.components]
         self.V = keys_model.cfg.vocab_size
         self._last = None  # live's last window, its key/value cache and last state, one tuple (read and replaced whole)
 
@@ -372,7 +396,7 @@ class KnnSource:
     def documents(self, docs: list[np.ndarray], eos: int, batch: int = 16):
         """Every target's estimate of documents read as held-out text (EOS + the document,
         predicting the document + EOS, in windows of block_size from its start: EvalData's), a
-        one-column joint.Est in model.evaluate.token_eval's order (joint.heldout_est's dense=)."""
+        joint.Est (a column per component) in model.evaluate.token_eval's order (joint.heldout_est's dense=)."""
         import torch
 
         T = self.model.cfg.block_size
@@ -386,23 +410,25 @@ class KnnSource:
         step, parts = max(1, QUERY_CHUNK // T), []
         for a in range(0, len(windows), step):
             d, nb = self.ds.neighbours(self._hidden(windows[a : a + step], batch) - self.mu, self.k, self.nprobe)
-            parts.append(estimate_columns(d, nb, tgt[first[a] : first[min(a + step, len(windows))]], self.temp, self.scale))
+            parts.append(estimate_columns(d, nb, tgt[first[a] : first[min(a + step, len(windows))]], self.temps, self.scale))
         return as_est({f: np.concatenate([p[f] for p in parts]) for f in parts[0]})
 
     def live(self, context, eos: int):
         """For the next token after `context` (a document's ids so far): the estimate's one-row
-        Est (q unused) and its distribution (V,), softmax(-d / T) summed by the neighbours'
-        tokens. The keys model reads the position's window as `documents` does (its key/value
-        cache kept from the call before: `_last_state`)."""
+        Est (q unused) and each component's distribution (M, V), softmax(-d / T) summed by the
+        neighbours' tokens. The keys model reads the position's window as `documents` does (its
+        key/value cache kept from the call before: `_last_state`)."""
         import torch
 
         T = self.model.cfg.block_size
         x = np.concatenate([[eos], np.asarray(context, np.int64)])
         d, nb = self.ds.neighbours(self._last_state(x[(len(x) - 1) // T * T :]) - self.mu, self.k, self.nprobe)
-        cols = estimate_columns(d, nb, torch.full((1,), -1, device=nb.device), self.temp, self.scale)
-        w = torch.nan_to_num(torch.softmax(-d[0].double() / self.temp, 0)) * (nb[0] >= 0)
-        dist = torch.zeros(self.V, dtype=torch.float64).index_add_(0, nb[0].clamp_min(0).cpu(), w.cpu())
-        return as_est(cols), dist.numpy()
+        cols = estimate_columns(d, nb, torch.full((1,), -1, device=nb.device), self.temps, self.scale)
+        dist = np.zeros((len(self.temps), self.V))
+        for j, temp in enumerate(self.temps):
+            w = torch.nan_to_num(torch.softmax(-d[0].double() / temp, 0)) * (nb[0] >= 0)
+            dist[j] = torch.zeros(self.V, dtype=torch.float64).index_add_(0, nb[0].clamp_min(0).cpu(), w.cpu()).numpy()
+        return as_est(cols), dist
 
 
 def require_store(model, given) -> None:
@@ -429,4 +455,4 @@ def source_for(model, keys_checkpoint, index_dir, device: str = "cpu") -> KnnSou
     if not (keys_checkpoint and reads):
         return None
     keys_model, _ = load_model(keys_checkpoint, device)
-    return KnnSource(keys_model, index_dir, model.cfg.joint_knn, device)
+    return KnnSource(keys_model, index_dir, model.cfg.joint_knn, model.cfg.joint, device)

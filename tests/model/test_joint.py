@@ -302,13 +302,17 @@ def test_dense_knn_estimates_exclude_the_own_document(tokenizer_model, tmp_path,
     ids = [s.id for s in idx.shards]
     base, _ = joint.open_train_estimates(joint_root / "est", joint_root / "idx", joint.COMPONENTS, 4)
 
+    nd = len(joint.DENSE)  # the last nd columns: the kNN estimate at each of its temperatures
+    temps = np.array([temp * m for m in knn.MULTIPLES])
+    assert len(temps) == nd and info["temperature_multiples"] == list(knn.MULTIPLES)
+
     def oracle(q, mask=None):
         d = ((K - q) ** 2).sum(1)
         if mask is not None:
             d[mask] = np.inf
         o = np.argsort(d, kind="stable")[: k + 1]
-        w = np.exp(-(d[o[:k]] - d[o[0]]) / temp)
-        return d[o], o, w / w.sum()
+        w = np.exp(-(d[o[:k]] - d[o[0]])[None] / temps[:, None])  # (nd, k)
+        return d[o], o, w / w.sum(1, keepdims=True)
 
     rng = np.random.default_rng(0)
     checked = copies = 0
@@ -318,15 +322,16 @@ def test_dense_knn_estimates_exclude_the_own_document(tokenizer_model, tmp_path,
             continue  # the k-th nearest tied with the next
         sid, r = where[p]
         row = shards[ids.index(sid)].rows(r, r + 1, cols)
-        assert row.q[0, -1] == pytest.approx((w * (V[o[:k]] == V[p])).sum(), rel=2e-3, abs=1e-5)
-        assert row.top[0, -1] in V[o[d[: k + 1] - d[0] < 1e-3]] and row.rest[0, -1] == 0  # the nearest (or one tied with it)
-        assert row.count[0, -1] == 1 + np.searchsorted(knn.DIST_EDGES, d[0] / scale, side="right")
-        np.testing.assert_array_equal(row.q[0, :-1], base[ids.index(sid)].q[r])  # the index's and cache's columns kept
+        np.testing.assert_allclose(row.q[0, -nd:], (w * (V[o[:k]] == V[p])).sum(1), rtol=2e-3, atol=1e-5)
+        assert all(row.top[0, -nd:] == row.top[0, -1]) and (row.rest[0, -nd:] == 0).all()
+        assert row.top[0, -1] in V[o[d[: k + 1] - d[0] < 1e-3]]  # the nearest (or one tied with it)
+        assert (row.count[0, -nd:] == 1 + np.searchsorted(knn.DIST_EDGES, d[0] / scale, side="right")).all()
+        np.testing.assert_array_equal(row.q[0, :-nd], base[ids.index(sid)].q[r])  # the index's and cache's columns kept
         checked += 1
         copies += d[0] < 1e-2  # the same context in a copy of the document
     assert checked > 200 and copies > 20, (checked, copies)
     for e in shards:  # the last position of a shard predicts nothing indexed: it defers to the model
-        assert e.rest[-1, -1] == 1 and e.q[-1, -1] == 0
+        assert (e.rest[-1, -nd:] == 1).all() and (e.q[-1, -nd:] == 0).all()
     r = token_eval(model, held["indist", "test"], idx.eos_id, idx.sep, "cpu", hidden="ffn_in")
     z = np.load(tmp_path / "knnest-indist-test.npz")
     zp = np.load(tmp_path / "knn-indist-test.npz")  # the peer (d) over the same store, k = 1024: every key here
@@ -335,7 +340,7 @@ def test_dense_knn_estimates_exclude_the_own_document(tokenizer_model, tmp_path,
     for j in rng.choice(len(r["target"]), 100, replace=False):
         d, o, w = oracle(r["hidden"][j].astype(np.float64) - mu.numpy())
         if d[k] - d[k - 1] >= 1e-3:
-            assert z["q"][j] == pytest.approx((w * (V[o[:k]] == r["target"][j])).sum(), rel=2e-3, abs=1e-5)
+            np.testing.assert_allclose(z["q"][j], (w * (V[o[:k]] == r["target"][j])).sum(1), rtol=2e-3, atol=1e-5)
         dp = ((K - (r["hidden"][j].astype(np.float64) - mu.numpy())) ** 2).sum(1)  # the peer's 1024 at the same temperature
         o2 = np.argsort(dp, kind="stable")[: knnlm.K_NEIGHBOURS + 1]
         if dp[o2[-1]] - dp[o2[-2]] >= 1e-3:
@@ -386,7 +391,7 @@ def test_dense_knn_estimates_exclude_the_own_document(tokenizer_model, tmp_path,
     assert only["search_only"] and only["chunks_searched_now"] == len(list((est_knn / "searched").glob("*.npz"))) + 1
     assert [x.name for x in (tmp_path / "only").iterdir()] == ["searched"] and not (tmp_path / "none").exists()
     again = np.load(tmp_path / "only" / "searched" / gone.name)
-    assert np.abs(again["q"] - q_all[a:b]).max() < 1e-5 and (again["top"] == top_all[a:b]).all()
+    assert np.abs(again["q"][:, -1] - q_all[a:b]).max() < 1e-5 and (again["top"][:, -1] == top_all[a:b]).all()
     # a model trained with it; scored only with the held-out estimates given
     train_tiny(joint_root, "dense", max_steps=6, heldout=None, **joint_kw(joint_root, joint_estimates=str(est_knn)))
     m2, _ = load_model(joint_root / "dense")
@@ -394,7 +399,7 @@ def test_dense_knn_estimates_exclude_the_own_document(tokenizer_model, tmp_path,
     docs = heldout_docs(joint_root / "held")
     with pytest.raises(TeragramError, match="kNN datastore"):
         token_eval(m2, joint_root / "held", idx.eos_id, idx.sep, "cpu", index=idx)
-    e = joint.heldout_est(idx, docs, m2.cfg.joint, 4, dense=knnlm.load_est(tmp_path, "indist", "test"))
+    e = joint.heldout_est(idx, docs, m2.cfg.joint, 4, dense=knnlm.load_est(tmp_path, "indist", "test", m2.cfg.joint))
     got = token_eval(m2, joint_root / "held", idx.eos_id, idx.sep, "cpu", index=idx, estimates=e)
     assert np.isfinite(got["nll"]).all() and len(got["nll"]) == len(z["q"])
     with pytest.raises(TeragramError, match="no live source"):
@@ -417,11 +422,17 @@ def test_dense_knn_estimates_exclude_the_own_document(tokenizer_model, tmp_path,
     kept = dict(m2.cfg.joint_knn)
     assert kept["temperature_factor"] == info["temperature_factor"] and kept["key"] == "ffn_in"
     with pytest.raises(TeragramError, match="another keys model"):  # settings written before "key": final states, not these
-        knn.KnnSource(model, joint_root / "idx", [(f, v) for f, v in kept.items() if f != "key"])
-    src = knn.KnnSource(model, joint_root / "idx", m2.cfg.joint_knn)
+        knn.KnnSource(model, joint_root / "idx", [(f, v) for f, v in kept.items() if f != "key"], m2.cfg.joint)
+    with pytest.raises(TeragramError, match="had dense_knn$"):  # settings written before the multiples: dense_knn only
+        knn.KnnSource(model, joint_root / "idx", [(f, v) for f, v in kept.items() if f != "temperature_multiples"], m2.cfg.joint)
+    src = knn.KnnSource(model, joint_root / "idx", m2.cfg.joint_knn, m2.cfg.joint)
     bulk = src.documents(docs, idx.eos_id)
-    assert len(bulk) == len(z["q"]) and np.abs(bulk.q[:, 0] - z["q"]).max() < 1e-4
-    assert (bulk.top[:, 0] == z["top"]).mean() > 0.99 and (bulk.count[:, 0] == z["count"]).mean() > 0.99
+    assert len(bulk) == len(z["q"]) and bulk.q.shape[1] == nd and np.abs(bulk.q - z["q"]).max() < 1e-4
+    assert (bulk.top == z["top"]).mean() > 0.99 and (bulk.count == z["count"]).mean() > 0.99
+    one = ("index_infgram", "dense_knn_broad")  # a gate reading one of them: its column, in bulk and from the saved files
+    np.testing.assert_array_equal(knnlm.load_est(tmp_path, "indist", "test", one).q[:, 0], z["q"][:, 2])
+    sharp = knn.KnnSource(model, joint_root / "idx", m2.cfg.joint_knn, ("index_infgram", "dense_knn_sharp"))
+    assert np.abs(sharp.documents(docs[:2], idx.eos_id).q[:, 0] - z["q"][: sum(len(x) + 1 for x in docs[:2]), 1]).max() < 1e-4
     via = token_eval(m2, joint_root / "held", idx.eos_id, idx.sep, "cpu", index=idx, knn=src)
     np.testing.assert_allclose(via["nll"], got["nll"], atol=1e-3)
     assert_live_is_bulk(m2, idx, docs, via, (0, 2), 30, knn=src)
@@ -433,7 +444,7 @@ def test_dense_knn_estimates_exclude_the_own_document(tokenizer_model, tmp_path,
     torch.manual_seed(1)
     other = GPT(GPTConfig.preset("tiny", vocab_size=idx.vocab_size, block_size=64, use_index=False, mixture=False)).eval()
     with pytest.raises(TeragramError, match="another keys model"):
-        knn.KnnSource(other, joint_root / "idx", m2.cfg.joint_knn)
+        knn.KnnSource(other, joint_root / "idx", m2.cfg.joint_knn, m2.cfg.joint)
     with pytest.raises(TeragramError, match="reads no kNN estimate"):
         knn.source_for(other, "x", joint_root / "idx")  # a model that reads none
     # the CLI: eval with the store gives token_eval's mixture, without it a one-line refusal; sample runs
