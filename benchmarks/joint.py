@@ -488,7 +488,7 @@ def report(res: dict, name: str = "joint") -> None:
         k = res["knn_est"]
         searched = k["keys"] - k.get("unsearched", 0)
         lines.append(
-            f"(j+lm+knn)'s dense_knn: the kNN-LM over (a), k = {k['k']} neighbours among {k['nprobe']} of {k['centroids']} lists, "
+            f"The dense components' store (the (j+lm+knn) variants'): the kNN-LM over (a), k = {k['k']} neighbours among {k['nprobe']} of {k['centroids']} lists, "
             f"temperature {k['temperature_factor']} x the in-distribution validation's median nearest distance ({k['temperature_scale']:.4g}), "
             f"fit there (the other dense components: {', '.join(f'{m}x' for m in k.get('temperature_multiples', [1.0])[1:]) or 'none'} it); p(target) against k = 1024's on {knnlm.VALID_ROWS:,} validation targets: mean |difference| "
             f"{k['k_vs_1024_mean_abs']:.4f}, max {k['k_vs_1024_max_abs']:.3f}. Training positions searched (exclude-doc): "
@@ -503,7 +503,7 @@ def report(res: dict, name: str = "joint") -> None:
                 )
                 + "."
                 if "key_choice" in k
-                else ""
+                else f" Keys: (a)'s {KEY_NAMES[k.get('key', 'final')]}" + (" (given: --knn-key)." if "key" in k else ".")
             )
         )
         lines.append("")

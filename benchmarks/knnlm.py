@@ -171,7 +171,7 @@ def load_est(out: Path, name: str, half: str, components):
     want = [DENSE.index(c) for c in components if c in DENSE]
     if max(want, default=-1) >= e.q.shape[1]:
         raise SystemExit(f"{out}: its kNN estimates hold {', '.join(DENSE[: e.q.shape[1]])}; the model reads {', '.join(components)}")
-    return type(e)(*(v[:, want] if v.ndim == 2 else v for v in (getattr(e, f) for f in e.__dataclass_fields__)))
+    return e.rows(0, len(e), want)
 
 
 def key_documents(index_dir: Path, T: int) -> list[tuple[int, int, np.ndarray]]:
@@ -303,9 +303,9 @@ def joint_estimates(
     components joint.DENSE (written to out_dir). The datastore is build's (every training position
     under `model`); the temperature, one for all text as training needs, is fit on the
     in-distribution validation half (fit's λ-interpolation loss, as the peer), in units of the
-    median nearest distance there; dense_knn's is it, the others' its MULTIPLES. The keys are `key`'s states (model/knn.KEY_STATES; "auto": the
-    one choose_key finds best on that half). With `peer`, the held-out part also writes the peer
-    (d) over the same store (`_heldout`). A call cut short resumes: its chunks are kept in
+    median nearest distance there: dense_knn's, the other components' its MULTIPLES. The keys are
+    `key`'s states (model/knn.KEY_STATES; "auto": the one choose_key finds best on that half).
+    With `peer`, the held-out part also writes the peer (d) over the same store (`_heldout`). A call cut short resumes: its chunks are kept in
     out_dir/searched and the held-out part, with the key chosen, in OUT (knnest-heldout.json). With TERAGRAM_KNN_SEARCH_ONLY set it returns
     once the training positions are searched, writing nothing to out_dir but those chunks; with
     TERAGRAM_KNN_PARTIAL it searches nothing more and merges what is searched."""
