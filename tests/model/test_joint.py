@@ -263,6 +263,31 @@ def test_knn_key_states_and_their_choice_on_validation(joint_root):
     assert all(r["keys"] == len(third) and r["valid_nll"] <= r["model_nll"] for r in res.values())
 
 
+def test_knn_estimate_columns_at_each_temperature():
+    """knn.estimate_columns against a hand computation per temperature: p_knn(target), the
+    nearest token's share bucket (the top one, exactly, where every neighbour agrees), a query
+    without neighbours deferring to the model."""
+    inf = float("inf")
+    d = torch.tensor([[0.11, 0.13, 0.29, 0.31, inf], [0.1, 0.2, 0.3, 0.4, 0.5], [inf] * 5, [0.18, 0.26, 0.61, 0.99, 1.54]])
+    nb = torch.tensor([[7, 7, 7, 7, -1], [3, 5, 3, 3, 5], [-1] * 5, [4] * 5])  # the last row's float32 weights sum below 1 at 0.03
+    target, temps = torch.tensor([7, 5, 2, 4]), [0.03, 0.1, 1.0]
+    c = knn.estimate_columns(d, nb, target, temps, 0.2)
+    for j, t in enumerate(temps):
+        for i in (0, 1, 3):
+            fin = np.isfinite(d[i].numpy())
+            w = np.exp(-d[i].numpy()[fin].astype(np.float64) / t)
+            w /= w.sum()
+            v = nb[i].numpy()[fin]
+            assert c["q"][i, j] == pytest.approx((w * (v == int(target[i]))).sum(), rel=1e-5)
+            share = 1.0 if (v == v[0]).all() else (w * (v == v[0])).sum()
+            assert c["share"][i, j] == np.searchsorted(SHARE_EDGES, share, side="right")
+    assert (c["share"][[0, 3]] == len(SHARE_EDGES)).all() and np.allclose(c["q"][[0, 3]], 1.0)
+    assert (c["top"][:2] == np.array([[7], [3]])).all() and (c["rest"][:2] == 0).all()
+    assert (c["count"][:2] == 1 + np.searchsorted(knn.DIST_EDGES, np.array([[0.11], [0.1]]) / 0.2, side="right")).all()
+    assert (c["rest"][2] == 1).all() and (c["q"][2] == 0).all() and (c["top"][2] == -1).all() and (c["count"][2] == 0).all()
+    assert c["q"][1, 0] < c["q"][1, 2]  # the target 5 is the 2nd and 5th neighbour: a broad vote gives it more
+
+
 def test_dense_knn_estimates_exclude_the_own_document(tokenizer_model, tmp_path, capsys):
     """benchmarks/knnlm.joint_estimates (every list probed: exact): each training position's kNN
     estimate is brute force's over every key but its own document's (its copies elsewhere are
