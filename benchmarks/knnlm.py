@@ -50,6 +50,7 @@ from teragram.model.knn import (
     as_est,
     build,
     estimate_columns,
+    knn_target_probs,
     queries,
 )
 
@@ -59,19 +60,6 @@ RECALL_ROWS = 1_000  # queries whose IVF neighbours are checked against exact se
 FACTORS = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0)  # temperatures, x the median nearest distance
 TRAIN_CHUNK = 1 << 21  # training positions searched at once
 SELECT_EVERY = 3  # the key choice's stores hold the positions of every 3rd training window
-
-
-def knn_target_probs(d, nb_vals, target, temps):
-    """p_knn(target) (n, len(temps)): softmax(-d / T) over the neighbours, summed where the
-    neighbour's value is the target (missing neighbours: d = inf, weight 0)."""
-    import torch
-
-    hit = (nb_vals == target[:, None]).float()
-    out = []
-    for t in temps:
-        w = torch.softmax(-d / t, dim=1)
-        out.append((w * hit).sum(1))
-    return torch.nan_to_num(torch.stack(out, 1))  # no neighbour at all: 0
 
 
 def run(

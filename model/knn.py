@@ -270,6 +270,19 @@ def build(model, index_dir: Path, device: str, batch: int = 64, key: str = "fina
     return keys[:n], vals[:n], mu
 
 
+def knn_target_probs(d, nb_vals, target, temps):
+    """p_knn(target) (n, len(temps)): softmax(-d / T) over the neighbours, summed where the
+    neighbour's value is the target (missing neighbours: d = inf, weight 0)."""
+    import torch
+
+    hit = (nb_vals == target[:, None]).float()
+    out = []
+    for t in temps:
+        w = torch.softmax(-d / t, dim=1)
+        out.append((w * hit).sum(1))
+    return torch.nan_to_num(torch.stack(out, 1))  # no neighbour at all: 0
+
+
 def estimate_columns(d, nb, target, temps, scale: float) -> dict:
     """The kNN estimate at each temperature of `temps` as joint components, numpy columns (n, M)
     of model/joint.Est: q = p_knn(target) (softmax(-d / temp) over the neighbours), rest 0 (1
@@ -285,15 +298,14 @@ def estimate_columns(d, nb, target, temps, scale: float) -> dict:
     share_edges = torch.as_tensor(SHARE_EDGES, dtype=d.dtype, device=d.device)
     same = (nb == nb[:, :1]) | (nb < 0)
     every = same.all(1)  # every neighbour the nearest's token: share 1 exactly (a float sum may fall short of the last edge)
-    qs, shares = [], []
+    shares = []
     for temp in temps:
         w = torch.nan_to_num(torch.softmax(-d / temp, dim=1))  # no neighbour at all: 0
-        qs.append((w * (nb == target[:, None])).sum(1))
         share = torch.where(every, 1.0, (w * same).sum(1).clamp_max(1.0))
         shares.append(torch.where(has, torch.bucketize(share, share_edges, right=True), 0))
     M = len(temps)
     return {
-        "q": torch.stack(qs, 1).cpu().numpy().astype(np.float32),
+        "q": knn_target_probs(d, nb, target, temps).cpu().numpy().astype(np.float32),
         "rest": (~has).float()[:, None].repeat(1, M).cpu().numpy(),
         "count": near[:, None].repeat(1, M).cpu().numpy().astype(np.uint8),
         "share": torch.stack(shares, 1).cpu().numpy().astype(np.uint8),
@@ -317,6 +329,13 @@ SETTINGS = (
     "temperature_multiples",
 )  # fmt: skip
 OPTIONAL = {"key": "final", "temperature_multiples": (1.0,)}  # settings estimates written before them did not keep: their value
+
+
+def kept(store) -> tuple:
+    """The (name, value) pairs of SETTINGS in `store` (a mapping, e.g. read from JSON), lists as
+    tuples: what GPTConfig.joint_knn holds."""
+    store = dict(store)
+    return tuple((f, tuple(store[f]) if isinstance(store[f], list) else store[f]) for f in SETTINGS if f in store)
 
 
 class KnnSource:

@@ -305,7 +305,7 @@ def load_model(checkpoint: str | Path, device: str = "cpu") -> tuple[GPT, dict]:
     mc = meta["model"]
     mc["index_inputs"] = tuple(mc["index_inputs"])
     mc["joint"] = tuple(mc.get("joint", ()))
-    mc["joint_knn"] = tuple((f, tuple(v) if isinstance(v, list) else v) for f, v in mc.get("joint_knn", ()))
+    mc["joint_knn"] = knn.kept(mc.get("joint_knn", ()))
     model = GPT(GPTConfig(**mc))
     sd = load_file(str(p / "model.safetensors"))
     sd.setdefault("lm_head.weight", sd["transformer.wte.weight"])  # tied (gpt2 arch)
@@ -378,7 +378,7 @@ def train(cfg: TrainConfig) -> dict:
         mcfg = replace(
             mcfg,
             joint=comps,
-            joint_knn=tuple((f, tuple(store[f]) if isinstance(store[f], list) else store[f]) for f in knn.SETTINGS if f in store),
+            joint_knn=knn.kept(store),
             joint_top_k=cfg.joint_top_k,
             joint_hidden=cfg.joint_hidden,
             joint_lm_weight=cfg.joint_lm_weight,
