@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -281,6 +282,26 @@ def choose_key(model, index_dir: Path, feats, idx, device: str, *, batch: int, e
     return min(res, key=lambda x: res[x]["valid_nll"]), res
 
 
+@contextmanager
+def _profiled(path: Path, first: bool):
+    """With TERAGRAM_KNN_PROFILE set, the first search of a call under torch.profiler: its operators'
+    GPU and CPU times, written to `path` (where a faster search should start)."""
+    if not (first and os.environ.get("TERAGRAM_KNN_PROFILE")):
+        yield
+        return
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    t = time.time()
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+        yield
+        if cuda:
+            torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=30)
+    path.write_text(f"one chunk's search under the profiler: {time.time() - t:.1f} s\n{table}\n")
+
+
 def joint_estimates(
     model, index_dir: Path, held: dict, est_dir: Path, out_dir: Path, out: Path, device: str,
     *, batch: int = 64, eval_batch: int = 16, k: int = K_JOINT, centroids: int = CENTROIDS, nprobe: int = NPROBE,
@@ -353,7 +374,8 @@ def joint_estimates(
     for j in [] if partial else np.random.default_rng(SEED).permutation(len(spans)):  # random order: a cut is a sample
         a, b = spans[j]
         if not file[a, b].exists():
-            d, nb = ds.neighbours(keys[a:b].float(), k, nprobe, qdoc=kdoc[a:b], kdoc=kdoc)
+            with _profiled(out / "knn_search_profile.txt", "chunks_searched_now" not in info):
+                d, nb = ds.neighbours(keys[a:b].float(), k, nprobe, qdoc=kdoc[a:b], kdoc=kdoc)
             np.savez(done / "part.npz", **estimate_columns(d, nb, vals[a:b].long(), temps, scale))
             (done / "part.npz").rename(file[a, b])
             del d, nb
