@@ -30,7 +30,7 @@ model's evaluation cannot be split like the post-hoc one's). Variants:
   knnj      lm1 with dense_knn as one more component (after knnest, on the same machine)
   knnj3     lm1 with all three dense components
   knnj3w    knnj3 with the LM's own loss at half weight (joint_lm_weight = 0.5)
-  knnj3w2   knnj3 with the LM's own loss at twice the weight (2); knnj3w4 at four times (4)
+  knnj3w2   knnj3 with the LM's own loss at twice the weight (joint_lm_weight = 2)
 With --refit, each joint variant V is also scored with its gate refit on each set's validation
 half after training, the LM frozen (model/refit.py), as the post-hoc gates are fit per set:
   Vr        the statistics' weights refit (the hidden state's projection as trained)
@@ -67,7 +67,6 @@ VARIANTS = {
     "knnj3": ["--joint_lm_weight=1.0", "--joint_components={all},dense_knn,dense_knn_sharp,dense_knn_broad"],
     "knnj3w": ["--joint_lm_weight=0.5", "--joint_components={all},dense_knn,dense_knn_sharp,dense_knn_broad"],
     "knnj3w2": ["--joint_lm_weight=2.0", "--joint_components={all},dense_knn,dense_knn_sharp,dense_knn_broad"],
-    "knnj3w4": ["--joint_lm_weight=4.0", "--joint_components={all},dense_knn,dense_knn_sharp,dense_knn_broad"],
 }
 THEN_OK = {"knn", "knnest"}  # variants that need only (a) and the index: prep can start them once (a) is trained
 KEY_NAMES = {"final": "final hidden states", "ffn_in": "last block's feed-forward inputs after its layer norm (the kNN-LM paper's keys)"}
@@ -82,7 +81,6 @@ TRAINED = {
     "knnj3": "(j+lm+knn3) j+lm+knn, the kNN estimate at three temperatures (0.5x, 1x, 2.5x the fit one): three components",
     "knnj3w": "(j+lm/2+knn3) j+lm+knn3 with the LM's own loss at half weight (joint_lm_weight = 0.5)",
     "knnj3w2": "(j+2lm+knn3) j+lm+knn3 with the LM's own loss at twice the weight (joint_lm_weight = 2)",
-    "knnj3w4": "(j+4lm+knn3) j+lm+knn3 with the LM's own loss at four times the weight (joint_lm_weight = 4)",
 }
 # --refit: each joint variant's gate refit on each set's validation half, the LM frozen (model/refit.py)
 REFITS = {

@@ -285,7 +285,8 @@ def choose_key(model, index_dir: Path, feats, idx, device: str, *, batch: int, e
 @contextmanager
 def _profiled(path: Path, first: bool):
     """With TERAGRAM_KNN_PROFILE set, the first search of a call under torch.profiler: its operators'
-    GPU and CPU times, written to `path` (where a faster search should start)."""
+    GPU and CPU times, written to `path` (where a faster search should start). The profiler slows
+    that chunk about 5x (141 s against 27 s on the H200: benchmarks/results/knn_search_profile.txt)."""
     if not (first and os.environ.get("TERAGRAM_KNN_PROFILE")):
         yield
         return
