@@ -15,7 +15,7 @@ From (a)'s saved outputs (benchmarks/joint.py gpu) mixed with the index here, pe
    - kNN-LM's p_knn(target) over every training position (benchmarks/knnlm.py, with --knn:
      a run of the same (a)), its temperature fit on validation, the gate reading the nearest
      distance's bucket; and the same at three temperatures (KNN3: the joint gate's), three
-     estimates the gate weighs per token.
+     estimates the gate weighs per token, and at five (KNN5).
 
     python -m benchmarks.gate_headroom --outputs OUT --index DATA/idx-050m [--knn OUT] [--name gate_headroom]
 
@@ -42,6 +42,7 @@ NEIGHBOUR_TOKENS = 65536  # the neighbour cache's training text per document (on
 MLP_WIDTH, MLP_EPOCHS, MLP_BATCH = 256, 30, 4096
 DIST_EDGES = (0.1, 0.25, 0.5, 0.75, 0.9)  # quantiles (on validation) of kNN's nearest distance: the gate's buckets
 KNN3 = (0.1, 0.2, 0.5)  # (t+knn3)'s temperatures (x the median nearest distance): the joint gate's three (model/knn.MULTIPLES x 0.2)
+KNN5 = (0.05, 0.1, 0.2, 0.5, 1.0)  # (t+knn5): two more, sharper and broader still (would more temperatures help the joint gate?)
 
 
 def _paths(source: Path) -> list[str]:
@@ -214,11 +215,12 @@ def evaluate_set(name: str, a, nb: Neighbours | None) -> dict:
 
         nll["(d) kNN-LM over (a)"] = {h: mix_nll(o[h].nll.astype(np.float64), p[h][:, j], lam) for h in HALVES}
         edges = np.quantile(dist["valid"], DIST_EDGES)
-        three = [knnlm.FACTORS.index(f) for f in KNN3]
+        three, five = ([knnlm.FACTORS.index(f) for f in temps] for temps in (KNN3, KNN5))
         for tag, (Xb, lpb), cols in (
             ("(t+knn) plus kNN-LM's estimate", (X, lp), [j]),
             ("(t+near+knn) plus both", (Xn, lpn), [j]),
             (f"(t+knn3) plus kNN-LM's estimate at {', '.join(map(str, KNN3))} x the median nearest distance: three", (X, lp), three),
+            (f"(t+knn5) the same at {', '.join(map(str, KNN5))} x: five", (X, lp), five),
         ):
             Xk, lpk = {}, {}
             for h in HALVES:
