@@ -109,21 +109,39 @@ def _running_counts(key, pair, y, n_keys, n_pairs, o_cnt, o_pair, o_top, o_topc)
             topt[kk] = y[j]
 
 
-def _row_ids(rows: np.ndarray) -> np.ndarray:
-    """Dense ids of equal rows (exact: rows compared as bytes)."""
-    rows = np.ascontiguousarray(rows)
-    v = rows.view(np.dtype((np.void, rows.dtype.itemsize * rows.shape[1]))).ravel()
-    return np.unique(v, return_inverse=True)[1].ravel()
+def _dense(x: np.ndarray) -> np.ndarray:
+    """Dense ids of equal values of a 1-D integer array."""
+    return np.unique(x, return_inverse=True)[1].ravel().astype(np.int64, copy=False)
 
 
-def _cache_order(ids: np.ndarray, y: np.ndarray, k: int) -> tuple[np.ndarray, ...]:
+def _window_ids(ids: np.ndarray, ks) -> dict[int, np.ndarray]:
+    """For each k of ks (<= len(ids)), dense ids of equal windows ids[j : j + k], j = 0 .. n - k.
+    A window of a + b tokens is the pair (the id of its first a, the id of its last b), so that
+    each length is one sort of integers (a power of two from two halves, any other length from
+    the largest power of two below it and the rest), not a sort of k-wide rows. A pair is one
+    int64 (id_a * (max id_b + 1) + id_b): documents below 2^31 tokens."""
+    have = {1: _dense(ids)}
+
+    def get(k: int) -> np.ndarray:
+        if k not in have:
+            a = 1 << (k.bit_length() - 1)  # the largest power of two <= k
+            a = a // 2 if a == k else a
+            A, B = get(a), get(k - a)
+            m = len(ids) - k + 1
+            have[k] = _dense(A[:m] * (int(B.max()) + 1) + B[a : a + m])
+        return have[k]
+
+    return {k: get(k) for k in ks if k <= len(ids)}
+
+
+def _cache_order(ids: np.ndarray, y: np.ndarray, k: int, kid: np.ndarray | None) -> tuple[np.ndarray, ...]:
     """Per target j (context ids[:j]): earlier occurrences in the document of its last k tokens
-    (ending before j), how many were followed by y[j], and the most frequent follower."""
+    (ending before j), how many were followed by y[j], and the most frequent follower. kid: the
+    ids of the document's windows of k tokens (_window_ids; None: the document is shorter)."""
     n = len(y)
     cnt, pair, top, topc = np.zeros(n, np.int64), np.zeros(n, np.int64), np.full(n, -1, np.int64), np.zeros(n, np.int64)
-    if len(ids) >= k:
-        kid = _row_ids(np.lib.stride_tricks.sliding_window_view(ids, k))  # context of target j = k, k+1, ...
-        pid = _row_ids(np.stack([kid, y[k:]], 1))
+    if kid is not None:  # context of target j = k, k+1, ...
+        pid = _dense(kid * (int(y.max()) + 1) + y[k:])
         key = np.concatenate([np.full(k, -1), kid])
         pr = np.concatenate([np.full(k, -1), pid])
         _running_counts(key, pr, y, kid.max() + 1, pid.max() + 1, cnt, pair, top, topc)
@@ -146,8 +164,10 @@ def cache_estimates(ids, eos: int) -> dict[str, np.ndarray]:
     out = {}
     longest = [np.zeros(n, np.int64), np.zeros(n, np.int64), np.full(n, -1, np.int64), np.zeros(n, np.int64)]
     clen = np.zeros(n, np.int64)
-    for k in sorted(set(CACHE_LENGTHS) | set(ORDERS)):
-        st = _cache_order(ids, y, k)
+    lengths = sorted(set(CACHE_LENGTHS) | set(ORDERS))
+    windows = _window_ids(ids, lengths) if len(ids) else {}
+    for k in lengths:
+        st = _cache_order(ids, y, k, windows.get(k))
         if k in ORDERS:
             out |= _pack(f"cache_{k + 1}gram", *st)
         if k in CACHE_LENGTHS:

@@ -110,6 +110,20 @@ def _brute_cache(ids, eos, j, k):
     return len(nxt), {t: nxt.count(t) for t in set(nxt)}
 
 
+def test_window_ids_group_equal_windows():
+    # the cache's context ids, composed from shorter windows' ids, against comparing the windows themselves
+    rng = np.random.default_rng(1)
+    for trial in range(30):
+        ids = rng.integers(0, 2 + trial % 4, size=int(rng.integers(1, 300)))
+        ks = (1, 2, 3, 5, 6, 7, 12, 13, 31, 64, 100, 299)
+        got = estimates._window_ids(ids, ks)
+        assert sorted(got) == [k for k in ks if k <= len(ids)]
+        for k, kid in got.items():
+            rows = np.lib.stride_tricks.sliding_window_view(ids, k)
+            want = np.unique(rows, axis=0, return_inverse=True)[1].ravel()
+            assert np.array_equal(kid, want), (trial, k)  # ranks of the windows in lexicographic order, both
+
+
 def test_cache_estimates_against_brute_force_and_live():
     rng = np.random.default_rng(0)
     eos = 9
