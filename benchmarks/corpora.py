@@ -184,6 +184,21 @@ def fetch(name: str) -> Path:
     return root
 
 
+def versions(names) -> dict[str, str]:
+    """The Debian version of each package the named corpora are unpacked from (the .deb that
+    fetch keeps): the archive moves on (point releases replace a version), so a corpus is
+    reproducible only at the versions it records."""
+    from urllib.parse import unquote
+
+    out = {}
+    for n in names:
+        n = _PACKAGE.get(n, n)
+        for pkg in (n, *_NEEDS.get(n, ())):
+            for deb in sorted((cache_dir() / "debs").glob(f"{pkg}_*.deb")):
+                out[pkg] = unquote(deb.name[len(pkg) + 1 :].rsplit("_", 1)[0])
+    return out
+
+
 def _chunks(text: str, base: str, sep: str = "\n\n") -> Iterator[tuple[str, str]]:
     """Cut a long text into ~_CHUNK pieces at `sep` boundaries: (base#k, piece)."""
     k, start = 0, 0
@@ -597,7 +612,7 @@ def export_buckets(
         w.close()  # closes the file too
         os.replace(d / f"b{k:02d}.jsonl.zst.tmp", d / f"b{k:02d}.jsonl.zst")
     shutil.copy(copyright_file(name), d / "copyright")
-    manifest = {"corpus": name, "buckets": buckets, "docs": docs, "bytes": nbytes, "skipped": skipped}
+    manifest = {"corpus": name, "buckets": buckets, "docs": docs, "bytes": nbytes, "skipped": skipped, "packages": versions([name])}
     tmp = d / "manifest.json.tmp"
     tmp.write_text(json.dumps(manifest))
     os.replace(tmp, done)
@@ -638,7 +653,7 @@ def export(
                     break
             if max_bytes is not None and n_bytes >= max_bytes:
                 break
-    return {"docs": n_docs, "bytes": n_bytes, "file_bytes": out.stat().st_size}
+    return {"docs": n_docs, "bytes": n_bytes, "file_bytes": out.stat().st_size, "packages": versions(names)}
 
 
 # The embedded default corpus: the Jargon File and a slice of the kernel documentation.

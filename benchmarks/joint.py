@@ -31,6 +31,8 @@ model's evaluation cannot be split like the post-hoc one's). Variants:
   knnj3     lm1 with all three dense components
   knnj3w    knnj3 with the LM's own loss at half weight (joint_lm_weight = 0.5)
   knnj3w2   knnj3 with the LM's own loss at twice the weight (joint_lm_weight = 2)
+  knnj3sN   knnj3 with its training seeded N (8, 9; knnj3's is 7): replicates, reported with it as
+            mean and spread (with --prior, also the knnj3 of earlier runs' results), never chosen
 With --refit, each joint variant V is also scored with its gate refit on each set's validation
 half after training, the LM frozen (model/refit.py), as the post-hoc gates are fit per set:
   Vr        the statistics' weights refit (the hidden state's projection as trained)
@@ -41,6 +43,7 @@ the same index and (a), on all and decontaminated test text."""
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -68,6 +71,10 @@ VARIANTS = {
     "knnj3w": ["--joint_lm_weight=0.5", "--joint_components={all},dense_knn,dense_knn_sharp,dense_knn_broad"],
     "knnj3w2": ["--joint_lm_weight=2.0", "--joint_components={all},dense_knn,dense_knn_sharp,dense_knn_broad"],
 }
+# replicates: a variant again, its training seeded otherwise (the store and (a) those of the run's
+# prep); reported beside it as mean and spread, never candidates on validation
+REPLICATES = {f"knnj3s{n}": ("knnj3", n) for n in (8, 9)}
+VARIANTS |= {r: [*VARIANTS[b], f"--seed={n}"] for r, (b, n) in REPLICATES.items()}
 THEN_OK = {"knn", "knnest"}  # variants that need only (a) and the index: prep can start them once (a) is trained
 KEY_NAMES = {"final": "final hidden states", "ffn_in": "last block's feed-forward inputs after its layer norm (the kNN-LM paper's keys)"}
 DENSE_ESTIMATES = "est-knn"  # W/est with dense_knn appended (variant knnest), the estimates of the variants reading it
@@ -82,6 +89,7 @@ TRAINED = {
     "knnj3w": "(j+lm/2+knn3) j+lm+knn3 with the LM's own loss at half weight (joint_lm_weight = 0.5)",
     "knnj3w2": "(j+2lm+knn3) j+lm+knn3 with the LM's own loss at twice the weight (joint_lm_weight = 2)",
 }
+TRAINED |= {r: f"(j+lm+knn3 s{n}) j+lm+knn3 again, its training seeded {n} (a replicate)" for r, (b, n) in REPLICATES.items()}
 # --refit: each joint variant's gate refit on each set's validation half, the LM frozen (model/refit.py)
 REFITS = {
     "r": ("gate refit on each set's validation half", False),
@@ -200,7 +208,31 @@ def _dense_of(model, out: Path):
     return lambda name, h: knnlm.load_est(out, name, h, model.cfg.joint) if wants else None
 
 
-def _eval_refits(model, v: str, held: dict, idx, out: Path, device: str, batch: int, threads: int) -> dict:
+def _heldout_est(work: Path, idx, model, feats, name: str, h: str, dense, threads: int):
+    """joint.heldout_est of one held-out half for the model's gate, its index and cache columns
+    kept in W/heldest (the same for every variant with these components on this index: a later
+    variant's evaluation reads them instead of computing them again)."""
+    from dataclasses import asdict, fields
+
+    from teragram.model.estimates import heldout_docs
+    from teragram.model.joint import DENSE, Est, heldout_est, with_columns
+
+    own = tuple(c for c in model.cfg.joint if c not in DENSE)
+    key = hashlib.blake2b(repr((own, model.cfg.joint_top_k)).encode(), digest_size=6).hexdigest()
+    path = work / "heldest" / f"{name}-{h}-{key}.npz"
+    if path.exists():
+        with np.load(path) as z:
+            e = Est(**{f.name: z[f.name] for f in fields(Est)})
+    else:
+        e = heldout_est(idx, heldout_docs(feats), own, model.cfg.joint_top_k, threads)
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_name(path.name + ".part.npz")
+        np.savez(tmp, **asdict(e))
+        os.replace(tmp, path)  # whole or absent: a call cut short leaves no half-written estimates
+    return e if dense is None else with_columns(e, dense)
+
+
+def _eval_refits(model, v: str, held: dict, idx, out: Path, device: str, batch: int, threads: int, work: Path) -> dict:
     """A joint variant's nll on every held-out half with its trained gate (OUT/V-SET-HALF.npz, as
     without --refit) and with the gate refit on that set's validation half (OUT/Vr-SET-HALF.npz;
     Vrh-...: the hidden state's projection refit too, when the gate reads it). The model runs once
@@ -214,7 +246,8 @@ def _eval_refits(model, v: str, held: dict, idx, out: Path, device: str, batch: 
         inputs, res = {}, {}
         for h in HALVES:
             t = time.time()
-            inputs[h], res[h] = refit.gate_inputs(model, held[name, h], idx, device, batch=batch, threads=threads, dense=dense(name, h))
+            e = _heldout_est(work, idx, model, held[name, h], name, h, dense(name, h), threads)
+            inputs[h], res[h] = refit.gate_inputs(model, held[name, h], idx, device, batch=batch, est=e)
             info["inputs_s"][f"{name}-{h}"] = time.time() - t
             _save_nll(out / f"{v}-{name}-{h}.npz", res[h]["nll"], res[h])
         for suffix, (_, hidden) in REFITS.items():
@@ -297,16 +330,20 @@ def stage_train(
             cmd += [x.format(all=",".join(COMPONENTS)) for x in VARIANTS[v]]
         else:
             cmd += [f"--max_steps={min(300, s['steps'])}", "--checkpoint=false"]
-        sh(*cmd)
-        log = [json.loads(x) for x in open(_run(work, v, seed) / "log.jsonl")]
-        info[v] = {"train_s": time.time() - t, "log": log}
-        saved.write_text(json.dumps(info, indent=1))
+        last = _run(work, v, seed) / "latest.json"
+        if v != "plain" and "train_s" in info.get(v, {}) and last.exists() and json.loads(last.read_text())["step"] >= s["steps"]:
+            print(f"{v}: trained by an earlier call: evaluated, not trained again", flush=True)
+        else:
+            sh(*cmd)
+            log = [json.loads(x) for x in open(_run(work, v, seed) / "log.jsonl")]
+            info[v] = {"train_s": time.time() - t, "log": log}
+            saved.write_text(json.dumps(info, indent=1))
         if v == "plain":
             continue
         t = time.time()
         model, _ = load_model(_run(work, v, seed), device)
         if refit:
-            info[v]["refit"] = _eval_refits(model, v, held, idx, out, device, s["eval_batch"], n)
+            info[v]["refit"] = _eval_refits(model, v, held, idx, out, device, s["eval_batch"], n, work)
         else:
             dense = _dense_of(model, out)
             for (name, h), feats in held.items():
@@ -426,11 +463,54 @@ def stage_eval(joint_outs: list[Path], index: Path, carry: Path, posthoc: Path, 
     return res
 
 
+def replicates(res: dict, priors: list[Path]) -> dict:
+    """Per replicated variant V and its refit Vr, per set: the decontaminated test perplexity of V
+    and of each replicate in `res`, and of V in each earlier result (`priors`: this eval's JSON
+    from other runs, same index and post-hoc results) that `res` lacks; mean, sd (n - 1) and the
+    mean against post-hoc (t)."""
+    old = []
+    for p in priors:
+        r = json.loads(p.read_text())
+        if (r["index"], r["index_tokens"], Path(r["posthoc_results"]).name) != (
+            res["index"],
+            res["index_tokens"],
+            Path(res["posthoc_results"]).name,
+        ):
+            raise SystemExit(f"{p}: another index or post-hoc results than this eval's ({r['index']}, {r['posthoc_results']})")
+        old.append((p.stem, r))
+    out: dict = {}
+    for b in sorted({b for b, _ in REPLICATES.values()}):
+        for suffix in ("", "r"):
+            v = b + suffix
+            for s, r in res["sets"].items():
+                runs = {f"{v} (this eval)": r["joint"][v]["test_decontaminated"]} if v in r["joint"] else {}
+                runs |= {
+                    f"{v} ({n})": p["sets"][s]["joint"][v]["test_decontaminated"]
+                    for n, p in old
+                    if v not in r["joint"] and v in p["sets"][s]["joint"]
+                }
+                runs |= {
+                    f"{rep}{suffix}": r["joint"][rep + suffix]["test_decontaminated"]
+                    for rep, (bb, _) in REPLICATES.items()
+                    if bb == b and rep + suffix in r["joint"]
+                }
+                if len(runs) > 1:
+                    x = np.array(list(runs.values()))
+                    t = r["posthoc"]["ppl_decontaminated"]["t"]
+                    out.setdefault(v, {})[s] = {
+                        "runs": runs,
+                        "mean": float(x.mean()),
+                        "sd": float(x.std(ddof=1)),
+                        "vs_t": float(x.mean() / t),
+                    }
+    return out
+
+
 def report(res: dict, name: str = "joint") -> None:
     names = {"a": "(a) no index", "c": "(c) infini-gram interpolation", "c+c": "(c+cache) infini-gram + document cache"}
     names |= {"a+c": "(a+c) post-hoc cache gate", "t-c": "(t-c) post-hoc index gate", "t": "(t) post-hoc index + cache gate"}
     lines = []
-    valid = {v: j["valid"] for v, j in res["sets"].get("indist", {}).get("joint", {}).items() if v in TRAINED}
+    valid = {v: j["valid"] for v, j in res["sets"].get("indist", {}).get("joint", {}).items() if v in TRAINED and v not in REPLICATES}
     if valid:  # the headline among the trained variants, by validation only (a refit's validation is its fit's)
         v = min(valid, key=valid.get)
         lines += [
@@ -513,6 +593,27 @@ def report(res: dict, name: str = "joint") -> None:
             )
         )
         lines.append("")
+    for b, per in res.get("replicates", {}).items():
+        rows = []
+        for st, r in per.items():
+            runs = "; ".join(f"{k} {v:.4g}" for k, v in r["runs"].items())
+            rows.append(
+                {
+                    "set": st,
+                    "runs": runs,
+                    "mean": r["mean"],
+                    "sd": r["sd"],
+                    "mean / post-hoc (t)": r["vs_t"],
+                    "spread / mean": r["sd"] / r["mean"],
+                }
+            )
+        lines += [
+            f"**Replicates of {NAMES[b].split(' ')[0]}** (decontaminated test perplexity; runs differ in the joint training's seed, "
+            "and runs of other preps in (a) and its store too):",
+            "",
+            table(rows, ["set", "runs", "mean", "sd", "mean / post-hoc (t)", "spread / mean"]),
+            "",
+        ]
     if res["rates"]:
         rows = [
             {"variant": v, "tokens/s after step 100": r["tokens_per_s"], "vs plain": r["vs_plain"], "run": Path(r["run"]).name}
@@ -578,6 +679,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-knn-peer", action="store_true", help="knnest: leave out the peer (d) over the same store (k = 1024)")
     ap.add_argument("--joint", type=Path, nargs="+", help="eval: the GPU runs' outputs (a variant: from the first that has it)")
     ap.add_argument("--index", type=Path, help="eval: the model's index, here (DATA/idx-050m)")
+    ap.add_argument("--prior", type=Path, nargs="+", help="eval: earlier results (JSON) whose variants replicated here count as runs")
     ap.add_argument("--posthoc", type=Path, default=Path(__file__).parent / "results" / "index_size_050m.json")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--name", default="joint", help="eval: the results' name (benchmarks/results/NAME.md)")
@@ -598,7 +700,9 @@ def main(argv: list[str] | None = None) -> int:
         if a.gpu_stage in ("train", "all"):
             stage_train(a.carry, a.work, a.out, variants, a.steps, a.scale, a.refit, a.seed, a.knn_key, not a.no_knn_peer)
     else:
-        report(stage_eval(a.joint, a.index, a.carry, a.posthoc, a.work or Path("/tmp/joint-eval"), a.workers), a.name)
+        res = stage_eval(a.joint, a.index, a.carry, a.posthoc, a.work or Path("/tmp/joint-eval"), a.workers)
+        res["replicates"] = replicates(res, a.prior or [])
+        report(res, a.name)
     return 0
 
 

@@ -77,11 +77,13 @@ class GateInputs:
 
 
 def gate_inputs(
-    model: GPT, heldout, index, device: str = "cpu", *, batch: int = 16, threads: int = 1, dense: joint.Est | None = None, knn=None
-) -> tuple[GateInputs, dict]:
+    model: GPT, heldout, index, device: str = "cpu", *, batch: int = 16, threads: int = 1, dense: joint.Est | None = None, knn=None,
+    est: joint.Est | None = None,
+) -> tuple[GateInputs, dict]:  # fmt: skip
     """The gate's inputs on held-out features' text (index: an Index or its directory; the
-    estimates on `threads` threads, a kNN datastore's given as `dense` or taken from `knn`) and token_eval's result
-    there with the trained gate (nll, nll_model, maxp, top, target, doc, pos): one pass of the model."""
+    estimates on `threads` threads, a kNN datastore's given as `dense` or taken from `knn`, or all of
+    them given as `est`, joint.heldout_est's of this text) and token_eval's result there with the
+    trained gate (nll, nll_model, maxp, top, target, doc, pos): one pass of the model."""
     from teragram.index.engine import Index
 
     if not model.cfg.joint:
@@ -89,7 +91,12 @@ def gate_inputs(
     idx = index if isinstance(index, Index) else Index(index)
     joint.check_index(model.cfg, idx)
     docs = heldout_docs(heldout)
-    est = joint.heldout_est(idx, docs, model.cfg.joint, model.cfg.joint_top_k, threads, dense, knn)
+    if est is None:
+        est = joint.heldout_est(idx, docs, model.cfg.joint, model.cfg.joint_top_k, threads, dense, knn)
+    elif len(est) != sum(len(d) + 1 for d in docs) or est.q.shape[1] != len(model.cfg.joint):
+        raise TeragramError(
+            f"estimates of {len(est):,} targets x {est.q.shape[1]} components given for {len(docs)} documents and the gate's {len(model.cfg.joint)}"
+        )
     r = token_eval(model, heldout, idx.eos_id, idx.sep, device, batch=batch, hidden=True, index=idx, estimates=est)
     row0 = np.concatenate([[0], np.cumsum([len(d) + 1 for d in docs])]).astype(np.int64)  # each document's first row in est
     order = row0[r["doc"].astype(np.int64)] + r["pos"].astype(np.int64)

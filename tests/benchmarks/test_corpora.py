@@ -138,3 +138,18 @@ def test_everyday_documents_skip_stubs_and_comments(tmp_path):
     (root / "usr/share/doc/debian-handbook/html/en-US/index.html").write_text("<p>Next</p>")
     (root / "usr/share/doc/debian-handbook/html/en-US/apt.html").write_text("<p>" + "APT installs packages. " * 20 + "</p>")
     assert [p for p, _ in corpora._everyday_documents("debian-handbook", root)] == ["usr/share/doc/debian-handbook/html/en-US/apt.html"]
+
+
+def test_versions_of_the_packages_a_corpus_is_unpacked_from(monkeypatch, tmp_path):
+    monkeypatch.setenv("TERAGRAM_CACHE", str(tmp_path))
+    (tmp_path / "debs").mkdir()
+    for deb in (
+        "fortunes_1%3a1.99.1-7.3_all.deb",
+        "bible-kjv-text_4.38_all.deb",
+        "bible-kjv_4.38_amd64.deb",
+        "linux-source-6.12_6.12.95-1~bpo12+1_all.deb",
+    ):
+        (tmp_path / "debs" / deb).touch()
+    got = corpora.versions(["fortunes", "bible-kjv-text", "linux-source-6.12-new", "linux-source-6.1"])
+    # the epoch unquoted, a package's dependency's too, and no 6.12 .deb taken for linux-source-6.1
+    assert got == {"fortunes": "1:1.99.1-7.3", "bible-kjv-text": "4.38", "bible-kjv": "4.38", "linux-source-6.12": "6.12.95-1~bpo12+1"}

@@ -191,3 +191,23 @@ def test_sample_with_a_refit_gate_generates_what_the_installed_gate_does(run, tm
     assert capsys.readouterr().out[:-1] == want  # print's newline
     assert main(args) == 0
     assert capsys.readouterr().out[:-1] == own
+
+
+def test_inputs_from_estimates_given_and_kept_for_the_next_variant(run, tmp_path):
+    """gate_inputs over estimates computed once (benchmarks/joint.py keeps each half's for the
+    next variant with the same components) gives the inputs it computes itself; estimates of
+    other text are refused."""
+    from dataclasses import fields
+
+    from benchmarks import joint as bench
+
+    model, idx, root = run["model"], run["idx"], run["root"]
+    made = bench._heldout_est(tmp_path, idx, model, root / "refit-valid", "s", "valid", None, 1)
+    assert len(list((tmp_path / "heldest").iterdir())) == 1
+    kept = bench._heldout_est(tmp_path, idx, model, root / "refit-valid", "s", "valid", None, 1)  # read back
+    assert all(np.array_equal(getattr(made, f.name), getattr(kept, f.name)) for f in fields(joint.Est))
+    inputs, r = refit.gate_inputs(model, root / "refit-valid", idx, est=kept)
+    assert np.array_equal(r["nll"], run["r_valid"]["nll"])
+    assert all(torch.equal(getattr(inputs.est, f.name), getattr(run["valid"].est, f.name)) for f in fields(joint.Est))
+    with pytest.raises(TeragramError, match="targets x"):
+        refit.gate_inputs(model, root / "refit-test", idx, est=kept)
