@@ -89,7 +89,7 @@ TRAINED = {
     "knnj3w": "(j+lm/2+knn3) j+lm+knn3 with the LM's own loss at half weight (joint_lm_weight = 0.5)",
     "knnj3w2": "(j+2lm+knn3) j+lm+knn3 with the LM's own loss at twice the weight (joint_lm_weight = 2)",
 }
-TRAINED |= {r: f"(j+lm+knn3 s{n}) j+lm+knn3 again, its training seeded {n} (a replicate)" for r, (b, n) in REPLICATES.items()}
+TRAINED |= {r: f"(j+lm+knn3:s{n}) j+lm+knn3 again, its training seeded {n} (a replicate)" for r, (b, n) in REPLICATES.items()}
 # --refit: each joint variant's gate refit on each set's validation half, the LM frozen (model/refit.py)
 REFITS = {
     "r": ("gate refit on each set's validation half", False),
@@ -357,9 +357,12 @@ def stage_train(
 
 
 def _rate(log: list[dict], skip: int = 100) -> float:
-    """Tokens per second after the first `skip` steps (compilation and warm-up left out)."""
+    """Tokens per second after the first `skip` steps (compilation and warm-up left out) of the
+    log's last run: a run resumed after a call was cut short appends a second one, its step and
+    clock started again (its first `skip` steps left out as well)."""
     rows = [r for r in log if "tokens_per_s" in r]
-    a = next(r for r in rows if r["step"] >= skip)
+    rows = rows[max([i for i in range(1, len(rows)) if rows[i]["step"] <= rows[i - 1]["step"]], default=0) :]
+    a = next(r for r in rows if r["step"] >= rows[0]["step"] + skip)
     b = rows[-1]
     tok_a, tok_b = a["tokens_per_s"] * a["elapsed_s"], b["tokens_per_s"] * b["elapsed_s"]
     return (tok_b - tok_a) / (b["elapsed_s"] - a["elapsed_s"])

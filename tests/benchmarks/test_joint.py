@@ -36,3 +36,19 @@ def test_replicates_mean_and_spread(tmp_path):
     other.write_text(json.dumps(_res("idx-2b", {"knnj3": 16.0})))
     with pytest.raises(SystemExit, match="another index"):
         joint.replicates(res, [other])
+
+
+def test_rate_of_a_log_with_a_resumed_run():
+    """The rate over the log's last run only: a resumed run appends rows whose step and clock
+    start again (cumulative tokens/s over elapsed seconds, as model/train.py logs them)."""
+
+    def rows(first: int, last: int, rate: float, start_s: float) -> list[dict]:
+        out = []
+        for step in range(first, last + 1, 25):
+            el = start_s + (step - first) * 1000 / rate
+            out.append({"step": step, "elapsed_s": el, "tokens_per_s": (step - first) * 1000 / el})
+        return out
+
+    log = rows(1, 1500, 100.0, 30.0) + [{"step": 1500, "loss": 4.2}] + rows(125, 1500, 200.0, 10.0)
+    assert joint._rate(log) == pytest.approx(200.0)
+    assert joint._rate(rows(1, 1500, 100.0, 30.0)) == pytest.approx(100.0)
