@@ -91,12 +91,8 @@ def gate_inputs(
     idx = index if isinstance(index, Index) else Index(index)
     joint.check_index(model.cfg, idx)
     docs = heldout_docs(heldout)
-    if est is None:
+    if est is None:  # given ones are checked against the text by token_eval
         est = joint.heldout_est(idx, docs, model.cfg.joint, model.cfg.joint_top_k, threads, dense, knn)
-    elif len(est) != sum(len(d) + 1 for d in docs) or est.q.shape[1] != len(model.cfg.joint):
-        raise TeragramError(
-            f"estimates of {len(est):,} targets x {est.q.shape[1]} components given for {len(docs)} documents and the gate's {len(model.cfg.joint)}"
-        )
     r = token_eval(model, heldout, idx.eos_id, idx.sep, device, batch=batch, hidden=True, index=idx, estimates=est)
     row0 = np.concatenate([[0], np.cumsum([len(d) + 1 for d in docs])]).astype(np.int64)  # each document's first row in est
     order = row0[r["doc"].astype(np.int64)] + r["pos"].astype(np.int64)
