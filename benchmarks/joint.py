@@ -120,7 +120,7 @@ def _run(work: Path, v: str, seed: int) -> Path:
 
 def stage_prep(
     carry: Path, work: Path, scale: str = "gpu", steps: int | None = None, seed: int = 7, joint_inputs: bool = True,
-    then: tuple[str, ...] = (), out: Path | None = None, then_args: tuple[str, ...] = (),
+    then: tuple[str, ...] = (), out: Path | None = None, then_args: tuple[str, ...] = (), variants: tuple[str, ...] = (),
 ) -> tuple[dict, list]:  # fmt: skip
     """Index, exclude-doc features per context length, the training positions' estimates; the
     plain model (a) trains meanwhile on the idle GPU (its step rate is measured again, alone, by
@@ -128,9 +128,14 @@ def stage_prep(
     e.g. --variants a,knn): the index and (a) only. `then`: variants over (a) (THEN_OK) started
     on the GPU as soon as (a) is trained, beside the estimates, writing to `out` (knnest's search
     only: its merge needs the estimates, so a later train stage finishes it), with `then_args`
-    (the kNN options); returned with the phases' times, still running."""
+    (the kNN options); returned with the phases' times, still running. Once the training
+    positions' estimates are written, the CPUs, idle while the search runs, compute the held-out
+    halves' index and cache estimates for the joint `variants` to be trained (W/heldest), which
+    their evaluations would otherwise wait on."""
+    from teragram.index.engine import Index
     from teragram.model import joint
 
+    from benchmarks.index_size import heldout_features
     from benchmarks.perplexity import SCALES, train_cmd
 
     py, n = sys.executable, os.cpu_count() or 1
@@ -144,8 +149,10 @@ def stage_prep(
         train_cmd("a", work, s, out=_run(work, "a", seed)), stdout=open(work / "train-a.log", "w"), stderr=subprocess.STDOUT
     )
     follow: list = []
+    held_ready = threading.Event()
 
-    def start_then():  # (a)'s followers, once it is trained
+    def start_then():  # (a)'s followers, once it is trained and the held-out features are written
+        held_ready.wait()
         if a.wait() == 0:
             cmd = [py, "-m", "benchmarks.joint", "gpu", "--carry", str(carry), "--work", str(work), "--out", str(out)]
             cmd += (
@@ -159,6 +166,10 @@ def stage_prep(
     waiter = threading.Thread(target=start_then, daemon=True)
     if then:
         waiter.start()
+    t_held = time.time()
+    held = heldout_features(work / "idx", work / "held", carry, n)  # here, so that no follower writes them at the same time
+    held_ready.set()
+    ph["heldout_features_s"] = time.time() - t_held
     procs = [  # one process per context length: each is one pass over the (single) shard
         subprocess.Popen(
             [py, "-m", "teragram.serve.cli", "features", str(work / "idx"), "--out", str(work / f"len-{c}"), "--mode", "exclude-doc"]
@@ -178,6 +189,12 @@ def stage_prep(
     ph["a_done_s"] = time.time() - t
     if then:
         waiter.join()
+    t = time.time()
+    idx = Index(work / "idx")
+    for own in dict.fromkeys(_own_components(v) for v in variants if v in VARIANTS and v != "plain"):
+        for (name, h), feats in held.items():
+            _heldest(work, idx, feats, name, h, own, 4, n)  # 4: the training estimates' top_k, every variant's
+    ph["heldout_estimates_s"] = time.time() - t
     print(json.dumps(ph))
     return ph, follow
 
@@ -208,27 +225,46 @@ def _dense_of(model, out: Path):
     return lambda name, h: knnlm.load_est(out, name, h, model.cfg.joint) if wants else None
 
 
-def _heldout_est(work: Path, idx, model, feats, name: str, h: str, dense, threads: int):
-    """joint.heldout_est of one held-out half for the model's gate, its index and cache columns
-    kept in W/heldest (the same for every variant with these components on this index: a later
-    variant's evaluation reads them instead of computing them again)."""
+def _own_components(v: str) -> tuple[str, ...]:
+    """The index and cache components (the dense ones left out) that variant V's gate reads, as
+    its trained config will name them (no --joint_components: every one, model/estimates.COMPONENTS,
+    the order W/est's manifest lists them in)."""
+    from teragram.model.estimates import COMPONENTS
+    from teragram.model.joint import DENSE
+
+    arg = next((x.split("=", 1)[1] for x in VARIANTS[v] if x.startswith("--joint_components=")), "{all}")
+    return tuple(c for c in arg.format(all=",".join(COMPONENTS)).split(",") if c not in DENSE)
+
+
+def _heldest(work: Path, idx, feats, name: str, h: str, own: tuple[str, ...], top_k: int, threads: int):
+    """joint.heldout_est of one held-out half over the components `own` (no dense ones), kept in
+    W/heldest: the same for every variant with these components on this index, so a later
+    variant's evaluation (or prep, for the variants it will train) computes them once."""
     from dataclasses import asdict, fields
 
     from teragram.model.estimates import heldout_docs
-    from teragram.model.joint import DENSE, Est, heldout_est, with_columns
+    from teragram.model.joint import Est, heldout_est
 
-    own = tuple(c for c in model.cfg.joint if c not in DENSE)
-    key = hashlib.blake2b(repr((own, model.cfg.joint_top_k)).encode(), digest_size=6).hexdigest()
+    key = hashlib.blake2b(repr((tuple(own), top_k)).encode(), digest_size=6).hexdigest()
     path = work / "heldest" / f"{name}-{h}-{key}.npz"
     if path.exists():
         with np.load(path) as z:
-            e = Est(**{f.name: z[f.name] for f in fields(Est)})
-    else:
-        e = heldout_est(idx, heldout_docs(feats), own, model.cfg.joint_top_k, threads)
-        path.parent.mkdir(exist_ok=True)
-        tmp = path.with_name(path.name + ".part.npz")
-        np.savez(tmp, **asdict(e))
-        os.replace(tmp, path)  # whole or absent: a call cut short leaves no half-written estimates
+            return Est(**{f.name: z[f.name] for f in fields(Est)})
+    e = heldout_est(idx, heldout_docs(feats), own, top_k, threads)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".part.npz")
+    np.savez(tmp, **asdict(e))
+    os.replace(tmp, path)  # whole or absent: a call cut short leaves no half-written estimates
+    return e
+
+
+def _heldout_est(work: Path, idx, model, feats, name: str, h: str, dense, threads: int):
+    """joint.heldout_est of one held-out half for the model's gate: its index and cache columns
+    from W/heldest (_heldest), the dense ones (`dense`) appended."""
+    from teragram.model.joint import DENSE, with_columns
+
+    own = tuple(c for c in model.cfg.joint if c not in DENSE)
+    e = _heldest(work, idx, feats, name, h, own, model.cfg.joint_top_k, threads)
     return e if dense is None else with_columns(e, dense)
 
 
@@ -696,7 +732,7 @@ def main(argv: list[str] | None = None) -> int:
             if set(then) - THEN_OK:
                 raise SystemExit(f"--then {a.then}: only {', '.join(sorted(THEN_OK))} (over (a), GPU only) can run beside prep")
             knn_args = ("--knn-key", a.knn_key) + (("--no-knn-peer",) if a.no_knn_peer else ())
-            ph, follow = stage_prep(a.carry, a.work, a.scale, a.steps, a.seed, joint_inputs, then, a.out, knn_args)
+            ph, follow = stage_prep(a.carry, a.work, a.scale, a.steps, a.seed, joint_inputs, then, a.out, knn_args, tuple(variants))
             (a.out / "prep.json").write_text(json.dumps(ph))
             if any([p.wait() for p in follow]):
                 raise SystemExit(f"--then {a.then} failed: see {a.work / 'train-then.log'}")

@@ -211,3 +211,13 @@ def test_inputs_from_estimates_given_and_kept_for_the_next_variant(run, tmp_path
     assert all(torch.equal(getattr(inputs.est, f.name), getattr(run["valid"].est, f.name)) for f in fields(joint.Est))
     with pytest.raises(TeragramError, match="targets x"):
         refit.gate_inputs(model, root / "refit-test", idx, est=kept)
+    # prep computes them before any variant is trained, keyed by what the variant's config will name
+    from teragram.model.estimates import COMPONENTS as ALL
+    from teragram.model.estimates import INDEX
+
+    assert bench._own_components("knnj3") == bench._own_components("joint") == ALL  # the dense ones left out
+    assert bench._own_components("nocache") == tuple(c for c in INDEX if c in bench.VARIANTS["nocache"][0])
+    bench._heldest(tmp_path / "prep", idx, root / "refit-valid", "s", "valid", COMPONENTS, model.cfg.joint_top_k, 1)
+    read = bench._heldout_est(tmp_path / "prep", idx, model, root / "refit-valid", "s", "valid", None, 1)
+    assert len(list((tmp_path / "prep" / "heldest").iterdir())) == 1  # read, not computed again
+    assert all(np.array_equal(getattr(made, f.name), getattr(read, f.name)) for f in fields(joint.Est))
