@@ -3,7 +3,7 @@ peers, on the index-size benchmark's data: the same 125M, steps and text as its 
 
     python -m benchmarks.index_size prepare --data DATA --carry .carry15       # here: text + held-out halves
     python -m benchmarks.joint gpu --carry .carry15 --work W --out OUT --stage prep [--then knnest]  # on the GPU machine
-    python -m benchmarks.joint gpu --carry .carry15 --work W --out OUT --stage train [--refit]  # at once: W is lost when idle
+    python -m benchmarks.joint gpu --carry .carry15 --work W --out OUT --stage train [--refit]  # at once: W is lost when idle; again: resumes
     python -m benchmarks.index_size eval --outputs OUT --index DATA/idx-050m --name joint_posthoc   # here
     python -m benchmarks.joint eval --joint OUT [OUT2 ...] --index DATA/idx-050m --carry .carry15 \
         --posthoc benchmarks/results/joint_posthoc.json                                # here
@@ -305,6 +305,21 @@ def _eval_refits(model, v: str, held: dict, idx, out: Path, device: str, batch: 
     return info
 
 
+def _done(info: dict, v: str, work: Path, out: Path, refit: bool) -> bool:
+    """Whether an earlier call with this W and OUT finished variant V's part of the train stage
+    (info: OUT/joint_gpu.json, each entry written once its step is complete), so that the same
+    command, given again after a call cut short, resumes where it stopped and repeats nothing."""
+    got = info.get(v, {})
+    if v == "a":
+        return "outputs_s" in got and all((out / f"outputs-{n}-{h}.tgz").exists() for n in SETS for h in HALVES)
+    if v == "knnest":  # the search-only pass beside prep records no train_search_s: its merge is still to do
+        return "train_search_s" in got and (work / DENSE_ESTIMATES / "manifest.json").exists()
+    if v in ("knn", "plain"):
+        return ("total_s" if v == "knn" else "train_s") in got
+    files = [out / f"{v}-{n}-{h}.npz" for n in SETS for h in HALVES]
+    return "eval_s" in got and (not refit or "refit" in got) and all(f.exists() for f in files)
+
+
 def stage_train(
     carry: Path,
     work: Path,
@@ -339,6 +354,9 @@ def stage_train(
     if {"a", "knn", "knnest"} & set(variants) and not (_run(work, "a", seed) / "latest.json").exists():
         raise SystemExit(f"{_run(work, 'a', seed)}: no (a) of seed {seed}: run --stage prep with the same --seed first")
     for v in sorted(variants, key=lambda v: (v != "a", v != "plain")):  # (a)'s outputs, then plain's short run: the rates need it
+        if _done(info, v, work, out, refit):
+            print(f"{v}: done by an earlier call (OUT/joint_gpu.json): skipped", flush=True)
+            continue
         t = time.time()
         if v == "knn":  # the peer (d) over (a), trained during prep
             model, _ = load_model(_run(work, "a", seed), device)

@@ -52,3 +52,27 @@ def test_rate_of_a_log_with_a_resumed_run():
     log = rows(1, 1500, 100.0, 30.0) + [{"step": 1500, "loss": 4.2}] + rows(125, 1500, 200.0, 10.0)
     assert joint._rate(log) == pytest.approx(200.0)
     assert joint._rate(rows(1, 1500, 100.0, 30.0)) == pytest.approx(100.0)
+
+
+def test_a_call_given_again_skips_what_an_earlier_call_finished(tmp_path):
+    """The train stage resumes: a step counts as done only once its entry in OUT/joint_gpu.json
+    is complete and its files exist (a variant trained but not evaluated, or evaluated without
+    the refit now asked for, is not)."""
+    work, out = tmp_path / "w", tmp_path / "o"
+    out.mkdir()
+    info = {"a": {"outputs_s": 1.0}, "knnest": {"search_only": True}, "knnj3": {"train_s": 1.0}, "knnj3s8": {"train_s": 1.0, "eval_s": 2.0}}
+    assert not joint._done(info, "a", work, out, True)  # no outputs yet
+    for n in joint.SETS:
+        for h in joint.HALVES:
+            (out / f"outputs-{n}-{h}.tgz").write_bytes(b"")
+            (out / f"knnj3s8-{n}-{h}.npz").write_bytes(b"")
+    assert joint._done(info, "a", work, out, True)
+    assert not joint._done(info, "knnest", work, out, True)  # only searched, beside prep: the merge is still to do
+    (work / joint.DENSE_ESTIMATES).mkdir(parents=True)
+    (work / joint.DENSE_ESTIMATES / "manifest.json").write_text("{}")
+    assert joint._done({"knnest": {"train_search_s": 3.0}}, "knnest", work, out, True)
+    assert not joint._done(info, "knnj3", work, out, False)  # trained, not evaluated
+    assert joint._done(info, "knnj3s8", work, out, False)
+    assert not joint._done(info, "knnj3s8", work, out, True)  # evaluated without the refit
+    (out / "knnj3s8-prose-test.npz").unlink()
+    assert not joint._done(info | {"knnj3s8": info["knnj3s8"] | {"refit": {}}}, "knnj3s8", work, out, True)
