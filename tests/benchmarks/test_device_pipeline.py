@@ -1,0 +1,70 @@
+"""benchmarks/device_pipeline: a command started in its own session, waited for over several
+calls, its output shipped within one call's limits, each file once (again when it changes)."""
+
+import sys
+import tarfile
+from pathlib import Path
+
+from benchmarks import device_pipeline as dp
+
+
+def _unpack(out: Path) -> dict[str, bytes]:
+    """The files shipped to one call's OUT, as the command wrote them (bundles opened)."""
+    got = {}
+    for line in (out / "MANIFEST.txt").read_text().splitlines():
+        name, _, holder = line.split("\t")
+        if holder.startswith("NOT SHIPPED"):
+            continue
+        if holder.endswith(".tar"):
+            with tarfile.open(out / holder) as tar:
+                got[name] = tar.extractfile(name).read()
+        else:
+            got[name] = (out / holder).read_bytes()
+    return got
+
+
+def test_pipeline_ships_each_file_once_within_limits(tmp_path, monkeypatch):
+    monkeypatch.setattr(dp, "MAX_FILES", 3)
+    monkeypatch.setattr(dp, "MAX_FILE", 3000)
+    monkeypatch.setattr(dp, "MAX_TOTAL", 6000)
+    monkeypatch.setattr(dp, "SMALL", 1000)
+    repo = tmp_path / "repo"
+    (repo / "model").mkdir(parents=True)
+    (repo / "model" / "mark.py").write_text("X = 41\n")
+    monkeypatch.chdir(repo)
+    script = (
+        "import os, sys, time; from teragram.model.mark import X\n"  # the copy's packages import as teragram.*
+        "os.makedirs('o', exist_ok=True)\n"
+        "open('o/rec.json', 'w').write(str(X))\n"
+        "for i in range(6): open(f'o/s{i}.npz', 'wb').write(bytes([i]) * 700)\n"
+        "for i in range(3): open(f'o/big{i}.tgz', 'wb').write(bytes([i]) * 2500)\n"
+        "open('o/knnest-x.npz', 'wb').write(b'k' * 10)\n"
+        "open('o/huge.bin', 'wb').write(b'h' * 4000)\n"
+    )
+    home = tmp_path / "home"
+    dp.start(home, "o", ["knnest-*"], [sys.executable, "-c", script])
+    shipped: dict[str, bytes] = {}
+    for call in range(6):
+        out = tmp_path / f"out{call}"
+        monkeypatch.setenv("OUT", str(out))
+        assert dp.wait(home, 30) == 0
+        files = [p for p in out.iterdir() if p.name != "MANIFEST.txt"]
+        assert len(files) <= 3 and sum(p.stat().st_size for p in files) <= 6000 + 3 * 10240  # tar headers aside
+        got = _unpack(out)
+        assert not set(got) & set(shipped)  # each file once
+        shipped |= got
+    want = {f"s{i}.npz": bytes([i]) * 700 for i in range(6)} | {f"big{i}.tgz": bytes([i]) * 2500 for i in range(3)}
+    assert shipped == want | {"rec.json": b"41"}  # knnest-* skipped; huge.bin over MAX_FILE: named, never shipped
+    assert any("huge.bin\t4000\tNOT SHIPPED" in (tmp_path / f"out{c}" / "MANIFEST.txt").read_text() for c in range(6))
+    (home / "o" / "rec.json").write_text("42")  # a record rewritten ships again
+    monkeypatch.setenv("OUT", str(tmp_path / "again"))
+    dp.wait(home, 1)
+    assert _unpack(tmp_path / "again") == {"rec.json": b"42"}
+
+
+def test_failed_command_reports_failure(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("OUT", raising=False)
+    dp.start(tmp_path / "home", "o", [], [sys.executable, "-c", "raise SystemExit(3)"])
+    assert dp.wait(tmp_path / "home", 30) == 1
+    assert dp._status(tmp_path / "home") == 3
