@@ -144,10 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", action="append", default=[], help="start: names (glob) never shipped")
     ap.add_argument("--seconds", type=float, default=560, help="how long this call waits before shipping")
     ap.add_argument("--again", action="store_true", help="wait: ship every file again (a call whose files were lost)")
-    ap.add_argument("cmd", nargs=argparse.REMAINDER)
-    a = ap.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    cmd = argv[argv.index("--") + 1 :] if "--" in argv else []
+    a = ap.parse_args(argv[: len(argv) - len(cmd) - (1 if "--" in argv else 0)])
     if a.verb == "start":
-        cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
         if not cmd:
             raise SystemExit("start: the command to run follows --")
         start(a.home, a.out_dir, a.skip, cmd)
