@@ -68,3 +68,15 @@ def test_failed_command_reports_failure(tmp_path, monkeypatch):
     dp.start(tmp_path / "home", "o", [], [sys.executable, "-c", "raise SystemExit(3)"])
     assert dp.wait(tmp_path / "home", 30) == 1
     assert dp._status(tmp_path / "home") == 3
+
+
+def test_main_takes_the_command_after_double_dash(tmp_path, monkeypatch, capsys):
+    """The command's own options (--out, --stage ...) are not the pipeline's: everything after --."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("OUT", raising=False)
+    home = tmp_path / "home"
+    code = "import sys; open('args', 'w').write(' '.join(sys.argv[1:]))"
+    assert dp.main(["start", "--home", str(home), "--seconds", "30", "--", sys.executable, "-c", code, "--out", "o", "--stage", "all"]) == 0
+    assert (home / "args").read_text() == "--out o --stage all"
+    assert dp.main(["wait", "--home", str(home), "--seconds", "0"]) == 0
+    assert "ended with status 0" in capsys.readouterr().out
