@@ -33,6 +33,8 @@ model's evaluation cannot be split like the post-hoc one's). Variants:
   knnj3     lm1 with all three dense components
   knnj3w    knnj3 with the LM's own loss at half weight (joint_lm_weight = 0.5)
   knnj3w2   knnj3 with the LM's own loss at twice the weight (joint_lm_weight = 2)
+  knnj3d    knnj3 with the gate reading the hidden state without its gradient (joint_detach): the
+            gate's loss reaches the LM only through the LM's own probabilities
   knnj3sN   knnj3 with its training seeded N (8, 9; knnj3's is 7): replicates, reported with it as
             mean and spread (with --prior, also the knnj3 of earlier runs' results), never chosen
 With --refit, each joint variant V is also scored with its gate refit on each set's validation
@@ -72,6 +74,7 @@ VARIANTS = {
     "knnj3": ["--joint_lm_weight=1.0", "--joint_components={all},dense_knn,dense_knn_sharp,dense_knn_broad"],
     "knnj3w": ["--joint_lm_weight=0.5", "--joint_components={all},dense_knn,dense_knn_sharp,dense_knn_broad"],
     "knnj3w2": ["--joint_lm_weight=2.0", "--joint_components={all},dense_knn,dense_knn_sharp,dense_knn_broad"],
+    "knnj3d": ["--joint_lm_weight=1.0", "--joint_components={all},dense_knn,dense_knn_sharp,dense_knn_broad", "--joint_detach=true"],
 }
 # replicates: a variant again, its training seeded otherwise (the store and (a) those of the run's
 # prep); reported beside it as mean and spread, never candidates on validation
@@ -90,6 +93,7 @@ TRAINED = {
     "knnj3": "(j+lm+knn3) j+lm+knn, the kNN estimate at three temperatures (0.5x, 1x, 2.5x the fit one): three components",
     "knnj3w": "(j+lm/2+knn3) j+lm+knn3 with the LM's own loss at half weight (joint_lm_weight = 0.5)",
     "knnj3w2": "(j+2lm+knn3) j+lm+knn3 with the LM's own loss at twice the weight (joint_lm_weight = 2)",
+    "knnj3d": "(j+lm+knn3+sg) j+lm+knn3, the gate reading the hidden state without its gradient (joint_detach)",
 }
 TRAINED |= {r: f"(j+lm+knn3:s{n}) j+lm+knn3 again, its training seeded {n} (a replicate)" for r, (b, n) in REPLICATES.items()}
 # --refit: each joint variant's gate refit on each set's validation half, the LM frozen (model/refit.py)

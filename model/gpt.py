@@ -55,6 +55,7 @@ class GPTConfig:
     joint: tuple[str, ...] = ()  # estimates mixed in by a gate trained with the LM (model/joint.py); () none
     joint_top_k: int = 4  # continuations kept per index estimate
     joint_hidden: bool = True  # the joint gate reads the final hidden state
+    joint_detach: bool = False  # ... without its gradient: the gate's loss does not shape the trunk
     joint_tokenizer: str = ""  # blake2b of the tokenizer its estimates were made with (an index must have it)
     joint_lm_weight: float = 0.0  # training adds this times the model's own nll to the mixture's (keeps the LM a whole LM)
     joint_knn: tuple = ()  # (name, value) pairs of dense_knn's store (model/knn.SETTINGS): KnnSource rebuilds it
@@ -251,7 +252,7 @@ class GPT(nn.Module):
                 self.gate_len = nn.Embedding(cfg.max_match + 1, 1)
                 self.gate_cnt = nn.Embedding(N_CNT_BUCKETS, 1)
         if cfg.joint:
-            self.joint_gate = JointGate(cfg.n_embd, len(cfg.joint), cfg.joint_hidden)
+            self.joint_gate = JointGate(cfg.n_embd, len(cfg.joint), cfg.joint_hidden, detach=cfg.joint_detach)
         self.recompute = "none"
         self.recompute_blocks = cfg.n_layer
         self.apply(self._init_weights)

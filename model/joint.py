@@ -400,11 +400,14 @@ class JointGate(nn.Module):
     final hidden state (hidden=True) plus, as in model/gate.py, a weight per bucket of each
     estimate's count and share, per agreement of its top continuation with the model's, per
     bucket of the ∞-gram's suffix length (and again where it is sparse), of the cache's longest
-    match and of the model's top probability. Starts on the model alone (a bias of 2 for it)."""
+    match and of the model's top probability. Starts on the model alone (a bias of 2 for it).
+    detach: the hidden state is read without its gradient, so that the gate's loss reaches the
+    LM only through the model's own probabilities and does not shape the trunk's states."""
 
-    def __init__(self, n_embd: int, M: int, hidden: bool = True):
+    def __init__(self, n_embd: int, M: int, hidden: bool = True, *, detach: bool = False):
         super().__init__()
         self.M = M
+        self.detach = detach
         # one table for every categorical feature: [length | length if sparse (+ none) | clen | maxp | per component: count, share]
         self.offsets = (0, NL, 2 * NL + 1, 3 * NL + 1, 3 * NL + 1 + NM)
         self.table = nn.Embedding(3 * NL + 1 + NM + M * (N_COUNT + NS), M + 1)
@@ -435,7 +438,7 @@ class JointGate(nn.Module):
         )
         z = self.table(idx).sum(-2) + self.bias + (e.top == top.unsqueeze(-1)).to(h.dtype) @ self.agree
         if self.hidden is not None:
-            z = z + self.hidden(h)
+            z = z + self.hidden(h.detach() if self.detach else h)
         return torch.log_softmax(z.float(), -1)
 
 

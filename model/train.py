@@ -114,6 +114,7 @@ class TrainConfig:
     joint_components: tuple[str, ...] = ()  # the estimates mixed in (model/estimates.py names); (): every one available
     joint_top_k: int = 4  # continuations kept per index estimate (the features' --top-k)
     joint_hidden: bool = True  # the gate reads the final hidden state (false: the ablation without it)
+    joint_detach: bool = False  # ... without its gradient (the gate's loss does not shape the trunk)
     joint_lm_weight: float = 0.0  # the loss adds this times the LM's own nll (0: the mixture's alone)
 
 
@@ -168,6 +169,8 @@ def check(cfg: TrainConfig) -> None:
                 "evals during training mix each candidate's estimates, and training has no kNN store for dense_knn's:"
                 " score the checkpoint with `teragram evals --knn-keys RUN`"
             )
+    if cfg.joint_detach and (cfg.gate != "joint" or not cfg.joint_hidden):
+        raise ConfigError(f"joint_detach goes with gate = joint and joint_hidden = true (got gate = {cfg.gate}, joint_hidden = {cfg.joint_hidden})")
     if cfg.joint_lm_weight < 0 or (cfg.joint_lm_weight and cfg.gate != "joint"):
         raise ConfigError(f"joint_lm_weight must be >= 0 and goes with gate = joint (got {cfg.joint_lm_weight}, gate = {cfg.gate})")
     if cfg.recompute_blocks < 0 or (cfg.recompute_blocks and cfg.recompute != "block"):
@@ -278,7 +281,7 @@ def _save(
 # its paths (an index may move): a resume must keep them; world size, zero1, offload and
 # max_steps may change
 RESUME_SAME = ("seed", "batch_size", "grad_accum", "lr", "min_lr", "warmup", "weight_decay", "optimizer", "gate", "use_index")
-RESUME_SAME += ("joint_components", "joint_top_k", "joint_hidden", "joint_lm_weight")
+RESUME_SAME += ("joint_components", "joint_top_k", "joint_hidden", "joint_detach", "joint_lm_weight")
 
 
 def _check_resume(cfg: TrainConfig, out: Path) -> None:
@@ -381,6 +384,7 @@ def train(cfg: TrainConfig) -> dict:
             joint_knn=knn.kept(store),
             joint_top_k=cfg.joint_top_k,
             joint_hidden=cfg.joint_hidden,
+            joint_detach=cfg.joint_detach,
             joint_lm_weight=cfg.joint_lm_weight,
             joint_tokenizer=joint.tokenizer_digest(cfg.index),
         )

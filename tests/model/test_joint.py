@@ -127,6 +127,51 @@ def test_lm_weight_adds_the_models_own_loss_in_training(joint_root):
         train_tiny(joint_root, "bad", max_steps=1, joint_lm_weight=1.0)
 
 
+def test_detached_gate_shapes_the_trunk_only_through_the_models_probabilities(joint_root):
+    """joint_detach: the same mixture, the same gradient on the gate, and on the trunk the
+    gradient of the mixture's loss with the gate's weights held fixed (so its hidden-state
+    input passes no gradient back); without it, the gate's own loss reaches the trunk too."""
+    from dataclasses import replace
+
+    from teragram.model.data import TrainData
+    from teragram.model.gpt import GPT
+
+    comps = ("index_infgram", "index_3gram", "cache_longest")
+    data = TrainData(joint_root / "idx", None, 32, joint.open_train_estimates(joint_root / "est", joint_root / "idx", comps, 4))
+    x, y, _, e = data.batch(0, 4)
+    cfg = replace(
+        model_config(TrainConfig(**(TINY | {"index": "x", "out": "x"})), Index(joint_root / "idx").vocab_size, 0),
+        joint=comps,
+        block_size=32,
+    )
+    torch.manual_seed(0)
+    plain = GPT(cfg)
+    with torch.no_grad():  # a gate that reads the hidden state (its init: zero)
+        plain.joint_gate.hidden.weight.normal_(0, 0.5)
+    detached = GPT(replace(cfg, joint_detach=True))
+    detached.load_state_dict(plain.state_dict())
+    grads, losses = {}, {}
+    for name, m in (("plain", plain), ("detached", detached)):
+        loss = m(x, y, None, e)[0].mean()
+        loss.backward()
+        losses[name] = loss.detach()
+        grads[name] = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    assert torch.equal(losses["plain"], losses["detached"])
+    gate = [n for n in grads["plain"] if n.startswith("joint_gate.")]
+    assert gate and all(torch.allclose(grads["plain"][n], grads["detached"][n], atol=1e-6) for n in gate)
+    trunk = "transformer.h.0.mlp.c_fc.weight"
+    assert not torch.allclose(grads["plain"][trunk], grads["detached"][trunk], atol=1e-6)  # the gate's loss shapes it
+    # the oracle: the mixture's loss with the gate's weights computed once and held as constants
+    detached.zero_grad()
+    h, _ = detached.hidden(x)
+    lp_y, maxlp, top = detached._model_logp(h, y)
+    logw = detached.joint_gate(h.float(), e, maxlp.exp(), top).detach()
+    joint.mixture_nll(logw, lp_y, e).mean().backward()
+    assert torch.allclose(detached.get_parameter(trunk).grad, grads["detached"][trunk], atol=1e-6)
+    with pytest.raises(ConfigError, match="joint_detach"):
+        train_tiny(joint_root, "bad", max_steps=1, **joint_kw(joint_root), joint_hidden=False, joint_detach=True)
+
+
 def test_live_mixture_equals_bulk_and_is_a_distribution(joint_root):
     train_tiny(
         joint_root,
