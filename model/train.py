@@ -170,7 +170,9 @@ def check(cfg: TrainConfig) -> None:
                 " score the checkpoint with `teragram evals --knn-keys RUN`"
             )
     if cfg.joint_detach and (cfg.gate != "joint" or not cfg.joint_hidden):
-        raise ConfigError(f"joint_detach goes with gate = joint and joint_hidden = true (got gate = {cfg.gate}, joint_hidden = {cfg.joint_hidden})")
+        raise ConfigError(
+            f"joint_detach goes with gate = joint and joint_hidden = true (got gate = {cfg.gate}, joint_hidden = {cfg.joint_hidden})"
+        )
     if cfg.joint_lm_weight < 0 or (cfg.joint_lm_weight and cfg.gate != "joint"):
         raise ConfigError(f"joint_lm_weight must be >= 0 and goes with gate = joint (got {cfg.joint_lm_weight}, gate = {cfg.gate})")
     if cfg.recompute_blocks < 0 or (cfg.recompute_blocks and cfg.recompute != "block"):
