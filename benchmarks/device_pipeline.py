@@ -105,8 +105,9 @@ def _ship(home: Path, dest: Path, again: bool = False) -> None:
             bundle.append(p)
             bundle_size += size
         else:
-            shutil.copyfile(p, dest / p.name.replace("/", "_"))
-            lines.append(f"{p.relative_to(out)}\t{size}\t{p.name}")
+            flat = str(p.relative_to(out)).replace("/", "_")  # files come back from one folder
+            shutil.copyfile(p, dest / flat)
+            lines.append(f"{p.relative_to(out)}\t{size}\t{flat}")
             placed.append(p)
             n_files += 1
             total += size

@@ -38,7 +38,9 @@ def gap(outputs: Path, joint: Path, index: Path, variants: list[str], posthoc: P
 
     from benchmarks.joint import REFITS, TRAINED
 
-    ph = next(r for r in json.loads(posthoc.read_text())["indexes"] if r["index"] == index.name)
+    ph = next((r for r in json.loads(posthoc.read_text())["indexes"] if r["index"] == index.name), None)
+    if ph is None:
+        raise SystemExit(f"{posthoc} has no results for an index named {index.name}")
     res = {"index": index.name, "variants": variants, "posthoc_results": str(posthoc), "sets": {}}
     for s in SETS:
         o = {h: load_outputs(outputs / "unpacked" / f"{s}-{h}") for h in HALVES}
