@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import save, table
-from benchmarks.index_size import FIT_ROWS, HALVES, SETS, _contamination
+from benchmarks.index_size import FIT_ROWS, HALVES, SETS, clean_documents
 
 
 def main() -> None:
@@ -35,7 +35,6 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--name", default="decontaminated_fit")
     a = ap.parse_args()
-    from teragram.index import format as fmt
     from teragram.model.estimates import COMPONENTS
     from teragram.model.gate import Gate, component_logp, gate_inputs, mix_nll_multi
     from teragram.model.outputs import load_outputs, outputs_estimates
@@ -47,8 +46,7 @@ def main() -> None:
         for h in HALVES:
             o = load_outputs(Path(a.outputs) / "unpacked" / f"{name}-{h}")
             est = outputs_estimates(o, Path(a.index), workers=a.workers)
-            starts = np.asarray(fmt.open_array(o.path / "000000" / "docs.bin", "docs")).astype(np.int64)
-            clean[h] = (_contamination(est, starts) < 0.8)[o.doc.astype(np.int64)]
+            clean[h] = clean_documents(o, est)[o.doc.astype(np.int64)]
             X[h] = gate_inputs(est, o.maxp.astype(np.float64), o.top.astype(np.int64), COMPONENTS)
             lp[h] = component_logp(est, o.nll.astype(np.float64), COMPONENTS)
         lm_rows += _lm_alone(Path(a.outputs) / f"{a.joint}-{name}-test.npz", name, o, est, clean["test"])

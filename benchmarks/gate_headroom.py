@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import read_jsonl, save, table
-from benchmarks.index_size import FIT_ROWS, HALVES, SETS, _contamination
+from benchmarks.index_size import FIT_ROWS, HALVES, SETS, clean_documents
 
 NEIGHBOUR_TOKENS = 65536  # the neighbour cache's training text per document (one setting, not tuned)
 MLP_WIDTH, MLP_EPOCHS, MLP_BATCH = 256, 30, 4096
@@ -168,7 +168,6 @@ def _knn(path: Path, o) -> tuple[np.ndarray, np.ndarray]:
 
 
 def evaluate_set(name: str, a, nb: Neighbours | None) -> dict:
-    from teragram.index import format as fmt
     from teragram.model import estimates as E
     from teragram.model.gate import component_logp, gate_inputs
     from teragram.model.outputs import load_outputs, outputs_estimates
@@ -189,8 +188,7 @@ def evaluate_set(name: str, a, nb: Neighbours | None) -> dict:
             est[h] = outputs_estimates(o[h], Path(a.index), workers=a.workers) | neighbour_estimates(o[h], nb, Path(a.carry_root))
             cached.parent.mkdir(exist_ok=True)
             np.savez(cached, **est[h])
-    starts = np.asarray(fmt.open_array(o["test"].path / "000000" / "docs.bin", "docs")).astype(np.int64)
-    clean = (_contamination(est["test"], starts) < 0.8)[o["test"].doc.astype(np.int64)]
+    clean = clean_documents(o["test"], est["test"])[o["test"].doc.astype(np.int64)]
     near = tuple(c.replace("cache", "near") for c in E.CACHE)
 
     def inputs(comps):

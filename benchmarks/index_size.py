@@ -197,6 +197,16 @@ def _contamination(est: dict, starts: np.ndarray) -> np.ndarray:
     return np.array(out)
 
 
+def clean_documents(o, est: dict) -> np.ndarray:
+    """Per document of saved outputs `o` (model/outputs.py), whether it is decontaminated: fewer
+    than 80% of its 13-grams in the index (infini-gram's criterion). A target's: [o.doc]."""
+    from teragram.index import format as fmt
+
+    # the targets of document k sit at starts[k] .. starts[k + 1] - 1 (its ids, then EOS)
+    starts = np.asarray(fmt.open_array(o.path / "000000" / "docs.bin", "docs")).astype(np.int64)
+    return _contamination(est, starts) < 0.8
+
+
 def _variants(o: dict, est: dict, cache_only: dict | None) -> tuple[dict[str, dict[str, np.ndarray]], dict]:
     """Per-target nll of each variant on valid and test, and the peers' fitted weights; λ, weights
     and gates fit on valid. The cache-only gate reads no index: it is fit once per set
@@ -233,7 +243,6 @@ def stage_eval(outputs: Path, indexes: list[Path], workers: int, max_targets: in
     that adding a larger index later evaluates only that one."""
     import hashlib
 
-    from teragram.index import format as fmt
     from teragram.model.outputs import load_outputs, outputs_estimates, truncate_outputs
 
     unpacked = outputs / "unpacked"
@@ -270,10 +279,7 @@ def stage_eval(outputs: Path, indexes: list[Path], workers: int, max_targets: in
             nll, weights = _variants(o, est, cache_only.get(name))
             cache_only[name] = nll["a+c"]
             test = o["test"]
-            # the targets of document k sit at starts[k] .. starts[k + 1] - 1 (its ids, then EOS)
-            starts = np.asarray(fmt.open_array(test.path / "000000" / "docs.bin", "docs")).astype(np.int64)
-            contam = _contamination(est["test"], starts)
-            clean_docs = contam < 0.8
+            clean_docs = clean_documents(test, est["test"])
             clean = clean_docs[test.doc.astype(np.int64)]
             L, y = est["test"]["index_length"], test.target.astype(np.int64)
             hit = est["test"]["top_index_infgram"] == y
@@ -286,7 +292,7 @@ def stage_eval(outputs: Path, indexes: list[Path], workers: int, max_targets: in
                 }
             row["sets"][name] = {
                 "test_tokens": int(len(y)),
-                "test_docs": len(starts) - 1,
+                "test_docs": len(clean_docs),
                 "decontaminated_docs": int(clean_docs.sum()),
                 "ppl": {v: _ppl(n["test"]) for v, n in nll.items()},
                 "ppl_valid": {v: _ppl(n["valid"]) for v, n in nll.items()},

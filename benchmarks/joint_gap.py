@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import save, table
-from benchmarks.index_size import FIT_ROWS, HALVES, LENGTH_BUCKETS, SETS, _contamination
+from benchmarks.index_size import FIT_ROWS, HALVES, LENGTH_BUCKETS, SETS, clean_documents
 
 
 def _buckets(L: np.ndarray) -> list[tuple[str, np.ndarray]]:
@@ -32,11 +32,10 @@ def _buckets(L: np.ndarray) -> list[tuple[str, np.ndarray]]:
 
 
 def gap(outputs: Path, joint: Path, index: Path, variants: list[str], posthoc: Path, workers: int) -> dict:
-    from teragram.index import format as fmt
     from teragram.model.estimates import COMPONENTS
     from teragram.model.outputs import gated_outputs, load_outputs, outputs_estimates
 
-    from benchmarks.joint import REFITS, TRAINED
+    from benchmarks.joint import _load_nll
 
     ph = next((r for r in json.loads(posthoc.read_text())["indexes"] if r["index"] == index.name), None)
     if ph is None:
@@ -47,20 +46,17 @@ def gap(outputs: Path, joint: Path, index: Path, variants: list[str], posthoc: P
         est = {h: outputs_estimates(o[h], index, workers=workers) for h in HALVES}
         gate, _ = gated_outputs(o["valid"], est["valid"], components=COMPONENTS, fit_rows=FIT_ROWS)
         nll = {"a": o["test"].nll.astype(np.float64), "t": gated_outputs(o["test"], est["test"], gate)[1]}
-        starts = np.asarray(fmt.open_array(o["test"].path / "000000" / "docs.bin", "docs")).astype(np.int64)
-        clean = (_contamination(est["test"], starts) < 0.8)[o["test"].doc.astype(np.int64)]
+        clean = clean_documents(o["test"], est["test"])[o["test"].doc.astype(np.int64)]
         want = ph["sets"][s]["ppl_decontaminated"]["t"]
         got = math.exp(nll["t"][clean].mean())
         if abs(got / want - 1) > 1e-6:
             raise SystemExit(f"{s}: (t) refit here gives {got:.6g}, the post-hoc results {want:.6g}: not the same outputs or index")
         for v in variants:
-            z = np.load(joint / f"{v}-{s}-test.npz")
-            base = next(b for b in TRAINED if v == b or v in (f"{b}{x}" for x in REFITS))
-            zb = np.load(joint / f"{base}-{s}-test.npz")
-            if not np.array_equal(zb["target"], o["test"].target.astype(np.int32)):
+            z = _load_nll({v: joint}, v, s, "test")  # a refit's: with its variant's LM alone and targets
+            if not np.array_equal(z["target"], o["test"].target.astype(np.int32)):
                 raise SystemExit(f"{v} {s}: the joint run's targets differ from (a)'s outputs'")
             nll[v] = z["nll"].astype(np.float64)
-            nll[f"{v} LM alone"] = zb["nll_model"].astype(np.float64)
+            nll[f"{v} LM alone"] = z["nll_model"].astype(np.float64)
         L = est["test"]["index_length"][clean]
         rows, n = [], clean.sum()
         for name, m in _buckets(L):

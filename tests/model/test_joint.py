@@ -100,21 +100,30 @@ def test_joint_training_uses_the_index(joint_root):
     assert float(model.joint_gate.bias[0].detach()) < 2.0  # moved away from the model-only start
 
 
-def test_lm_weight_adds_the_models_own_loss_in_training(joint_root):
+def _tiny_joint_batch(joint_root):
+    """A tiny joint model's config over three estimates, and one training batch (x, y, estimates)."""
     from dataclasses import replace
 
     from teragram.model.data import TrainData
-    from teragram.model.gpt import GPT
 
     comps = ("index_infgram", "index_3gram", "cache_longest")
     data = TrainData(joint_root / "idx", None, 32, joint.open_train_estimates(joint_root / "est", joint_root / "idx", comps, 4))
     x, y, _, e = data.batch(0, 4)
-    torch.manual_seed(0)
     cfg = replace(
         model_config(TrainConfig(**(TINY | {"index": "x", "out": "x"})), Index(joint_root / "idx").vocab_size, 0),
         joint=comps,
         block_size=32,
     )
+    return cfg, x, y, e
+
+
+def test_lm_weight_adds_the_models_own_loss_in_training(joint_root):
+    from dataclasses import replace
+
+    from teragram.model.gpt import GPT
+
+    cfg, x, y, e = _tiny_joint_batch(joint_root)
+    torch.manual_seed(0)
     model = GPT(replace(cfg, joint_lm_weight=0.5))
     loss, _ = model(x, y, None, e)
     h, _ = model.hidden(x)
@@ -133,17 +142,9 @@ def test_detached_gate_shapes_the_trunk_only_through_the_models_probabilities(jo
     input passes no gradient back); without it, the gate's own loss reaches the trunk too."""
     from dataclasses import replace
 
-    from teragram.model.data import TrainData
     from teragram.model.gpt import GPT
 
-    comps = ("index_infgram", "index_3gram", "cache_longest")
-    data = TrainData(joint_root / "idx", None, 32, joint.open_train_estimates(joint_root / "est", joint_root / "idx", comps, 4))
-    x, y, _, e = data.batch(0, 4)
-    cfg = replace(
-        model_config(TrainConfig(**(TINY | {"index": "x", "out": "x"})), Index(joint_root / "idx").vocab_size, 0),
-        joint=comps,
-        block_size=32,
-    )
+    cfg, x, y, e = _tiny_joint_batch(joint_root)
     torch.manual_seed(0)
     plain = GPT(cfg)
     with torch.no_grad():  # a gate that reads the hidden state (its init: zero)
