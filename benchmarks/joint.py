@@ -35,8 +35,9 @@ model's evaluation cannot be split like the post-hoc one's). Variants:
   knnj3w2   knnj3 with the LM's own loss at twice the weight (joint_lm_weight = 2)
   knnj3d    knnj3 with the gate reading the hidden state without its gradient (joint_detach): the
             gate's loss reaches the LM only through the LM's own probabilities
-  knnj3sN   knnj3 with its training seeded N (8, 9; knnj3's is 7): replicates, reported with it as
-            mean and spread (with --prior, also the knnj3 of earlier runs' results), never chosen
+  knnj3sN   knnj3 with its training seeded N (8, 9; knnj3's is 7), knnj3dsN knnj3d likewise:
+            replicates, reported with their base as mean and spread (with --prior, also the base of
+            earlier runs' results), never chosen
 With --refit, each joint variant V is also scored with its gate refit on each set's validation
 half after training, the LM frozen (model/refit.py), as the post-hoc gates are fit per set:
   Vr        the statistics' weights refit (the hidden state's projection as trained)
@@ -78,7 +79,7 @@ VARIANTS = {
 }
 # replicates: a variant again, its training seeded otherwise (the store and (a) those of the run's
 # prep); reported beside it as mean and spread, never candidates on validation
-REPLICATES = {f"knnj3s{n}": ("knnj3", n) for n in (8, 9)}
+REPLICATES = {f"{b}s{n}": (b, n) for b in ("knnj3", "knnj3d") for n in (8, 9)}
 VARIANTS |= {r: [*VARIANTS[b], f"--seed={n}"] for r, (b, n) in REPLICATES.items()}
 THEN_OK = {"knn", "knnest"}  # variants that need only (a) and the index: prep can start them once (a) is trained
 KEY_NAMES = {"final": "final hidden states", "ffn_in": "last block's feed-forward inputs after its layer norm (the kNN-LM paper's keys)"}
@@ -95,7 +96,10 @@ TRAINED = {
     "knnj3w2": "(j+2lm+knn3) j+lm+knn3 with the LM's own loss at twice the weight (joint_lm_weight = 2)",
     "knnj3d": "(j+lm+knn3+sg) j+lm+knn3, the gate reading the hidden state without its gradient (joint_detach)",
 }
-TRAINED |= {r: f"(j+lm+knn3:s{n}) j+lm+knn3 again, its training seeded {n} (a replicate)" for r, (b, n) in REPLICATES.items()}
+TRAINED |= {
+    r: f"{TRAINED[b].split(' ', 1)[0][:-1]}:s{n}) {TRAINED[b].split(' ', 1)[0][1:-1]} again, its training seeded {n} (a replicate)"
+    for r, (b, n) in REPLICATES.items()
+}
 # --refit: each joint variant's gate refit on each set's validation half, the LM frozen (model/refit.py)
 REFITS = {
     "r": ("gate refit on each set's validation half", False),

@@ -32,6 +32,10 @@ def test_replicates_mean_and_spread(tmp_path):
     here = joint.replicates(_res("idx", {"knnj3": 16.5, "knnj3s8": 17.0}), [prior])  # this eval's knnj3, not the earlier one's
     assert here["knnj3"]["indist"]["runs"] == {"knnj3 (this eval)": 16.5, "knnj3s8": 17.0}
     assert joint.replicates(_res("idx", {"knnj3": 16.5}), []) == {}  # one run: no spread
+    both = joint.replicates(_res("idx", {"knnj3": 16.5, "knnj3s8": 17.0, "knnj3d": 15.0, "knnj3ds8": 15.5}), [])
+    assert both["knnj3"]["indist"]["runs"] == {"knnj3 (this eval)": 16.5, "knnj3s8": 17.0}  # each base its own replicates
+    assert both["knnj3d"]["indist"]["runs"] == {"knnj3d (this eval)": 15.0, "knnj3ds8": 15.5}
+    assert joint.NAMES["knnj3ds8"].startswith("(j+lm+knn3+sg:s8) j+lm+knn3+sg again")
     other = tmp_path / "other.json"
     other.write_text(json.dumps(_res("idx-2b", {"knnj3": 16.0})))
     with pytest.raises(SystemExit, match="another index"):
