@@ -35,7 +35,10 @@ PACKAGES = ("index", "builder", "model", "serve")  # pyproject's teragram.<folde
 
 
 def _state(home: Path) -> dict:
-    return json.loads((home / "pipeline.json").read_text())
+    f = home / "pipeline.json"
+    if not f.exists():  # the usual cause: the machine went back between two calls, its /tmp with it
+        raise SystemExit(f"{home}: no pipeline started here (on a machine given back since `start`, the run is lost: start it again)")
+    return json.loads(f.read_text())
 
 
 def _status(home: Path) -> int | None:

@@ -5,6 +5,8 @@ import sys
 import tarfile
 from pathlib import Path
 
+import pytest
+
 from benchmarks import device_pipeline as dp
 
 
@@ -80,3 +82,9 @@ def test_main_takes_the_command_after_double_dash(tmp_path, monkeypatch, capsys)
     assert (home / "args").read_text() == "--out o --stage all"
     assert dp.main(["wait", "--home", str(home), "--seconds", "0"]) == 0
     assert "ended with status 0" in capsys.readouterr().out
+
+
+def test_wait_without_a_pipeline_is_one_line(tmp_path):
+    """A machine given back between calls holds no pipeline: wait says so in one line, no traceback."""
+    with pytest.raises(SystemExit, match="no pipeline started here"):
+        dp.main(["wait", "--home", str(tmp_path / "gone"), "--seconds", "0"])
