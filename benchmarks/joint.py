@@ -34,7 +34,8 @@ model's evaluation cannot be split like the post-hoc one's). Variants:
   knnj3w    knnj3 with the LM's own loss at half weight (joint_lm_weight = 0.5)
   knnj3w2   knnj3 with the LM's own loss at twice the weight (joint_lm_weight = 2)
   knnj3d    knnj3 with the gate reading the hidden state without its gradient (joint_detach): the
-            gate's loss reaches the LM only through the LM's own probabilities
+            gate's loss reaches the LM only through the LM's own probabilities (measured: worse
+            than knnj3, benchmarks/results/joint_detach.md)
   knnj3sN   knnj3 with its training seeded N (8, 9; knnj3's is 7), knnj3dsN knnj3d likewise:
             replicates, reported with their base as mean and spread (with --prior, also the base of
             earlier runs' results), never chosen
