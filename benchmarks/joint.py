@@ -43,6 +43,10 @@ With --refit, each joint variant V is also scored with its gate refit on each se
 half after training, the LM frozen (model/refit.py), as the post-hoc gates are fit per set:
   Vr        the statistics' weights refit (the hidden state's projection as trained)
   Vrh       the hidden state's projection refit too (for a gate that reads it)
+With --own-store (and --refit), each variant V whose gate reads the dense components is also
+scored with them over a store keyed by its own states, not (a)'s (knnlm.own_store: one model at
+inference), the temperature fit again on the in-distribution validation half:
+  Vo        its gate as trained; Vor, Vorh: refit as above
 `eval` reports them beside the post-hoc variants and the peers measured on the same text with
 the same index and (a), on all and decontaminated test text."""
 
@@ -118,7 +122,13 @@ def _with_refits(names: dict[str, str]) -> dict[str, str]:
     return out
 
 
-NAMES = _with_refits(TRAINED) | {"knn": "(d) kNN-LM over (a), every training position in the datastore"}
+# --own-store: the variants reading the dense components, scored over a store keyed by their own states
+OWN = {
+    f"{v}o": f"{TRAINED[v].split(' ', 1)[0][:-1]}/o) {TRAINED[v].split(' ', 1)[1]}; its kNN store keyed by its own states, not (a)'s"
+    for v in TRAINED
+    if any("dense_knn" in x for x in VARIANTS[v])
+}
+NAMES = _with_refits(TRAINED) | _with_refits(OWN) | {"knn": "(d) kNN-LM over (a), every training position in the datastore"}
 SETS = ("indist", "timeshift", "prose")
 HALVES = ("valid", "test")
 
@@ -221,7 +231,7 @@ def _load_nll(home: dict, v: str, s: str, h: str) -> dict:
     """A variant's saved nll on one half, with its LM's and the targets (a refit's: its variant's)."""
     z = dict(np.load(home[v] / f"{v}-{s}-{h}.npz"))
     if "target" not in z:
-        base = next(b for b in TRAINED if v in (f"{b}{x}" for x in REFITS))
+        base = next(b for b in (*TRAINED, *OWN) if v in (f"{b}{x}" for x in REFITS))
         zb = np.load(home[v] / f"{base}-{s}-{h}.npz")
         z |= {"nll_model": zb["nll_model"], "target": zb["target"]}
     return z
@@ -279,16 +289,19 @@ def _heldout_est(work: Path, idx, model, feats, name: str, h: str, dense, thread
     return e if dense is None else with_columns(e, dense)
 
 
-def _eval_refits(model, v: str, held: dict, idx, out: Path, device: str, batch: int, threads: int, work: Path) -> dict:
+def _eval_refits(
+    model, v: str, held: dict, idx, out: Path, device: str, batch: int, threads: int, work: Path, dense_dir: Path | None = None
+) -> dict:
     """A joint variant's nll on every held-out half with its trained gate (OUT/V-SET-HALF.npz, as
     without --refit) and with the gate refit on that set's validation half (OUT/Vr-SET-HALF.npz;
     Vrh-...: the hidden state's projection refit too, when the gate reads it). The model runs once
-    per half; each fit runs only the gate. Returns each fit's time and validation nll, and each
+    per half; each fit runs only the gate. The dense components' held-out estimates are read from
+    dense_dir (default OUT: (a)'s store). Returns each fit's time and validation nll, and each
     half's time for its inputs (estimates and the model's pass)."""
     from teragram.model import refit
 
     info = {"inputs_s": {}}
-    dense = _dense_of(model, out)
+    dense = _dense_of(model, dense_dir or out)
     for name in SETS:
         inputs, res = {}, {}
         for h in HALVES:
@@ -316,7 +329,31 @@ def _eval_refits(model, v: str, held: dict, idx, out: Path, device: str, batch: 
     return info
 
 
-def _done(info: dict, v: str, work: Path, out: Path, refit: bool) -> bool:
+def _own_store(model, v: str, held: dict, idx, out: Path, device: str, batch: int, threads: int, work: Path) -> dict:
+    """--own-store: variant V scored again with its dense components over a store keyed by its own
+    states (knnlm.own_store; its held-out estimates in W/own/V), its gate as trained (OUT/Vo-*)
+    and refit (OUT/Vor-*, Vorh-*). Returns the store's info with the refits'."""
+    import torch
+
+    t = time.time()
+    dense = _dense_of(model, out)  # (a)'s store: only to run the model, whose LM's nll and states are read
+    d = work / "own" / v
+
+    def est(name, h):
+        return _heldout_est(work, idx, model, held[name, h], name, h, dense(name, h), threads)
+
+    info = knnlm.own_store(model, work / "idx", held, d, device, est, eval_batch=batch) | {"store_s": time.time() - t}
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the store's keys (72 GB at 47M positions) given back before the next variant trains
+    info["refit"] = _eval_refits(model, f"{v}o", held, idx, out, device, batch, threads, work, dense_dir=d)
+    return info
+
+
+def _reads_dense(v: str) -> bool:
+    return any("dense_knn" in x for x in VARIANTS.get(v, ()))
+
+
+def _done(info: dict, v: str, work: Path, out: Path, refit: bool, own: bool = False) -> bool:
     """Whether an earlier call with this W and OUT finished variant V's part of the train stage
     (info: OUT/joint_gpu.json, each entry written once its step is complete), so that the same
     command, given again after a call cut short, resumes where it stopped and repeats nothing."""
@@ -327,8 +364,9 @@ def _done(info: dict, v: str, work: Path, out: Path, refit: bool) -> bool:
         return "train_search_s" in got and (work / DENSE_ESTIMATES / "manifest.json").exists()
     if v in ("knn", "plain"):
         return ("total_s" if v == "knn" else "train_s") in got
-    files = [out / f"{v}-{n}-{h}.npz" for n in SETS for h in HALVES]
-    return "eval_s" in got and (not refit or "refit" in got) and all(f.exists() for f in files)
+    own = own and _reads_dense(v)
+    files = [out / f"{w}-{n}-{h}.npz" for w in (v, f"{v}o")[: 1 + own] for n in SETS for h in HALVES]
+    return "eval_s" in got and (not refit or "refit" in got) and (not own or "own" in got) and all(f.exists() for f in files)
 
 
 def stage_train(
@@ -342,6 +380,7 @@ def stage_train(
     seed: int = 7,
     knn_key: str = "auto",
     knn_peer: bool = True,
+    own: bool = False,
 ) -> None:
     import torch
     from teragram.index.engine import Index
@@ -365,7 +404,7 @@ def stage_train(
     if {"a", "knn", "knnest"} & set(variants) and not (_run(work, "a", seed) / "latest.json").exists():
         raise SystemExit(f"{_run(work, 'a', seed)}: no (a) of seed {seed}: run --stage prep with the same --seed first")
     for v in sorted(variants, key=lambda v: (v != "a", v != "plain")):  # (a)'s outputs, then plain's short run: the rates need it
-        if _done(info, v, work, out, refit):
+        if _done(info, v, work, out, refit, own):
             print(f"{v}: done by an earlier call (OUT/joint_gpu.json): skipped", flush=True)
             continue
         t = time.time()
@@ -419,16 +458,23 @@ def stage_train(
                 _save_nll(out / f"{v}-{name}-{h}.npz", r["nll"], r)
         info[v]["eval_s"] = time.time() - t
         saved.write_text(json.dumps(info, indent=1))
+        if own and _reads_dense(v):
+            info[v]["own"] = _own_store(model, v, held, idx, out, device, s["eval_batch"], n, work)
+            saved.write_text(json.dumps(info, indent=1))
+        del model
 
 
 def _rate(log: list[dict], skip: int = 100) -> float:
     """Tokens per second after the first `skip` steps (compilation and warm-up left out) of the
     log's last run: a run resumed after a call was cut short appends a second one, its step and
-    clock started again (its first `skip` steps left out as well)."""
+    clock started again (its first `skip` steps left out as well). NaN for a run too short to have
+    any step after those (e.g. a --steps smoke run)."""
     rows = [r for r in log if "tokens_per_s" in r]
     rows = rows[max([i for i in range(1, len(rows)) if rows[i]["step"] <= rows[i - 1]["step"]], default=0) :]
-    a = next(r for r in rows if r["step"] >= rows[0]["step"] + skip)
+    a = next((r for r in rows if r["step"] >= rows[0]["step"] + skip), None)
     b = rows[-1]
+    if a is None or a is b:
+        return float("nan")
     tok_a, tok_b = a["tokens_per_s"] * a["elapsed_s"], b["tokens_per_s"] * b["elapsed_s"]
     return (tok_b - tok_a) / (b["elapsed_s"] - a["elapsed_s"])
 
@@ -548,7 +594,7 @@ def replicates(res: dict, priors: list[Path]) -> dict:
         old.append((p.stem, r))
     out: dict = {}
     for b in sorted({b for b, _ in REPLICATES.values()}):
-        for suffix in ("", "r"):
+        for suffix in ("", "r", "o", "or"):
             v = b + suffix
             for s, r in res["sets"].items():
                 runs = {f"{v} (this eval)": r["joint"][v]["test_decontaminated"]} if v in r["joint"] else {}
@@ -740,6 +786,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="train: also refit each joint variant's gate on each set's validation half (outputs Vr-*, Vrh-*)",
     )
+    ap.add_argument(
+        "--own-store",
+        action="store_true",
+        help="train, with --refit: also score each variant reading the dense components over a store keyed by its own states (Vo-*)",
+    )
     ap.add_argument("--scale", choices=["gpu", "cpu"], default="gpu", help="gpu: the 125M; cpu: the tiny model (a smoke test)")
     ap.add_argument(
         "--knn-key", choices=["auto", *knnlm.KEY_STATES], default="auto", help="knnest: the store's keys (auto: chosen on validation)"
@@ -753,6 +804,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", default="joint", help="eval: the results' name (benchmarks/results/NAME.md)")
     a = ap.parse_args(argv)
     if a.stage == "gpu":
+        if a.own_store and not a.refit:
+            raise SystemExit("--own-store scores the variants with their gates refit too: give --refit")
         a.out.mkdir(parents=True, exist_ok=True)
         variants = a.variants.split(",")
         if a.gpu_stage in ("prep", "all"):
@@ -766,7 +819,7 @@ def main(argv: list[str] | None = None) -> int:
             if any([p.wait() for p in follow]):
                 raise SystemExit(f"--then {a.then} failed: see {a.work / 'train-then.log'}")
         if a.gpu_stage in ("train", "all"):
-            stage_train(a.carry, a.work, a.out, variants, a.steps, a.scale, a.refit, a.seed, a.knn_key, not a.no_knn_peer)
+            stage_train(a.carry, a.work, a.out, variants, a.steps, a.scale, a.refit, a.seed, a.knn_key, not a.no_knn_peer, a.own_store)
     else:
         res = stage_eval(a.joint, a.index, a.carry, a.posthoc, a.work or Path("/tmp/joint-eval"), a.workers)
         res["replicates"] = replicates(res, a.prior or [])

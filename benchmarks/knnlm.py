@@ -183,19 +183,26 @@ def key_documents(index_dir: Path, T: int) -> list[tuple[int, int, np.ndarray]]:
 
 
 def _heldout(
-    model, ds, mu, held: dict, idx, out: Path, device: str, eval_batch: int, k: int, nprobe: int, info: dict, key: str, peer: bool
-):
+    model, ds, mu, held: dict, idx, out: Path, device: str, eval_batch: int, k: int, nprobe: int, info: dict, key: str, peer: bool,
+    evaluate=None,
+):  # fmt: skip
     """joint_estimates' held-out part: every held-out target's kNN estimate (OUT/knnest-SET-HALF.npz),
     the temperature fit on the in-distribution validation half first; with `peer`, the same store's
     kNN-LM peer (d) too, k = 1024 (OUT/knn-SET-HALF.npz and knn_gpu.json, as `run` writes them).
-    Returns (temperature, scale)."""
+    evaluate(set, half, feats): the model's token_eval there (its nll, the one the temperature is
+    fit against, and its key states); default: the plain model's. Returns (temperature, scale)."""
     import torch
     from teragram.model.evaluate import token_eval
+
+    if evaluate is None:
+
+        def evaluate(name, h, feats):
+            return token_eval(model, feats, idx.eos_id, idx.sep, device, batch=eval_batch, hidden=key)
 
     found, gpu = {}, {f: info[f] for f in ("keys", "keys_s", "centroids", "nprobe")} | {"k": K_NEIGHBOURS, "key": key}
     for (name, h), feats in sorted(held.items(), key=lambda kv: kv[0] != ("indist", "valid")):  # it sets the temperature
         t = time.time()
-        r = token_eval(model, feats, idx.eos_id, idx.sep, device, batch=eval_batch, hidden=key)
+        r = evaluate(name, h, feats)
         d, nb = _search_all(ds, r["hidden"], mu, device, k, nprobe)
         tgt = torch.from_numpy(r["target"].astype(np.int64)).to(device)
         found[name, h] = (d, nb, tgt, r["target"].astype(np.int32))
@@ -226,6 +233,45 @@ def _heldout(
         np.savez_compressed(out / f"knnest-{name}-{h}.npz", target=target, **c)
     del found
     return temp, scale
+
+
+def own_store(model, index_dir: Path, held: dict, out: Path, device: str, estimates, *, eval_batch: int = 16) -> dict:
+    """On the GPU: a jointly trained model's dense components over a store keyed by its own states
+    instead of those of the keys model it was trained with (one model at inference; the store
+    follows the LM it serves). Every held-out target's kNN estimate (OUT/knnest-SET-HALF.npz, as
+    joint_estimates writes them), with the store settings the model keeps (model/knn.SETTINGS:
+    key, k, lists, lists probed), the scale and temperature fit again on the in-distribution
+    validation half, against its LM alone as the keys model's were against that model.
+    estimates(set, half): the joint estimates to evaluate it with there (only its LM's nll and
+    key states are read). Returns the store's info, as joint_estimates'."""
+    from teragram.index.engine import Index
+    from teragram.model.evaluate import token_eval
+    from teragram.model.knn import OPTIONAL
+
+    if ("indist", "valid") not in held:
+        raise SystemExit("own_store fits the temperature on the in-distribution validation half: give it (held['indist', 'valid'])")
+    st = OPTIONAL | dict(model.cfg.joint_knn)
+    if tuple(st.get("temperature_multiples", ())) != tuple(MULTIPLES):
+        raise SystemExit(
+            f"the model's dense components are at {st.get('temperature_multiples')} x the temperature; this store's {MULTIPLES}"
+        )
+    idx, key, k, nprobe = Index(index_dir), st["key"], st["k"], st["nprobe"]
+    info: dict = {"k": k, "nprobe": nprobe, "build_batch": st["build_batch"], "key": key, "temperature_multiples": list(MULTIPLES)}
+    t = time.time()
+    keys, vals, mu = build(model, index_dir, device, st["build_batch"], key)
+    info |= {"keys": len(keys), "keys_s": time.time() - t, "mu_abs_sum": float(mu.double().abs().sum())}
+    t = time.time()
+    ds = Datastore(keys, vals, centroids=st["centroids"])
+    info |= {"ivf_s": time.time() - t, "centroids": len(ds.cent)}
+
+    def evaluate(name, h, feats):  # the joint model needs its estimates to run; its LM alone sets the temperature
+        r = token_eval(model, feats, idx.eos_id, idx.sep, device, batch=eval_batch, hidden=key, index=idx, estimates=estimates(name, h))
+        return r | {"nll": r["nll_model"]}
+
+    out.mkdir(parents=True, exist_ok=True)
+    _heldout(model, ds, mu, held, idx, out, device, eval_batch, k, nprobe, info, key, False, evaluate=evaluate)
+    (out / "knn_est.json").write_text(json.dumps(info, indent=1))
+    return info
 
 
 def _search_all(ds, hidden: np.ndarray, mu, device: str, k: int, nprobe: int):

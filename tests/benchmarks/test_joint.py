@@ -2,7 +2,9 @@
 earlier result's only where this eval lacks the variant, and results of another index refused."""
 
 import json
+import math
 
+import numpy as np
 import pytest
 
 from benchmarks import joint
@@ -56,6 +58,7 @@ def test_rate_of_a_log_with_a_resumed_run():
     log = rows(1, 1500, 100.0, 30.0) + [{"step": 1500, "loss": 4.2}] + rows(125, 1500, 200.0, 10.0)
     assert joint._rate(log) == pytest.approx(200.0)
     assert joint._rate(rows(1, 1500, 100.0, 30.0)) == pytest.approx(100.0)
+    assert math.isnan(joint._rate(rows(1, 60, 100.0, 30.0)))  # too short to have a step after the first 100
 
 
 def test_a_call_given_again_skips_what_an_earlier_call_finished(tmp_path):
@@ -80,3 +83,32 @@ def test_a_call_given_again_skips_what_an_earlier_call_finished(tmp_path):
     assert not joint._done(info, "knnj3s8", work, out, True)  # evaluated without the refit
     (out / "knnj3s8-prose-test.npz").unlink()
     assert not joint._done(info | {"knnj3s8": info["knnj3s8"] | {"refit": {}}}, "knnj3s8", work, out, True)
+
+
+def test_own_store_variants_resume_and_read_their_base(tmp_path):
+    """--own-store: only the variants reading the dense components get an own-store variant (Vo,
+    refit Vor, Vorh); a variant counts as done only once its own-store part is recorded and its
+    files exist; a refit of it reads its LM's nll and targets from Vo's file; it needs --refit."""
+    assert "knnj3o" in joint.NAMES and "knnj3s8or" in joint.NAMES and "knnj3orh" in joint.NAMES
+    assert "lm1o" not in joint.NAMES and "joint" + "o" not in joint.NAMES
+    assert joint.NAMES["knnj3or"].startswith("(j+lm+knn3/o/r) ")
+    work, out = tmp_path / "w", tmp_path / "o"
+    out.mkdir()
+    for v in ("knnj3", "lm1"):
+        for n in joint.SETS:
+            for h in joint.HALVES:
+                (out / f"{v}-{n}-{h}.npz").write_bytes(b"")
+    info = {"knnj3": {"train_s": 1.0, "eval_s": 2.0, "refit": {}}, "lm1": {"train_s": 1.0, "eval_s": 2.0, "refit": {}}}
+    assert joint._done(info, "knnj3", work, out, True) and joint._done(info, "lm1", work, out, True, True)
+    assert not joint._done(info, "knnj3", work, out, True, True)  # its own store still to score
+    info["knnj3"]["own"] = {}
+    assert not joint._done(info, "knnj3", work, out, True, True)  # recorded, but no Vo files
+    for n in joint.SETS:
+        for h in joint.HALVES:
+            np.savez(out / f"knnj3o-{n}-{h}.npz", nll=np.ones(3, np.float32), nll_model=np.full(3, 2.0, np.float32), target=np.arange(3))
+    assert joint._done(info, "knnj3", work, out, True, True)
+    np.savez(out / "knnj3or-indist-test.npz", nll=np.zeros(3, np.float32))
+    z = joint._load_nll({"knnj3or": out}, "knnj3or", "indist", "test")
+    assert (z["nll_model"] == 2.0).all() and (z["target"] == np.arange(3)).all() and (z["nll"] == 0).all()
+    with pytest.raises(SystemExit, match="--refit"):
+        joint.main(["gpu", "--carry", "c", "--work", str(work), "--out", str(out), "--own-store"])

@@ -473,6 +473,34 @@ def test_dense_knn_estimates_exclude_the_own_document(tokenizer_model, tmp_path,
     e = joint.heldout_est(idx, docs, m2.cfg.joint, 4, dense=knnlm.load_est(tmp_path, "indist", "test", m2.cfg.joint))
     got = token_eval(m2, joint_root / "held", idx.eos_id, idx.sep, "cpu", index=idx, estimates=e)
     assert np.isfinite(got["nll"]).all() and len(got["nll"]) == len(z["q"])
+    # the same model over a store keyed by its own states (benchmarks/joint.py --own-store): brute
+    # force's estimate over every training position under m2, at a temperature fit again against its LM
+    own = knnlm.own_store(
+        m2, joint_root / "idx", held, tmp_path / "own", "cpu",
+        lambda name, h: joint.heldout_est(idx, docs, m2.cfg.joint, 4, dense=knnlm.load_est(tmp_path, name, h, m2.cfg.joint)),
+        eval_batch=8,
+    )  # fmt: skip
+    k2, _, mu2 = knn.build(m2, joint_root / "idx", "cpu", batch=8, key="ffn_in")
+    K2 = k2.float().numpy().astype(np.float64)
+    assert own["keys"] == len(K) and own["key"] == "ffn_in" and own["mu_abs_sum"] != pytest.approx(info["mu_abs_sum"], rel=1e-3)
+    r2 = token_eval(m2, held["indist", "test"], idx.eos_id, idx.sep, "cpu", hidden="ffn_in", index=idx, estimates=e)
+    Q = r2["hidden"].astype(np.float64) - mu2.numpy()
+    D = (Q**2).sum(1)[:, None] + (K2**2).sum(1)[None] - 2 * Q @ K2.T  # every query's squared distance to every key
+    lower_median = float(np.sort(D.min(1))[(len(D) - 1) // 2])  # torch.median's; valid and test: the same text here
+    assert own["temperature_scale"] == pytest.approx(lower_median, rel=1e-3)
+    z2 = np.load(tmp_path / "own" / "knnest-indist-test.npz")
+    temps2 = own["temperature_factor"] * own["temperature_scale"] * np.array(knn.MULTIPLES)
+    assert (z2["target"] == r2["target"]).all() and not np.allclose(z2["q"], z["q"], atol=1e-3)
+    checked = 0
+    for j in rng.choice(len(r2["target"]), 300, replace=False):  # many tie at the k-th distance (copies of a document)
+        o = np.argsort(D[j], kind="stable")[: k + 1]
+        d = D[j, o]
+        if d[k] - d[k - 1] >= 1e-3:
+            w = np.exp(-(d[:k] - d[0])[None] / temps2[:, None])
+            want = (w * (V[o[:k]] == r2["target"][j])).sum(1) / w.sum(1)
+            np.testing.assert_allclose(z2["q"][j], want, rtol=2e-3, atol=1e-5)
+            checked += 1
+    assert checked > 60, checked
     with pytest.raises(TeragramError, match="no live source"):
         joint.live(idx, docs[0][:5], idx.vocab_size, m2.cfg.joint, 4)
     with pytest.raises(TeragramError, match="go last"):
