@@ -122,11 +122,16 @@ def _with_refits(names: dict[str, str]) -> dict[str, str]:
     return out
 
 
+def _reads_dense(v: str) -> bool:
+    """Whether variant V's gate reads the dense kNN components (model/joint.DENSE)."""
+    return any("dense_knn" in x for x in VARIANTS.get(v, ()))
+
+
 # --own-store: the variants reading the dense components, scored over a store keyed by their own states
 OWN = {
     f"{v}o": f"{TRAINED[v].split(' ', 1)[0][:-1]}/o) {TRAINED[v].split(' ', 1)[1]}; its kNN store keyed by its own states, not (a)'s"
     for v in TRAINED
-    if any("dense_knn" in x for x in VARIANTS[v])
+    if _reads_dense(v)
 }
 NAMES = _with_refits(TRAINED) | _with_refits(OWN) | {"knn": "(d) kNN-LM over (a), every training position in the datastore"}
 SETS = ("indist", "timeshift", "prose")
@@ -349,10 +354,6 @@ def _own_store(model, v: str, held: dict, idx, out: Path, device: str, batch: in
     return info
 
 
-def _reads_dense(v: str) -> bool:
-    return any("dense_knn" in x for x in VARIANTS.get(v, ()))
-
-
 def _done(info: dict, v: str, work: Path, out: Path, refit: bool, own: bool = False) -> bool:
     """Whether an earlier call with this W and OUT finished variant V's part of the train stage
     (info: OUT/joint_gpu.json, each entry written once its step is complete), so that the same
@@ -429,7 +430,7 @@ def stage_train(
         cmd = train_cmd("a", work, s, out=_run(work, v, seed))
         if v != "plain":
             feats = ",".join(str(work / f"len-{c}") for c in CAPS)
-            est = work / (DENSE_ESTIMATES if any("dense_knn" in x for x in VARIANTS[v]) else "est")
+            est = work / (DENSE_ESTIMATES if _reads_dense(v) else "est")
             cmd += ["--gate=joint", f"--joint_features={feats}", f"--joint_estimates={est}"]
             cmd += [x.format(all=",".join(COMPONENTS)) for x in VARIANTS[v]]
         else:

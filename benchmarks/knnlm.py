@@ -251,10 +251,8 @@ def own_store(model, index_dir: Path, held: dict, out: Path, device: str, estima
     if ("indist", "valid") not in held:
         raise SystemExit("own_store fits the temperature on the in-distribution validation half: give it (held['indist', 'valid'])")
     st = OPTIONAL | dict(model.cfg.joint_knn)
-    if tuple(st.get("temperature_multiples", ())) != tuple(MULTIPLES):
-        raise SystemExit(
-            f"the model's dense components are at {st.get('temperature_multiples')} x the temperature; this store's {MULTIPLES}"
-        )
+    if tuple(st["temperature_multiples"]) != tuple(MULTIPLES):
+        raise SystemExit(f"the model's dense components are at {st['temperature_multiples']} x the temperature; this store's {MULTIPLES}")
     idx, key, k, nprobe = Index(index_dir), st["key"], st["k"], st["nprobe"]
     info: dict = {"k": k, "nprobe": nprobe, "build_batch": st["build_batch"], "key": key, "temperature_multiples": list(MULTIPLES)}
     t = time.time()
