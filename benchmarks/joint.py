@@ -480,6 +480,12 @@ def _rate(log: list[dict], skip: int = 100) -> float:
     return (tok_b - tok_a) / (b["elapsed_s"] - a["elapsed_s"])
 
 
+def _complete(home: dict, variants: list[str]) -> dict:
+    """Per set, the variants with both halves' files in their run directory: one whose files for a
+    set did not all come back (a device run cut short) is left out of that set, not the eval."""
+    return {s: [v for v in variants if all((home[v] / f"{v}-{s}-{h}.npz").exists() for h in HALVES)] for s in SETS}
+
+
 def stage_eval(joint_outs: list[Path], index: Path, carry: Path, posthoc: Path, work: Path, workers: int) -> dict:
     """The joint runs' held-out perplexity beside the post-hoc variants and peers that
     benchmarks/index_size.py measured on the same text with the same index (its saved results,
@@ -523,6 +529,8 @@ def stage_eval(joint_outs: list[Path], index: Path, carry: Path, posthoc: Path, 
     if dense is not None:
         res["knn_est"] = json.loads(dense.read_text())
     held = heldout_features(index, work / "held", carry, workers)
+    whole = _complete(home, variants)
+    res["missing"] = {s: [v for v in variants if v not in whole[s]] for s in SETS if len(whole[s]) < len(variants)}
     for s in SETS:
         row = {}
         if knn:  # temperature and λ fit on this set's validation sample, in each run; the run best there
@@ -553,7 +561,7 @@ def stage_eval(joint_outs: list[Path], index: Path, carry: Path, posthoc: Path, 
                 length[m] = L
                 starts = np.concatenate([[0], np.cumsum(lens + 1)])
                 keep = (_contamination({"index_length": length}, starts) < 0.8)[doc]
-            for v in variants:
+            for v in whole[s]:
                 z = _load_nll(home, v, s, h)
                 if not np.array_equal(z["target"], target):
                     raise SystemExit(f"{v} {s}-{h}: the joint run's targets differ from the held-out text's here")
@@ -671,6 +679,8 @@ def report(res: dict, name: str = "joint") -> None:
                     f"{100 * (1 - d / peers[best]):.1f}% below the best peer ({best}: {peers[best]:.3g})."
                 )
         lines.append("")
+    for s, vs in res.get("missing", {}).items():
+        lines += [f"- {s}: not scored, their files did not all come back: {', '.join(NAMES[v].split(' ')[0] for v in vs)}.", ""]
     for run, k in res.get("knn", {}).items():
         lines.append(
             f"(d) in {Path(run).name}: {k['keys']:,} keys (every training position), {k['centroids']} inverted lists, {k['nprobe']} probed, "

@@ -1,5 +1,6 @@
 """benchmarks/joint.py's replicate summary: each run of a replicated variant counted once, an
-earlier result's only where this eval lacks the variant, and results of another index refused."""
+earlier result's only where this eval lacks the variant, and results of another index refused;
+its bookkeeping of which runs and files are done or complete."""
 
 import json
 import math
@@ -112,3 +113,15 @@ def test_own_store_variants_resume_and_read_their_base(tmp_path):
     assert (z["nll_model"] == 2.0).all() and (z["target"] == np.arange(3)).all() and (z["nll"] == 0).all()
     with pytest.raises(SystemExit, match="--refit"):
         joint.main(["gpu", "--carry", "c", "--work", str(work), "--out", str(out), "--own-store"])
+
+
+def test_eval_leaves_out_a_set_whose_files_did_not_all_come_back(tmp_path):
+    """A device run cut short: a variant is scored on the sets with both halves' files, and only those."""
+    for n in joint.SETS:
+        for h in joint.HALVES:
+            (tmp_path / f"knnj3-{n}-{h}.npz").write_bytes(b"")
+    (tmp_path / "knnj3o-indist-valid.npz").write_bytes(b"")
+    (tmp_path / "knnj3o-indist-test.npz").write_bytes(b"")
+    (tmp_path / "knnj3o-prose-test.npz").write_bytes(b"")  # its validation half missing
+    whole = joint._complete({"knnj3": tmp_path, "knnj3o": tmp_path}, ["knnj3", "knnj3o"])
+    assert whole == {"indist": ["knnj3", "knnj3o"], "timeshift": ["knnj3"], "prose": ["knnj3"]}
