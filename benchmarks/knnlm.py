@@ -27,7 +27,9 @@ also gives the post-hoc gate p_knn as one more estimate.
 DENSE: dense_knn at the temperature fit on validation, dense_knn_sharp and dense_knn_broad at
 multiples of it): for held-out text as above, and for every training position in exclude-doc mode
 (the keys of the position's own document, its own key among them, masked inside the search), so
-that a model trained with it sees what held-out text sees.
+that a model trained with it sees what held-out text sees. Its held-out pass also writes the
+continuous cache over the same states (OUT/contcache-SET-HALF.npz, model/knn.cache_target_probs)
+for benchmarks/cont_cache.py.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from teragram.model.knn import (
     Datastore,
     as_est,
     build,
+    cache_target_probs,
     estimate_columns,
     knn_target_probs,
     queries,
@@ -61,6 +64,7 @@ RECALL_ROWS = 1_000  # queries whose IVF neighbours are checked against exact se
 FACTORS = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0)  # temperatures, x the median nearest distance
 TRAIN_CHUNK = 1 << 21  # training positions searched at once
 SELECT_EVERY = 3  # the key choice's stores hold the positions of every 3rd training window
+CACHE_FACTORS = (0.05, 0.1, 0.2, 0.5, 1.0)  # the continuous cache's temperatures, x the same scale
 
 
 def run(
@@ -220,6 +224,11 @@ def _heldout(
             if peer:
                 gpu |= {"temperature_scale": scale, "factors": list(FACTORS)}
                 gpu |= _recall(ds, queries(r["hidden"], slice(0, RECALL_ROWS), mu, device), K_NEIGHBOURS, nprobe)
+        t = time.time()  # the continuous cache over the same states, beside them (benchmarks/cont_cache.py reads it)
+        q = cache_target_probs(r["hidden"], r["target"], r["doc"], [f * scale for f in CACHE_FACTORS], device)
+        q = q.astype(np.float16)  # half the bytes to bring back; a mixture's nll moves by < 1e-3
+        np.savez_compressed(out / f"contcache-{name}-{h}.npz", target=r["target"].astype(np.int32), q=q, factors=CACHE_FACTORS)
+        info[f"heldout_{name}_{h}_cache_s"] = time.time() - t
         if peer:  # the scale is the in-distribution validation's (the grid; each set fits its own on validation)
             t = time.time()
             _peer_half(ds, r, mu, scale, out / f"knn-{name}-{h}.npz", device, K_NEIGHBOURS, nprobe)

@@ -283,6 +283,33 @@ def knn_target_probs(d, nb_vals, target, temps):
     return torch.nan_to_num(torch.stack(out, 1))  # no neighbour at all: 0
 
 
+def cache_target_probs(hidden: np.ndarray, target: np.ndarray, doc: np.ndarray, temps, device: str = "cpu", block: int = 2048):
+    """The continuous cache (Grave et al., 2017) over a text's own states, with the kNN-LM's
+    distance: per predicted token i, p(target_i) = softmax over the earlier predicted tokens j of
+    its document of -||h_i - h_j||^2 / T, summed where target_j == target_i (j's next token, known
+    at i). Rows are token_eval's (a document's in order); one float32 column per temperature of
+    `temps`, 0 at a document's first token."""
+    import torch
+
+    out = np.zeros((len(target), len(temps)), np.float32)
+    cuts = np.flatnonzero(np.diff(doc)) + 1
+    if len(doc) and (np.diff(doc) < 0).any():
+        raise ValueError("cache_target_probs reads each document's rows in one run, in order")
+    for a, b in zip(np.concatenate([[0], cuts]), np.concatenate([cuts, [len(doc)]])):
+        h = torch.from_numpy(np.asarray(hidden[a:b], np.float64)).to(device)  # float64: exact enough for the nearest, fast on an H200
+        n2 = (h * h).sum(1)
+        t = torch.from_numpy(target[a:b].astype(np.int64)).to(device)
+        for qa in range(1, b - a, block):  # the first row has nothing before it
+            qb = min(qa + block, b - a)
+            d = (n2[qa:qb, None] + n2[None, :qb] - 2 * h[qa:qb] @ h[:qb].T).clamp_min(0)
+            later = torch.arange(qb, device=device)[None] >= torch.arange(qa, qb, device=device)[:, None]
+            d = d.masked_fill(later, float("inf"))
+            hit = (t[:qb][None] == t[qa:qb, None]).float()
+            for c, temp in enumerate(temps):
+                out[a + qa : a + qb, c] = (torch.softmax(-d / temp, dim=1) * hit).sum(1).cpu().numpy()
+    return out
+
+
 def estimate_columns(d, nb, target, temps, scale: float) -> dict:
     """The kNN estimate at each temperature of `temps` as joint components, numpy columns (n, M)
     of model/joint.Est: q = p_knn(target) (softmax(-d / temp) over the neighbours), rest 0 (1

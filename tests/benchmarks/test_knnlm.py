@@ -78,6 +78,30 @@ def test_target_probs_equal_the_dense_store_formula():
         np.testing.assert_allclose(got[:, j], want, rtol=1e-6, atol=1e-12)
 
 
+def test_continuous_cache_is_brute_force_over_the_documents_earlier_states():
+    """cache_target_probs, in query blocks smaller than a document: per row, the softmax over the
+    same document's earlier rows, summed where their target is this one's; 0 at a document's
+    first row; a document's rows out of one run are refused."""
+    rng = np.random.default_rng(3)
+    doc = np.repeat([0, 1, 2], [9, 1, 14])
+    h = rng.normal(size=(len(doc), 5)).astype(np.float32)
+    tgt = rng.integers(0, 3, len(doc))
+    temps = [0.5, 4.0]
+    got = knn.cache_target_probs(h, tgt, doc, temps, block=4)
+    for i in range(len(doc)):
+        before = np.flatnonzero((doc == doc[i]) & (np.arange(len(doc)) < i))
+        if not len(before):
+            assert (got[i] == 0).all()
+            continue
+        d = ((h[before].astype(np.float64) - h[i]) ** 2).sum(1)
+        for c, t in enumerate(temps):
+            w = np.exp(-(d - d.min()) / t)
+            assert got[i, c] == pytest.approx((w * (tgt[before] == tgt[i])).sum() / w.sum(), rel=1e-5, abs=1e-7)
+    assert (got[:, 1] > 0).sum() > 10
+    with pytest.raises(ValueError, match="one run"):
+        knn.cache_target_probs(h, tgt, doc[::-1].copy(), temps)
+
+
 def test_datastore_keys_are_the_models_hidden_states(real_index):
     from teragram.index import format as fmt
     from teragram.model.gpt import GPT, GPTConfig

@@ -418,6 +418,23 @@ def test_dense_knn_estimates_exclude_the_own_document(tokenizer_model, tmp_path,
             wp = np.exp(-(dp[o2[:-1]] - dp[o2[0]]) / temp)
             c = knnlm.FACTORS.index(info["temperature_factor"])
             assert zp["p_knn"][j, c] == pytest.approx((wp * (V[o2[:-1]] == r["target"][j])).sum() / wp.sum(), rel=2e-3, abs=1e-5)
+    zc = np.load(tmp_path / "contcache-indist-test.npz")  # the continuous cache over the same states: brute force's
+    assert (zc["target"] == r["target"]).all() and list(zc["factors"]) == list(knnlm.CACHE_FACTORS)
+    same = np.diff(r["doc"]) == 0
+    assert (np.diff(r["doc"]) >= 0).all() and (np.diff(r["pos"])[same] > 0).all()  # a document's rows in one run, in order
+    H, temps_c, seen = r["hidden"].astype(np.float64), np.array(knnlm.CACHE_FACTORS) * scale, 0
+    for j in np.random.default_rng(1).choice(len(H), 100, replace=False):
+        before = np.flatnonzero((r["doc"] == r["doc"][j]) & (np.arange(len(H)) < j))
+        if not len(before):
+            assert (zc["q"][j] == 0).all()
+            continue
+        d = ((H[before] - H[j]) ** 2).sum(1)
+        w = np.exp(-(d - d.min())[None] / temps_c[:, None])
+        np.testing.assert_allclose(
+            zc["q"][j], (w * (r["target"][before] == r["target"][j])).sum(1) / w.sum(1), rtol=1e-3, atol=1e-4
+        )  # float16
+        seen += zc["q"][j, -1] > 0
+    assert seen > 20, seen
     # a run cut short (TERAGRAM_KNN_PARTIAL): the chunks searched are merged, the rest defer to the model
     q_all = np.concatenate([e.q[:-1, -1] for e in shards])  # in memory: the files are rewritten; keys: positions but a shard's last
     top_all = np.concatenate([e.top[:-1, -1] for e in shards])
