@@ -24,7 +24,6 @@ no more.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -32,31 +31,21 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import save, table
-from benchmarks.index_size import FIT_ROWS, HALVES, SETS, clean_documents
+from benchmarks.index_size import HALVES, SETS
 
 
 def measure(outputs: Path, joint: Path, index: Path, variants: list[str], posthoc: Path, workers: int) -> dict:
     from teragram.model.baselines import mix_nll
-    from teragram.model.estimates import COMPONENTS
-    from teragram.model.outputs import gated_outputs, load_outputs, outputs_estimates
 
     from benchmarks.joint import _load_nll
+    from benchmarks.joint_gap import posthoc_of, refit_t
     from benchmarks.knnlm import fit
 
-    ph = next((r for r in json.loads(posthoc.read_text())["indexes"] if r["index"] == index.name), None)
-    if ph is None:
-        raise SystemExit(f"{posthoc} has no results for an index named {index.name}")
+    ph = posthoc_of(posthoc, index)
     res = {"index": index.name, "variants": variants, "posthoc_results": str(posthoc), "sets": {}}
     for s in SETS:
-        o = {h: load_outputs(outputs / "unpacked" / f"{s}-{h}") for h in HALVES}
-        est = {h: outputs_estimates(o[h], index, workers=workers) for h in HALVES}
-        gate, t_valid = gated_outputs(o["valid"], est["valid"], components=COMPONENTS, fit_rows=FIT_ROWS)
-        nll = {"a": {h: o[h].nll.astype(np.float64) for h in HALVES}}
-        nll["t"] = {"valid": t_valid, "test": gated_outputs(o["test"], est["test"], gate)[1]}
-        clean = clean_documents(o["test"], est["test"])[o["test"].doc.astype(np.int64)]
-        want, got = ph["sets"][s]["ppl_decontaminated"]["t"], math.exp(nll["t"]["test"][clean].mean())
-        if abs(got / want - 1) > 1e-6:
-            raise SystemExit(f"{s}: (t) refit here gives {got:.6g}, the post-hoc results {want:.6g}: not the same outputs or index")
+        o, _, t, clean = refit_t(outputs, index, s, ph, workers)
+        nll = {"a": {h: o[h].nll.astype(np.float64) for h in HALVES}, "t": t}
         q, factors = {}, None
         for h in HALVES:
             z = np.load(joint / f"contcache-{s}-{h}.npz")

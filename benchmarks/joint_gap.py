@@ -31,26 +31,40 @@ def _buckets(L: np.ndarray) -> list[tuple[str, np.ndarray]]:
     return [(f"{lo}+" if hi > 1 << 20 else f"{lo}-{hi - 1}", (L >= lo) & (L < hi)) for lo, hi in zip(LENGTH_BUCKETS, edges)]
 
 
-def gap(outputs: Path, joint: Path, index: Path, variants: list[str], posthoc: Path, workers: int) -> dict:
-    from teragram.model.estimates import COMPONENTS
-    from teragram.model.outputs import gated_outputs, load_outputs, outputs_estimates
-
-    from benchmarks.joint import _load_nll
-
+def posthoc_of(posthoc: Path, index: Path) -> dict:
+    """benchmarks.index_size eval's results (`posthoc`) for the index named as `index`."""
     ph = next((r for r in json.loads(posthoc.read_text())["indexes"] if r["index"] == index.name), None)
     if ph is None:
         raise SystemExit(f"{posthoc} has no results for an index named {index.name}")
+    return ph
+
+
+def refit_t(outputs: Path, index: Path, s: str, ph: dict, workers: int):
+    """Set s's (a) outputs and estimates per half, post-hoc (t)'s per-target nll per half (its gate
+    fit on validation as index_size fits it), and which test targets are decontaminated; (t) must
+    give the post-hoc results' (ph) decontaminated figure."""
+    from teragram.model.estimates import COMPONENTS
+    from teragram.model.outputs import gated_outputs, load_outputs, outputs_estimates
+
+    o = {h: load_outputs(outputs / "unpacked" / f"{s}-{h}") for h in HALVES}
+    est = {h: outputs_estimates(o[h], index, workers=workers) for h in HALVES}
+    gate, t_valid = gated_outputs(o["valid"], est["valid"], components=COMPONENTS, fit_rows=FIT_ROWS)
+    t = {"valid": t_valid, "test": gated_outputs(o["test"], est["test"], gate)[1]}
+    clean = clean_documents(o["test"], est["test"])[o["test"].doc.astype(np.int64)]
+    want, got = ph["sets"][s]["ppl_decontaminated"]["t"], math.exp(t["test"][clean].mean())
+    if abs(got / want - 1) > 1e-6:
+        raise SystemExit(f"{s}: (t) refit here gives {got:.6g}, the post-hoc results {want:.6g}: not the same outputs or index")
+    return o, est, t, clean
+
+
+def gap(outputs: Path, joint: Path, index: Path, variants: list[str], posthoc: Path, workers: int) -> dict:
+    from benchmarks.joint import _load_nll
+
+    ph = posthoc_of(posthoc, index)
     res = {"index": index.name, "variants": variants, "posthoc_results": str(posthoc), "sets": {}}
     for s in SETS:
-        o = {h: load_outputs(outputs / "unpacked" / f"{s}-{h}") for h in HALVES}
-        est = {h: outputs_estimates(o[h], index, workers=workers) for h in HALVES}
-        gate, _ = gated_outputs(o["valid"], est["valid"], components=COMPONENTS, fit_rows=FIT_ROWS)
-        nll = {"a": o["test"].nll.astype(np.float64), "t": gated_outputs(o["test"], est["test"], gate)[1]}
-        clean = clean_documents(o["test"], est["test"])[o["test"].doc.astype(np.int64)]
-        want = ph["sets"][s]["ppl_decontaminated"]["t"]
-        got = math.exp(nll["t"][clean].mean())
-        if abs(got / want - 1) > 1e-6:
-            raise SystemExit(f"{s}: (t) refit here gives {got:.6g}, the post-hoc results {want:.6g}: not the same outputs or index")
+        o, est, t, clean = refit_t(outputs, index, s, ph, workers)
+        nll = {"a": o["test"].nll.astype(np.float64), "t": t["test"]}
         for v in variants:
             z = _load_nll({v: joint}, v, s, "test")  # a refit's: with its variant's LM alone and targets
             if not np.array_equal(z["target"], o["test"].target.astype(np.int32)):
