@@ -27,12 +27,16 @@ model's evaluation cannot be split like the post-hoc one's). Variants:
   knn       the peer (d): kNN-LM over (a) with every training position in the datastore
             (benchmarks/knnlm.py; its temperature and λ are fit here, by `eval`)
   knnest    (no model) the kNN-LM's estimate as joint components, model/joint.DENSE (dense_knn at
-            the temperature fit on validation, dense_knn_sharp/_broad at 0.5x/2.5x it): every
-            held-out target's and every training position's in exclude-doc mode (knnlm.joint_estimates)
+            the temperature fit on validation, dense_knn_sharp/_broad at 0.5x/2.5x it; dense_cache, the
+            same over the document's own earlier states): every held-out target's and every training
+            position's, the store's in exclude-doc mode (knnlm.joint_estimates)
   knnj      lm1 with dense_knn as one more component (after knnest, on the same machine)
-  knnj3     lm1 with all three dense components
+  knnj3     lm1 with the three dense_knn components
   knnj3w    knnj3 with the LM's own loss at half weight (joint_lm_weight = 0.5)
   knnj3w2   knnj3 with the LM's own loss at twice the weight (joint_lm_weight = 2)
+  knnj3c    knnj3 with dense_cache, the continuous cache (Grave et al. 2017) as one more component: the
+            kNN estimate over the document's own earlier states under (a) (k nearest, temperature fit
+            on validation; knnest writes it beside dense_knn)
   knnj3d    knnj3 with the gate reading the hidden state without its gradient (joint_detach): the
             gate's loss reaches the LM only through the LM's own probabilities (measured: worse
             than knnj3, benchmarks/results/joint_detach.md)
@@ -81,6 +85,7 @@ VARIANTS = {
     "knnj3w": ["--joint_lm_weight=0.5", "--joint_components={all},dense_knn,dense_knn_sharp,dense_knn_broad"],
     "knnj3w2": ["--joint_lm_weight=2.0", "--joint_components={all},dense_knn,dense_knn_sharp,dense_knn_broad"],
     "knnj3d": ["--joint_lm_weight=1.0", "--joint_components={all},dense_knn,dense_knn_sharp,dense_knn_broad", "--joint_detach=true"],
+    "knnj3c": ["--joint_lm_weight=1.0", "--joint_components={all},dense_knn,dense_knn_sharp,dense_knn_broad,dense_cache"],
 }
 # replicates: a variant again, its training seeded otherwise (the store and (a) those of the run's
 # prep); reported beside it as mean and spread, never candidates on validation
@@ -100,6 +105,7 @@ TRAINED = {
     "knnj3w": "(j+lm/2+knn3) j+lm+knn3 with the LM's own loss at half weight (joint_lm_weight = 0.5)",
     "knnj3w2": "(j+2lm+knn3) j+lm+knn3 with the LM's own loss at twice the weight (joint_lm_weight = 2)",
     "knnj3d": "(j+lm+knn3+sg) j+lm+knn3, the gate reading the hidden state without its gradient (joint_detach)",
+    "knnj3c": "(j+lm+knn3+cc) j+lm+knn3 with the continuous cache (dense_cache: the kNN estimate over the document's own earlier states)",
 }
 TRAINED |= {
     r: f"{TRAINED[b].split(' ', 1)[0][:-1]}:s{n}) {TRAINED[b].split(' ', 1)[0][1:-1]} again, its training seeded {n} (a replicate)"

@@ -27,7 +27,10 @@ also gives the post-hoc gate p_knn as one more estimate.
 DENSE: dense_knn at the temperature fit on validation, dense_knn_sharp and dense_knn_broad at
 multiples of it): for held-out text as above, and for every training position in exclude-doc mode
 (the keys of the position's own document, its own key among them, masked inside the search), so
-that a model trained with it sees what held-out text sees. Its held-out pass also writes the
+that a model trained with it sees what held-out text sees; and dense_cache, the continuous cache:
+the same estimate over the keys of the position's own document before it (model/knn.doc_neighbours;
+its temperature fit on the same validation half, in the same units), for training positions and
+held-out text alike (a document's earlier text is what both read). Its held-out pass also writes the
 continuous cache over the same states (OUT/contcache-SET-HALF.npz, model/knn.cache_target_probs)
 for benchmarks/cont_cache.py.
 """
@@ -52,7 +55,9 @@ from teragram.model.knn import (
     Datastore,
     as_est,
     build,
+    cache_columns,
     cache_target_probs,
+    doc_neighbours,
     estimate_columns,
     knn_target_probs,
     queries,
@@ -65,6 +70,7 @@ FACTORS = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0)  # temperatures, x th
 TRAIN_CHUNK = 1 << 21  # training positions searched at once
 SELECT_EVERY = 3  # the key choice's stores hold the positions of every 3rd training window
 CACHE_FACTORS = (0.05, 0.1, 0.2, 0.5, 1.0)  # the continuous cache's temperatures, x the same scale
+CACHE_FIT = (*FACTORS, 50.0, 100.0)  # dense_cache's temperature grid, x the same scale (a document's neighbours share more)
 
 
 def run(
@@ -209,12 +215,17 @@ def _heldout(
         r = evaluate(name, h, feats)
         d, nb = _search_all(ds, r["hidden"], mu, device, k, nprobe)
         tgt = torch.from_numpy(r["target"].astype(np.int64)).to(device)
-        found[name, h] = (d, nb, tgt, r["target"].astype(np.int32))
+        tc = time.time()  # dense_cache: the k nearest of the document's own earlier states
+        dc, nbc = doc_neighbours(torch.from_numpy(np.asarray(r["hidden"], np.float32)).to(device), r["doc"], tgt, k)
+        info[f"heldout_{name}_{h}_doc_neighbours_s"] = time.time() - tc
+        found[name, h] = (d, nb, dc, nbc, tgt, r["target"].astype(np.int32))
         info[f"heldout_{name}_{h}_s"] = time.time() - t
-        if (name, h) == ("indist", "valid"):  # the scale and temperature, here only
+        if (name, h) == ("indist", "valid"):  # the scale and temperatures, here only
             scale, j, lam, _ = _fit_temperature(d, nb, tgt, r["nll"].astype(np.float64))
             temp = FACTORS[j] * scale
             info |= {"temperature_scale": scale, "temperature_factor": FACTORS[j], "lambda_at_fit": lam}
+            jc, lam_c = fit(r["nll"].astype(np.float64), knn_target_probs(dc, nbc, tgt, [f * scale for f in CACHE_FIT]).cpu().numpy())
+            info |= {"cache_factor": CACHE_FIT[jc], "cache_temperature": CACHE_FIT[jc] * scale, "cache_lambda_at_fit": lam_c}
             s = slice(0, min(VALID_ROWS, len(r["target"])))  # k against the peer's 1024, on the first targets
             d2, nb2 = ds.neighbours(queries(r["hidden"], s, mu, device), K_NEIGHBOURS, nprobe)
             big = knn_target_probs(d2, nb2, tgt[s], [temp])[:, 0]
@@ -236,10 +247,12 @@ def _heldout(
         del r
     if peer:
         (out / "knn_gpu.json").write_text(json.dumps(gpu, indent=1))
-    for (name, h), (d, nb, tgt, target) in found.items():
+    for (name, h), (d, nb, dc, nbc, tgt, target) in found.items():
         c = estimate_columns(d, nb, tgt, [temp * m for m in MULTIPLES], scale)
+        cc = estimate_columns(dc, nbc, tgt, [info["cache_temperature"]], scale)
         info[f"heldout_{name}_{h}_mean_q"] = float(c["q"][:, 0].mean())
-        np.savez_compressed(out / f"knnest-{name}-{h}.npz", target=target, **c)
+        info[f"heldout_{name}_{h}_cache_mean_q"] = float(cc["q"][:, 0].mean())
+        np.savez_compressed(out / f"knnest-{name}-{h}.npz", target=target, **{f: np.concatenate([c[f], cc[f]], 1) for f in c})
     del found
     return temp, scale
 
@@ -405,6 +418,7 @@ def joint_estimates(
     ds = Datastore(keys, vals, centroids=centroids)
     info |= {"ivf_s": time.time() - t, "centroids": len(ds.cent)}
     sig = {"k": k, "nprobe": nprobe, "centroids": len(ds.cent), "keys": len(keys), "key": key, "multiples": list(MULTIPLES)}
+    sig["dense_cache"] = True  # held-out estimates of before it hold no dense_cache column
     sig["mu_abs_sum"] = info["mu_abs_sum"] = float(mu.double().abs().sum())  # the keys' fingerprint: KnnSource checks by it
     if prior:
         same = all(prior["sig"].get(f, {"key": "final", "multiples": [1.0]}.get(f)) == v for f, v in sig.items() if f != "mu_abs_sum")
@@ -449,6 +463,12 @@ def joint_estimates(
     cols = {f: np.concatenate(v) for f, v in cols.items()}
     info["train_search_s"] = time.time() - t
     info["train_mean_q"] = float(cols["q"][:, 0].mean())  # beside the held-out's (unsearched positions count 0)
+    t = time.time()  # dense_cache: every training position's own document's earlier keys (the held-out's, as the model reads them)
+    kdoc_np = np.concatenate([d for *_, d in docs])
+    cc = cache_columns(keys, kdoc_np, vals.long(), vals.long(), k, info["cache_temperature"], info["temperature_scale"])
+    cols = {f: np.concatenate([cols[f], cc[f]], 1) for f in cols}
+    M += 1
+    info["train_cache_s"], info["train_cache_mean_q"] = time.time() - t, float(cc["q"][:, 0].mean())
     t = time.time()
     est_dir, out_dir = Path(est_dir), Path(out_dir)
     m = fmt.read_json(est_dir / "manifest.json")
@@ -469,7 +489,7 @@ def joint_estimates(
             np.save(d / f"{f}.npy", getattr(merged, f))
         fmt.write_json(out_dir / f"{shard:06d}.done", {"shard": shard, "positions": n})
     info["write_s"] = time.time() - t
-    fmt.write_json(out_dir / "manifest.json", m | {"components": [*m["components"], *joint.DENSE[:M]], "dense_knn": info})
+    fmt.write_json(out_dir / "manifest.json", m | {"components": [*m["components"], *joint.DENSE], "dense_knn": info})
     (out / "knn_est.json").write_text(json.dumps(info, indent=1))
     return info
 

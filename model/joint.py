@@ -44,10 +44,12 @@ N_COUNT = 21  # floor(log2(count + 1)) buckets, the last one open
 NL, NS, NM = len(LEN_EDGES) + 1, len(SHARE_EDGES) + 1, len(MAXP_EDGES) + 1
 KIND = "joint-estimates"
 # estimates from a kNN datastore over a model's states (model/knn.py), at the temperature fit on
-# validation and at sharper and broader multiples of it (model/knn.MULTIPLES): written in bulk for
-# training positions (exclude-doc) and held-out text by benchmarks/knnlm.py; outside training, from
-# the store rebuilt by model/knn.KnnSource (live and bulk); the index itself has none
-DENSE = ("dense_knn", "dense_knn_sharp", "dense_knn_broad")
+# validation and at sharper and broader multiples of it (model/knn.MULTIPLES), and dense_cache, the
+# continuous cache: the same estimate over the document's own earlier states (model/knn.doc_neighbours,
+# its temperature fit on validation too): written in bulk for training positions (exclude-doc) and
+# held-out text by benchmarks/knnlm.py; outside training, from the store rebuilt by
+# model/knn.KnnSource (live and bulk); the index itself has none
+DENSE = ("dense_knn", "dense_knn_sharp", "dense_knn_broad", "dense_cache")
 
 
 def cap(name: str) -> int:

@@ -292,10 +292,7 @@ def cache_target_probs(hidden: np.ndarray, target: np.ndarray, doc: np.ndarray, 
     import torch
 
     out = np.zeros((len(target), len(temps)), np.float32)
-    cuts = np.flatnonzero(np.diff(doc)) + 1
-    if len(doc) and (np.diff(doc) < 0).any():
-        raise ValueError("cache_target_probs reads each document's rows in one run, in order")
-    for a, b in zip(np.concatenate([[0], cuts]), np.concatenate([cuts, [len(doc)]])):
+    for a, b in _runs(doc):
         h = torch.from_numpy(np.asarray(hidden[a:b], np.float64)).to(device)  # float64: exact enough for the nearest, fast on an H200
         n2 = (h * h).sum(1)
         t = torch.from_numpy(target[a:b].astype(np.int64)).to(device)
@@ -308,6 +305,66 @@ def cache_target_probs(hidden: np.ndarray, target: np.ndarray, doc: np.ndarray, 
             for c, temp in enumerate(temps):
                 out[a + qa : a + qb, c] = (torch.softmax(-d / temp, dim=1) * hit).sum(1).cpu().numpy()
     return out
+
+
+def _runs(doc) -> list[tuple[int, int]]:
+    """(start, end) of each document's rows; refused unless each document's rows are one run."""
+    doc = np.asarray(doc)
+    cuts = np.flatnonzero(np.diff(doc)) + 1
+    runs = list(zip(np.concatenate([[0], cuts]).tolist(), np.concatenate([cuts, [len(doc)]]).tolist(), strict=True)) if len(doc) else []
+    if len({int(doc[a]) for a, _ in runs}) != len(runs):
+        raise ValueError("a document's rows come in one run, in order")
+    return runs
+
+
+def doc_neighbours(h, doc, vals, k: int, max_elems: int = 1 << 28):
+    """The continuous cache's neighbours (dense_cache): per row i, the k nearest (squared distance,
+    float64) among the earlier rows j < i of its own document, and their values (j's next token,
+    known at i): the kNN estimate over the document's own states, as Grave et al.'s (2017) cache
+    over its hidden states. h (n, C) tensor, doc (n,) document numbers (numpy; each document's rows
+    in one run, in order), vals (n,) long tensor on h's device. Returns (d (n, k) float32, inf
+    where fewer than k rows came before; nb (n, k) long, -1 there)."""
+    import torch
+
+    n, dev = len(h), h.device
+    d_out = torch.full((n, k), float("inf"), device=dev)
+    nb_out = torch.full((n, k), -1, dtype=torch.long, device=dev)
+    for a, b in _runs(doc):
+        if b - a < 2:
+            continue
+        x = h[a:b].double()
+        x = x - x.mean(0)  # any vector gives the same distances; centring keeps them precise
+        n2 = (x * x).sum(1)
+        block = max(1, min(2048, max_elems // (b - a)))
+        for qa in range(1, b - a, block):  # the first row has nothing before it
+            qb = min(qa + block, b - a)
+            d = (n2[qa:qb, None] + n2[None, :qb] - 2 * x[qa:qb] @ x[:qb].T).clamp_min(0)
+            d.masked_fill_(torch.arange(qb, device=dev)[None] >= torch.arange(qa, qb, device=dev)[:, None], float("inf"))
+            kk = min(k, qb)
+            dv, dj = torch.topk(d, kk, dim=1, largest=False)
+            d_out[a + qa : a + qb, :kk] = dv.float()
+            nb_out[a + qa : a + qb, :kk] = torch.where(torch.isfinite(dv), vals[a + dj], -1)
+    return d_out, nb_out
+
+
+def cache_columns(h, doc, vals, target, k: int, temp: float, scale: float, rows: int = 1 << 21) -> dict:
+    """dense_cache's joint.Est columns (estimate_columns' at one temperature) of every row, from
+    doc_neighbours over documents taken together up to `rows` rows at a time (one longer document
+    alone): h, vals, target on one device, doc numpy. numpy arrays (n, 1)."""
+    doc = np.asarray(doc)
+    runs, parts, i = _runs(doc), [], 0
+    while i < len(runs):
+        a, j = runs[i][0], i + 1
+        while j < len(runs) and runs[j][1] - a <= rows:  # whole documents from row a
+            j += 1
+        b = runs[j - 1][1]
+        d, nb = doc_neighbours(h[a:b], doc[a:b], vals[a:b], k)
+        parts.append(estimate_columns(d, nb, target[a:b], [temp], scale))
+        i = j
+    if not parts:
+        e0 = {"q": np.zeros((0, 1), np.float32), "rest": np.ones((0, 1), np.float32), "count": np.zeros((0, 1), np.uint8)}
+        return e0 | {"share": np.zeros((0, 1), np.uint8), "top": np.full((0, 1), -1, np.int32)}
+    return {f: np.concatenate([p[f] for p in parts]) for f in parts[0]}
 
 
 def estimate_columns(d, nb, target, temps, scale: float) -> dict:
@@ -353,9 +410,10 @@ def as_est(cols: dict):
 # what a model trained with dense_knn keeps of its store (GPTConfig.joint_knn): KnnSource rebuilds it
 SETTINGS = (
     "k", "nprobe", "centroids", "temperature_scale", "temperature_factor", "keys", "mu_abs_sum", "build_batch", "key",
-    "temperature_multiples",
+    "temperature_multiples", "cache_temperature",
 )  # fmt: skip
-OPTIONAL = {"key": "final", "temperature_multiples": (1.0,)}  # settings estimates written before them did not keep: their value
+# settings estimates written before them did not keep: their value (no cache_temperature: no dense_cache)
+OPTIONAL = {"key": "final", "temperature_multiples": (1.0,), "cache_temperature": None}
 
 
 def kept(store) -> tuple:
@@ -382,10 +440,10 @@ class KnnSource:
             raise TeragramError(f"the model's dense_knn settings lack {', '.join(missing)}: its estimates predate a live store")
         self.components = tuple(c for c in components if c in DENSE)  # the dense ones of the gate's components, in its order
         mult = settings["temperature_multiples"]
-        if not self.components or any(DENSE.index(c) >= len(mult) for c in self.components):
+        had = [*DENSE[: len(mult)], *(["dense_cache"] if settings["cache_temperature"] is not None else [])]
+        if not self.components or any(c not in had for c in self.components):
             raise TeragramError(
-                f"the gate reads {', '.join(self.components) or 'no dense component'}; its kNN estimates had"
-                f" {', '.join(DENSE[: len(mult)])}"
+                f"the gate reads {', '.join(self.components) or 'no dense component'}; its kNN estimates had {', '.join(had)}"
             )
         self.model, self.device = keys_model.eval(), device
         self.key = settings["key"]
@@ -399,9 +457,12 @@ class KnnSource:
         self.ds = Datastore(keys, vals, centroids=settings["centroids"])
         self.k, self.nprobe, self.scale = settings["k"], settings["nprobe"], settings["temperature_scale"]
         temp = settings["temperature_factor"] * self.scale  # fit on validation; each component's a multiple of it
-        self.temps = [temp * mult[DENSE.index(c)] for c in self.components]
+        self.temps = [settings["cache_temperature"] if c == "dense_cache" else temp * mult[DENSE.index(c)] for c in self.components]
+        self.knn_cols = [j for j, c in enumerate(self.components) if c != "dense_cache"]  # searched in the store
+        self.cache_col = self.components.index("dense_cache") if "dense_cache" in self.components else None
         self.V = keys_model.cfg.vocab_size
-        self._last = None  # live's last window, its key/value cache and last state, one tuple (read and replaced whole)
+        self._last = None  # live's last window, its key/value cache and states, one tuple (read and replaced whole)
+        self._done = None  # live's document so far: its complete windows' ids and states (dense_cache reads every earlier state)
 
     def _hidden(self, windows: list[np.ndarray], batch: int):
         """The keys model's key states (n, C) float32 of every position of windows of at
@@ -418,12 +479,12 @@ class KnnSource:
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
                 h = states(self.model, torch.from_numpy(x).to(self.device), self.key)
             out += [h[j, : len(w)].float() for j, w in enumerate(ws)]
-        return torch.cat(out)
+        return torch.cat(out) if out else torch.zeros((0, self.model.cfg.n_embd), device=self.device)
 
-    def _last_state(self, w: np.ndarray):
-        """The keys model's state (1, C) float32 at the last position of window w. Generation asks
-        for a window that extends the one before: the last call's key/value cache is kept, so only
-        the new tokens run (a window that does not extend it, after a rejected draft or at a
+    def _window_states(self, w: np.ndarray):
+        """The keys model's states (len(w), C) float32 of every position of window w. Generation
+        asks for a window that extends the one before: the last call's key/value cache is kept, so
+        only the new tokens run (a window that does not extend it, after a rejected draft or at a
         window's start, runs whole)."""
         import torch
 
@@ -435,9 +496,25 @@ class KnnSource:
         cuda = str(self.device).startswith("cuda")
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda), key_states(self.model, self.key) as got:
             _, kv = self.model.hidden(torch.from_numpy(new[None]).to(self.device), kv=kv, pos0=pos0)
-        state = got[-1][0, -1:].float()
-        self._last = (w.copy(), kv, state)
-        return state
+        h = got[-1][0].float()
+        h = torch.cat([last[2], h]) if grow else h
+        self._last = (w.copy(), kv, h)
+        return h
+
+    def _last_state(self, w: np.ndarray):
+        """The keys model's state (1, C) float32 at the last position of window w (_window_states')."""
+        return self._window_states(w)[-1:]
+
+    def _columns(self, d, nb, dc, nbc, target) -> dict:
+        """estimate_columns of the store's neighbours (d, nb) at the kNN components' temperatures and
+        of the document's own (dc, nbc) at dense_cache's, as columns in the gate's order."""
+        parts = {}
+        if self.knn_cols:
+            c = estimate_columns(d, nb, target, [self.temps[j] for j in self.knn_cols], self.scale)
+            parts |= {j: {f: v[:, i : i + 1] for f, v in c.items()} for i, j in enumerate(self.knn_cols)}
+        if self.cache_col is not None:
+            parts[self.cache_col] = estimate_columns(dc, nbc, target, [self.temps[self.cache_col]], self.scale)
+        return {f: np.concatenate([parts[j][f] for j in range(len(self.components))], 1) for f in parts[0]}
 
     def documents(self, docs: list[np.ndarray], eos: int, batch: int = 16):
         """Every target's estimate of documents read as held-out text (EOS + the document,
@@ -446,35 +523,74 @@ class KnnSource:
         import torch
 
         T = self.model.cfg.block_size
-        windows, targets = [], []
-        for d in docs:
+        windows, targets, rowdoc = [], [], []
+        for i, d in enumerate(docs):
             x = np.concatenate([[eos], np.asarray(d, np.int64)])
             windows += [x[s : s + T] for s in range(0, len(x), T)]
             targets.append(np.concatenate([np.asarray(d, np.int64), [eos]]))
+            rowdoc.append(np.full(len(x), i))
         tgt = torch.from_numpy(np.concatenate(targets)).to(self.device)
-        first = np.concatenate([[0], np.cumsum([len(w) for w in windows])])  # each window's first target
-        step, parts = max(1, QUERY_CHUNK // T), []
+        step, hidden = max(1, QUERY_CHUNK // T), []
         for a in range(0, len(windows), step):
-            d, nb = self.ds.neighbours(self._hidden(windows[a : a + step], batch) - self.mu, self.k, self.nprobe)
-            parts.append(estimate_columns(d, nb, tgt[first[a] : first[min(a + step, len(windows))]], self.temps, self.scale))
-        return as_est({f: np.concatenate([p[f] for p in parts]) for f in parts[0]})
+            hidden.append(self._hidden(windows[a : a + step], batch))
+        d = nb = dc = nbc = None
+        if self.knn_cols:
+            found = [self.ds.neighbours(h - self.mu, self.k, self.nprobe) for h in hidden]
+            d, nb = torch.cat([f[0] for f in found]), torch.cat([f[1] for f in found])
+        if self.cache_col is not None:
+            dc, nbc = doc_neighbours(torch.cat(hidden), np.concatenate(rowdoc), tgt, self.k)
+        return as_est(self._columns(d, nb, dc, nbc, tgt))
+
+    def _document_states(self, x: np.ndarray):
+        """The keys model's states of every position of x (EOS + a document's ids so far), window by
+        window as `documents` reads them: its complete windows' kept from the call before."""
+        import torch
+
+        T = self.model.cfg.block_size
+        cut = (len(x) - 1) // T * T  # the last window's start
+        done = self._done
+        if done is None or len(done[0]) > cut or not np.array_equal(done[0], x[: len(done[0])]):
+            done = (x[:0], torch.zeros((0, self.model.cfg.n_embd), device=self.device))
+        if len(done[0]) < cut:
+            more = self._hidden([x[s : s + T] for s in range(len(done[0]), cut, T)], 16)
+            done = (x[:cut].copy(), torch.cat([done[1], more]))
+        self._done = done
+        return torch.cat([done[1], self._window_states(x[cut:])])
 
     def live(self, context, eos: int):
         """For the next token after `context` (a document's ids so far): the estimate's one-row
         Est (q unused) and each component's distribution (M, V), softmax(-d / T) summed by the
         neighbours' tokens. The keys model reads the position's window as `documents` does (its
-        key/value cache kept from the call before: `_last_state`)."""
+        key/value cache kept from the call before: `_window_states`); dense_cache reads every
+        earlier state of the document (`_document_states`)."""
         import torch
 
         T = self.model.cfg.block_size
         x = np.concatenate([[eos], np.asarray(context, np.int64)])
-        d, nb = self.ds.neighbours(self._last_state(x[(len(x) - 1) // T * T :]) - self.mu, self.k, self.nprobe)
-        cols = estimate_columns(d, nb, torch.full((1,), -1, device=nb.device), self.temps, self.scale)
-        dist = np.zeros((len(self.temps), self.V))
+        d = nb = dc = nbc = None
+        if self.cache_col is None:
+            q = self._last_state(x[(len(x) - 1) // T * T :])
+        else:
+            h = self._document_states(x)
+            q = h[-1:]
+            y = h.double() - h.double().mean(0)
+            dist = ((y[:-1] - y[-1]) ** 2).sum(1)
+            dc = torch.full((1, self.k), float("inf"), device=h.device)
+            nbc = torch.full((1, self.k), -1, dtype=torch.long, device=h.device)
+            if len(dist):
+                dv, dj = torch.topk(dist, min(self.k, len(dist)), largest=False)
+                dc[0, : len(dv)] = dv.float()
+                nbc[0, : len(dv)] = torch.from_numpy(x[1:]).to(h.device)[dj]
+        if self.knn_cols:
+            d, nb = self.ds.neighbours(q - self.mu, self.k, self.nprobe)
+        dev = q.device
+        cols = self._columns(d, nb, dc, nbc, torch.full((1,), -1, device=dev))
+        out = np.zeros((len(self.temps), self.V))
         for j, temp in enumerate(self.temps):
-            w = torch.nan_to_num(torch.softmax(-d[0].double() / temp, 0)) * (nb[0] >= 0)
-            dist[j] = torch.zeros(self.V, dtype=torch.float64).index_add_(0, nb[0].clamp_min(0).cpu(), w.cpu()).numpy()
-        return as_est(cols), dist
+            dd, nn = (dc, nbc) if j == self.cache_col else (d, nb)
+            w = torch.nan_to_num(torch.softmax(-dd[0].double() / temp, 0)) * (nn[0] >= 0)
+            out[j] = torch.zeros(self.V, dtype=torch.float64).index_add_(0, nn[0].clamp_min(0).cpu(), w.cpu()).numpy()
+        return as_est(cols), out
 
 
 def require_store(model, given) -> None:

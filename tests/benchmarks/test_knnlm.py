@@ -99,7 +99,36 @@ def test_continuous_cache_is_brute_force_over_the_documents_earlier_states():
             assert got[i, c] == pytest.approx((w * (tgt[before] == tgt[i])).sum() / w.sum(), rel=1e-5, abs=1e-7)
     assert (got[:, 1] > 0).sum() > 10
     with pytest.raises(ValueError, match="one run"):
-        knn.cache_target_probs(h, tgt, doc[::-1].copy(), temps)
+        knn.cache_target_probs(h, tgt, np.concatenate([doc[:5], doc[10:], doc[5:10]]), temps)
+
+
+def test_doc_neighbours_and_cache_columns_are_brute_force_over_the_documents_earlier_states():
+    """doc_neighbours, in query blocks smaller than a document: per row, the k nearest of the same
+    document's earlier rows (fewer: inf / -1 after them) and their values; cache_columns over chunks
+    of whole documents (one longer than a chunk) equals estimate_columns over them at once, and
+    at a large k it is cache_target_probs; a document's rows out of one run are refused."""
+    rng = np.random.default_rng(4)
+    doc = np.repeat([5, 1, 2, 7], [9, 1, 30, 4])
+    h = torch.from_numpy(rng.normal(size=(len(doc), 5)).astype(np.float32))
+    vals = torch.from_numpy(rng.integers(0, 3, len(doc)))
+    k = 6
+    d, nb = knn.doc_neighbours(h, doc, vals, k, max_elems=40)  # blocks of one row in the 30-row document
+    H = h.double().numpy()
+    for i in range(len(doc)):
+        before = np.flatnonzero((doc == doc[i]) & (np.arange(len(doc)) < i))
+        dd = ((H[before] - H[i]) ** 2).sum(1)
+        o = np.argsort(dd, kind="stable")[:k]
+        np.testing.assert_allclose(d[i, : len(o)].numpy(), dd[o], rtol=1e-5, atol=1e-6)
+        assert (nb[i, : len(o)].numpy() == vals.numpy()[before[o]]).all()
+        assert torch.isinf(d[i, len(o) :]).all() and (nb[i, len(o) :] == -1).all()
+    cols = knn.cache_columns(h, doc, vals, vals, k, 0.7, 2.0, rows=12)  # the 30-row document alone in its chunk
+    want = knn.estimate_columns(d, nb, vals, [0.7], 2.0)
+    assert set(cols) == set(want) and all(np.array_equal(cols[f], want[f]) for f in want)
+    assert cols["rest"][0, 0] == 1 and cols["q"][0, 0] == 0 and cols["top"][0, 0] == -1 and (cols["rest"][1:9] == 0).all()
+    full = knn.cache_columns(h, doc, vals, vals, 64, 0.7, 2.0)
+    np.testing.assert_allclose(full["q"][:, 0], knn.cache_target_probs(h.numpy(), vals.numpy(), doc, [0.7])[:, 0], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="one run"):
+        knn.doc_neighbours(h, np.concatenate([doc[:5], doc[10:], doc[5:10]]), vals, k)
 
 
 def test_datastore_keys_are_the_models_hidden_states(real_index):

@@ -373,9 +373,12 @@ def test_dense_knn_estimates_exclude_the_own_document(tokenizer_model, tmp_path,
     ids = [s.id for s in idx.shards]
     base, _ = joint.open_train_estimates(joint_root / "est", joint_root / "idx", joint.COMPONENTS, 4)
 
-    nd = len(joint.DENSE)  # the last nd columns: the kNN estimate at each of its temperatures
+    nd = len(knn.MULTIPLES)  # the nd columns before the last: the kNN estimate at each of its temperatures; the last dense_cache
+    kn = slice(-nd - 1, -1)
     temps = np.array([temp * m for m in knn.MULTIPLES])
-    assert len(temps) == nd and info["temperature_multiples"] == list(knn.MULTIPLES)
+    assert joint.DENSE[-1] == "dense_cache" and len(joint.DENSE) == nd + 1 and info["temperature_multiples"] == list(knn.MULTIPLES)
+    temp_c = info["cache_temperature"]
+    assert info["cache_factor"] in knnlm.CACHE_FIT and temp_c == pytest.approx(info["cache_factor"] * scale) and info["train_cache_mean_q"] > 0
 
     def oracle(q, mask=None):
         d = ((K - q) ** 2).sum(1)
@@ -386,32 +389,53 @@ def test_dense_knn_estimates_exclude_the_own_document(tokenizer_model, tmp_path,
         return d[o], o, w / w.sum(1, keepdims=True)
 
     rng = np.random.default_rng(0)
-    checked = copies = 0
+    checked = copies = cached = 0
     for p in rng.choice(len(K), 300, replace=False):
         d, o, w = oracle(K[p], doc == doc[p])
         if d[k] - d[k - 1] < 1e-3:
             continue  # the k-th nearest tied with the next
         sid, r = where[p]
         row = shards[ids.index(sid)].rows(r, r + 1, cols)
-        np.testing.assert_allclose(row.q[0, -nd:], (w * (V[o[:k]] == V[p])).sum(1), rtol=2e-3, atol=1e-5)
-        assert all(row.top[0, -nd:] == row.top[0, -1]) and (row.rest[0, -nd:] == 0).all()
-        assert row.top[0, -1] in V[o[d[: k + 1] - d[0] < 1e-3]]  # the nearest (or one tied with it)
-        assert (row.count[0, -nd:] == 1 + np.searchsorted(knn.DIST_EDGES, d[0] / scale, side="right")).all()
-        np.testing.assert_array_equal(row.q[0, :-nd], base[ids.index(sid)].q[r])  # the index's and cache's columns kept
+        np.testing.assert_allclose(row.q[0, kn], (w * (V[o[:k]] == V[p])).sum(1), rtol=2e-3, atol=1e-5)
+        assert all(row.top[0, kn] == row.top[0, -2]) and (row.rest[0, kn] == 0).all()
+        assert row.top[0, -2] in V[o[d[: k + 1] - d[0] < 1e-3]]  # the nearest (or one tied with it)
+        assert (row.count[0, kn] == 1 + np.searchsorted(knn.DIST_EDGES, d[0] / scale, side="right")).all()
+        np.testing.assert_array_equal(row.q[0, : -nd - 1], base[ids.index(sid)].q[r])  # the index's and cache's columns kept
         checked += 1
         copies += d[0] < 1e-2  # the same context in a copy of the document
-    assert checked > 200 and copies > 20, (checked, copies)
+        before = np.flatnonzero((doc == doc[p]) & (np.arange(len(K)) < p))  # dense_cache: its own document's earlier keys
+        if not len(before):
+            assert row.rest[0, -1] == 1 and row.q[0, -1] == 0 and row.top[0, -1] == -1
+            continue
+        dc = ((K[before] - K[p]) ** 2).sum(1)
+        oc = np.argsort(dc, kind="stable")[: k + 1]
+        if len(oc) > k and dc[oc[k]] - dc[oc[k - 1]] < 1e-3:
+            continue
+        wc = np.exp(-(dc[oc[:k]] - dc[oc[0]]) / temp_c)
+        assert row.q[0, -1] == pytest.approx((wc * (V[before[oc[:k]]] == V[p])).sum() / wc.sum(), rel=2e-3, abs=1e-5)
+        assert row.rest[0, -1] == 0 and row.count[0, -1] == 1 + np.searchsorted(knn.DIST_EDGES, dc[oc[0]] / scale, side="right")
+        cached += 1
+    assert checked > 200 and copies > 20 and cached > 150, (checked, copies, cached)
     for e in shards:  # the last position of a shard predicts nothing indexed: it defers to the model
-        assert (e.rest[-1, -nd:] == 1).all() and (e.q[-1, -nd:] == 0).all()
+        assert (e.rest[-1, -nd - 1 :] == 1).all() and (e.q[-1, -nd - 1 :] == 0).all()
     r = token_eval(model, held["indist", "test"], idx.eos_id, idx.sep, "cpu", hidden="ffn_in")
     z = np.load(tmp_path / "knnest-indist-test.npz")
     zp = np.load(tmp_path / "knn-indist-test.npz")  # the peer (d) over the same store, k = 1024: every key here
     assert (zp["target"] == r["target"]).all() and np.allclose(zp["nll_a"], r["nll"], atol=1e-5)
     assert (z["target"] == r["target"]).all()
+    Hr = r["hidden"].astype(np.float64)
     for j in rng.choice(len(r["target"]), 100, replace=False):
-        d, o, w = oracle(r["hidden"][j].astype(np.float64) - mu.numpy())
+        d, o, w = oracle(Hr[j] - mu.numpy())
         if d[k] - d[k - 1] >= 1e-3:
-            np.testing.assert_allclose(z["q"][j], (w * (V[o[:k]] == r["target"][j])).sum(1), rtol=2e-3, atol=1e-5)
+            np.testing.assert_allclose(z["q"][j, :-1], (w * (V[o[:k]] == r["target"][j])).sum(1), rtol=2e-3, atol=1e-5)
+        before = np.flatnonzero((r["doc"] == r["doc"][j]) & (np.arange(len(Hr)) < j))  # dense_cache: the document's earlier states
+        dc = ((Hr[before] - Hr[j]) ** 2).sum(1)
+        oc = np.argsort(dc, kind="stable")[: k + 1]
+        if not len(before):
+            assert z["q"][j, -1] == 0 and z["rest"][j, -1] == 1
+        elif len(oc) <= k or dc[oc[k]] - dc[oc[k - 1]] >= 1e-3:
+            wc = np.exp(-(dc[oc[:k]] - dc[oc[0]]) / temp_c)
+            assert z["q"][j, -1] == pytest.approx((wc * (r["target"][before[oc[:k]]] == r["target"][j])).sum() / wc.sum(), rel=2e-3, abs=1e-5)
         dp = ((K - (r["hidden"][j].astype(np.float64) - mu.numpy())) ** 2).sum(1)  # the peer's 1024 at the same temperature
         o2 = np.argsort(dp, kind="stable")[: knnlm.K_NEIGHBOURS + 1]
         if dp[o2[-1]] - dp[o2[-2]] >= 1e-3:
@@ -436,8 +460,9 @@ def test_dense_knn_estimates_exclude_the_own_document(tokenizer_model, tmp_path,
         seen += zc["q"][j, -1] > 0
     assert seen > 20, seen
     # a run cut short (TERAGRAM_KNN_PARTIAL): the chunks searched are merged, the rest defer to the model
-    q_all = np.concatenate([e.q[:-1, -1] for e in shards])  # in memory: the files are rewritten; keys: positions but a shard's last
-    top_all = np.concatenate([e.top[:-1, -1] for e in shards])
+    q_all = np.concatenate([e.q[:-1, -2] for e in shards])  # dense_knn_broad, in memory: the files are rewritten; keys: positions but a shard's last
+    top_all = np.concatenate([e.top[:-1, -2] for e in shards])
+    cache_all = np.concatenate([e.q[:, -1] for e in shards])
     gone = sorted((est_knn / "searched").glob("*.npz"))[0]
     a, b = (int(x) for x in gone.name.split("-")[:2])
     gone.unlink()
@@ -451,8 +476,9 @@ def test_dense_knn_estimates_exclude_the_own_document(tokenizer_model, tmp_path,
     for f, z0 in held_z.items():  # the held-out part reused, untouched
         assert all((np.load(f)[c] == z0[c]).all() for c in z0.files)
     cut, _ = joint.open_train_estimates(est_knn, joint_root / "idx", comps, 4)
-    q_cut = np.concatenate([e.q[:-1, -1] for e in cut])
-    rest_cut = np.concatenate([e.rest[:-1, -1] for e in cut])
+    q_cut = np.concatenate([e.q[:-1, -2] for e in cut])
+    rest_cut = np.concatenate([e.rest[:-1, -2] for e in cut])
+    np.testing.assert_array_equal(np.concatenate([e.q[:, -1] for e in cut]), cache_all)  # the cache: all
     assert q_all[a:b].max() > 0 and (q_cut[a:b] == 0).all() and (rest_cut[a:b] == 1).all()
     keep = np.ones(len(q_all), bool)
     keep[a:b] = False
@@ -515,7 +541,7 @@ def test_dense_knn_estimates_exclude_the_own_document(tokenizer_model, tmp_path,
         if d[k] - d[k - 1] >= 1e-3:
             w = np.exp(-(d[:k] - d[0])[None] / temps2[:, None])
             want = (w * (V[o[:k]] == r2["target"][j])).sum(1) / w.sum(1)
-            np.testing.assert_allclose(z2["q"][j], want, rtol=2e-3, atol=1e-5)
+            np.testing.assert_allclose(z2["q"][j, :-1], want, rtol=2e-3, atol=1e-5)
             checked += 1
     assert checked > 60, checked
     with pytest.raises(TeragramError, match="no live source"):
@@ -539,11 +565,11 @@ def test_dense_knn_estimates_exclude_the_own_document(tokenizer_model, tmp_path,
     assert kept["temperature_factor"] == info["temperature_factor"] and kept["key"] == "ffn_in"
     with pytest.raises(TeragramError, match="another keys model"):  # settings written before "key": final states, not these
         knn.KnnSource(model, joint_root / "idx", [(f, v) for f, v in kept.items() if f != "key"], m2.cfg.joint)
-    with pytest.raises(TeragramError, match="had dense_knn$"):  # settings written before the multiples: dense_knn only
+    with pytest.raises(TeragramError, match="had dense_knn, dense_cache$"):  # settings written before the multiples: dense_knn only
         knn.KnnSource(model, joint_root / "idx", [(f, v) for f, v in kept.items() if f != "temperature_multiples"], m2.cfg.joint)
     src = knn.KnnSource(model, joint_root / "idx", m2.cfg.joint_knn, m2.cfg.joint)
     bulk = src.documents(docs, idx.eos_id)
-    assert len(bulk) == len(z["q"]) and bulk.q.shape[1] == nd and np.abs(bulk.q - z["q"]).max() < 1e-4
+    assert len(bulk) == len(z["q"]) and bulk.q.shape[1] == nd + 1 and np.abs(bulk.q - z["q"]).max() < 1e-4
     assert (bulk.top == z["top"]).mean() > 0.99 and (bulk.count == z["count"]).mean() > 0.99
     one = ("index_infgram", "dense_knn_broad")  # a gate reading one of them: its column, in bulk and from the saved files
     np.testing.assert_array_equal(knnlm.load_est(tmp_path, "indist", "test", one).q[:, 0], z["q"][:, 2])
