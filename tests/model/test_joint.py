@@ -378,7 +378,9 @@ def test_dense_knn_estimates_exclude_the_own_document(tokenizer_model, tmp_path,
     temps = np.array([temp * m for m in knn.MULTIPLES])
     assert joint.DENSE[-1] == "dense_cache" and len(joint.DENSE) == nd + 1 and info["temperature_multiples"] == list(knn.MULTIPLES)
     temp_c = info["cache_temperature"]
-    assert info["cache_factor"] in knnlm.CACHE_FIT and temp_c == pytest.approx(info["cache_factor"] * scale) and info["train_cache_mean_q"] > 0
+    assert (
+        info["cache_factor"] in knnlm.CACHE_FIT and temp_c == pytest.approx(info["cache_factor"] * scale) and info["train_cache_mean_q"] > 0
+    )
 
     def oracle(q, mask=None):
         d = ((K - q) ** 2).sum(1)
@@ -435,7 +437,9 @@ def test_dense_knn_estimates_exclude_the_own_document(tokenizer_model, tmp_path,
             assert z["q"][j, -1] == 0 and z["rest"][j, -1] == 1
         elif len(oc) <= k or dc[oc[k]] - dc[oc[k - 1]] >= 1e-3:
             wc = np.exp(-(dc[oc[:k]] - dc[oc[0]]) / temp_c)
-            assert z["q"][j, -1] == pytest.approx((wc * (r["target"][before[oc[:k]]] == r["target"][j])).sum() / wc.sum(), rel=2e-3, abs=1e-5)
+            assert z["q"][j, -1] == pytest.approx(
+                (wc * (r["target"][before[oc[:k]]] == r["target"][j])).sum() / wc.sum(), rel=2e-3, abs=1e-5
+            )
         dp = ((K - (r["hidden"][j].astype(np.float64) - mu.numpy())) ** 2).sum(1)  # the peer's 1024 at the same temperature
         o2 = np.argsort(dp, kind="stable")[: knnlm.K_NEIGHBOURS + 1]
         if dp[o2[-1]] - dp[o2[-2]] >= 1e-3:
@@ -460,7 +464,8 @@ def test_dense_knn_estimates_exclude_the_own_document(tokenizer_model, tmp_path,
         seen += zc["q"][j, -1] > 0
     assert seen > 20, seen
     # a run cut short (TERAGRAM_KNN_PARTIAL): the chunks searched are merged, the rest defer to the model
-    q_all = np.concatenate([e.q[:-1, -2] for e in shards])  # dense_knn_broad, in memory: the files are rewritten; keys: positions but a shard's last
+    # dense_knn_broad, in memory (the files are rewritten); keys: every position but a shard's last
+    q_all = np.concatenate([e.q[:-1, -2] for e in shards])
     top_all = np.concatenate([e.top[:-1, -2] for e in shards])
     cache_all = np.concatenate([e.q[:, -1] for e in shards])
     gone = sorted((est_knn / "searched").glob("*.npz"))[0]
