@@ -1,5 +1,7 @@
-"""Would a continuous cache (Grave et al., 2017) add to the joint model? Issue 15's diagnostic for
-a component the joint gate does not read yet.
+"""Would a continuous cache (Grave et al., 2017) add to the joint model? Issue 15's diagnostic, and
+the post-hoc control of the joint component made of it since (dense_cache, model/knn.doc_neighbours:
+variant knnj3c of benchmarks/joint.py): how much of that variant's gain the same cache gives post-hoc
+(t) by interpolation.
 
 The document cache (the cache_* components) counts the document's own earlier n-grams. The
 continuous cache instead looks the current state up among the document's earlier states, with

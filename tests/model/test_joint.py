@@ -572,6 +572,9 @@ def test_dense_knn_estimates_exclude_the_own_document(tokenizer_model, tmp_path,
         knn.KnnSource(model, joint_root / "idx", [(f, v) for f, v in kept.items() if f != "key"], m2.cfg.joint)
     with pytest.raises(TeragramError, match="had dense_knn, dense_cache$"):  # settings written before the multiples: dense_knn only
         knn.KnnSource(model, joint_root / "idx", [(f, v) for f, v in kept.items() if f != "temperature_multiples"], m2.cfg.joint)
+    with pytest.raises(TeragramError, match="dense_cache; its kNN estimates had dense_knn, dense_knn_sharp, dense_knn_broad$"):
+        knn.KnnSource(model, joint_root / "idx", [(f, v) for f, v in kept.items() if f != "cache_temperature"], m2.cfg.joint)
+    assert kept["cache_temperature"] == info["cache_temperature"]  # settings written before dense_cache: a gate reading it refused
     src = knn.KnnSource(model, joint_root / "idx", m2.cfg.joint_knn, m2.cfg.joint)
     bulk = src.documents(docs, idx.eos_id)
     assert len(bulk) == len(z["q"]) and bulk.q.shape[1] == nd + 1 and np.abs(bulk.q - z["q"]).max() < 1e-4

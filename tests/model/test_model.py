@@ -144,8 +144,11 @@ loss, _ = ddp(x, y, f)
 loss.mean().backward()
 if rank == 0:
     torch.save({{n: p.grad for n, p in m.named_parameters()}}, {str(tmp_path / "ddp.pt")!r})
+del ddp, loss  # the reducer and its hooks go before the group
 dist.barrier()  # leave together: a rank that tears gloo down while its peer still talks aborts
 dist.destroy_process_group()
+sys.stdout.flush()
+os._exit(0)  # the gradients are saved; gloo's threads at interpreter exit once aborted a rank (SIGABRT, 1 run in many)
 """
     )
     torchrun(script)
