@@ -34,6 +34,7 @@ import numpy as np
 
 from benchmarks.common import save, table
 from benchmarks.index_size import HALVES, SETS
+from benchmarks.knnlm import CACHE_FACTORS
 
 
 def measure(outputs: Path, joint: Path, index: Path, variants: list[str], posthoc: Path, workers: int) -> dict:
@@ -46,7 +47,7 @@ def measure(outputs: Path, joint: Path, index: Path, variants: list[str], postho
     ph = posthoc_of(posthoc, index)
     res = {"index": index.name, "variants": variants, "posthoc_results": str(posthoc), "sets": {}}
     for s in SETS:
-        o, _, t, clean = refit_t(outputs, index, s, ph, workers)
+        o, est, t, clean = refit_t(outputs, index, s, ph, workers)
         nll = {"a": {h: o[h].nll.astype(np.float64) for h in HALVES}, "t": t}
         q, factors = {}, None
         for h in HALVES:
@@ -71,12 +72,35 @@ def measure(outputs: Path, joint: Path, index: Path, variants: list[str], postho
                 "factor": factors[j],
                 "lambda": lam,
             }
+        g = _gate_with_cache(o, est, q)
         res["sets"][s] = {
             "targets": int(clean.sum()),
             "share_with_history": float((q["test"][clean, -1] > 0).mean()),
             "models": row,
+            "t_gate_cc": {"valid": math.exp(g["valid"].mean()), "test_decontaminated": math.exp(g["test"][clean].mean())},
         }
     return res
+
+
+def _gate_with_cache(o: dict, est: dict, q: dict) -> dict:
+    """(t+cc): the post-hoc gate over (t)'s estimates and the continuous cache at each of its
+    temperatures as more estimates (its inputs (t)'s, fit on validation as benchmarks/gate_headroom.py
+    fits its (t+knn3)); the cache defers to the model at a document's first target, where it has
+    no history. Per-target nll per half."""
+    from teragram.model.estimates import COMPONENTS
+    from teragram.model.gate import component_logp, gate_inputs
+
+    from benchmarks.gate_headroom import _linear
+
+    X, lp = {}, {}
+    for h in HALVES:
+        nll = o[h].nll.astype(np.float64)
+        doc = o[h].doc.astype(np.int64)
+        first = np.concatenate([[True], doc[1:] != doc[:-1]])
+        X[h] = gate_inputs(est[h], o[h].maxp.astype(np.float64), o[h].top.astype(np.int64), COMPONENTS)
+        cc = np.where(first[:, None], -nll[:, None], np.log(q[h] + 1e-300))
+        lp[h] = np.maximum(np.concatenate([component_logp(est[h], nll, COMPONENTS), cc], 1), -700.0)
+    return _linear(X, lp)
 
 
 def report(res: dict, name: str) -> None:
@@ -104,6 +128,14 @@ def report(res: dict, name: str) -> None:
         cols = list(rows[0])
         head = f"**{s}** ({r['targets']:,} targets; {100 * r['share_with_history']:.0f}% with a cache hit of any weight)"
         lines += [head, "", table(rows, cols), ""]
+        if "t_gate_cc" in r:
+            g = r["t_gate_cc"]["test_decontaminated"]
+            vs = ", ".join(f"{m} {x['test_decontaminated'] / g:.3f}x" for m, x in r["models"].items() if m not in ("a", "t"))
+            lines += [
+                f"- (t+cc), the post-hoc gate over (t)'s estimates and the cache at its {len(CACHE_FACTORS)} temperatures as more "
+                f"estimates (fit on validation): {g:.4g} ({g / t['test_decontaminated']:.3f}x (t) alone). Against it, alone: {vs}.",
+                "",
+            ]
     save(name, res, "\n".join(lines), _figure(res))
 
 
