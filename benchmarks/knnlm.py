@@ -410,7 +410,8 @@ def joint_estimates(
     t = time.time()
     keys, vals, mu = build(model, index_dir, device, batch, key)
     docs = key_documents(index_dir, model.cfg.block_size)
-    kdoc = torch.from_numpy(np.concatenate([d for *_, d in docs])).to(device)
+    kdoc_np = np.concatenate([d for *_, d in docs])  # each key's document (dense_cache reads it too)
+    kdoc = torch.from_numpy(kdoc_np).to(device)
     if len(kdoc) != len(keys):
         raise SystemExit(f"{len(keys):,} keys, {len(kdoc):,} training positions: the datastore and the stream disagree")
     info |= {"keys": len(keys), "keys_s": time.time() - t}
@@ -464,7 +465,6 @@ def joint_estimates(
     info["train_search_s"] = time.time() - t
     info["train_mean_q"] = float(cols["q"][:, 0].mean())  # beside the held-out's (unsearched positions count 0)
     t = time.time()  # dense_cache: every training position's own document's earlier keys (the held-out's, as the model reads them)
-    kdoc_np = np.concatenate([d for *_, d in docs])
     cc = cache_columns(keys, kdoc_np, vals.long(), vals.long(), k, info["cache_temperature"], info["temperature_scale"])
     cols = {f: np.concatenate([cols[f], cc[f]], 1) for f in cols}
     M += 1

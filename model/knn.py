@@ -361,9 +361,8 @@ def cache_columns(h, doc, vals, target, k: int, temp: float, scale: float, rows:
         d, nb = doc_neighbours(h[a:b], doc[a:b], vals[a:b], k)
         parts.append(estimate_columns(d, nb, target[a:b], [temp], scale))
         i = j
-    if not parts:
-        e0 = {"q": np.zeros((0, 1), np.float32), "rest": np.ones((0, 1), np.float32), "count": np.zeros((0, 1), np.uint8)}
-        return e0 | {"share": np.zeros((0, 1), np.uint8), "top": np.full((0, 1), -1, np.int32)}
+    if not parts:  # no rows: estimate_columns' empty columns
+        parts.append(estimate_columns(*doc_neighbours(h[:0], doc[:0], vals[:0], k), target[:0], [temp], scale))
     return {f: np.concatenate([p[f] for p in parts]) for f in parts[0]}
 
 
