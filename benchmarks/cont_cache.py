@@ -1,5 +1,5 @@
 """Would a continuous cache (Grave et al., 2017) add to the joint model? Issue 15's diagnostic, and
-the post-hoc control of the joint component made of it since (dense_cache, model/knn.doc_neighbours:
+the post-hoc control of the joint component made of it since (dense_cache, model/mixture/knn.doc_neighbours:
 variant knnj3c of benchmarks/joint.py): how much of that variant's gain the same cache gives post-hoc
 (t) by interpolation.
 
@@ -7,7 +7,7 @@ The document cache (the cache_* components) counts the document's own earlier n-
 continuous cache instead looks the current state up among the document's earlier states, with
 the kNN-LM's distance, and weights the tokens that followed them: p(y) is the softmax over the
 earlier positions j of -||h_i - h_j||^2 / T, summed where target_j = y
-(model/knn.cache_target_probs). benchmarks/knnlm.py writes its p(target) for every held-out
+(model/mixture/knn.cache_target_probs). benchmarks/knnlm.py writes its p(target) for every held-out
 target over (a)'s key states (OUT/contcache-SET-HALF.npz, in the dense components' held-out
 pass; temperatures: knnlm.CACHE_FACTORS x the store's scale).
 
@@ -38,7 +38,7 @@ from benchmarks.knnlm import CACHE_FACTORS
 
 
 def measure(outputs: Path, joint: Path, index: Path, variants: list[str], posthoc: Path, workers: int) -> dict:
-    from teragram.model.baselines import mix_nll
+    from teragram.model.mixture.baselines import mix_nll
 
     from benchmarks.joint import _load_nll
     from benchmarks.joint_gap import posthoc_of, refit_t
@@ -87,8 +87,8 @@ def _gate_with_cache(o: dict, est: dict, q: dict) -> dict:
     temperatures as more estimates (its inputs (t)'s, fit on validation as benchmarks/gate_headroom.py
     fits its (t+knn3)); the cache defers to the model at a document's first target, where it has
     no history. Per-target nll per half."""
-    from teragram.model.estimates import COMPONENTS
-    from teragram.model.gate import component_logp, gate_inputs
+    from teragram.model.mixture.estimates import COMPONENTS
+    from teragram.model.mixture.gate import component_logp, gate_inputs
 
     from benchmarks.gate_headroom import _linear
 

@@ -35,9 +35,9 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--name", default="decontaminated_fit")
     a = ap.parse_args()
-    from teragram.model.estimates import COMPONENTS
-    from teragram.model.gate import Gate, component_logp, gate_inputs, mix_nll_multi
-    from teragram.model.outputs import load_outputs, outputs_estimates
+    from teragram.model.evaluation.outputs import load_outputs, outputs_estimates
+    from teragram.model.mixture.estimates import COMPONENTS
+    from teragram.model.mixture.gate import Gate, component_logp, gate_inputs, mix_nll_multi
 
     rows, lm_rows = [], []
     for name in SETS:

@@ -7,7 +7,7 @@ held-out features of its validation and test splits, then trains the same model 
 seed under torchrun (NCCL on GPUs, gloo on CPU) in each mode: plain DDP, compress = 1bit, and
 sync = local with H = 50 under each --outer setting, each for --steps steps with the validation
 loss every --eval-every steps. Reports, per mode, the bytes one rank sent (counted from the
-buffers each collective moves, under the ring algorithms; model/comm.py), their ratio to DDP's,
+buffers each collective moves, under the ring algorithms; model/training/comm.py), their ratio to DDP's,
 the final validation loss and its gap to DDP's. Settings are chosen on validation alone: the
 test loss (the final checkpoint's) is reported for DDP, 1bit and the local SGD setting of lowest
 validation loss only. Then each of the first three modes again for --link-steps steps over a
@@ -40,7 +40,7 @@ def prepare(w: Path, vocab: int) -> None:
             sh(
                 py,
                 "-m",
-                "teragram.serve.cli",
+                "teragram.serve.main",
                 "features",
                 w / "idx",
                 "--out",
@@ -65,7 +65,7 @@ def train(w: Path, name: str, ranks: int, over: dict) -> list[dict]:
             "--standalone",
             f"--nproc_per_node={ranks}",
             "-m",
-            "teragram.serve.cli",
+            "teragram.serve.main",
             "train",
         ]
         env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // ranks)))
@@ -80,8 +80,8 @@ def test_loss(w: Path, name: str) -> float:
     out = w / "runs" / name
     if not (out / "test.json").exists():
         from teragram.index.engine import Index
-        from teragram.model.evaluate import evaluate
-        from teragram.model.train import load_model
+        from teragram.model.checkpoint import load_model
+        from teragram.model.evaluation.perplexity import evaluate
 
         idx = Index(w / "idx")
         (out / "test.json").write_text(json.dumps(evaluate(load_model(out)[0], w / "test", idx.eos_id, idx.sep)))

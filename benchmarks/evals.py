@@ -1,4 +1,4 @@
-"""Multiple-choice accuracy of a model with and without the index (model/evals.py), every
+"""Multiple-choice accuracy of a model with and without the index (model/evaluation/tasks.py), every
 task's whole validation set, with the share of examples found in the index (any 13-gram of
 context + answer) and the accuracy on the rest.
 
@@ -49,9 +49,9 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from teragram.index.engine import Index
-    from teragram.model.evals import TASKS, run_task
-    from teragram.model.gate import Gate
-    from teragram.model.train import load_model
+    from teragram.model.checkpoint import load_model
+    from teragram.model.evaluation.tasks import TASKS, run_task
+    from teragram.model.mixture.gate import Gate
 
     if a.curve:
         return curve(a, plt)

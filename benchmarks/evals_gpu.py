@@ -109,7 +109,7 @@ def _cli(work: Path, command: str) -> list[str]:
     run, idx = work / "runs" / "a", work / "idx"
     if not (run / "latest.json").exists():
         raise SystemExit(f"{run}: no trained model (run the train stage first, on this machine while it is warm)")
-    return [sys.executable, "-m", "teragram.serve.cli", command, "--checkpoint", str(run), "--index", str(idx)] + [
+    return [sys.executable, "-m", "teragram.serve.main", command, "--checkpoint", str(run), "--index", str(idx)] + [
         *("--device", _device(), "--workers", str(os.cpu_count() or 1))
     ]
 

@@ -66,7 +66,7 @@ def main() -> int:
                 [
                     sys.executable,
                     "-m",
-                    "teragram.serve.cli",
+                    "teragram.serve.main",
                     "features",
                     str(idx_dir),
                     "--out",
@@ -95,7 +95,7 @@ def main() -> int:
         [
             sys.executable,
             "-m",
-            "teragram.serve.cli",
+            "teragram.serve.main",
             "features",
             str(idx_dir),
             "--out",

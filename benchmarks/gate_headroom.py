@@ -41,7 +41,11 @@ from benchmarks.index_size import FIT_ROWS, HALVES, SETS, clean_documents
 NEIGHBOUR_TOKENS = 65536  # the neighbour cache's training text per document (one setting, not tuned)
 MLP_WIDTH, MLP_EPOCHS, MLP_BATCH = 256, 30, 4096
 DIST_EDGES = (0.1, 0.25, 0.5, 0.75, 0.9)  # quantiles (on validation) of kNN's nearest distance: the gate's buckets
-KNN3 = (0.1, 0.2, 0.5)  # (t+knn3)'s temperatures (x the median nearest distance): the joint gate's three (model/knn.MULTIPLES x 0.2)
+KNN3 = (
+    0.1,
+    0.2,
+    0.5,
+)  # (t+knn3)'s temperatures (x the median nearest distance): the joint gate's three (model/mixture/knn.MULTIPLES x 0.2)
 KNN5 = (0.05, 0.1, 0.2, 0.5, 1.0)  # (t+knn5): two more, sharper and broader still (would more temperatures help the joint gate?)
 
 
@@ -96,9 +100,9 @@ class Neighbours:
 
 
 def neighbour_estimates(o, nb: Neighbours, carry_root: Path) -> dict[str, np.ndarray]:
-    """The cache's estimates (model/estimates.py) over [the neighbours; the document], at the
+    """The cache's estimates (model/mixture/estimates.py) over [the neighbours; the document], at the
     document's targets, named near_* for cache_*."""
-    from teragram.model.estimates import cache_estimates, heldout_docs
+    from teragram.model.mixture.estimates import cache_estimates, heldout_docs
 
     paths: dict[str, list[str]] = {}
     parts = []
@@ -151,7 +155,7 @@ def _mlp_gate(X: dict, lp: dict, docs_valid: np.ndarray, seed: int = 0) -> np.nd
 
 
 def _linear(X: dict, lp: dict) -> dict[str, np.ndarray]:
-    from teragram.model.gate import fit_weights, mix_nll_multi, mixture_weights
+    from teragram.model.mixture.gate import fit_weights, mix_nll_multi, mixture_weights
 
     fit = np.arange(len(X["valid"]))
     if len(fit) > FIT_ROWS:
@@ -168,9 +172,9 @@ def _knn(path: Path, o) -> tuple[np.ndarray, np.ndarray]:
 
 
 def evaluate_set(name: str, a, nb: Neighbours | None) -> dict:
-    from teragram.model import estimates as E
-    from teragram.model.gate import component_logp, gate_inputs
-    from teragram.model.outputs import load_outputs, outputs_estimates
+    from teragram.model.evaluation.outputs import load_outputs, outputs_estimates
+    from teragram.model.mixture import estimates as E
+    from teragram.model.mixture.gate import component_logp, gate_inputs
 
     from benchmarks import knnlm
 
@@ -209,7 +213,7 @@ def evaluate_set(name: str, a, nb: Neighbours | None) -> dict:
         p, dist = zip(*(_knn(Path(a.knn) / f"knn-{name}-{h}.npz", o[h]) for h in HALVES), strict=True)
         p, dist = dict(zip(HALVES, p, strict=True)), dict(zip(HALVES, dist, strict=True))
         j, lam = knnlm.fit(o["valid"].nll.astype(np.float64), p["valid"])
-        from teragram.model.baselines import mix_nll
+        from teragram.model.mixture.baselines import mix_nll
 
         nll["(d) kNN-LM over (a)"] = {h: mix_nll(o[h].nll.astype(np.float64), p[h][:, j], lam) for h in HALVES}
         edges = np.quantile(dist["valid"], DIST_EDGES)

@@ -1,5 +1,5 @@
 """Faster generation from exact matches: greedy decoding at batch 1 with drafts read off the
-index's longest match and the document cache (model/draft.py), against plain decoding.
+index's longest match and the document cache (model/generation/draft.py), against plain decoding.
 
     python -m benchmarks.generation prepare --data DATA --carry .carry19            # here
     python -m benchmarks.generation setup --carry .carry19 --work W --out OUT        # GPU: index, 125M, tiny
@@ -143,8 +143,8 @@ def decode(model, idx, prompts: list[list[int]], modes: dict[str, dict], new_tok
     per mode, the tokens, seconds, and the drafts' statistics (one Drafter per mode and set,
     so it learns over the prompts as a server does)."""
     import torch
-    from teragram.model.draft import Drafter
-    from teragram.model.sample import generate
+    from teragram.model.generation.draft import Drafter
+    from teragram.model.generation.sample import generate
 
     drafters = {m: Drafter(**kw) for m, kw in modes.items()}
     out = {m: {"seconds": [], "tokens": [], "ids": [], "repeats": []} for m in modes}
@@ -170,7 +170,7 @@ def decode(model, idx, prompts: list[list[int]], modes: dict[str, dict], new_tok
 def _load(work: Path, checkpoint: Path | None, index: Path | None, device: str):
     import torch
     from teragram.index.engine import Index
-    from teragram.model.train import load_model
+    from teragram.model.checkpoint import load_model
 
     torch.manual_seed(0)
     model, _ = load_model(checkpoint or work / "runs" / "a", device)
@@ -180,8 +180,8 @@ def _load(work: Path, checkpoint: Path | None, index: Path | None, device: str):
 
 def _warm(model, idx, prompt: list[int]) -> None:
     """JIT compilation, CUDA context and the pages of the index, before anything is timed."""
-    from teragram.model.draft import Drafter
-    from teragram.model.sample import generate
+    from teragram.model.generation.draft import Drafter
+    from teragram.model.generation.sample import generate
 
     for d in (0, Drafter(max_tokens=8)):
         generate(model, idx, prompt, max_new_tokens=32, temperature=0, draft=d, provenance=True)
@@ -227,7 +227,7 @@ def stage_run(a) -> None:
     for name in a.sets.split(","):
         ps = [p["ids"] for p in prompts[name][a.half][: a.prompts]]
         res[name] = decode(model, idx, ps, modes, a.new_tokens, deadline)
-    from teragram.model.draft import Drafter
+    from teragram.model.generation.draft import Drafter
 
     default = Drafter()
     part = {
@@ -360,7 +360,7 @@ def stage_replay(a) -> None:
     tokens per forward pass and drafting time, for the same prompts and the same draft length
     and threshold."""
     from teragram.index.engine import Index
-    from teragram.model.draft import Drafter
+    from teragram.model.generation.draft import Drafter
 
     idx = Index(a.index)
     prompts = json.loads((a.carry / "prompts.json").read_text())

@@ -129,7 +129,7 @@ def open_cold(root: Path, q: tuple, stored: bool, repeats: int = 3) -> float:
 
 
 def bulk_rate(idx, heldout: Path, max_tokens: int) -> dict:
-    from teragram.model.estimates import heldout_docs, index_estimates_docs
+    from teragram.model.mixture.estimates import heldout_docs, index_estimates_docs
 
     docs, n = [], 0
     for d in heldout_docs(heldout):

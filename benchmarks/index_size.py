@@ -7,7 +7,7 @@
 The model is the perplexity benchmark's (a): a 125M GPT with no index inputs, trained on the
 ~47M tokens of DATA/ppl/train-* (linux-source-6.1 C and English Debian text; same settings as
 `benchmarks/perplexity.py --scale gpu`). `gpu` trains it once and saves its per-token outputs
-(`model/outputs.py`) on every held-out set; `eval` mixes those outputs with each index given,
+(`model/evaluation/outputs.py`) on every held-out set; `eval` mixes those outputs with each index given,
 here, where the indexes live. Every index must contain the model's training text and share
 its tokenizer (DATA/idx-050m/tokenizer.model); the larger ones add documents of other Debian
 code and text packages, nested (benchmarks/corpora.py).
@@ -18,7 +18,7 @@ Held-out sets, each split into validation (every λ and gate is fit there) and t
   prose      English prose from a source no index holds
 Variants per index and set: (a) the model alone; (c) infini-gram's interpolation (two λ);
 (c+cache) infini-gram's interpolation plus the same document cache the gates read (fixed
-weights per group, by EM: model/baselines.py); (t-c) the gate over the index's estimates only;
+weights per group, by EM: model/mixture/baselines.py); (t-c) the gate over the index's estimates only;
 (a+c) the gate over the document cache's estimates only (no index: constant across sizes); (t)
 the gate over both. Also reported: the share of targets whose context has a match of >= 8 /
 16 / 32 tokens, the ∞-gram's argmax accuracy by match length, and decontaminated test
@@ -167,10 +167,10 @@ def save_outputs_a(work: Path, out: Path, held: dict, batch: int, device: str, r
     """(a)'s (RUN, default WORK/runs/a) per-token outputs on each held-out half (held[set, half]: its features
     directory), one .tgz each in OUT: one file each, so that < 16 MB comes back."""
     from teragram.index.engine import Index
-    from teragram.model.data import EvalData
-    from teragram.model.evaluate import doc_bytes, token_eval
-    from teragram.model.outputs import save_outputs
-    from teragram.model.train import load_model
+    from teragram.model.checkpoint import load_model
+    from teragram.model.evaluation.outputs import save_outputs
+    from teragram.model.evaluation.perplexity import doc_bytes, token_eval
+    from teragram.model.training.data import EvalData
 
     model, meta = load_model(run or work / "runs" / "a", device)
     idx = Index(work / "idx")
@@ -198,7 +198,7 @@ def _contamination(est: dict, starts: np.ndarray) -> np.ndarray:
 
 
 def clean_documents(o, est: dict) -> np.ndarray:
-    """Per document of saved outputs `o` (model/outputs.py), whether it is decontaminated: fewer
+    """Per document of saved outputs `o` (model/evaluation/outputs.py), whether it is decontaminated: fewer
     than 80% of its 13-grams in the index (infini-gram's criterion). A target's: [o.doc]."""
     from teragram.index import format as fmt
 
@@ -211,8 +211,8 @@ def _variants(o: dict, est: dict, cache_only: dict | None) -> tuple[dict[str, di
     """Per-target nll of each variant on valid and test, and the peers' fitted weights; λ, weights
     and gates fit on valid. The cache-only gate reads no index: it is fit once per set
     (cache_only, when given, is that result)."""
-    from teragram.model import baselines, estimates
-    from teragram.model.outputs import gated_outputs
+    from teragram.model.evaluation.outputs import gated_outputs
+    from teragram.model.mixture import baselines, estimates
 
     nll = {"a": {h: o[h].nll.astype(np.float64) for h in HALVES}}
     groups = {h: est[h]["sparse"].astype(int) for h in HALVES}
@@ -243,7 +243,7 @@ def stage_eval(outputs: Path, indexes: list[Path], workers: int, max_targets: in
     that adding a larger index later evaluates only that one."""
     import hashlib
 
-    from teragram.model.outputs import load_outputs, outputs_estimates, truncate_outputs
+    from teragram.model.evaluation.outputs import load_outputs, outputs_estimates, truncate_outputs
 
     unpacked = outputs / "unpacked"
     for name in SETS:

@@ -1,4 +1,4 @@
-"""Joint training of the LM and the index gate (model/joint.py) against the post-hoc gate and the
+"""Joint training of the LM and the index gate (model/mixture/joint.py) against the post-hoc gate and the
 peers, on the index-size benchmark's data: the same 125M, steps and text as its model (a).
 
     python -m benchmarks.index_size prepare --data DATA --carry .carry15       # here: text + held-out halves
@@ -11,7 +11,7 @@ peers, on the index-size benchmark's data: the same 125M, steps and text as its 
         --posthoc benchmarks/results/joint_posthoc.json                                # here
 
 `prep` indexes the training text with the carried tokenizer, writes exclude-doc features at every
-context length the estimates need and the training positions' estimates (model/joint.py), while
+context length the estimates need and the training positions' estimates (model/mixture/joint.py), while
 the plain model (a) trains on the idle GPU. `train` writes the held-out features, saves (a)'s
 outputs (for the post-hoc gates and the peers, evaluated here by benchmarks/index_size.py), trains
 each other variant with benchmarks/perplexity.py's GPU settings and saves its per-target nll on
@@ -26,7 +26,7 @@ model's evaluation cannot be split like the post-hoc one's). Variants:
   lm1h      lm1 without the hidden state in the gate
   knn       the peer (d): kNN-LM over (a) with every training position in the datastore
             (benchmarks/knnlm.py; its temperature and λ are fit here, by `eval`)
-  knnest    (no model) the kNN-LM's estimate as joint components, model/joint.DENSE (dense_knn at
+  knnest    (no model) the kNN-LM's estimate as joint components, model/mixture/joint.DENSE (dense_knn at
             the temperature fit on validation, dense_knn_sharp/_broad at 0.5x/2.5x it; dense_cache, the
             same over the document's own earlier states): every held-out target's and every training
             position's, the store's in exclude-doc mode (knnlm.joint_estimates)
@@ -44,7 +44,7 @@ model's evaluation cannot be split like the post-hoc one's). Variants:
             replicates, reported with their base as mean and spread (with --prior, also the base of
             earlier runs' results), never chosen
 With --refit, each joint variant V is also scored with its gate refit on each set's validation
-half after training, the LM frozen (model/refit.py), as the post-hoc gates are fit per set:
+half after training, the LM frozen (model/mixture/refit.py), as the post-hoc gates are fit per set:
   Vr        the statistics' weights refit (the hidden state's projection as trained)
   Vrh       the hidden state's projection refit too (for a gate that reads it)
 With --own-store (and --refit), each variant V whose gate reads the dense components is also
@@ -72,7 +72,7 @@ import numpy as np
 from benchmarks import knnlm
 from benchmarks.common import save, sh, table
 
-CAPS = (1, 2, 4, 8, 16, 255)  # the fixed orders' context lengths and the ∞-gram's cap (model/joint.py)
+CAPS = (1, 2, 4, 8, 16, 255)  # the fixed orders' context lengths and the ∞-gram's cap (model/mixture/joint.py)
 VARIANTS = {
     "joint": [],
     "nohidden": ["--joint_hidden=false"],
@@ -80,7 +80,7 @@ VARIANTS = {
     "plain": [],
     "lm1": ["--joint_lm_weight=1.0"],
     "lm1h": ["--joint_lm_weight=1.0", "--joint_hidden=false"],
-    "knnj": ["--joint_lm_weight=1.0", "--joint_components={all},dense_knn"],  # {all}: model/estimates.COMPONENTS
+    "knnj": ["--joint_lm_weight=1.0", "--joint_components={all},dense_knn"],  # {all}: model/mixture/estimates.COMPONENTS
     "knnj3": ["--joint_lm_weight=1.0", "--joint_components={all},dense_knn,dense_knn_sharp,dense_knn_broad"],
     "knnj3w": ["--joint_lm_weight=0.5", "--joint_components={all},dense_knn,dense_knn_sharp,dense_knn_broad"],
     "knnj3w2": ["--joint_lm_weight=2.0", "--joint_components={all},dense_knn,dense_knn_sharp,dense_knn_broad"],
@@ -111,7 +111,7 @@ TRAINED |= {
     r: f"{TRAINED[b].split(' ', 1)[0][:-1]}:s{n}) {TRAINED[b].split(' ', 1)[0][1:-1]} again, its training seeded {n} (a replicate)"
     for r, (b, n) in REPLICATES.items()
 }
-# --refit: each joint variant's gate refit on each set's validation half, the LM frozen (model/refit.py)
+# --refit: each joint variant's gate refit on each set's validation half, the LM frozen (model/mixture/refit.py)
 REFITS = {
     "r": ("gate refit on each set's validation half", False),
     "rh": ("gate and its hidden-state projection refit on each set's validation half", True),
@@ -129,7 +129,7 @@ def _with_refits(names: dict[str, str]) -> dict[str, str]:
 
 
 def _reads_dense(v: str) -> bool:
-    """Whether variant V's gate reads the dense kNN components (model/joint.DENSE)."""
+    """Whether variant V's gate reads the dense kNN components (model/mixture/joint.DENSE)."""
     return any("dense_knn" in x for x in VARIANTS.get(v, ()))
 
 
@@ -165,7 +165,7 @@ def stage_prep(
     halves' index and cache estimates for the joint `variants` to be trained (W/heldest), which
     their evaluations would otherwise wait on."""
     from teragram.index.engine import Index
-    from teragram.model import joint
+    from teragram.model.mixture import joint
 
     from benchmarks.index_size import heldout_features
     from benchmarks.perplexity import SCALES, train_cmd
@@ -204,7 +204,7 @@ def stage_prep(
     ph["heldout_features_s"] = time.time() - t_held
     procs = [  # one process per context length: each is one pass over the (single) shard
         subprocess.Popen(
-            [py, "-m", "teragram.serve.cli", "features", str(work / "idx"), "--out", str(work / f"len-{c}"), "--mode", "exclude-doc"]
+            [py, "-m", "teragram.serve.main", "features", str(work / "idx"), "--out", str(work / f"len-{c}"), "--mode", "exclude-doc"]
             + ["--max-len", str(c), "--top-k", "4", "--quiet"]
         )
         for c in (CAPS if joint_inputs else ())
@@ -251,7 +251,7 @@ def _load_nll(home: dict, v: str, s: str, h: str) -> dict:
 def _dense_of(model, out: Path):
     """The held-out halves' dense estimates (knnlm.joint_estimates' files in OUT) for a model whose
     gate reads them: (set, half) -> Est or None."""
-    from teragram.model.joint import DENSE
+    from teragram.model.mixture.joint import DENSE
 
     wants = any(c in DENSE for c in model.cfg.joint)
     return lambda name, h: knnlm.load_est(out, name, h, model.cfg.joint) if wants else None
@@ -259,10 +259,10 @@ def _dense_of(model, out: Path):
 
 def _own_components(v: str) -> tuple[str, ...]:
     """The index and cache components (the dense ones left out) that variant V's gate reads, as
-    its trained config will name them (no --joint_components: every one, model/estimates.COMPONENTS,
+    its trained config will name them (no --joint_components: every one, model/mixture/estimates.COMPONENTS,
     the order W/est's manifest lists them in)."""
-    from teragram.model.estimates import COMPONENTS
-    from teragram.model.joint import DENSE
+    from teragram.model.mixture.estimates import COMPONENTS
+    from teragram.model.mixture.joint import DENSE
 
     arg = next((x.split("=", 1)[1] for x in VARIANTS[v] if x.startswith("--joint_components=")), "{all}")
     return tuple(c for c in arg.format(all=",".join(COMPONENTS)).split(",") if c not in DENSE)
@@ -274,8 +274,8 @@ def _heldest(work: Path, idx, feats, name: str, h: str, own: tuple[str, ...], to
     variant's evaluation (or prep, for the variants it will train) computes them once."""
     from dataclasses import asdict, fields
 
-    from teragram.model.estimates import heldout_docs
-    from teragram.model.joint import Est, heldout_est
+    from teragram.model.mixture.estimates import heldout_docs
+    from teragram.model.mixture.joint import Est, heldout_est
 
     key = hashlib.blake2b(repr((tuple(own), top_k)).encode(), digest_size=6).hexdigest()
     path = work / "heldest" / f"{name}-{h}-{key}.npz"
@@ -293,7 +293,7 @@ def _heldest(work: Path, idx, feats, name: str, h: str, own: tuple[str, ...], to
 def _heldout_est(work: Path, idx, model, feats, name: str, h: str, dense, threads: int):
     """joint.heldout_est of one held-out half for the model's gate: its index and cache columns
     from W/heldest (_heldest), the dense ones (`dense`) appended."""
-    from teragram.model.joint import DENSE, with_columns
+    from teragram.model.mixture.joint import DENSE, with_columns
 
     own = tuple(c for c in model.cfg.joint if c not in DENSE)
     e = _heldest(work, idx, feats, name, h, own, model.cfg.joint_top_k, threads)
@@ -309,7 +309,7 @@ def _eval_refits(
     per half; each fit runs only the gate. The dense components' held-out estimates are read from
     dense_dir (default OUT: (a)'s store). Returns each fit's time and validation nll, and each
     half's time for its inputs (estimates and the model's pass)."""
-    from teragram.model import refit
+    from teragram.model.mixture import refit
 
     info = {"inputs_s": {}}
     dense = _dense_of(model, dense_dir or out)
@@ -391,10 +391,10 @@ def stage_train(
 ) -> None:
     import torch
     from teragram.index.engine import Index
-    from teragram.model.estimates import COMPONENTS, heldout_docs
-    from teragram.model.evaluate import token_eval
-    from teragram.model.joint import heldout_est
-    from teragram.model.train import load_model
+    from teragram.model.checkpoint import load_model
+    from teragram.model.evaluation.perplexity import token_eval
+    from teragram.model.mixture.estimates import COMPONENTS, heldout_docs
+    from teragram.model.mixture.joint import heldout_est
 
     from benchmarks.index_size import heldout_features, save_outputs_a
     from benchmarks.perplexity import SCALES, train_cmd
@@ -501,8 +501,8 @@ def stage_eval(joint_outs: list[Path], index: Path, carry: Path, posthoc: Path, 
     run's variants against its own plain)."""
     from teragram.index.bulk import continuations
     from teragram.index.engine import Index
-    from teragram.model import baselines
-    from teragram.model.estimates import heldout_docs
+    from teragram.model.mixture import baselines
+    from teragram.model.mixture.estimates import heldout_docs
 
     from benchmarks.index_size import _contamination, heldout_features
 
@@ -528,7 +528,7 @@ def stage_eval(joint_outs: list[Path], index: Path, carry: Path, posthoc: Path, 
                 res["rates"][v] = {"tokens_per_s": r, "vs_plain": r / plain if plain else "", "run": str(d)}
     variants = [v for v in NAMES if v in home and v != "knn"]
     peers = [d for d in joint_outs if (d / "knn-indist-test.npz").exists()]  # (d) from every run that has it: each set takes
-    knn = bool(peers)  # the one best on its validation half (runs differ in their keys, model/knn.KEY_STATES)
+    knn = bool(peers)  # the one best on its validation half (runs differ in their keys, model/mixture/knn.KEY_STATES)
     if knn:
         res["knn"] = {str(d): json.loads((d / "knn_gpu.json").read_text()) for d in peers}
     dense = next((home[v] / "knn_est.json" for v in home if v.startswith("knnj") and (home[v] / "knn_est.json").exists()), None)

@@ -43,8 +43,8 @@ def refit_t(outputs: Path, index: Path, s: str, ph: dict, workers: int):
     """Set s's (a) outputs and estimates per half, post-hoc (t)'s per-target nll per half (its gate
     fit on validation as index_size fits it), and which test targets are decontaminated; (t) must
     give the post-hoc results' (ph) decontaminated figure."""
-    from teragram.model.estimates import COMPONENTS
-    from teragram.model.outputs import gated_outputs, load_outputs, outputs_estimates
+    from teragram.model.evaluation.outputs import gated_outputs, load_outputs, outputs_estimates
+    from teragram.model.mixture.estimates import COMPONENTS
 
     o = {h: load_outputs(outputs / "unpacked" / f"{s}-{h}") for h in HALVES}
     est = {h: outputs_estimates(o[h], index, workers=workers) for h in HALVES}

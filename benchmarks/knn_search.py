@@ -1,4 +1,4 @@
-"""One inverted list's step of the kNN store's search (model/knn.Datastore.search) at the joint
+"""One inverted list's step of the kNN store's search (model/mixture/knn.Datastore.search) at the joint
 recipe's shapes, each operation timed alone, with the alternatives a faster search would use.
 
 The training positions' search is what a joint run waits on (27 s per 2M-query chunk, 23 chunks

@@ -10,8 +10,8 @@ softmax(-squared distance / temperature), with the model's:
 Here the model is the joint benchmark's plain 125M (a) and the datastore holds all ~47M
 training positions (non-overlapping windows of the block size, the way held-out text is read,
 so every target appears once). `run` keys it by the final hidden states; `joint_estimates`
-by the states choose_key finds best on validation (model/knn.KEY_STATES). The keys, fp16, live in GPU memory (~72 GB on the H200); the
-store and its search are model/knn.py's (the library's: a joint model that reads the estimate is
+by the states choose_key finds best on validation (model/mixture/knn.KEY_STATES). The keys, fp16, live in GPU memory (~72 GB on the H200); the
+store and its search are model/mixture/knn.py's (the library's: a joint model that reads the estimate is
 served with it). The search is the paper's: an inverted file (k-means centroids, each query probing the nearest
 few lists, as FAISS's IVF), with exact float32 distances to the probed keys (the paper recomputed
 full-precision distances; no product quantisation here), k = 1024 neighbours. Its recall against
@@ -23,15 +23,15 @@ nearest distance (in that scale) and (a)'s nll; `fit` picks the temperature and 
 here, and the test halves are only reported (benchmarks/joint.py). benchmarks/gate_headroom.py
 also gives the post-hoc gate p_knn as one more estimate.
 
-`joint_estimates` makes the same kNN estimate components of the joint gate (model/joint.py's
+`joint_estimates` makes the same kNN estimate components of the joint gate (model/mixture/joint.py's
 DENSE: dense_knn at the temperature fit on validation, dense_knn_sharp and dense_knn_broad at
 multiples of it): for held-out text as above, and for every training position in exclude-doc mode
 (the keys of the position's own document, its own key among them, masked inside the search), so
 that a model trained with it sees what held-out text sees; and dense_cache, the continuous cache:
-the same estimate over the keys of the position's own document before it (model/knn.doc_neighbours;
+the same estimate over the keys of the position's own document before it (model/mixture/knn.doc_neighbours;
 its temperature fit on the same validation half, in the same units), for training positions and
 held-out text alike (a document's earlier text is what both read). Its held-out pass also writes the
-continuous cache over the same states (OUT/contcache-SET-HALF.npz, model/knn.cache_target_probs)
+continuous cache over the same states (OUT/contcache-SET-HALF.npz, model/mixture/knn.cache_target_probs)
 for benchmarks/cont_cache.py.
 """
 
@@ -44,7 +44,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
-from teragram.model.knn import (
+from teragram.model.mixture.knn import (
     CENTROIDS,
     K_JOINT,
     KEY_STATES,
@@ -90,7 +90,7 @@ def run(
     the nearest distance and (a)'s nll, saved as OUT/knn-SET-HALF.npz."""
     import torch
     from teragram.index.engine import Index
-    from teragram.model.evaluate import token_eval
+    from teragram.model.evaluation.perplexity import token_eval
 
     info: dict = {}
     t = time.time()
@@ -157,13 +157,13 @@ def _recall(ds, q, k: int, nprobe: int) -> dict:
     return {"recall_at_k": float(np.mean(inter)) / k, "nearest_exact_share": float(torch.eq(i[:, 0], ei[:, 0]).float().mean())}
 
 
-# ---- the kNN estimate as a component of the joint gate (model/joint.py's dense_knn) ----------
+# ---- the kNN estimate as a component of the joint gate (model/mixture/joint.py's dense_knn) ----------
 
 
 def load_est(out: Path, name: str, half: str, components):
     """A held-out half's kNN estimates saved by joint_estimates, as an Est of the dense
     components among `components` (a model's, in its order)."""
-    from teragram.model.joint import DENSE
+    from teragram.model.mixture.joint import DENSE
 
     z = np.load(Path(out) / f"knnest-{name}-{half}.npz")
     e = as_est({f: z[f] for f in ("q", "rest", "count", "share", "top")})
@@ -202,7 +202,7 @@ def _heldout(
     evaluate(set, half, feats): the model's token_eval there (its nll, the one the temperature is
     fit against, and its key states); default: the plain model's. Returns (temperature, scale)."""
     import torch
-    from teragram.model.evaluate import token_eval
+    from teragram.model.evaluation.perplexity import token_eval
 
     if evaluate is None:
 
@@ -261,14 +261,14 @@ def own_store(model, index_dir: Path, held: dict, out: Path, device: str, estima
     """On the GPU: a jointly trained model's dense components over a store keyed by its own states
     instead of those of the keys model it was trained with (one model at inference; the store
     follows the LM it serves). Every held-out target's kNN estimate (OUT/knnest-SET-HALF.npz, as
-    joint_estimates writes them), with the store settings the model keeps (model/knn.SETTINGS:
+    joint_estimates writes them), with the store settings the model keeps (model/mixture/knn.SETTINGS:
     key, k, lists, lists probed), the scale and temperature fit again on the in-distribution
     validation half, against its LM alone as the keys model's were against that model.
     estimates(set, half): the joint estimates to evaluate it with there (only its LM's nll and
     key states are read). Returns the store's info, as joint_estimates'."""
     from teragram.index.engine import Index
-    from teragram.model.evaluate import token_eval
-    from teragram.model.knn import OPTIONAL
+    from teragram.model.evaluation.perplexity import token_eval
+    from teragram.model.mixture.knn import OPTIONAL
 
     if ("indist", "valid") not in held:
         raise SystemExit("own_store fits the temperature on the in-distribution validation half: give it (held['indist', 'valid'])")
@@ -306,7 +306,7 @@ def _search_all(ds, hidden: np.ndarray, mu, device: str, k: int, nprobe: int):
 def _fit_temperature(d, nb, tgt, nll: np.ndarray) -> tuple[float, int, float, float]:
     """The scale (the median nearest distance), and fit's temperature column (FACTORS x the scale)
     and λ for the model's nll, with that fit's validation loss."""
-    from teragram.model.baselines import mix_nll
+    from teragram.model.mixture.baselines import mix_nll
 
     scale = float(d[:, 0].median())
     p = knn_target_probs(d, nb, tgt, [f * scale for f in FACTORS]).cpu().numpy()
@@ -316,12 +316,12 @@ def _fit_temperature(d, nb, tgt, nll: np.ndarray) -> tuple[float, int, float, fl
 
 def choose_key(model, index_dir: Path, feats, idx, device: str, *, batch: int, eval_batch: int, k: int, centroids: int, nprobe: int,
                every: int = SELECT_EVERY) -> tuple[str, dict]:  # fmt: skip
-    """The keys (model/knn.KEY_STATES) whose kNN-LM does best on the in-distribution validation
+    """The keys (model/mixture/knn.KEY_STATES) whose kNN-LM does best on the in-distribution validation
     half `feats`: per kind, a store of the positions of every every-th training window, its
     temperature (FACTORS x the median nearest distance) and λ fit there (fit), and that fit's
     loss; the lowest wins. Returns it with each kind's figures."""
     import torch
-    from teragram.model.evaluate import token_eval
+    from teragram.model.evaluation.perplexity import token_eval
 
     res = {}
     for key in KEY_STATES:
@@ -380,7 +380,7 @@ def joint_estimates(
     under `model`); the temperature, one for all text as training needs, is fit on the
     in-distribution validation half (fit's λ-interpolation loss, as the peer), in units of the
     median nearest distance there: dense_knn's, the other components' its MULTIPLES. The keys are
-    `key`'s states (model/knn.KEY_STATES; "auto": the one choose_key finds best on that half).
+    `key`'s states (model/mixture/knn.KEY_STATES; "auto": the one choose_key finds best on that half).
     With `peer`, the held-out part also writes the peer (d) over the same store (`_heldout`). A call cut short resumes: its chunks are kept in
     out_dir/searched and the held-out part, with the key chosen, in OUT (knnest-heldout.json). With TERAGRAM_KNN_SEARCH_ONLY set it returns
     once the training positions are searched, writing nothing to out_dir but those chunks; with
@@ -388,7 +388,7 @@ def joint_estimates(
     import torch
     from teragram.index import format as fmt
     from teragram.index.engine import Index
-    from teragram.model import joint
+    from teragram.model.mixture import joint
 
     if ("indist", "valid") not in held:
         raise SystemExit("joint_estimates fits the temperature on the in-distribution validation half: give it (held['indist', 'valid'])")
@@ -496,7 +496,7 @@ def joint_estimates(
 
 def fit(nll_a: np.ndarray, p_knn: np.ndarray) -> tuple[int, float]:
     """(temperature column, λ) with the lowest validation loss (λ from baselines.LAMBDAS)."""
-    from teragram.model.baselines import LAMBDAS, mix_nll
+    from teragram.model.mixture.baselines import LAMBDAS, mix_nll
 
     best = None
     for j in range(p_knn.shape[1]):

@@ -17,11 +17,11 @@ Evaluated on top of them (everything tuned or fit on validation only):
   c   (a) + infini-gram's ∞-gram interpolation: one λ for sparse, one for non-sparse estimates
   c+c (c) plus the document cache's longest-match estimate (the one the gates read): fixed
       weights of model, ∞-gram and cache per group (sparse or not, crossed with whether the
-      context occurred earlier in the document), by EM (model/baselines.py)
+      context occurred earlier in the document), by EM (model/mixture/baselines.py)
   d   (a) + kNN-LM from a dense store of (a)'s hidden states, λ and temperature tuned
   X+g a model's distribution mixed with the index's ∞-gram and fixed-order (2..17-gram)
       estimates and the document cache's (the same estimates from the document's own earlier
-      text) by a learned softmax gate (model/gate.py; inputs: suffix lengths and
+      text) by a learned softmax gate (model/mixture/gate.py; inputs: suffix lengths and
       counts, sparsity, model confidence, agreement), fit on validation
   a+gi, a+gc  ablations of a+g: the gate over the index's estimates only, the cache's only
   e+d (e) with the dense fallback interpolated
@@ -47,8 +47,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from teragram.model import baselines, estimates
-from teragram.model import gate as gate_mod
+from teragram.model.mixture import baselines, estimates
+from teragram.model.mixture import gate as gate_mod
 
 from benchmarks.common import save, table
 
@@ -122,7 +122,7 @@ def stage_build(data: Path, w: Path, s: dict, workers: int, variants: list[str])
             o.close()
 
     def features(out: str, *opts) -> None:
-        sh(py, "-m", "teragram.serve.cli", "features", w / "idx", "--out", w / out, *opts, "--workers", workers, "--quiet")
+        sh(py, "-m", "teragram.serve.main", "features", w / "idx", "--out", w / out, *opts, "--workers", workers, "--quiet")
 
     if {"e", "eo"} & set(variants):
         features("feats-exdoc", "--mode", "exclude-doc", "--top-k", 4)
@@ -139,7 +139,7 @@ def train_cmd(v: str, w: Path, s: dict, out: Path | None = None) -> list[str]:
     """The training command of variant v with scale s's settings, into out (default W/runs/V)."""
     extra = [x.format(w=w) for x in VARIANTS[v][1]]
     return [
-        sys.executable, "-m", "teragram.serve.cli", "train", f"--index={w / 'idx'}", f"--out={out or w / 'runs' / v}", f"--preset={s['preset']}",
+        sys.executable, "-m", "teragram.serve.main", "train", f"--index={w / 'idx'}", f"--out={out or w / 'runs' / v}", f"--preset={s['preset']}",
         f"--block_size={s['block_size']}", f"--batch_size={s['batch_size']}", f"--max_steps={s['steps']}", f"--lr={s['lr']}",
         f"--min_lr={s['min_lr']}", f"--warmup={s['warmup']}", "--log_every=25", "--progress=false", f"--seed={s.get('seed', 7)}", *extra,
     ]  # fmt: skip
@@ -196,7 +196,7 @@ def knn_search(keys: np.ndarray, queries: np.ndarray, k: int, device: str, work:
 def knn_variant(model, w: Path, feats: str | None, s: dict, ev: dict, device: str, name: str) -> dict:
     """kNN-LM on top of a model's final distribution: temperature and λ tuned on (a sample of)
     validation, applied to validation and test."""
-    from teragram.model.dense import collect
+    from teragram.model.mixture.dense import collect
 
     keys, vals = collect(model, w / "idx", feats, s["knn_positions"], device=device)
     nv = min(len(ev["valid"]["target"]), s["knn_valid"])  # tuning needs only a sample of validation
@@ -216,8 +216,8 @@ def doc_sets(heldout: Path, idx, sp, split: str) -> tuple[dict[str, np.ndarray],
     (infini-gram's criterion; >= 0.8 is removed)."""
     from teragram.index import format as fmt
     from teragram.index.heldout import contamination
-    from teragram.model.data import EvalData
-    from teragram.model.evaluate import doc_bytes
+    from teragram.model.evaluation.perplexity import doc_bytes
+    from teragram.model.training.data import EvalData
 
     ev = EvalData(heldout, 64, idx.eos_id, idx.sep)
     docs = fmt.read_json(heldout / "000000.done")["docs"]
@@ -254,8 +254,8 @@ def stage_eval(w: Path, s: dict, workers: int, variants: list[str]) -> dict:
     import torch
     from teragram.index.engine import Index
     from teragram.index.tokenizer import load as load_tok
-    from teragram.model.evaluate import summarize, token_eval
-    from teragram.model.train import load_model
+    from teragram.model.checkpoint import load_model
+    from teragram.model.evaluation.perplexity import summarize, token_eval
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     idx = Index(w / "idx")

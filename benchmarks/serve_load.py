@@ -44,14 +44,14 @@ def ensure_demo(run: Path) -> None:
         )
     if not (run / "feats" / "manifest.json").exists():
         subprocess.run(
-            [py, "-m", "teragram.serve.cli", "features", str(run / "idx"), "--out", str(run / "feats"), "--quiet"], cwd=REPO, check=True
+            [py, "-m", "teragram.serve.main", "features", str(run / "idx"), "--out", str(run / "feats"), "--quiet"], cwd=REPO, check=True
         )
     if not (run / "index-model" / "latest.json").exists():
         subprocess.run(
             [
                 py,
                 "-m",
-                "teragram.serve.cli",
+                "teragram.serve.main",
                 "train",
                 "--config",
                 "model/configs/demo.toml",
@@ -104,8 +104,8 @@ def lookup_share(index_dir: Path, steps: int = 256) -> dict:
     """Per generated token: index lookup (incremental scorer) vs the 125M model's decode step."""
     import torch
     from teragram.index.engine import Index
+    from teragram.model.generation.sample import _batch
     from teragram.model.gpt import GPT, GPTConfig
-    from teragram.model.sample import _batch
 
     idx = Index(index_dir)
     model = GPT(GPTConfig.preset("125m", vocab_size=idx.vocab_size)).eval()
@@ -168,7 +168,7 @@ def main() -> int:
         [
             sys.executable,
             "-m",
-            "teragram.serve.cli",
+            "teragram.serve.main",
             "serve",
             "--index",
             str(run / "idx"),

@@ -67,8 +67,8 @@ def build(
     block: int = 1024,
 ):
     import torch
-    from teragram.model import optim
     from teragram.model.gpt import GPT, GPTConfig
+    from teragram.model.training import optim
 
     cfg = GPTConfig(vocab_size=VOCAB, block_size=block, use_index=False, mixture=False, **shape)
     model = GPT(cfg).to(device)

@@ -55,7 +55,7 @@ def prepare(w: Path, index: str | None, features: str | None) -> None:
             env=env,
         )
         subprocess.run(
-            [py, "-m", "teragram.serve.cli", "features", str(w / "idx"), "--out", str(w / "feats"), "--workers", "4", "--quiet"],
+            [py, "-m", "teragram.serve.main", "features", str(w / "idx"), "--out", str(w / "feats"), "--workers", "4", "--quiet"],
             cwd=repo,
             check=True,
             env=env,
@@ -64,7 +64,7 @@ def prepare(w: Path, index: str | None, features: str | None) -> None:
         sh(
             py,
             "-m",
-            "teragram.serve.cli",
+            "teragram.serve.main",
             "features",
             w / "idx",
             "--out",
@@ -141,7 +141,7 @@ def features_suite(args, w: Path) -> int:
     import torch
     from teragram.model.config import ConfigError
     from teragram.model.gpt import GPT
-    from teragram.model.train import TrainConfig, model_config, train
+    from teragram.model.training.train import TrainConfig, model_config, train
 
     cuda = torch.cuda.is_available()
     rows, data = [], {"settings": {}}
@@ -297,7 +297,7 @@ def main() -> int:
     for name, extra in (("with index inputs + mixture", []), ("without index (baseline)", ["--use_index=false"])):
         out = w / name.split()[0]
         subprocess.run(["rm", "-rf", str(out)])
-        subprocess.run([py, "-m", "teragram.serve.cli", "train", *common, f"--out={out}", *extra], cwd=repo, check=True, env=env)
+        subprocess.run([py, "-m", "teragram.serve.main", "train", *common, f"--out={out}", *extra], cwd=repo, check=True, env=env)
         tps, n = rate(out / "log.jsonl", args.warmup_steps)
         data[name] = {"tokens_per_s": tps, "timed_steps": n, "gpus": 1}
         rows.append({"variant": name, "GPUs": 1, "tokens/s": tps, "vs 521k reference": tps / 521e3})
@@ -312,7 +312,7 @@ def main() -> int:
                 "--standalone",
                 "--nproc_per_node=2",
                 "-m",
-                "teragram.serve.cli",
+                "teragram.serve.main",
                 "train",
                 *common,
                 f"--out={out}",

@@ -18,7 +18,6 @@ that fit what is left of the budget and merged from disk (builder/shard_index.py
 
 from __future__ import annotations
 
-import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -69,12 +68,7 @@ class BuildConfig:
 
     def identity(self) -> dict:
         """The options that determine the bytes of the index (not workers, not executor)."""
-        tok = None
-        if self.tokenizer:
-            try:
-                tok = hashlib.blake2b(Path(self.tokenizer).read_bytes(), digest_size=16).hexdigest()
-            except OSError as e:
-                raise BuildError(f"cannot read tokenizer model {self.tokenizer}: {e.strerror}") from None
+        tok = tok_mod.digest(self.tokenizer) if self.tokenizer else None
         return {
             "format_version": fmt.FORMAT_VERSION,
             "inputs": list(self.inputs),

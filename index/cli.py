@@ -1,6 +1,6 @@
 """The index's verbs: `teragram verify | stats | tokenize | query`.
 
-Each module's `register(sub)` adds its verbs to the `teragram` parser (serve/cli.py), each verb
+Each module's `register(sub)` adds its verbs to the `teragram` parser (serve/main.py), each verb
 with its handler (`run`); handlers import library code only when they run.
 """
 

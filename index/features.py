@@ -5,7 +5,7 @@ one row per position of IDX/shards/NNNNNN/tokens.bin (topk arrays are (n, k) row
 cont and topk_ids use the token dtype with the separator value meaning "none"; counts are
 uint32, saturating at 2^32-1. Held-out output (index/heldout.py) also holds tokens.bin,
 docs.bin and a copy of the tokenizer. The builder writes the files of the indexed corpus
-(builder/features.py); the model reads both kinds (model/data.py).
+(builder/features.py); the model reads both kinds (model/training/data.py).
 """
 
 from __future__ import annotations

@@ -114,7 +114,7 @@ def contamination(heldout: str | Path, index_dir: str | Path | None = None, n: i
     m = fmt.read_json(heldout / "manifest.json")
     d = heldout / "000000"
     starts = np.asarray(fmt.open_array(d / "docs.bin", "docs")).astype(np.int64)
-    if m.get("max_len", 0) >= n:  # saved model outputs (model/outputs.py) store no match lengths
+    if m.get("max_len", 0) >= n:  # saved model outputs (model/evaluation/outputs.py) store no match lengths
         L = np.asarray(fmt.open_array(d / "length.bin", "feat.length"))
         return np.array([ngram_share(L[starts[k] : starts[k + 1] - 1], n) for k in range(len(starts) - 1)])
     if index_dir is None:

@@ -14,11 +14,22 @@ from pathlib import Path
 
 import sentencepiece as spm
 
+from . import format as fmt
 from .errors import BuildError
 
 # A sentencepiece "sentence" is one line of a document; long lines are cut so training
 # stays bounded (the model still encodes longer lines, through byte fallback if needed).
 _MAX_LINE = 8192
+
+
+def digest(path: Path | str) -> str:
+    """The tokenizer's identity: blake2b-128 of its model file, as every index manifest
+    (tokenizer.file.blake2b), build, saved outputs and joint checkpoint records it; two
+    tokenizers are the same when their digests are."""
+    try:
+        return fmt.file_digest(Path(path))
+    except OSError as e:
+        raise BuildError(f"cannot read tokenizer model {path}: {e.strerror}") from None
 
 
 def load(path: Path | str) -> spm.SentencePieceProcessor:

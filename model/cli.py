@@ -12,8 +12,8 @@ from teragram.index.cli import print_json
 
 
 def cmd_train(args) -> int:
-    from .config import load
-    from .train import TrainConfig, train
+    from teragram.model.config import load
+    from teragram.model.training.train import TrainConfig, train
 
     cfg = load(TrainConfig, args.config, args.overrides)
     r = train(cfg)
@@ -34,11 +34,10 @@ def cmd_eval(args) -> int:
     from teragram.index.errors import TeragramError, TokenizerMismatch
     from teragram.index.features import FeatureConfig
     from teragram.index.heldout import compute_held_out
-
-    from . import baselines
-    from .evaluate import EvalOptions, heldout_report
-    from .gate import Gate
-    from .train import load_model
+    from teragram.model.checkpoint import load_model
+    from teragram.model.evaluation.perplexity import EvalOptions, heldout_report
+    from teragram.model.mixture import baselines
+    from teragram.model.mixture.gate import Gate
 
     if args.baseline and not (args.fit_lambdas or args.lambdas):
         raise TeragramError("--baseline needs --fit-lambdas OUT (fit on validation text) or --lambdas FILE")
@@ -66,7 +65,7 @@ def cmd_eval(args) -> int:
             raise TeragramError(
                 "--outputs replaces --checkpoint and --corpus (the model already ran; --refit-gate and --joint-gate need it)"
             )
-        from .outputs import load_outputs, outputs_report
+        from teragram.model.evaluation.outputs import load_outputs, outputs_report
 
         r, fitted = outputs_report(load_outputs(args.outputs), args.index, opts)
         source = args.outputs
@@ -78,7 +77,7 @@ def cmd_eval(args) -> int:
         if model.cfg.vocab_size != idx.vocab_size:
             raise TokenizerMismatch(f"checkpoint vocabulary {model.cfg.vocab_size} != index vocabulary {idx.vocab_size}")
         if model.cfg.joint:
-            from .joint import check_index
+            from teragram.model.mixture.joint import check_index
 
             check_index(model.cfg, idx)  # before any work: its gate reads this index's estimates
         elif args.refit_gate or args.joint_gate:
@@ -86,10 +85,10 @@ def cmd_eval(args) -> int:
                 f"{args.checkpoint}: --refit-gate / --joint-gate are for a jointly trained model; fit a post-hoc gate with --fit-gate"
             )
         if args.joint_gate:
-            from .refit import use_gate_file
+            from teragram.model.mixture.refit import use_gate_file
 
             use_gate_file(model, args.joint_gate)
-        from .knn import source_for
+        from teragram.model.mixture.knn import source_for
 
         opts = dataclasses.replace(opts, knn=source_for(model, args.knn_keys, args.index, args.device))
         with tempfile.TemporaryDirectory() as tmp:
@@ -97,8 +96,8 @@ def cmd_eval(args) -> int:
             cfg = FeatureConfig("held-out", model.cfg.max_match, max(model.cfg.top_k, 1))
             compute_held_out(args.index, feats, cfg, args.corpus)
             if args.save_outputs:  # the model runs once: its outputs are saved, then mixed as asked
-                from .evaluate import mix_report
-                from .outputs import save_model_outputs
+                from teragram.model.evaluation.outputs import save_model_outputs
+                from teragram.model.evaluation.perplexity import mix_report
 
                 hidden = opts.baseline == "knn"
                 res, per_doc = save_model_outputs(
@@ -106,7 +105,7 @@ def cmd_eval(args) -> int:
                 )
                 r, fitted = mix_report(res, per_doc, args.index, feats, opts)
             elif args.refit_gate:
-                from .refit import refit_report, save_gate
+                from teragram.model.mixture.refit import refit_report, save_gate
 
                 r, gate, fit = refit_report(model, args.index, feats, args.device, opts, hidden=args.refit_hidden)
                 save_gate(args.refit_gate, model, gate, fit | {"checkpoint": str(args.checkpoint), "corpus": [str(c) for c in args.corpus]})
@@ -147,17 +146,16 @@ def cmd_eval(args) -> int:
 
 def cmd_sample(args) -> int:
     from teragram.index.engine import Index
-
-    from .draft import Drafter
-    from .gate import Gate
-    from .knn import source_for
-    from .sample import generate
-    from .train import load_model
+    from teragram.model.checkpoint import load_model
+    from teragram.model.generation.draft import Drafter
+    from teragram.model.generation.sample import generate
+    from teragram.model.mixture.gate import Gate
+    from teragram.model.mixture.knn import source_for
 
     model, _ = load_model(args.checkpoint, args.device)
     idx = Index(args.index)
     if args.joint_gate:
-        from .refit import use_gate_file
+        from teragram.model.mixture.refit import use_gate_file
 
         use_gate_file(model, args.joint_gate)
     g = generate(
@@ -189,7 +187,7 @@ def cmd_sample(args) -> int:
 
 
 def draft_length(text: str) -> int:
-    from .draft import MAX_DRAFT
+    from teragram.model.generation.draft import MAX_DRAFT
 
     try:
         n = int(text)
@@ -219,11 +217,10 @@ def provenance_table(idx, ids: list[int], prov: list) -> str:
 def cmd_evals(args) -> int:
     from teragram.index.engine import Index
     from teragram.index.errors import TeragramError
+    from teragram.model.checkpoint import load_model
+    from teragram.model.evaluation.tasks import TASKS, check_run, run_task
+    from teragram.model.mixture.gate import Gate
     from tqdm import tqdm
-
-    from .evals import TASKS, check_run, run_task
-    from .gate import Gate
-    from .train import load_model
 
     tasks = list(TASKS) if args.tasks == "all" else args.tasks.split(",")
     if (args.checkpoint is None) == (args.outputs is None):
@@ -237,13 +234,13 @@ def cmd_evals(args) -> int:
     if args.knn_keys:
         if model is None:
             raise TeragramError("--knn-keys goes with the --checkpoint of a jointly trained model that reads dense_knn")
-        from .knn import source_for
+        from teragram.model.mixture.knn import source_for
 
         knn = source_for(model, args.knn_keys, args.index, args.device)
     if args.joint_gate:
         if model is None:
             raise TeragramError("--joint-gate goes with the --checkpoint of a jointly trained model")
-        from .refit import use_gate_file
+        from teragram.model.mixture.refit import use_gate_file
 
         use_gate_file(model, args.joint_gate)
     rows = []
@@ -282,7 +279,7 @@ def cmd_evals(args) -> int:
 
 
 def cmd_dense(args) -> int:
-    from .dense import build_store
+    from teragram.model.mixture.dense import build_store
 
     info = build_store(
         args.index, args.checkpoint, features_dir=args.features, n_positions=args.positions, device=args.device, out=args.out
@@ -311,7 +308,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     ev.add_argument(
         "--refit-gate",
         metavar="OUT",
-        help="a jointly trained model: refit its gate on this (validation) text, the LM frozen, and save it (model/refit.py)",
+        help="a jointly trained model: refit its gate on this (validation) text, the LM frozen, and save it (model/mixture/refit.py)",
     )
     ev.add_argument("--refit-hidden", action="store_true", help="with --refit-gate: refit the gate's hidden-state projection too")
     ev.add_argument(

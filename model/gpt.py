@@ -23,9 +23,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from teragram.index.features import Features
+from teragram.model.mixture.joint import Est, JointGate, mixture_nll, mixture_probs
 from torch.utils.checkpoint import checkpoint
-
-from .joint import Est, JointGate, mixture_nll, mixture_probs
 
 N_CNT_BUCKETS = 33  # floor(log2(count + 1)) for counts below 2^32
 # Under recompute = "block" the head runs in chunks of rows (_TargetLogp), so that one chunk's
@@ -52,13 +51,13 @@ class GPTConfig:
     max_match: int = 64
     arch: str = "gpt2"  # "gpt2" | "modern" (rotary, RMSNorm, QK-norm, ReLU^2 MLP, untied head)
     tie_head: bool | None = None  # the head shares the token embedding; None: the arch's (gpt2 tied, modern untied)
-    joint: tuple[str, ...] = ()  # estimates mixed in by a gate trained with the LM (model/joint.py); () none
+    joint: tuple[str, ...] = ()  # estimates mixed in by a gate trained with the LM (model/mixture/joint.py); () none
     joint_top_k: int = 4  # continuations kept per index estimate
     joint_hidden: bool = True  # the joint gate reads the final hidden state
     joint_detach: bool = False  # ... without its gradient: the gate's loss does not shape the trunk
     joint_tokenizer: str = ""  # blake2b of the tokenizer its estimates were made with (an index must have it)
     joint_lm_weight: float = 0.0  # training adds this times the model's own nll to the mixture's (keeps the LM a whole LM)
-    joint_knn: tuple = ()  # (name, value) pairs of dense_knn's store (model/knn.SETTINGS): KnnSource rebuilds it
+    joint_knn: tuple = ()  # (name, value) pairs of dense_knn's store (model/mixture/knn.SETTINGS): KnnSource rebuilds it
 
     @classmethod
     def preset(cls, name: str, **kw) -> GPTConfig:
@@ -396,7 +395,7 @@ class GPT(nn.Module):
         log-probability and that token, maxlp and top)."""
         if self.cfg.joint:
             if e is None:
-                raise ValueError("a jointly trained model needs its estimates (model/joint.py) with every batch")
+                raise ValueError("a jointly trained model needs its estimates (model/mixture/joint.py) with every batch")
             return mixture_nll(self.joint_gate(h.float(), e, maxlp.exp(), top), lp_y, e)
         if not (self.cfg.use_index and self.cfg.mixture):
             return -lp_y

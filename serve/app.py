@@ -27,14 +27,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from teragram.index.engine import Index, with_tokens
 from teragram.index.errors import QueryError, TeragramError
-from teragram.model.draft import MAX_DRAFT, DraftStats
+from teragram.model.generation.draft import MAX_DRAFT, DraftStats
 
 
 @dataclass(frozen=True)
 class ServeConfig:
     index: str
     checkpoint: str | None = None
-    gate: str | None = None  # index gate (model/gate.py) mixed into completions and scores
+    gate: str | None = None  # index gate (model/mixture/gate.py) mixed into completions and scores
     joint_gate: str | None = None  # a jointly trained model: a refit gate (eval --refit-gate) instead of its own
     knn_keys: str | None = None  # a joint model whose gate reads dense_knn: the run whose hidden states key its kNN store
     host: str = "127.0.0.1"
@@ -68,7 +68,7 @@ class CompletionRequest(_Strict):
     stop: str | list[str] | None = None
     stream: bool = False
     seed: int = 0
-    draft: int = Field(default=0, ge=0, le=MAX_DRAFT)  # draft up to this many tokens from exact matches (model/draft.py)
+    draft: int = Field(default=0, ge=0, le=MAX_DRAFT)  # draft up to this many tokens from exact matches (model/generation/draft.py)
     provenance: bool = False  # each token's indexed document, where its context matches >= 8 tokens
 
 
@@ -116,22 +116,22 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     model = None
     model_meta: dict = {}
     if cfg.checkpoint:
-        from teragram.model.train import load_model
+        from teragram.model.checkpoint import load_model
 
         model, model_meta = load_model(cfg.checkpoint, cfg.device)
         if model.cfg.vocab_size != idx.vocab_size:
             raise TeragramError(f"checkpoint vocabulary {model.cfg.vocab_size} != index vocabulary {idx.vocab_size}")
         if model.cfg.joint:  # its gate reads this index's estimates: the same tokenizer, or a one-line refusal at start
-            from teragram.model.joint import check_index
+            from teragram.model.mixture.joint import check_index
 
             check_index(model.cfg, idx)
     if cfg.joint_gate:
         if model is None:
             raise TeragramError("--joint-gate needs --checkpoint")
-        from teragram.model.refit import use_gate_file
+        from teragram.model.mixture.refit import use_gate_file
 
         use_gate_file(model, cfg.joint_gate)
-    from teragram.model.knn import require_store, source_for
+    from teragram.model.mixture.knn import require_store, source_for
 
     require_store(model, cfg.knn_keys)
     knn_src = None
@@ -141,7 +141,7 @@ def create_app(cfg: ServeConfig) -> FastAPI:
         knn_src = source_for(model, cfg.knn_keys, cfg.index, cfg.device)  # the store rebuilt at start, in device memory
     gate = None
     if cfg.gate:
-        from teragram.model.gate import Gate
+        from teragram.model.mixture.gate import Gate
 
         if model is None:
             raise TeragramError("--gate needs --checkpoint")
@@ -262,8 +262,8 @@ def create_app(cfg: ServeConfig) -> FastAPI:
         _need_model()
         if req.max_tokens > cfg.max_tokens:
             raise QueryError(f"max_tokens {req.max_tokens} is over the cap of {cfg.max_tokens}")
-        from teragram.model.draft import Drafter
-        from teragram.model.sample import stream
+        from teragram.model.generation.draft import Drafter
+        from teragram.model.generation.sample import stream
 
         ids = _prompt_ids(req.prompt)
         stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
@@ -355,8 +355,8 @@ def create_app(cfg: ServeConfig) -> FastAPI:
         X, Y = t(x), t(ids)
         e = None
         if model.cfg.joint:  # its own gate's estimates of this text, read as one held-out document (token_eval's)
-            from teragram.model.joint import heldout_est
-            from teragram.model.joint import to_torch as est_torch
+            from teragram.model.mixture.joint import heldout_est
+            from teragram.model.mixture.joint import to_torch as est_torch
 
             e = heldout_est(idx, [np.asarray(ids)], model.cfg.joint, model.cfg.joint_top_k, knn=knn_src).rows(0, len(ids))
             e = est_torch(e.map(lambda a: a[None]), cfg.device)
@@ -377,8 +377,8 @@ def create_app(cfg: ServeConfig) -> FastAPI:
         if e is not None:  # a jointly trained model: its own gate's mixture with the index's and the cache's estimates
             out["logprobs_with_gate"] = (-mixed[0]).tolist()
         if gate is not None:  # the model's distribution mixed with the index's and the cache's estimates
-            from teragram.model.estimates import estimates
-            from teragram.model.gate import component_logp, gate_inputs, mix_nll_multi
+            from teragram.model.mixture.estimates import estimates
+            from teragram.model.mixture.gate import component_logp, gate_inputs, mix_nll_multi
 
             maxlp, top = logp[0].max(-1)
             est = {k: v[: len(ids)] for k, v in estimates(idx, ids).items()}  # targets: ids (no final EOS)

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 from teragram.index.engine import Index
-from teragram.serve.cli import build_parser, main
+from teragram.serve.main import build_parser, main
 
 VERBS = ("build", "features", "verify", "stats", "tokenize", "query", "train", "eval", "evals", "sample", "dense", "serve")
 
@@ -92,7 +92,7 @@ def test_every_verb_runs(capsys, tmp_path, corpus_dir, tokenizer_model, real_ind
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "teragram.serve.cli", "serve", "--index", str(real_index), "--port", str(port)],
+        [sys.executable, "-m", "teragram.serve.main", "serve", "--index", str(real_index), "--port", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )

@@ -1,6 +1,6 @@
 """Dependencies flow builder -> index <- model <- serve: every import of every module of the
 four packages, read from its source (ast), stays inside that direction. benchmarks and tests are
-outside the rule. The `teragram` entry point (serve/cli.py) reaches the builder's verbs by
+outside the rule. The `teragram` entry point (serve/main.py) reaches the builder's verbs by
 module name (VERB_MODULES), never by an import statement."""
 
 from __future__ import annotations
@@ -68,6 +68,6 @@ def test_index_knows_nothing_about_torch():
 
 
 def test_entry_point_names_every_subsystem():
-    from teragram.serve.cli import VERB_MODULES
+    from teragram.serve.main import VERB_MODULES
 
     assert sorted(VERB_MODULES) == sorted(f"teragram.{p}.cli" for p in PACKAGES)

@@ -47,7 +47,7 @@ def test_replicates_mean_and_spread(tmp_path):
 
 def test_rate_of_a_log_with_a_resumed_run():
     """The rate over the log's last run only: a resumed run appends rows whose step and clock
-    start again (cumulative tokens/s over elapsed seconds, as model/train.py logs them)."""
+    start again (cumulative tokens/s over elapsed seconds, as model/training/train.py logs them)."""
 
     def rows(first: int, last: int, rate: float, start_s: float) -> list[dict]:
         out = []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from teragram.model import knn
+from teragram.model.mixture import knn
 
 from benchmarks import knnlm
 
@@ -167,7 +167,7 @@ def test_run_scores_every_target_as_brute_force(real_index, tmp_path):
     from teragram.index import format as fmt
     from teragram.index.engine import Index
     from teragram.index.features import FeatureConfig
-    from teragram.model.evaluate import token_eval
+    from teragram.model.evaluation.perplexity import token_eval
     from teragram.model.gpt import GPT, GPTConfig
 
     from tests.conftest import real_texts

@@ -144,7 +144,7 @@ def test_cli_and_resume(real_index, tmp_path):
         [
             sys.executable,
             "-m",
-            "teragram.serve.cli",
+            "teragram.serve.main",
             "features",
             str(real_index),
             "--out",
@@ -163,14 +163,14 @@ def test_cli_and_resume(real_index, tmp_path):
     first = {p.name: p.read_bytes() for p in out.rglob("*.bin")}
     (out / "000001.done").unlink()
     r = subprocess.run(
-        [sys.executable, "-m", "teragram.serve.cli", "features", str(real_index), "--out", str(out), "--mode", "causal", "--quiet"],
+        [sys.executable, "-m", "teragram.serve.main", "features", str(real_index), "--out", str(out), "--mode", "causal", "--quiet"],
         cwd=repo,
         capture_output=True,
         text=True,
     )
     assert r.returncode == 0 and {p.name: p.read_bytes() for p in out.rglob("*.bin")} == first
     r = subprocess.run(
-        [sys.executable, "-m", "teragram.serve.cli", "features", str(real_index), "--out", str(out), "--mode", "exclude-doc", "--quiet"],
+        [sys.executable, "-m", "teragram.serve.main", "features", str(real_index), "--out", str(out), "--mode", "exclude-doc", "--quiet"],
         cwd=repo,
         capture_output=True,
         text=True,

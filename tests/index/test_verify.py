@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _teragram(*args):
-    return subprocess.run([sys.executable, "-m", "teragram.serve.cli", *args], capture_output=True, text=True, cwd=REPO)
+    return subprocess.run([sys.executable, "-m", "teragram.serve.main", *args], capture_output=True, text=True, cwd=REPO)
 
 
 def test_clean_index_verifies(real_index):

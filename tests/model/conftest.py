@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from teragram.builder.features import compute_features
 from teragram.index.features import FeatureConfig
-from teragram.model import joint
-from teragram.model.train import TrainConfig, train
+from teragram.model.mixture import joint
+from teragram.model.training.train import TrainConfig, train
 
 CAPS = (1, 2, 4, 8, 16, joint.INFGRAM_CAP)
 TINY = dict(preset="tiny", block_size=64, batch_size=8, log_every=5, progress=False, warmup=5, lr=3e-3, min_lr=3e-4, seed=3)

@@ -10,9 +10,10 @@ from teragram.index import format as fmt
 from teragram.index.engine import Index
 from teragram.index.features import FeatureConfig
 from teragram.index.heldout import compute_held_out, contamination
-from teragram.model import baselines
-from teragram.model.evaluate import EvalOptions, heldout_report, token_eval
-from teragram.model.train import TrainConfig, load_model, train
+from teragram.model.checkpoint import load_model
+from teragram.model.evaluation.perplexity import EvalOptions, heldout_report, token_eval
+from teragram.model.mixture import baselines
+from teragram.model.training.train import TrainConfig, train
 
 from tests.conftest import real_texts
 
@@ -106,7 +107,7 @@ def test_infinigram_cache_interpolation_is_a_distribution_fit_by_likelihood(real
     in the document, and the interpolation is a distribution over the vocabulary at every
     context: against the ∞-gram from ntd queries and the cache's distribution read off the
     context."""
-    from teragram.model import estimates
+    from teragram.model.mixture import estimates
 
     model, held = setup
     idx = Index(real_index)
@@ -159,7 +160,7 @@ def test_infinigram_cache_interpolation_is_a_distribution_fit_by_likelihood(real
 
 def test_knn_baseline_mixes_the_dense_stores_neighbours(real_index, setup, tmp_path):
     from teragram.index.dense import DenseStore, knn_probs
-    from teragram.model.dense import build_store
+    from teragram.model.mixture.dense import build_store
 
     model, held = setup
     idx = Index(real_index)

@@ -1,4 +1,4 @@
-"""Training across ranks on ordinary networks (model/comm.py): 1-bit compressed gradients with
+"""Training across ranks on ordinary networks (model/training/comm.py): 1-bit compressed gradients with
 error feedback, local SGD (DiLoCo) and its straggler policy, bytes sent, exact resume and the
 refusals. Oracles: plain DDP and single-process arithmetic. Each torchrun runs 2 gloo processes."""
 
@@ -9,7 +9,7 @@ from dataclasses import asdict
 
 import pytest
 import torch
-from teragram.model import comm
+from teragram.model.training import comm
 
 from tests.conftest import torchrun
 from tests.model.test_model import REPO
@@ -44,7 +44,7 @@ def _script(tmp_path, body: str) -> object:
     s.write_text(
         "import json, shutil, time, torch, torch.distributed as dist\n"
         "from dataclasses import replace\nfrom pathlib import Path\n"
-        "from teragram.model.train import TrainConfig, train\n"
+        "from teragram.model.training.train import TrainConfig, train\n"
         "dist.init_process_group('gloo')\n" + body + "\ndist.barrier()\ndist.destroy_process_group()\n"
     )
     return s
@@ -171,7 +171,7 @@ def test_a_slow_worker_does_not_hold_back_the_fast_one(data_root, tmp_path):  # 
 
 
 def test_bad_distributed_settings_are_refused_on_every_rank(data_root, tmp_path):  # noqa: F811
-    cli = [sys.executable, "-m", "teragram.serve.cli", "train"]
+    cli = [sys.executable, "-m", "teragram.serve.main", "train"]
     base = [f"--index={data_root / 'idx'}", f"--out={tmp_path / 'bad'}", "--preset=tiny", "--max_steps=2"]
     for extra, msg in [
         (["--sync=local", "--compress=1bit"], "compress = 1bit"),
@@ -219,7 +219,7 @@ def test_two_launchers_meet_through_torchruns_rendezvous(data_root, tmp_path):  
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
     run = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d"]
-    run += [f"--rdzv-endpoint=localhost:{port}", "--rdzv-id=two-hosts", "-m", "teragram.serve.cli", "train"]
+    run += [f"--rdzv-endpoint=localhost:{port}", "--rdzv-id=two-hosts", "-m", "teragram.serve.main", "train"]
     run += [f"--index={data_root / 'idx'}", f"--out={tmp_path / 'run'}", "--preset=tiny", "--max_steps=6", "--block_size=32"]
     run += ["--batch_size=4", "--compress=1bit", "--compress_after=2", "--progress=false", "--log_every=1"]
     env = dict(os.environ, OMP_NUM_THREADS="1")

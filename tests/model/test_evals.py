@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 from teragram.index.engine import Index
-from teragram.model.estimates import COMPONENTS
-from teragram.model.evals import TASKS, Gate, accuracy, candidates, gated_nll, load_task, model_outputs
-from teragram.model.gate import gate_inputs, next_distribution
+from teragram.model.evaluation.tasks import TASKS, Gate, accuracy, candidates, gated_nll, load_task, model_outputs
 from teragram.model.gpt import GPT, GPTConfig
+from teragram.model.mixture.estimates import COMPONENTS
+from teragram.model.mixture.gate import gate_inputs, next_distribution
 
 COUNTS = {  # validation examples, as published with each set
     "hellaswag": (10042, {4}),
@@ -70,7 +70,7 @@ def test_gated_scores_equal_the_live_mixture(setup):
     idx, model, examples, docs = setup
     docs = docs[:6]
     outs = model_outputs(model, docs, idx.eos_id)
-    from teragram.model.estimates import estimates
+    from teragram.model.mixture.estimates import estimates
 
     est = estimates(idx, docs[0][0])
     X = gate_inputs(est, np.full(len(docs[0][0]) + 1, 0.5), np.zeros(len(docs[0][0]) + 1, np.int64))
@@ -90,7 +90,7 @@ def test_gated_scores_equal_the_live_mixture(setup):
 def test_saved_outputs_give_the_same_results(setup, tmp_path):
     """The split evaluation (model outputs saved on one machine, the index side on another)
     equals the joint one."""
-    from teragram.model.evals import run_task
+    from teragram.model.evaluation.tasks import run_task
 
     idx, model, _, _ = setup
     gate = Gate(np.random.default_rng(1).normal(scale=0.5, size=(_n_features(idx), len(COMPONENTS))))
@@ -102,7 +102,7 @@ def test_saved_outputs_give_the_same_results(setup, tmp_path):
 
 
 def _n_features(idx) -> int:
-    from teragram.model.estimates import estimates
+    from teragram.model.mixture.estimates import estimates
 
     est = estimates(idx, [5, 6, 7])
     return gate_inputs(est, np.full(4, 0.5), np.zeros(4, np.int64)).shape[1]
@@ -112,9 +112,10 @@ def test_training_logs_the_tasks_on_a_fixed_subset(real_index, tmp_path):
     """evals = (...) in training: each evaluation logs every task's accuracy on its first
     evals_limit examples, equal to `teragram evals` on the saved checkpoint, and plots it;
     a model with index inputs or an unknown task is refused at start."""
+    from teragram.model.checkpoint import load_model
     from teragram.model.config import ConfigError
-    from teragram.model.evals import run_task
-    from teragram.model.train import TrainConfig, load_model, train
+    from teragram.model.evaluation.tasks import run_task
+    from teragram.model.training.train import TrainConfig, train
 
     cfg = TrainConfig(
         index=str(real_index), out=str(tmp_path / "run"), preset="tiny", block_size=64, batch_size=4, max_steps=4, eval_every=2,
@@ -144,7 +145,7 @@ JOINT_COMPONENTS = ("index_infgram", "index_3gram", "cache_longest", "cache_2gra
 def joint_run(joint_root):
     """A joint model trained a few steps with the LM's own loss beside the mixture's
     (joint_lm_weight = 1), and its index."""
-    from teragram.model.train import load_model
+    from teragram.model.checkpoint import load_model
 
     from tests.model.conftest import joint_kw, train_tiny
 
@@ -159,7 +160,7 @@ def _token_eval_of(model, idx, ids: np.ndarray, out, **kw) -> dict:
     from teragram.index import features as ff
     from teragram.index import format as fmt
     from teragram.index.heldout import write_held_out
-    from teragram.model.evaluate import token_eval
+    from teragram.model.evaluation.perplexity import token_eval
 
     cfg = ff.FeatureConfig("held-out", 64, 1)
     ident = ff.begin(idx.path, out, cfg, [])
@@ -179,7 +180,7 @@ def test_joint_scores_equal_token_eval_of_each_candidate(joint_run, tmp_path):
     for the candidate as one held-out document, where the model's window is the same (the
     candidate fits in the context, or is a multiple of it: read in the last window whole); the
     LM alone is the plain scorer's everywhere, cut on the left included."""
-    from teragram.model.evals import joint_estimates
+    from teragram.model.evaluation.tasks import joint_estimates
 
     _, model, idx = joint_run
     B = model.cfg.block_size
@@ -222,7 +223,7 @@ def test_joint_task_accuracies_are_those_of_token_eval(joint_run, tmp_path):
     """run_task of a joint model: the model's and the mixture's acc and acc_norm equal those
     counted from token_eval's nll of each candidate document, and the contamination columns
     are there for both."""
-    from teragram.model.evals import run_task
+    from teragram.model.evaluation.tasks import run_task
 
     _, model, idx = joint_run
     examples = load_task("openbookqa", 5)
@@ -243,8 +244,8 @@ def test_training_a_joint_model_logs_its_mixtures_accuracy_too(joint_root):
     own mixture's accuracy, run_task's on the saved checkpoint."""
     import json
 
-    from teragram.model.evals import run_task
-    from teragram.model.train import load_model
+    from teragram.model.checkpoint import load_model
+    from teragram.model.evaluation.tasks import run_task
 
     from tests.model.conftest import joint_kw, train_tiny
 
@@ -265,10 +266,10 @@ def test_evals_verb_scores_a_joint_checkpoint_and_refuses_what_it_cannot_do(join
     import copy
     import json
 
-    from teragram.model import refit
-    from teragram.model.evals import run_task
-    from teragram.model.train import load_model
-    from teragram.serve.cli import main
+    from teragram.model.checkpoint import load_model
+    from teragram.model.evaluation.tasks import run_task
+    from teragram.model.mixture import refit
+    from teragram.serve.main import main
 
     from tests.model.conftest import other_tokenizer_checkpoint
 

@@ -5,9 +5,9 @@ import json
 
 import numpy as np
 import pytest
-from teragram.model import baselines, estimates
-from teragram.model import gate as gate_mod
-from teragram.model.gate import Gate
+from teragram.model.mixture import baselines, estimates
+from teragram.model.mixture import gate as gate_mod
+from teragram.model.mixture.gate import Gate
 
 
 def _positions(n: int, seed: int):

@@ -1,4 +1,4 @@
-"""Joint training (model/joint.py): the training positions' estimates against a brute-force
+"""Joint training (model/mixture/joint.py): the training positions' estimates against a brute-force
 exclude-doc oracle, the mixture a distribution whose live computation equals the bulk
 evaluation, generation, and training that uses the index."""
 
@@ -12,13 +12,14 @@ from teragram.index import format as fmt
 from teragram.index.engine import Index
 from teragram.index.errors import TeragramError, TokenizerMismatch
 from teragram.index.features import FeatureConfig
-from teragram.model import joint, knn
+from teragram.model.checkpoint import load_model
 from teragram.model.config import ConfigError
-from teragram.model.estimates import cache_estimates, heldout_docs
-from teragram.model.evaluate import token_eval
-from teragram.model.gate import LEN_EDGES, SHARE_EDGES
-from teragram.model.sample import generate
-from teragram.model.train import TrainConfig, load_model, model_config
+from teragram.model.evaluation.perplexity import token_eval
+from teragram.model.generation.sample import generate
+from teragram.model.mixture import joint, knn
+from teragram.model.mixture.estimates import cache_estimates, heldout_docs
+from teragram.model.mixture.gate import LEN_EDGES, SHARE_EDGES
+from teragram.model.training.train import TrainConfig, model_config
 
 from tests.model.conftest import TINY, joint_kw, make_joint_root, train_tiny
 
@@ -104,7 +105,7 @@ def _tiny_joint_batch(joint_root):
     """A tiny joint model's config over three estimates, and one training batch (x, y, estimates)."""
     from dataclasses import replace
 
-    from teragram.model.data import TrainData
+    from teragram.model.training.data import TrainData
 
     comps = ("index_infgram", "index_3gram", "cache_longest")
     data = TrainData(joint_root / "idx", None, 32, joint.open_train_estimates(joint_root / "est", joint_root / "idx", comps, 4))
@@ -271,7 +272,7 @@ def test_refusals(joint_root, tmp_path):
 
 
 def test_knn_key_states_and_their_choice_on_validation(joint_root):
-    """model/knn.key_states: "final" is GPT.hidden's output, "ffn_in" the last block's ln_2 output
+    """model/mixture/knn.key_states: "final" is GPT.hidden's output, "ffn_in" the last block's ln_2 output
     computed by hand; build(every=3) keeps every third window's positions; choose_key picks the
     kind whose kNN-LM has the lower validation loss and reports both."""
     from benchmarks import knnlm
@@ -598,7 +599,7 @@ def test_dense_knn_estimates_exclude_the_own_document(tokenizer_model, tmp_path,
     with pytest.raises(TeragramError, match="reads no kNN estimate"):
         knn.source_for(other, "x", joint_root / "idx")  # a model that reads none
     # the CLI: eval with the store gives token_eval's mixture, without it a one-line refusal; sample runs
-    from teragram.serve.cli import main
+    from teragram.serve.main import main
 
     ev = ["eval", "--checkpoint", str(joint_root / "dense"), "--index", str(joint_root / "idx"), "--corpus", str(joint_root / "held-text")]
     assert main([*ev, "--knn-keys", str(joint_root / "keys"), "--json"]) == 0
@@ -609,7 +610,7 @@ def test_dense_knn_estimates_exclude_the_own_document(tokenizer_model, tmp_path,
     assert main([*sa, "--knn-keys", str(joint_root / "keys")]) == 0 and capsys.readouterr().out.startswith("The")
     assert main(sa) == 2 and "no live source" in capsys.readouterr().err
     # evals: each candidate's mixture is token_eval's with the store; without it, one line before any work
-    from teragram.model.evals import candidates, joint_estimates, load_task, model_outputs, run_task
+    from teragram.model.evaluation.tasks import candidates, joint_estimates, load_task, model_outputs, run_task
 
     from tests.model.test_evals import _acc, _completion, _token_eval_of
 

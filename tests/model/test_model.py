@@ -13,10 +13,11 @@ import torch
 from teragram.builder.features import compute_features
 from teragram.index.engine import Index
 from teragram.index.features import FeatureConfig, Features
+from teragram.model.checkpoint import load_model
 from teragram.model.config import ConfigError
+from teragram.model.generation.sample import generate
 from teragram.model.gpt import GPT, GPTConfig
-from teragram.model.sample import generate
-from teragram.model.train import TrainConfig, load_model, train
+from teragram.model.training.train import TrainConfig, train
 
 from tests.conftest import torchrun
 
@@ -130,7 +131,7 @@ def test_ddp_two_gloo_processes_match_single_process_gradients(dup_setup, tmp_pa
     script.write_text(
         f"""
 import os, sys, torch, torch.distributed as dist
-from teragram.model.data import TrainData
+from teragram.model.training.data import TrainData
 from teragram.model.config import ConfigError
 from teragram.model.gpt import GPT, GPTConfig
 dist.init_process_group("gloo")
@@ -152,7 +153,7 @@ os._exit(0)  # the gradients are saved; gloo's threads at interpreter exit once 
 """
     )
     torchrun(script)
-    from teragram.model.data import TrainData
+    from teragram.model.training.data import TrainData
 
     data = TrainData(dup_setup / "idx", dup_setup / "feats", 32)
     torch.manual_seed(0)
@@ -189,7 +190,7 @@ def test_cli_train_eval_sample(dup_setup, tmp_path):
     cfgf.write_text(
         f'index = "{dup_setup / "idx"}"\nfeatures = "{dup_setup / "feats"}"\npreset = "tiny"\nblock_size = 32\nmax_steps = 5\nbatch_size = 4\nprogress = false\n'
     )
-    run = lambda *a: subprocess.run([sys.executable, "-m", "teragram.serve.cli", *a], cwd=REPO, capture_output=True, text=True)  # noqa: E731
+    run = lambda *a: subprocess.run([sys.executable, "-m", "teragram.serve.main", *a], cwd=REPO, capture_output=True, text=True)  # noqa: E731
     r = run("train", "--config", str(cfgf), f"--out={tmp_path / 'run'}", "--lr=0.002")
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "run" / "config.json").read_text())["train"]["lr"] == 0.002
@@ -242,9 +243,9 @@ def test_cli_train_eval_sample(dup_setup, tmp_path):
 
 
 def test_index_gate_helps_and_its_live_mixture_equals_bulk(dup_setup):
-    from teragram.model import estimates
-    from teragram.model import gate as gate_mod
-    from teragram.model.evaluate import gated_eval
+    from teragram.model.evaluation.perplexity import gated_eval
+    from teragram.model.mixture import estimates
+    from teragram.model.mixture import gate as gate_mod
 
     train(_cfg(dup_setup, "gbase", features=None, max_steps=60))
     model, _ = load_model(dup_setup / "gbase")
@@ -271,7 +272,7 @@ def test_heldout_estimates_follow_the_index_asked_for(dup_setup, real_index):
     """Estimates for the same held-out text against two indexes, in one process: each equals a
     fresh computation against its own index (no stale index kept between calls)."""
     from teragram.index import format as fmt
-    from teragram.model import estimates
+    from teragram.model.mixture import estimates
 
     d = dup_setup / "held" / "000000"
     tok = np.asarray(fmt.open_array(d / "tokens.bin", "tokens")).astype(np.int64)
@@ -301,9 +302,9 @@ def test_split_evaluation_equals_joint(dup_setup, tmp_path):
     import shutil
 
     from teragram.index.errors import IndexFormatError, TokenizerMismatch
-    from teragram.model.data import EvalData
-    from teragram.model.evaluate import doc_bytes, gated_eval, token_eval
-    from teragram.model.outputs import gated_outputs, load_outputs, outputs_estimates, save_outputs
+    from teragram.model.evaluation.outputs import gated_outputs, load_outputs, outputs_estimates, save_outputs
+    from teragram.model.evaluation.perplexity import doc_bytes, gated_eval, token_eval
+    from teragram.model.training.data import EvalData
 
     train(_cfg(dup_setup, "gbase", features=None, max_steps=60))  # trained once per module; a rerun returns at once
     model, meta = load_model(dup_setup / "gbase")

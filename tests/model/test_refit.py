@@ -1,4 +1,4 @@
-"""The joint gate refit on validation text (model/refit.py): it lowers the validation nll it is
+"""The joint gate refit on validation text (model/mixture/refit.py): it lowers the validation nll it is
 fit on and the nll of other held-out documents, leaves the LM alone, scores test text exactly
 as token_eval does with the refit gate in the model, and refuses a gate of another model."""
 
@@ -13,10 +13,10 @@ from teragram.builder.features import compute_features
 from teragram.index.engine import Index
 from teragram.index.errors import TeragramError
 from teragram.index.features import FeatureConfig
-from teragram.model import joint, refit
-from teragram.model.evaluate import token_eval
+from teragram.model.checkpoint import load_model
+from teragram.model.evaluation.perplexity import token_eval
 from teragram.model.gpt import GPT
-from teragram.model.train import load_model
+from teragram.model.mixture import joint, refit
 
 from tests.model.conftest import joint_kw, other_tokenizer_checkpoint, train_tiny
 
@@ -118,7 +118,7 @@ def test_a_gate_of_another_model_or_no_gate_is_refused(run, tmp_path):
 def test_eval_refits_on_validation_and_applies_the_gate_on_test(run, tmp_path, capsys):
     """The CLI path gives the library's numbers: --refit-gate on the validation half's text, then
     --joint-gate on the test half's."""
-    from teragram.serve.cli import main
+    from teragram.serve.main import main
 
     root, out = run["root"], tmp_path / "gate.safetensors"
     text = sorted((root / "held-text").iterdir())
@@ -147,7 +147,7 @@ def test_serve_scores_with_the_models_own_gate_or_a_refit_one_as_token_eval(run,
     token_eval's numbers for the same text; with --joint-gate, those of the refit gate."""
     pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
-    from teragram.model.estimates import heldout_docs
+    from teragram.model.mixture.estimates import heldout_docs
     from teragram.serve.app import ServeConfig, create_app
 
     root, idx = run["root"], run["idx"]
@@ -173,8 +173,8 @@ def test_serve_scores_with_the_models_own_gate_or_a_refit_one_as_token_eval(run,
 
 
 def test_sample_with_a_refit_gate_generates_what_the_installed_gate_does(run, tmp_path, capsys):
-    from teragram.model.sample import generate
-    from teragram.serve.cli import main
+    from teragram.model.generation.sample import generate
+    from teragram.serve.main import main
 
     root, idx = run["root"], run["idx"]
     path = refit.save_gate(tmp_path / "gate.safetensors", run["model"], run["gate"])
@@ -212,8 +212,8 @@ def test_inputs_from_estimates_given_and_kept_for_the_next_variant(run, tmp_path
     with pytest.raises(TeragramError, match="targets x"):
         refit.gate_inputs(model, root / "refit-test", idx, est=kept)
     # prep computes them before any variant is trained, keyed by what the variant's config will name
-    from teragram.model.estimates import COMPONENTS as ALL
-    from teragram.model.estimates import INDEX
+    from teragram.model.mixture.estimates import COMPONENTS as ALL
+    from teragram.model.mixture.estimates import INDEX
 
     assert bench._own_components("knnj3") == bench._own_components("joint") == ALL  # the dense ones left out
     assert bench._own_components("nocache") == tuple(c for c in INDEX if c in bench.VARIANTS["nocache"][0])

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import torch
 from teragram.index.engine import Index
-from teragram.model.draft import Drafter, cache_match
-from teragram.model.sample import _target, generate
-from teragram.model.train import load_model, train
+from teragram.model.checkpoint import load_model
+from teragram.model.generation.draft import Drafter, cache_match
+from teragram.model.generation.sample import _target, generate
+from teragram.model.training.train import train
 
 from tests.model.test_model import _cfg, dup_setup  # noqa: F401  (the fixture)
 
@@ -140,8 +141,8 @@ def test_provenance_points_at_the_matching_text(dup_setup, models):  # noqa: F81
 def test_greedy_with_drafts_and_a_gate_equals_plain_greedy(dup_setup, models):  # noqa: F811
     """The gated mixture's greedy tokens are the same with drafts (each verified position's
     estimates computed for its own prefix)."""
-    from teragram.model.estimates import COMPONENTS, estimates
-    from teragram.model.gate import Gate, gate_inputs
+    from teragram.model.mixture.estimates import COMPONENTS, estimates
+    from teragram.model.mixture.gate import Gate, gate_inputs
 
     model = models["modern"]
     idx = Index(dup_setup / "idx")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from teragram.model.gpt import GPT, GPTConfig
-from teragram.model.train import TrainConfig, train
+from teragram.model.training.train import TrainConfig, train
 
 from tests.conftest import torchrun
 from tests.model.test_model import REPO, TINY, _rand_feats
@@ -89,7 +89,7 @@ def test_recompute_gives_the_same_losses_and_gradients(mode):
 
 def _rand_est(B, T, V, M, g):
     """Random joint estimates, torch, (B, T, M) per component: masses, buckets and top ids."""
-    from teragram.model import joint
+    from teragram.model.mixture import joint
 
     q = torch.rand(B, T, M, generator=g) * 0.5
     return joint.Est(
@@ -185,7 +185,7 @@ def test_zero1_on_two_gloo_processes_matches_ddp_and_resumes_on_any_world_size(d
         f"""
 import json, shutil, torch.distributed as dist
 from pathlib import Path
-from teragram.model.train import TrainConfig, train
+from teragram.model.training.train import TrainConfig, train
 dist.init_process_group("gloo")
 cfg = {{n: TrainConfig(**json.loads(c)) for n, c in {json.dumps({n: json.dumps(asdict(c)) for n, c in runs.items()})}.items()}}
 train(cfg["ddp"])
@@ -250,7 +250,7 @@ def test_modern_block_with_a_tied_head_has_the_gpt2_parameter_count():
 
 @pytest.mark.parametrize("tie_head", [None, True])
 def test_muon_orthogonalizes_and_the_modern_model_trains_deterministically(data_root, tie_head):
-    from teragram.model.muon import orthogonalize
+    from teragram.model.training.muon import orthogonalize
 
     g = torch.randn(48, 160, generator=torch.Generator().manual_seed(0))
     u, _, vt = torch.linalg.svd(g, full_matrices=False)
@@ -272,7 +272,7 @@ def test_muon_orthogonalizes_and_the_modern_model_trains_deterministically(data_
 
 
 def test_int8_and_fp8_matmuls_against_float_references():
-    from teragram.model.lowp import E4M3, Fp8Linear, Int8Linear, int8_matmul, int8_quantize, to_fp8
+    from teragram.model.training.lowp import E4M3, Fp8Linear, Int8Linear, int8_matmul, int8_quantize, to_fp8
 
     g = torch.Generator().manual_seed(3)
     x = torch.randn(40, 128, generator=g) * torch.rand(40, 1, generator=g) * 4  # tokens of different scales
@@ -340,7 +340,16 @@ def test_combinations_that_cannot_work_are_refused_at_start(tmp_path, kw, messag
 
 def test_cli_refuses_with_one_line(tmp_path):
     r = subprocess.run(
-        [sys.executable, "-m", "teragram.serve.cli", "train", f"--index={tmp_path}", "--device=cpu", "--offload=optimizer", "--zero1=true"],
+        [
+            sys.executable,
+            "-m",
+            "teragram.serve.main",
+            "train",
+            f"--index={tmp_path}",
+            "--device=cpu",
+            "--offload=optimizer",
+            "--zero1=true",
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from teragram.builder.features import compute_features
 from teragram.index.engine import Index
 from teragram.index.features import FeatureConfig
-from teragram.model.train import TrainConfig, train
+from teragram.model.training.train import TrainConfig, train
 from teragram.serve.app import ServeConfig, create_app
 
 from tests.conftest import real_texts
@@ -60,7 +60,7 @@ def server(real_index, checkpoint):
         [
             sys.executable,
             "-m",
-            "teragram.serve.cli",
+            "teragram.serve.main",
             "serve",
             "--index",
             str(real_index),
@@ -218,10 +218,10 @@ def test_concurrent_index_queries(client, real_index):
 
 
 def test_gate_in_score_equals_bulk_gated_eval_and_completions_run(real_index, checkpoint, tmp_path):
-    from teragram.model.estimates import COMPONENTS
-    from teragram.model.evaluate import gated_eval
-    from teragram.model.gate import Gate, gate_features
-    from teragram.model.train import load_model
+    from teragram.model.checkpoint import load_model
+    from teragram.model.evaluation.perplexity import gated_eval
+    from teragram.model.mixture.estimates import COMPONENTS
+    from teragram.model.mixture.gate import Gate, gate_features
 
     text = "The kernel is the core of the operating system"
     X = gate_features(np.zeros(1), np.ones(1), *[[np.ones(1)] * len(COMPONENTS)] * 3, np.zeros(1))

@@ -10,7 +10,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _teragram(*args, stdin=None):
-    return subprocess.run([sys.executable, "-m", "teragram.serve.cli", *args], capture_output=True, text=True, cwd=REPO, input=stdin)
+    return subprocess.run([sys.executable, "-m", "teragram.serve.main", *args], capture_output=True, text=True, cwd=REPO, input=stdin)
 
 
 def test_tokenize_and_query_json(real_index):

@@ -1,8 +1,8 @@
 """A jointly trained model's gate refit on validation text after training, the LM frozen.
 
-The joint gate (model/joint.py) learns its weights on training positions, whose exclude-doc
+The joint gate (model/mixture/joint.py) learns its weights on training positions, whose exclude-doc
 estimates are far more reliable than new text's (long matches are common there and rare in new
-text), so it trusts the estimates more than new text warrants. The post-hoc gate (model/gate.py)
+text), so it trusts the estimates more than new text warrants. The post-hoc gate (model/mixture/gate.py)
 has no such bias: it is fit on held-out validation text. `refit_gate` puts the joint gate on the
 same footing: starting from the trained gate, it refits the gate's weights by maximum likelihood
 of the mixture on one validation set; the LM and its head are untouched. Test text is then
@@ -39,11 +39,10 @@ from pathlib import Path
 import numpy as np
 import torch
 from teragram.index.errors import TeragramError
-
-from . import joint
-from .estimates import heldout_docs
-from .evaluate import token_eval
-from .gpt import GPT
+from teragram.model.evaluation.perplexity import token_eval
+from teragram.model.gpt import GPT
+from teragram.model.mixture import joint
+from teragram.model.mixture.estimates import heldout_docs
 
 L2 = 1e-4  # penalty per squared distance from the trained weights (the post-hoc gate's weight decay)
 STEPS = 100  # L-BFGS iterations (at most; it stops earlier when the loss stops moving)
@@ -165,9 +164,8 @@ def refit_report(model: GPT, index_dir, heldout, device: str = "cpu", opts=None,
     from teragram.index.engine import Index
     from teragram.index.heldout import DECONTAMINATION_SHARE, contamination
     from teragram.index.tokenizer import load
-
-    from .data import EvalData
-    from .evaluate import EvalOptions, doc_bytes, mix_report
+    from teragram.model.evaluation.perplexity import EvalOptions, doc_bytes, mix_report
+    from teragram.model.training.data import EvalData
 
     opts = opts or EvalOptions()
     idx = Index(index_dir)

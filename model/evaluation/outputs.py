@@ -27,16 +27,12 @@ from pathlib import Path
 
 import numpy as np
 from teragram.index import format as fmt
+from teragram.index import tokenizer
 from teragram.index.errors import IndexFormatError, TokenizerMismatch
 
 KIND = "model-outputs"
 VERSION = 1
 FIELDS = {"nll": np.float32, "maxp": np.float32, "top": np.uint32, "target": np.uint32, "doc": np.uint32, "pos": np.uint32}
-
-
-def tokenizer_digest(path: str | Path) -> str:
-    """sha256 of a sentencepiece model file: two tokenizers are the same when it is."""
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -78,7 +74,7 @@ def save_outputs(out: str | Path, r: dict, heldout: str | Path, *, checkpoint: s
             "version": VERSION,
             "checkpoint": str(checkpoint),
             "step": int(step),
-            "tokenizer_sha256": tokenizer_digest(out / "tokenizer.model"),
+            "tokenizer": tokenizer.digest(out / "tokenizer.model"),
             "tokens": int(len(r["nll"])),
             "docs": [m | {"bytes": int(b)} for m, b in zip(metas, docs_bytes, strict=True)],
         },
@@ -90,8 +86,8 @@ def save_model_outputs(out, model, heldout, idx, device: str = "cpu", *, meta: d
     """Run the model over held-out features' text (made against the index idx) once and save
     its outputs; returns (token_eval's result, each document's UTF-8 bytes) for the caller to
     mix as well."""
-    from .data import EvalData
-    from .evaluate import doc_bytes, token_eval
+    from teragram.model.evaluation.perplexity import doc_bytes, token_eval
+    from teragram.model.training.data import EvalData
 
     eos, sep = idx.eos_id, idx.sep
     r = token_eval(model, heldout, eos, sep, device, batch=batch, hidden=hidden)
@@ -103,7 +99,7 @@ def save_model_outputs(out, model, heldout, idx, device: str = "cpu", *, meta: d
 def outputs_report(outputs: ModelOutputs, index_dir, opts):
     """`teragram eval --outputs`: model.evaluate.mix_report of saved outputs and an index of
     the same tokenizer."""
-    from .evaluate import mix_report
+    from teragram.model.evaluation.perplexity import mix_report
 
     check_tokenizer(outputs, index_dir)
     r = {"nll": outputs.nll, "maxp": outputs.maxp, "top": outputs.top.astype(np.int64), "target": outputs.target, "doc": outputs.doc}
@@ -159,16 +155,19 @@ def truncate_outputs(outputs: ModelOutputs, dst: str | Path, max_targets: int) -
 
 def check_tokenizer(outputs: ModelOutputs, index_dir: str | Path) -> None:
     """Outputs are mixed only with an index of the same tokenizer."""
-    mine = outputs.manifest["tokenizer_sha256"]
-    theirs = tokenizer_digest(Path(index_dir) / "tokenizer.model")
+    theirs_file = Path(index_dir) / "tokenizer.model"
+    if "tokenizer" in outputs.manifest:
+        mine, theirs = outputs.manifest["tokenizer"], tokenizer.digest(theirs_file)
+    else:  # outputs saved before the one digest: they recorded the file's sha256
+        mine, theirs = outputs.manifest["tokenizer_sha256"], hashlib.sha256(theirs_file.read_bytes()).hexdigest()
     if mine != theirs:
-        raise TokenizerMismatch(f"{outputs.path} was made with another tokenizer than {index_dir} (sha256 {mine[:12]} vs {theirs[:12]})")
+        raise TokenizerMismatch(f"{outputs.path} was made with another tokenizer than {index_dir} ({mine[:12]} vs {theirs[:12]})")
 
 
 def outputs_estimates(outputs: ModelOutputs, index_dir: str | Path, *, workers: int = 1) -> dict[str, np.ndarray]:
     """The index's and the document cache's estimates of every saved target (aligned with the
     outputs' arrays), after checking that the index speaks the outputs' tokenizer."""
-    from .estimates import heldout_estimates
+    from teragram.model.mixture.estimates import heldout_estimates
 
     check_tokenizer(outputs, index_dir)
     est = heldout_estimates(index_dir, outputs.path, workers)
@@ -181,8 +180,8 @@ def gated_outputs(outputs: ModelOutputs, est: dict[str, np.ndarray], gate=None, 
     """(gate, per-target nll of the gated mixture): the gate given, or one fit on these outputs
     (which should then be validation text), on a fixed random sample of fit_rows of them when
     there are more."""
-    from .estimates import COMPONENTS
-    from .gate import Gate, component_logp, gate_inputs, mix_nll_multi
+    from teragram.model.mixture.estimates import COMPONENTS
+    from teragram.model.mixture.gate import Gate, component_logp, gate_inputs, mix_nll_multi
 
     comps = gate.components if gate is not None else (components or COMPONENTS)
     nll = outputs.nll.astype(np.float64)

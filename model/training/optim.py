@@ -1,5 +1,5 @@
 """Optimizers for `teragram train`: plain AdamW, ZeRO-1 sharded AdamW under DDP, CPU offload
-(model/offload.py) and Muon (model/muon.py), behind one constructor.
+(model/training/offload.py) and Muon (model/training/muon.py), behind one constructor.
 
 The AdamW variants save the same state dict layout (torch's AdamW layout: state keyed by the index of
 the parameter in group order, groups "decay" then "no decay"), so a checkpoint written by one
@@ -15,7 +15,7 @@ import torch.nn as nn
 
 class AdamW(torch.optim.AdamW):
     """torch's AdamW, with the second stage of 1-bit Adam (Tang et al. 2021): after
-    freeze_variance() the step leaves the second moment v alone (the 1-bit hook, model/comm.py,
+    freeze_variance() the step leaves the second moment v alone (the 1-bit hook, model/training/comm.py,
     replaces it now and then by the ranks' average of their own), and the "gradient" handed to
     step() is the new first moment m, which the hook computes on each rank from its own gradient,
     b1 m + (1 - b1) g, and averages compressed. Compressing the momentum rather than the gradient,
@@ -77,17 +77,17 @@ def build(
 ):
     """The optimizer of a training run. zero1 needs an initialised process group; offload keeps
     fp32 masters and moments in CPU memory (build it before the model is cast to bf16); muon
-    (neither zero1 nor offload) trains the blocks' matrices with Muon (model/muon.py); sgd is
+    (neither zero1 nor offload) trains the blocks' matrices with Muon (model/training/muon.py); sgd is
     plain SGD."""
     if muon:
-        from .muon import MuonAdamW
+        from teragram.model.training.muon import MuonAdamW
 
         return MuonAdamW(model, lr=lr, muon_lr=muon_lr, momentum=muon_momentum, weight_decay=weight_decay, betas=betas, cuda=cuda)
     groups = adamw_groups(model, weight_decay)
     if sgd:  # plain SGD (weight decay as L2): linear in the gradient, so averaging its steps averages gradients
         return torch.optim.SGD(groups, lr=lr)
     if offload:
-        from .offload import CPUOffloadAdamW
+        from teragram.model.training.offload import CPUOffloadAdamW
 
         return CPUOffloadAdamW(model, groups, lr=lr, betas=betas, cuda=cuda)
     if zero1:

@@ -10,13 +10,13 @@ Settings for memory, speed and convergence (each a config key; `check` refuses, 
 and before any work, a value or a combination that cannot work):
   recompute = none | attn | block   activation checkpointing (model/gpt.py); recompute_blocks = N:
                                    only the first N blocks (selective)
-  zero1 = true                      AdamW state sharded across DDP ranks (model/optim.py)
-  offload = none | optimizer        fp32 masters and Adam moments in CPU memory (model/offload.py)
-  precision = bf16 | fp8 | int8     the blocks' linear layers in fp8 or int8 (model/lowp.py)
+  zero1 = true                      AdamW state sharded across DDP ranks (model/training/optim.py)
+  offload = none | optimizer        fp32 masters and Adam moments in CPU memory (model/training/offload.py)
+  precision = bf16 | fp8 | int8     the blocks' linear layers in fp8 or int8 (model/training/lowp.py)
   arch = gpt2 | modern              rotary, RMSNorm, QK-norm, ReLU^2, untied head (model/gpt.py)
   tie_head = true | false           override the arch's head tying (modern + true: GPT-2's parameter count)
-  optimizer = adamw | muon | sgd    Muon for the blocks' matrices (model/muon.py); plain SGD
-Across ranks and hosts (model/comm.py; torchrun, NCCL or gloo; bytes sent logged for every mode):
+  optimizer = adamw | muon | sgd    Muon for the blocks' matrices (model/training/muon.py); plain SGD
+Across ranks and hosts (model/training/comm.py; torchrun, NCCL or gloo; bytes sent logged for every mode):
   compress = none | 1bit            signs + a scale per row, with error feedback (a DDP comm hook), after
                                     compress_after bf16 steps; AdamW then sends momenta (1-bit Adam)
   sync = every-step | local         local: DiLoCo, an outer Nesterov step every outer_every steps
@@ -33,24 +33,25 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from teragram.index import format as fmt
+from teragram.index import tokenizer
 from teragram.index.features import Features
+from teragram.model.checkpoint import check_resume, commit, save_checkpoint
+from teragram.model.config import ConfigError
+from teragram.model.evaluation.perplexity import evaluate
+from teragram.model.gpt import GPT, GPTConfig, blinded, to_device
+from teragram.model.mixture import joint, knn
+from teragram.model.training import comm, lowp, optim
+from teragram.model.training.data import TrainData
+from teragram.model.training.offload import CPUOffloadAdamW
 from tqdm import tqdm
-
-from . import comm, joint, knn, lowp, optim
-from .config import ConfigError
-from .data import TrainData
-from .evaluate import evaluate
-from .gpt import GPT, GPTConfig, blinded, to_device
-from .offload import CPUOffloadAdamW
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ class TrainConfig:
     seed: int = 1337
     log_every: int = 10
     eval_every: int = 0  # 0: only at the end
-    evals: tuple[str, ...] = ()  # downstream tasks (model/evals.py: hellaswag, arc_easy, ...) run with each evaluation
+    evals: tuple[str, ...] = ()  # downstream tasks (model/evaluation/tasks.py: hellaswag, arc_easy, ...) run with each evaluation
     evals_limit: int = 500  # each task's first N validation examples: a fixed subset
     ckpt_every: int = 0  # 0: only at the end
     device: str = "auto"
@@ -108,10 +109,10 @@ class TrainConfig:
     outer_dtype: str = "fp32"  # local: the deltas' precision on the wire ("bf16": half the bytes)
     outer_lr_end: float = 0.0  # local: > 0, the outer lr ramps linearly from outer_lr (first round) to this (last)
     link_gbps: float = 0.0  # > 0: simulate a link of this bandwidth (a sleep per byte sent)
-    gate: str = "none"  # "joint": the index gate's mixture in the loss, trained with the LM (model/joint.py)
+    gate: str = "none"  # "joint": the index gate's mixture in the loss, trained with the LM (model/mixture/joint.py)
     joint_features: tuple[str, ...] = ()  # exclude-doc feature directories, one per --max-len (gate = joint)
     joint_estimates: str = ""  # where the training positions' estimates are written once ("": FEATURES[0]/../joint)
-    joint_components: tuple[str, ...] = ()  # the estimates mixed in (model/estimates.py names); (): every one available
+    joint_components: tuple[str, ...] = ()  # the estimates mixed in (model/mixture/estimates.py names); (): every one available
     joint_top_k: int = 4  # continuations kept per index estimate (the features' --top-k)
     joint_hidden: bool = True  # the gate reads the final hidden state (false: the ablation without it)
     joint_detach: bool = False  # ... without its gradient (the gate's loss does not shape the trunk)
@@ -149,7 +150,7 @@ def check(cfg: TrainConfig) -> None:
     if cfg.optimizer == "sgd" and (cfg.zero1 or cfg.offload != "none"):
         raise ConfigError("optimizer = sgd has no state to shard or offload; use adamw with zero1 or offload")
     if cfg.evals:
-        from . import evals
+        from teragram.model.evaluation import tasks as evals
 
         unknown = [t for t in cfg.evals if t not in evals.TASKS]
         if unknown:
@@ -241,83 +242,6 @@ def model_config(cfg: TrainConfig, vocab_size: int, top_k: int) -> GPTConfig:
     return g
 
 
-# ---- checkpoints -----------------------------------------------------------------------------
-
-
-def _commit() -> str:
-    import subprocess
-
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def _save(
-    out: Path, model: GPT, opt_state: dict, step: int, cfg: TrainConfig, opt_weights: dict | None = None, extra: dict | None = None
-) -> Path:
-    """A checkpoint of the model (opt_weights: the fp32 masters, when the optimizer keeps them;
-    extra: more state for state.pt, e.g. the communication's)."""
-    d = out / "checkpoints" / f"step-{step:07d}"
-    tmp = d.with_name(d.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    weights = opt_weights if opt_weights is not None else model.state_dict()
-    sd = {k: v.detach().float().cpu().contiguous() if v.is_floating_point() else v.detach().cpu().contiguous() for k, v in weights.items()}
-    if model.tied:
-        sd.pop("lm_head.weight", None)  # tied to wte
-    save_file(sd, str(tmp / "model.safetensors"))
-    torch.save({"optimizer": opt_state, "step": step, "torch_rng": torch.get_rng_state(), **(extra or {})}, tmp / "state.pt")
-    (tmp / "config.json").write_text(
-        json.dumps({"model": asdict(model.cfg), "train": asdict(cfg), "step": step, "commit": _commit()}, indent=1)
-    )
-    shutil.rmtree(d, ignore_errors=True)
-    os.replace(tmp, d)
-    fmt.write_json(out / "latest.json", {"checkpoint": str(d.relative_to(out)), "step": step})
-    return d
-
-
-# what a run learns, beyond its model's shape (a checkpoint of another shape fails to load) and
-# its paths (an index may move): a resume must keep them; world size, zero1, offload and
-# max_steps may change
-RESUME_SAME = ("seed", "batch_size", "grad_accum", "lr", "min_lr", "warmup", "weight_decay", "optimizer", "gate", "use_index")
-RESUME_SAME += ("joint_components", "joint_top_k", "joint_hidden", "joint_detach", "joint_lm_weight")
-
-
-def _check_resume(cfg: TrainConfig, out: Path) -> None:
-    """Refuse to resume a run in OUT that was started with other settings of what it learns
-    (a replicate with another seed into the same directory would otherwise continue, or end
-    at once as complete, and record the new settings over the old)."""
-    if not (out / "config.json").exists():
-        return  # checkpoints copied without their run's record: nothing to compare
-    was = fmt.read_json(out / "config.json").get("train", {})
-    now = json.loads(json.dumps(asdict(cfg)))  # as config.json holds it (tuples as lists)
-    diff = [f"{k} {was[k]!r} -> {now[k]!r}" for k in RESUME_SAME if k in was and was[k] != now[k]]
-    if diff:
-        raise ConfigError(
-            f"{out} holds a run started with other settings ({', '.join(diff)}): give another --out, or --resume=false to start over"
-        )
-
-
-def load_model(checkpoint: str | Path, device: str = "cpu") -> tuple[GPT, dict]:
-    """A model from a checkpoint directory (or a run directory: its latest checkpoint)."""
-    p = Path(checkpoint)
-    if (p / "latest.json").exists():
-        p = p / fmt.read_json(p / "latest.json")["checkpoint"]
-    meta = json.loads((p / "config.json").read_text())
-    mc = meta["model"]
-    mc["index_inputs"] = tuple(mc["index_inputs"])
-    mc["joint"] = tuple(mc.get("joint", ()))
-    mc["joint_knn"] = knn.kept(mc.get("joint_knn", ()))
-    model = GPT(GPTConfig(**mc))
-    sd = load_file(str(p / "model.safetensors"))
-    sd.setdefault("lm_head.weight", sd["transformer.wte.weight"])  # tied (gpt2 arch)
-    model.load_state_dict(sd)
-    return model.to(device), meta
-
-
 # ---- training --------------------------------------------------------------------------------
 
 
@@ -388,7 +312,7 @@ def train(cfg: TrainConfig) -> dict:
             joint_hidden=cfg.joint_hidden,
             joint_detach=cfg.joint_detach,
             joint_lm_weight=cfg.joint_lm_weight,
-            joint_tokenizer=joint.tokenizer_digest(cfg.index),
+            joint_tokenizer=tokenizer.digest(Path(cfg.index) / "tokenizer.model"),
         )
     data = TrainData(cfg.index, cfg.features if use_index else None, mcfg.block_size, est)
     out = Path(cfg.out)
@@ -397,7 +321,7 @@ def train(cfg: TrainConfig) -> dict:
     lowp.convert(model, cfg.precision)
     start, st = 0, None
     if cfg.resume and (out / "latest.json").exists():
-        _check_resume(cfg, out)
+        check_resume(cfg, out)
         ck = out / fmt.read_json(out / "latest.json")["checkpoint"]
         sd = load_file(str(ck / "model.safetensors"))
         sd.setdefault("lm_head.weight", sd["transformer.wte.weight"])  # tied (gpt2 arch)
@@ -425,7 +349,7 @@ def train(cfg: TrainConfig) -> dict:
         start = st["step"]
     if master:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps({"model": asdict(mcfg), "train": asdict(cfg), "commit": _commit()}, indent=1))
+        (out / "config.json").write_text(json.dumps({"model": asdict(mcfg), "train": asdict(cfg), "commit": commit()}, indent=1))
     fwd = torch.compile(model) if cuda and cfg.compile else model
     ddp = onebit = local = None
     link = comm.Link(world, cfg.link_gbps)
@@ -466,13 +390,12 @@ def train(cfg: TrainConfig) -> dict:
     tasks = None
     if master and cfg.evals:
         from teragram.index.engine import Index
-
-        from .evals import prepare
+        from teragram.model.evaluation.tasks import prepare
 
         idx = Index(cfg.index)
         est_of = None
         if cfg.gate == "joint":  # the candidates' estimates, once: its own mixture is scored beside the model
-            from .evals import joint_estimates
+            from teragram.model.evaluation.tasks import joint_estimates
 
             est_of = lambda docs: joint_estimates(model, idx, docs, os.cpu_count() or 1)  # noqa: E731
         tasks = prepare(cfg.evals, cfg.evals_limit, idx.tokenize, est_of)
@@ -532,7 +455,7 @@ def train(cfg: TrainConfig) -> dict:
         if cfg.checkpoint and cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.max_steps:
             opt_state, extra = _states(opt, onebit, local)  # collective under ZeRO-1, 1bit, local
             if master:
-                _save(out, model, opt_state, step + 1, cfg, _masters(opt), extra)
+                save_checkpoint(out, model, opt_state, step + 1, cfg, _masters(opt), extra)
         if master and (cfg.heldout or tasks) and cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.max_steps:
             log.write(json.dumps(_evaluate(cfg, model, data, device, tasks, step + 1)) + "\n")
             log.flush()
@@ -544,7 +467,7 @@ def train(cfg: TrainConfig) -> dict:
     opt_state, extra = _states(opt, onebit, local) if final else (None, None)
     if master:
         if final:
-            _save(out, model, opt_state, cfg.max_steps, cfg, _masters(opt), extra)
+            save_checkpoint(out, model, opt_state, cfg.max_steps, cfg, _masters(opt), extra)
         if cfg.heldout or tasks:
             row = _evaluate(cfg, model, data, device, tasks, cfg.max_steps)
             result |= {k: v for k, v in row.items() if k != "step"}
@@ -578,7 +501,7 @@ def _evaluate(cfg: TrainConfig, model: GPT, data: TrainData, device: str, tasks:
     if cfg.heldout:
         row["eval"] = evaluate(model, cfg.heldout, data.eos, data.sep, device, index=cfg.index if cfg.gate == "joint" else None)
     if tasks:
-        from .evals import downstream
+        from teragram.model.evaluation.tasks import downstream
 
         row["evals"] = downstream(model, tasks, data.eos, device)
     return row
@@ -627,7 +550,7 @@ class _null:
         return False
 
 
-# ---- evaluation: model/evaluate.py ----------------------------------------------------------
+# ---- evaluation: model/evaluation/perplexity.py ----------------------------------------------------------
 
 
 def plot_log(out: Path) -> None:

@@ -4,7 +4,7 @@ scorer, whose features for it feed the next step; keys and values are cached.
     teragram sample --checkpoint RUN --index IDX "prompt" [--max-tokens 100] [--temperature 0.8]
                     [--draft 8] [--provenance] [--verbose]
 
-With drafts (model/draft.py) each forward pass verifies up to N tokens read off the longest
+With drafts (model/generation/draft.py) each forward pass verifies up to N tokens read off the longest
 exact match of the context, in the index or earlier in the text, and keeps the longest prefix
 the model agrees with plus one token of its own: greedy decoding gives the same tokens as
 without drafts, and sampling the same distribution (speculative sampling with a draft that is
@@ -20,11 +20,10 @@ import numpy as np
 import torch
 from teragram.index.engine import Index, Provenance
 from teragram.index.features import Features
-
-from . import joint
-from .draft import Draft, Drafter, DraftStats
-from .gate import next_distribution
-from .gpt import GPT, to_torch
+from teragram.model.generation.draft import Draft, Drafter, DraftStats
+from teragram.model.gpt import GPT, to_torch
+from teragram.model.mixture import joint
+from teragram.model.mixture.gate import next_distribution
 
 PROVENANCE_MIN = 8  # a token's provenance is reported when its context matches this many tokens
 
@@ -120,7 +119,7 @@ def stream(
     is mixed with the index's ∞-gram and fixed-order estimates, and the document cache's, for
     the document so far. `draft`: the longest draft (0: none), or a Drafter to use (and to
     keep learning in). `provenance`: give each token the document of its longest index match.
-    `knn` (model/knn.KnnSource): the dense_knn estimates of a joint gate that reads them."""
+    `knn` (model/mixture/knn.KnnSource): the dense_knn estimates of a joint gate that reads them."""
     if not prompt:
         prompt = [idx.eos_id]  # an empty prompt starts a document
     drafter = draft if isinstance(draft, Drafter) else Drafter(max_tokens=int(draft))

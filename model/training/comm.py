@@ -185,7 +185,7 @@ class OneBit:
         """Compress from now on. With AdamW (optim.AdamW): its step stops updating v (each rank
         tracks its own, averaged in by sync_variance) and the hook sends the momentum
         b1 m + (1 - b1) g instead of the gradient (1-bit Adam); with SGD the gradient."""
-        from .optim import AdamW, freeze_variance
+        from teragram.model.training.optim import AdamW, freeze_variance
 
         self.active = True
         if isinstance(opt, AdamW):

@@ -2,11 +2,11 @@
 
     p(y) = w_0 p_model(y) + sum_k w_k p_k(y),   w = softmax(gate(h, statistics of the p_k))
 
-The p_k are the estimates of model/estimates.py (the index's ∞-gram and fixed-order ones, the
+The p_k are the estimates of model/mixture/estimates.py (the index's ∞-gram and fixed-order ones, the
 document cache's), and the gate is a small network over the final hidden state h and each
 estimate's statistics (its context count, its top continuation's share and whether that is the
 model's most likely token, the suffix lengths, the model's confidence): the post-hoc gate of
-model/gate.py plus h, trained with the LM so that the LM can specialise in what the index and
+model/mixture/gate.py plus h, trained with the LM so that the LM can specialise in what the index and
 the cache do not predict.
 
 An index estimate keeps its top K continuations (count desc, id asc) and leaves the rest of
@@ -35,20 +35,19 @@ import torch.nn as nn
 from teragram.index import format as fmt
 from teragram.index.errors import TeragramError, TokenizerMismatch
 from teragram.index.features import open_features
-
-from .estimates import CACHE, COMPONENTS, INDEX, cache_estimates, cache_live, context_length
-from .gate import LEN_EDGES, MAXP_EDGES, SHARE_EDGES
+from teragram.model.mixture.estimates import CACHE, COMPONENTS, INDEX, cache_estimates, cache_live, context_length
+from teragram.model.mixture.gate import LEN_EDGES, MAXP_EDGES, SHARE_EDGES
 
 INFGRAM_CAP = 255  # the ∞-gram's match length cap (the builder's largest --max-len)
 N_COUNT = 21  # floor(log2(count + 1)) buckets, the last one open
 NL, NS, NM = len(LEN_EDGES) + 1, len(SHARE_EDGES) + 1, len(MAXP_EDGES) + 1
 KIND = "joint-estimates"
-# estimates from a kNN datastore over a model's states (model/knn.py), at the temperature fit on
-# validation and at sharper and broader multiples of it (model/knn.MULTIPLES), and dense_cache, the
-# continuous cache: the same estimate over the document's own earlier states (model/knn.doc_neighbours,
+# estimates from a kNN datastore over a model's states (model/mixture/knn.py), at the temperature fit on
+# validation and at sharper and broader multiples of it (model/mixture/knn.MULTIPLES), and dense_cache, the
+# continuous cache: the same estimate over the document's own earlier states (model/mixture/knn.doc_neighbours,
 # its temperature fit on validation too): written in bulk for training positions (exclude-doc) and
 # held-out text by benchmarks/knnlm.py; outside training, from the store rebuilt by
-# model/knn.KnnSource (live and bulk); the index itself has none
+# model/mixture/knn.KnnSource (live and bulk); the index itself has none
 DENSE = ("dense_knn", "dense_knn_sharp", "dense_knn_broad", "dense_cache")
 
 
@@ -283,10 +282,6 @@ def open_train_estimates(out, index_dir, components, top_k: int) -> tuple[list[E
 # ---- held-out text (bulk) and generation (live) -----------------------------------------------
 
 
-def tokenizer_digest(index_dir) -> str:
-    return fmt.read_json(Path(index_dir) / "manifest.json")["tokenizer"]["file"]["blake2b"]
-
-
 def check_index(cfg, idx) -> None:
     """Refuse an index whose estimates a jointly trained model cannot read: another tokenizer."""
     have = idx.manifest["tokenizer"]["file"]["blake2b"]
@@ -301,7 +296,7 @@ def heldout_est(idx, docs: list[np.ndarray], components, top_k: int, threads: in
     """Est of every target of the documents, each read as EOS + ids predicting ids + EOS
     (model.evaluate.token_eval's order), against the whole index; the DENSE components' columns
     are `dense`'s (a kNN datastore's, benchmarks/knnlm.py), appended, or else `knn`'s
-    (model/knn.KnnSource) of these documents."""
+    (model/mixture/knn.KnnSource) of these documents."""
     from teragram.index.bulk import continuations
 
     components = check_components(components)
@@ -346,7 +341,7 @@ def live(idx, context, V: int, components, top_k: int, knn=None) -> tuple[Est, n
     """For the next token after `context` (a document's ids so far): its Est row (target
     fields unused) and each component's truncated distribution (M, V) -- the mass it gives
     each token besides what it leaves to the model. A gate that reads dense_knn takes it from
-    `knn` (model/knn.KnnSource)."""
+    `knn` (model/mixture/knn.KnnSource)."""
     if any(c in DENSE for c in components):
         if knn is None:
             raise TeragramError(
@@ -399,7 +394,7 @@ def to_torch(e: Est, device=None) -> Est:
 
 class JointGate(nn.Module):
     """Mixture log-weights (B, T, 1 + M) over the model and M estimates: a linear function of the
-    final hidden state (hidden=True) plus, as in model/gate.py, a weight per bucket of each
+    final hidden state (hidden=True) plus, as in model/mixture/gate.py, a weight per bucket of each
     estimate's count and share, per agreement of its top continuation with the model's, per
     bucket of the ∞-gram's suffix length (and again where it is sparse), of the cache's longest
     match and of the model's top probability. Starts on the model alone (a bias of 2 for it).

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-from .data import TrainData
-from .gpt import GPT, to_device
+from teragram.model.gpt import GPT, to_device
+from teragram.model.training.data import TrainData
 
 
 @torch.no_grad()
@@ -56,8 +55,7 @@ def build_store(
     out: str | Path | None = None,
 ) -> dict:
     from teragram.index import dense
-
-    from .train import load_model
+    from teragram.model.checkpoint import load_model
 
     model, meta = load_model(checkpoint, device)
     keys, vals = collect(model, index_dir, features_dir, n_positions, device=device)

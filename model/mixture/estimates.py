@@ -33,7 +33,7 @@ INDEX = ("index_infgram", *(f"index_{k + 1}gram" for k in ORDERS))
 CACHE = ("cache_longest", *(f"cache_{k + 1}gram" for k in ORDERS))
 COMPONENTS = INDEX + CACHE
 CACHE_LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # cache_longest: the longest of these that occurred
-# The names gates were saved with before the components were named (model/gate.py reads them).
+# The names gates were saved with before the components were named (model/mixture/gate.py reads them).
 LEGACY_NAMES = {"": "index_infgram", "c": "cache_longest"} | {str(k): f"index_{k + 1}gram" for k in ORDERS}
 LEGACY_NAMES |= {f"c{k}": f"cache_{k + 1}gram" for k in ORDERS}
 

@@ -2,7 +2,7 @@
 match of the context in the index (the ∞-gram's most frequent next token, token by token, or
 what followed the match's most recent occurrence), or of its longest match earlier in the text
 being written (the document cache, as prompt-lookup decoding does). The model verifies a draft
-in one forward pass (model/sample.py) and keeps the longest prefix it agrees with.
+in one forward pass (model/generation/sample.py) and keeps the longest prefix it agrees with.
 
 How far to trust a match is learnt while generating: every drafted token's fate is counted by
 where it came from (index or cache) and by the length of the match it extends. A draft goes on

@@ -1,11 +1,11 @@
 """The index gate: a model's next-token distribution mixed with exact-match estimates
-(model/estimates.py) by weights computed from what is known before the token is seen.
+(model/mixture/estimates.py) by weights computed from what is known before the token is seen.
 
 A softmax gate over M components -- the model, then the estimates it names -- whose weights
 are a log-linear function of each estimate's context count, how concentrated its continuations
 are, whether its top continuation is the model's most likely token, the ∞-gram's (or the
 cache's) suffix length and the model's confidence. It generalises infini-gram's interpolation
-(model/baselines.py) and is fit by maximum likelihood on validation text. Every mixture is a
+(model/mixture/baselines.py) and is fit by maximum likelihood on validation text. Every mixture is a
 proper distribution for every context, so perplexities stay honest; generation computes the
 same mixture live (`next_distribution`).
 """
@@ -19,8 +19,7 @@ from pathlib import Path
 import numpy as np
 from teragram.index import format as fmt
 from teragram.index.errors import TeragramError
-
-from .estimates import CACHE_LENGTHS, COMPONENTS, INDEX, LEGACY_NAMES, ORDERS, cache_live, context_length
+from teragram.model.mixture.estimates import CACHE_LENGTHS, COMPONENTS, INDEX, LEGACY_NAMES, ORDERS, cache_live, context_length
 
 LEN_EDGES = np.array([1, 2, 3, 4, 5, 7, 10, 15, 23, 35, 64, 128])  # suffix-length buckets
 MAXP_EDGES = np.linspace(0.1, 0.9, 9)  # the model's top probability

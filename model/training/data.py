@@ -16,17 +16,16 @@ import torch
 from teragram.index import format as fmt
 from teragram.index.errors import TeragramError
 from teragram.index.features import Features, open_features
-
-from .gpt import to_torch
-from .joint import Est
-from .joint import to_torch as est_to_torch
+from teragram.model.gpt import to_torch
+from teragram.model.mixture.joint import Est
+from teragram.model.mixture.joint import to_torch as est_to_torch
 
 
 @dataclass
 class _Shard:
     tokens: np.ndarray
     feats: Features | None  # as stored
-    est: Est | None = None  # joint training's estimates (model/joint.py), memmapped
+    est: Est | None = None  # joint training's estimates (model/mixture/joint.py), memmapped
 
 
 class TrainData:

@@ -15,13 +15,12 @@ import numpy as np
 import torch
 from teragram.index.errors import TeragramError
 from teragram.index.features import Features
-
-from . import joint
-from .data import EvalData
-from .estimates import COMPONENTS, heldout_docs, heldout_estimates
-from .gate import Gate, component_logp, gate_inputs, mix_nll_multi
-from .gpt import GPT, to_torch
-from .knn import key_states
+from teragram.model.gpt import GPT, to_torch
+from teragram.model.mixture import joint
+from teragram.model.mixture.estimates import COMPONENTS, heldout_docs, heldout_estimates
+from teragram.model.mixture.gate import Gate, component_logp, gate_inputs, mix_nll_multi
+from teragram.model.mixture.knn import key_states
+from teragram.model.training.data import EvalData
 
 
 @torch.no_grad()
@@ -43,10 +42,10 @@ def token_eval(
     softmax), maxp and top (its most likely token and that token's probability), target, doc
     (document number), pos (index of the target in EOS+doc+EOS order minus one), and with
     hidden=True the final hidden state (for kNN-LM queries; hidden="ffn_in": the state
-    model/knn.key_states names). A jointly trained model mixes in
+    model/mixture/knn.key_states names). A jointly trained model mixes in
     its estimates against `index` (an Index or its directory), computed on `threads` threads
     unless the caller has them already (`estimates`: joint.heldout_est of this text and index);
-    a gate that reads dense_knn takes it from `knn` (model/knn.KnnSource)."""
+    a gate that reads dense_knn takes it from `knn` (model/mixture/knn.KnnSource)."""
     ev = EvalData(heldout, model.cfg.block_size, eos, sep)
     key = "final" if hidden is True else hidden
     est = None
@@ -178,7 +177,7 @@ class EvalOptions:
     params: dict | None = None  # the baseline's fitted parameters to apply
     decontaminate: bool = False  # drop documents with >= 80% of their 13-grams in the index
     dense: str | Path | None = None  # the kNN baseline's dense store (default IDX/dense)
-    knn: object = None  # a jointly trained model's dense_knn source (model/knn.KnnSource)
+    knn: object = None  # a jointly trained model's dense_knn source (model/mixture/knn.KnnSource)
     workers: int = 1  # processes for the index estimates
 
 
@@ -212,10 +211,9 @@ def heldout_report(model: GPT, index_dir, heldout, device: str = "cpu", opts: Ev
 def mix_report(r: dict, per_doc: np.ndarray, index_dir, heldout, opts: EvalOptions = EvalOptions()):
     """heldout_report's mixing half, from a model's per-token outputs r (token_eval's fields:
     nll, maxp, top, target, doc, and hidden for the kNN baseline) on the documents of `heldout`
-    (held-out features, or saved outputs: model/outputs.py), per_doc their UTF-8 bytes."""
+    (held-out features, or saved outputs: model/evaluation/outputs.py), per_doc their UTF-8 bytes."""
     from teragram.index.heldout import DECONTAMINATION_SHARE, contamination
-
-    from . import baselines
+    from teragram.model.mixture import baselines
 
     if opts.baseline is not None and opts.baseline not in baselines.BASELINES:
         raise TeragramError(f"unknown baseline {opts.baseline!r}; expected {' or '.join(baselines.BASELINES)}")

@@ -1,5 +1,5 @@
 """The dense store of every training position, searched as the kNN-LM searches it (Khandelwal et
-al., 2020), and its estimate as a component of the joint gate (model/joint.py's dense_knn).
+al., 2020), and its estimate as a component of the joint gate (model/mixture/joint.py's dense_knn).
 
 Keys are a model's states at every training position of an index's shards (float16, centred, in
 device memory: ~72 GB for 47M positions of a 125M model on the H200), values the next tokens. Which
@@ -30,7 +30,7 @@ SEED = 20261201
 K_JOINT = 64  # neighbours of the joint gate's kNN estimate (its p(target) against k = 1024's is measured: knn_est.json)
 KEY_STATES = ("final", "ffn_in")  # ln_f's output; the last block's ln_2 output (the FFN's input: Khandelwal et al.'s keys)
 DIST_EDGES = np.geomspace(0.02, 20.0, 19)  # the nearest distance / scale: the estimate's buckets 1..20 (0: no neighbour)
-# the joint gate's dense components (model/joint.DENSE, in its order): the kNN estimate at the temperature fit on
+# the joint gate's dense components (model/mixture/joint.DENSE, in its order): the kNN estimate at the temperature fit on
 # validation times these, so that the gate chooses per token how sharp it is (benchmarks/gate_headroom.py's (t+knn3):
 # the post-hoc gate over (a)'s estimate at three temperatures against the one fit on validation)
 MULTIPLES = (1.0, 0.5, 2.5)
@@ -368,12 +368,12 @@ def cache_columns(h, doc, vals, target, k: int, temp: float, scale: float, rows:
 
 def estimate_columns(d, nb, target, temps, scale: float) -> dict:
     """The kNN estimate at each temperature of `temps` as joint components, numpy columns (n, M)
-    of model/joint.Est: q = p_knn(target) (softmax(-d / temp) over the neighbours), rest 0 (1
+    of model/mixture/joint.Est: q = p_knn(target) (softmax(-d / temp) over the neighbours), rest 0 (1
     without any neighbour: it defers to the model), in the count's place the nearest distance's
     bucket (in units of `scale`; 0: none), the share of the nearest neighbour's token and that
     token as top (-1: none)."""
     import torch
-    from teragram.model.gate import SHARE_EDGES
+    from teragram.model.mixture.gate import SHARE_EDGES
 
     has = torch.isfinite(d[:, 0])
     edges = torch.as_tensor(DIST_EDGES, dtype=d.dtype, device=d.device)
@@ -397,9 +397,9 @@ def estimate_columns(d, nb, target, temps, scale: float) -> dict:
 
 
 def as_est(cols: dict):
-    """estimate_columns' arrays as a model/joint.Est (the per-position fields zero: with_columns
+    """estimate_columns' arrays as a model/mixture/joint.Est (the per-position fields zero: with_columns
     keeps the index's); a column (n,) of an older file is one component."""
-    from teragram.model.joint import Est
+    from teragram.model.mixture.joint import Est
 
     cols = {f: np.asarray(v).reshape(len(v), -1) for f, v in cols.items()}
     z = np.zeros(len(cols["q"]), np.uint8)
@@ -431,7 +431,7 @@ class KnnSource:
     wrote for held-out text. The keys live in device memory (2 bytes x n_embd per training position)."""
 
     def __init__(self, keys_model, index_dir: str | Path, settings, components, device: str = "cpu"):
-        from .joint import DENSE
+        from teragram.model.mixture.joint import DENSE
 
         settings = OPTIONAL | dict(settings)
         missing = [f for f in SETTINGS if f not in settings]
@@ -595,7 +595,7 @@ class KnnSource:
 def require_store(model, given) -> None:
     """Refuse, before any work, a jointly trained model whose gate reads dense_knn when no store is
     `given` (the KnnSource, or the --knn-keys that will build it)."""
-    from .joint import DENSE
+    from teragram.model.mixture.joint import DENSE
 
     if given is None and model is not None and any(c in DENSE for c in model.cfg.joint):
         raise TeragramError(
@@ -607,8 +607,8 @@ def source_for(model, keys_checkpoint, index_dir, device: str = "cpu") -> KnnSou
     """The KnnSource of a jointly trained model whose gate reads dense_knn, rebuilt from
     `keys_checkpoint` (--knn-keys: the run whose hidden states key the store) over the index;
     None when the gate reads none (or no keys are given: whoever needs the estimates refuses)."""
-    from .joint import DENSE
-    from .train import load_model
+    from teragram.model.checkpoint import load_model
+    from teragram.model.mixture.joint import DENSE
 
     reads = any(c in DENSE for c in model.cfg.joint)
     if keys_checkpoint and not reads:

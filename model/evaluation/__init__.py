@@ -1,0 +1,1 @@
+"""Evaluation: held-out perplexity, downstream multiple-choice tasks, saved per-token outputs."""

@@ -1,0 +1,1 @@
+"""Generation with live index lookups, and drafts read off exact matches."""

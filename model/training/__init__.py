@@ -1,0 +1,1 @@
+"""Training the GPT: the loop, its data, optimizers, low precision and communication across ranks."""
