@@ -1,7 +1,10 @@
-"""Shared helpers for benchmark scripts: measured subprocesses, machine/commit info, results.
+"""Shared helpers for benchmark scripts: measured subprocesses, machine/commit info, results,
+smoke runs.
 
 Every benchmark prints a short table last and writes benchmarks/results/NAME.{json,md,png}
-with the command line, the git commit and the machine it ran on.
+(an experiment: experiments/results/) with the command line, the git commit and the machine it
+ran on. Every script has a `--smoke` mode (tiny data, CPU, seconds) that writes under a
+temporary folder only (smoke_context); tests/benchmarks/test_smoke.py runs them all.
 """
 
 from __future__ import annotations
@@ -11,12 +14,20 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# where results go: $TERAGRAM_RESULTS when set, else benchmarks/results/
-RESULTS = Path(os.environ.get("TERAGRAM_RESULTS", REPO / "benchmarks" / "results"))
+RESULTS = REPO / "benchmarks" / "results"  # a product benchmark's results
+EXPERIMENT_RESULTS = REPO / "experiments" / "results"  # a study's (experiments/)
+
+
+def results_dir(default: Path = RESULTS) -> Path:
+    """Where results go: $TERAGRAM_RESULTS when set (a smoke run sets it), else `default`."""
+    return Path(os.environ.get("TERAGRAM_RESULTS") or default)
 
 
 def commit() -> str:
@@ -96,26 +107,28 @@ def table(rows: list[dict], cols: list[str]) -> str:
     return "\n".join(lines)
 
 
-def save(name: str, data: dict, markdown: str, fig=None) -> None:
-    """Write NAME.json (data + provenance), NAME.md (provenance + table), NAME.png (fig)."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
+def save(name: str, data: dict, markdown: str, fig=None, *, results: Path = RESULTS) -> None:
+    """Write NAME.json (data + provenance), NAME.md (provenance + table), NAME.png (fig) under
+    results_dir(results)."""
+    out = results_dir(results)
+    out.mkdir(parents=True, exist_ok=True)
     prov = {
         "command": " ".join([Path(sys.executable).name] + sys.argv),
         "commit": commit(),
         "machine": machine(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
-    (RESULTS / f"{name}.json").write_text(json.dumps(prov | data, indent=1, default=float) + "\n")
+    (out / f"{name}.json").write_text(json.dumps(prov | data, indent=1, default=float) + "\n")
     head = f"`{prov['command']}` at commit `{prov['commit']}` on {prov['machine']['cpu']} ({prov['machine']['cores']} cores, {prov['machine']['mem_gib']} GiB), {prov['date']}\n\n"
-    (RESULTS / f"{name}.md").write_text(head + markdown + "\n")
+    (out / f"{name}.md").write_text(head + markdown + "\n")
     if fig is not None:
-        fig.savefig(RESULTS / f"{name}.png", dpi=120, bbox_inches="tight")
+        fig.savefig(out / f"{name}.png", dpi=120, bbox_inches="tight")
     print(markdown)
 
 
 def linux_corpus(workdir: Path, mb: float, split: str) -> Path:
     """The first `mb` MB of the train or held-out split of linux-source-6.1, as JSON lines (zstd)."""
-    from benchmarks import corpora
+    from tools import corpora
 
     out = Path(workdir) / f"linux-{split}-{mb:g}mb.jsonl.zst"
     if not out.exists():
@@ -124,6 +137,65 @@ def linux_corpus(workdir: Path, mb: float, split: str) -> Path:
 
 
 def default_workdir() -> Path:
-    from benchmarks import corpora
+    from tools import corpora
 
     return corpora.cache_dir().parent / "bench"
+
+
+@contextmanager
+def smoke_context(on: bool) -> Iterator[Path | None]:
+    """For a script's --smoke mode: a temporary folder (removed after) under which results
+    ($TERAGRAM_RESULTS, for this process and its children) and corpus caches ($TERAGRAM_CACHE)
+    go, so a smoke run writes nothing into the repository or the user's cache. None when off."""
+    if not on:
+        yield None
+        return
+    keys = ("TERAGRAM_RESULTS", "TERAGRAM_CACHE")
+    old = {k: os.environ.get(k) for k in keys}
+    with tempfile.TemporaryDirectory(prefix="teragram-smoke-") as tmp:
+        tmp = Path(tmp)
+        os.environ["TERAGRAM_RESULTS"] = str(tmp / "results")
+        os.environ["TERAGRAM_CACHE"] = str(tmp / "cache" / "corpora")
+        try:
+            yield tmp
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+SMOKE_DOCS = 24  # documents of the embedded corpus in a smoke corpus: a ~100k-token index
+
+
+def smoke_corpus(tmp: Path, *, heldout: bool = False) -> Path:
+    """A tiny corpus of the embedded one's files (kept once under tmp): `SMOKE_DOCS` training
+    files, or a held-out folder with valid/ and test/ of 3 files each."""
+    import shutil
+
+    src = REPO / "data" / "default"
+    out = tmp / ("smoke-heldout" if heldout else "smoke-train")
+    if out.exists():
+        return out
+    if heldout:
+        for half in ("valid", "test"):
+            for i, f in enumerate(sorted((src / "heldout" / half).rglob("*.rst.gz"))[:3]):
+                (out / half).mkdir(parents=True, exist_ok=True)
+                shutil.copy(f, out / half / f"{i:02d}-{f.name}")
+    else:
+        out.mkdir(parents=True)
+        for i, f in enumerate(sorted((src / "train" / "linux-doc").rglob("*.rst.gz"))[:SMOKE_DOCS]):
+            shutil.copy(f, out / f"{i:02d}-{f.name}")
+    return out
+
+
+def smoke_index(tmp: Path, vocab: int = 512) -> Path:
+    """A tiny index of smoke_corpus: $TERAGRAM_SMOKE_INDEX when set (the smoke test builds one
+    for every script), else built under tmp."""
+    if os.environ.get("TERAGRAM_SMOKE_INDEX"):
+        return Path(os.environ["TERAGRAM_SMOKE_INDEX"])
+    out = tmp / "smoke-idx"
+    if not (out / "manifest.json").exists():
+        sh(sys.executable, "-m", "teragram.builder.cli", smoke_corpus(tmp), "--out", out, "--vocab-size", vocab, "--quiet")
+    return out

@@ -43,8 +43,8 @@ TRAIN = ("train-code.jsonl.zst", "train-english.jsonl.zst")
 
 def prepare(data: Path, carry: Path) -> dict:
     """CARRY/train-everyday.jsonl.zst and CARRY/everyday/{valid,test}.jsonl.zst from DATA/ppl."""
-    from benchmarks import corpora
     from benchmarks.index_size_data import _halves, _write_jsonl
+    from tools import corpora
 
     ppl = data / "ppl"
     have = {r["path"] for name in ("heldout-code.jsonl.zst", "heldout-english.jsonl.zst") for r in read_jsonl(ppl / name)}

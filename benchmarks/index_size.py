@@ -10,7 +10,7 @@ The model is the perplexity benchmark's (a): a 125M GPT with no index inputs, tr
 (`model/evaluation/outputs.py`) on every held-out set; `eval` mixes those outputs with each index given,
 here, where the indexes live. Every index must contain the model's training text and share
 its tokenizer (DATA/idx-050m/tokenizer.model); the larger ones add documents of other Debian
-code and text packages, nested (benchmarks/corpora.py).
+code and text packages, nested (tools/corpora.py).
 
 Held-out sets, each split into validation (every λ and gate is fit there) and test (reported):
   indist     the perplexity benchmark's held-out documents (split from training by path hash)

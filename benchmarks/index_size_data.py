@@ -36,8 +36,8 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks import corpora
 from benchmarks.common import read_jsonl
+from tools import corpora
 
 EXTRA = (*corpora.CODE, *corpora.ENGLISH, *corpora.EXTRA_CODE, *corpora.EXTRA_ENGLISH)
 TRAIN = ("train-code.jsonl.zst", "train-english.jsonl.zst")

@@ -4,8 +4,8 @@ peers, on the index-size benchmark's data: the same 125M, steps and text as its 
     python -m benchmarks.index_size prepare --data DATA --carry .carry15       # here: text + held-out halves
     python -m benchmarks.joint gpu --carry .carry15 --work W --out OUT --stage prep [--then knnest]  # on the GPU machine
     python -m benchmarks.joint gpu --carry .carry15 --work W --out OUT --stage train [--refit]  # at once: W is lost when idle; again: resumes
-    python -m benchmarks.device_pipeline start --home H -- python -m benchmarks.joint gpu --stage all ...  # or both stages as one
-    python -m benchmarks.device_pipeline wait --home H                 # pipeline that outlives the calls: each call, at once
+    python -m tools.device_pipeline start --home H -- python -m benchmarks.joint gpu --stage all ...  # or both stages as one
+    python -m tools.device_pipeline wait --home H                 # pipeline that outlives the calls: each call, at once
     python -m benchmarks.index_size eval --outputs OUT --index DATA/idx-050m --name joint_posthoc   # here
     python -m benchmarks.joint eval --joint OUT [OUT2 ...] --index DATA/idx-050m --carry .carry15 \
         --posthoc benchmarks/results/joint_posthoc.json                                # here

@@ -20,7 +20,7 @@ exact brute-force search is measured on a sample of queries and reported.
 On the GPU, `run` writes, per held-out half, p_knn(target) of every target for a grid of
 temperatures (multiples of the median nearest distance of a sample of validation queries), the
 nearest distance (in that scale) and (a)'s nll; `fit` picks the temperature and λ on validation,
-here, and the test halves are only reported (benchmarks/joint.py). benchmarks/gate_headroom.py
+here, and the test halves are only reported (benchmarks/joint.py). experiments/gate_headroom.py
 also gives the post-hoc gate p_knn as one more estimate.
 
 `joint_estimates` makes the same kNN estimate components of the joint gate (model/mixture/joint.py's
@@ -32,7 +32,7 @@ the same estimate over the keys of the position's own document before it (model/
 its temperature fit on the same validation half, in the same units), for training positions and
 held-out text alike (a document's earlier text is what both read). Its held-out pass also writes the
 continuous cache over the same states (OUT/contcache-SET-HALF.npz, model/mixture/knn.cache_target_probs)
-for benchmarks/cont_cache.py.
+for experiments/cont_cache.py.
 """
 
 from __future__ import annotations
@@ -235,7 +235,7 @@ def _heldout(
             if peer:
                 gpu |= {"temperature_scale": scale, "factors": list(FACTORS)}
                 gpu |= _recall(ds, queries(r["hidden"], slice(0, RECALL_ROWS), mu, device), K_NEIGHBOURS, nprobe)
-        t = time.time()  # the continuous cache over the same states, beside them (benchmarks/cont_cache.py reads it)
+        t = time.time()  # the continuous cache over the same states, beside them (experiments/cont_cache.py reads it)
         q = cache_target_probs(r["hidden"], r["target"], r["doc"], [f * scale for f in CACHE_FACTORS], device)
         q = q.astype(np.float16)  # half the bytes to bring back; a mixture's nll moves by < 1e-3
         np.savez_compressed(out / f"contcache-{name}-{h}.npz", target=r["target"].astype(np.int32), q=q, factors=CACHE_FACTORS)
@@ -352,7 +352,7 @@ def choose_key(model, index_dir: Path, feats, idx, device: str, *, batch: int, e
 def _profiled(path: Path, first: bool):
     """With TERAGRAM_KNN_PROFILE set, the first search of a call under torch.profiler: its operators'
     GPU and CPU times, written to `path` (where a faster search should start). The profiler slows
-    that chunk about 5x (141 s against 27 s on the H200: benchmarks/results/knn_search_profile.txt)."""
+    that chunk about 5x (141 s against 27 s on the H200: experiments/results/knn_search_profile.txt)."""
     if not (first and os.environ.get("TERAGRAM_KNN_PROFILE")):
         yield
         return

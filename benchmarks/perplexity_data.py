@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from benchmarks import corpora
+from tools import corpora
 
 MB = 1_000_000
 SCALES = {

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import RESULTS, default_workdir, linux_corpus, run_measured, save, table
+from benchmarks.common import default_workdir, linux_corpus, results_dir, run_measured, save, table
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -195,7 +195,7 @@ def main() -> int:
         b, loga = np.polyfit(np.log(N), np.log(y), 1)
         fits[key] = {"exponent": float(b), "at_1T": float(np.exp(loga) * 1e12**b)}
     data["fits"] = fits
-    (RESULTS / "scaling_points.json").write_text(json.dumps(data, indent=1))
+    (results_dir() / "scaling_points.json").write_text(json.dumps(data, indent=1))
     md = table(
         rows,
         ["tokens (M)", "shards", "index s", "peak RSS MB", "B/token", "count ms", "infgram_prob ms", "score us/token", "features M tok/s"],

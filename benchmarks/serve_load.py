@@ -142,11 +142,11 @@ def main() -> int:
     args = ap.parse_args()
     run = Path(args.run)
     if args.share_only:
-        from benchmarks.common import RESULTS
+        from benchmarks.common import results_dir
 
-        data = json.loads((RESULTS / "serve_load.json").read_text())
+        data = json.loads((results_dir() / "serve_load.json").read_text())
         data["decode_lookup_share"] = share = lookup_share(default_workdir() / "tg")
-        (RESULTS / "serve_load.json").write_text(json.dumps(data, indent=1))
+        (results_dir() / "serve_load.json").write_text(json.dumps(data, indent=1))
         print(json.dumps(share))
         return 0
     ensure_demo(run)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import corpora, evals_gpu
+from benchmarks import evals_gpu
 from benchmarks.common import read_jsonl
 from benchmarks.index_size_data import _write_jsonl
 from benchmarks.perplexity import _valid
+from tools import corpora
 
 
 def _docs(split: str, n: int, prefix: str) -> list[dict]:

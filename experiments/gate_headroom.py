@@ -17,7 +17,7 @@ From (a)'s saved outputs (benchmarks/joint.py gpu) mixed with the index here, pe
      distance's bucket; and the same at three temperatures (KNN3: the joint gate's), three
      estimates the gate weighs per token, and at five (KNN5).
 
-    python -m benchmarks.gate_headroom --outputs OUT --index DATA/idx-050m [--knn OUT] [--name gate_headroom]
+    python -m experiments.gate_headroom --outputs OUT --index DATA/idx-050m [--knn OUT] [--name gate_headroom]
 
 Every gate and temperature is fit on validation; test is only reported. Decontaminated:
 documents with < 80% of their 13-grams in the index, as everywhere here.
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import read_jsonl, save, table
+from benchmarks.common import EXPERIMENT_RESULTS, read_jsonl, save, table
 from benchmarks.index_size import FIT_ROWS, HALVES, SETS, clean_documents
 
 NEIGHBOUR_TOKENS = 65536  # the neighbour cache's training text per document (one setting, not tuned)
@@ -347,6 +347,7 @@ def report(rows: list[dict], a) -> None:
         {"rows": rows, "outputs": a.outputs, "index": a.index, "knn": a.knn, "neighbour_tokens": NEIGHBOUR_TOKENS},
         "\n".join(lines),
         fig,
+        results=EXPERIMENT_RESULTS,
     )
 
 

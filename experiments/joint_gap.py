@@ -5,7 +5,7 @@ the joint models' LMs alone and their mixtures, and each bucket's part of the ga
 mixture and (t): share x (nll_joint - nll_t), which sums over the buckets to log(ppl_joint /
 ppl_t) (the bar: log 0.9 = -0.105).
 
-    python -m benchmarks.joint_gap --outputs OUT --joint OUT --index DATA/idx-050m \\
+    python -m experiments.joint_gap --outputs OUT --joint OUT --index DATA/idx-050m \\
         --variants knnj3r,knnj3s8r,knnj3s9r --posthoc benchmarks/results/joint_posthoc_seeds3.json
 
 OUT holds (a)'s outputs as benchmarks/index_size.py's eval unpacked them (OUT/unpacked) and the
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import save, table
+from benchmarks.common import EXPERIMENT_RESULTS, save, table
 from benchmarks.index_size import FIT_ROWS, HALVES, LENGTH_BUCKETS, SETS, clean_documents
 
 
@@ -102,7 +102,7 @@ def report(res: dict, name: str) -> None:
         total = {"bucket": "all", "share": 1.0} | {k: math.log(p) for k, p in r["ppl"].items()}
         total |= {f"{v} - t": math.log(r["ppl"][v] / r["ppl"]["t"]) for v in vs}
         lines += [f"**{s}** ({r['targets']:,} targets; perplexity (t) {r['ppl']['t']:.4g})", "", table([*r["buckets"], total], cols), ""]
-    save(name, res, "\n".join(lines), _figure(res))
+    save(name, res, "\n".join(lines), _figure(res), results=EXPERIMENT_RESULTS)
 
 
 def _figure(res: dict):

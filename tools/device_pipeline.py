@@ -6,9 +6,9 @@ directory that no earlier call copied, within what one call brings back (8 files
 MiB together), small files bundled in tars. A machine lost between two calls then costs what the
 last call had not brought back, not the run.
 
-    python -m benchmarks.device_pipeline start --home /tmp/jr --out-dir o --skip 'knnest-*' -- \\
+    python -m tools.device_pipeline start --home /tmp/jr --out-dir o --skip 'knnest-*' -- \\
         python -m benchmarks.joint gpu --carry .carry15 --work w --out o --stage all ...
-    python -m benchmarks.device_pipeline wait --home /tmp/jr            # the next call, at once
+    python -m tools.device_pipeline wait --home /tmp/jr            # the next call, at once
 
 The command runs in HOME (the repository's copy, the carried folders included), so relative
 paths in it land there. Each call prints the pipeline's log tail and what it ships; MANIFEST.txt

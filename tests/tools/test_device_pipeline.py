@@ -1,4 +1,4 @@
-"""benchmarks/device_pipeline: a command started in its own session, waited for over several
+"""tools/device_pipeline: a command started in its own session, waited for over several
 calls, its output shipped within one call's limits, each file once (again when it changes)."""
 
 import sys
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import device_pipeline as dp
+from tools import device_pipeline as dp
 
 
 def _unpack(out: Path) -> dict[str, bytes]:

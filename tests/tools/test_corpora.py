@@ -9,7 +9,7 @@ import tarfile
 import pytest
 import zstandard
 
-from benchmarks import corpora
+from tools import corpora
 
 
 def _fake_corpus(monkeypatch, tmp_path, n: int = 400):

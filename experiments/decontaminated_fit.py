@@ -8,7 +8,7 @@ mixed with the index here:
 2. Where is a jointly trained model's LM alone worse than (a): on the contaminated documents and
    the long matches (the LM leaving near-duplicated text to the index), or everywhere?
 
-    python -m benchmarks.decontaminated_fit --outputs OUT --index DATA/idx-050m [--joint lm1] [--name decontaminated_fit]
+    python -m experiments.decontaminated_fit --outputs OUT --index DATA/idx-050m [--joint lm1] [--name decontaminated_fit]
 
 Decontaminated: documents with < 80% of their 13-grams in the index (infini-gram's criterion,
 as everywhere here). Both gates are fit on the same number of validation targets at most
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import save, table
+from benchmarks.common import EXPERIMENT_RESULTS, save, table
 from benchmarks.index_size import FIT_ROWS, HALVES, SETS, clean_documents
 
 
@@ -79,7 +79,12 @@ def main() -> None:
             "(clean: decontamination keeps it) and by the ∞-gram's match length L at the target (perplexity):\n\n"
             + table(lm_rows, list(lm_rows[0]))
         )
-    save(a.name, {"rows": rows, "lm_alone": lm_rows, "outputs": a.outputs, "index": a.index, "joint": a.joint}, md)
+    save(
+        a.name,
+        {"rows": rows, "lm_alone": lm_rows, "outputs": a.outputs, "index": a.index, "joint": a.joint},
+        md,
+        results=EXPERIMENT_RESULTS,
+    )
 
 
 def _lm_alone(path: Path, name: str, o, est: dict, clean: np.ndarray) -> list[dict]:

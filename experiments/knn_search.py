@@ -13,7 +13,7 @@ of 47M keys, probed by ~15.6k of 2M queries):
   - the mask as today (eq, then masked_fill) and as one torch.where.
 Each GEMM's k nearest are compared with float64's: the share of them among float64's.
 
-    python -m benchmarks.knn_search [--queries 15600 --keys 11500 --dim 768 --k 64]
+    python -m experiments.knn_search [--queries 15600 --keys 11500 --dim 768 --k 64]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from benchmarks.common import save, table
+from benchmarks.common import EXPERIMENT_RESULTS, save, table
 
 
 def _timed(f, reps: int, cuda: bool):
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     ax.invert_yaxis()
     ax.set_xlabel("ms per list")
     ax.set_title(f"one list's search step, {r['device']}")
-    save(a.name, r, md, fig)
+    save(a.name, r, md, fig, results=EXPERIMENT_RESULTS)
     return 0
 
 

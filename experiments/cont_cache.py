@@ -13,13 +13,13 @@ pass; temperatures: knnlm.CACHE_FACTORS x the store's scale).
 
 Here every model is interpolated with it in the same way, p = (1 - λ) p_model + λ p_cache. The
 temperature and λ are fit on each set's validation half (knnlm.fit), and the decontaminated test
-half is reported. The models are (a), post-hoc (t) (refit here as benchmarks/joint_gap.py refits
+half is reported. The models are (a), post-hoc (t) (refit here as experiments/joint_gap.py refits
 it, checked against the post-hoc results) and the joint variants given. The cache is added to (t)
 too, so the joint-over-(t) ratio with the cache is a fair one. A post-hoc mix on top of a joint
 model is not the joint model: a gain here says the cache is worth making a joint component, and
 no more.
 
-    python -m benchmarks.cont_cache --outputs OUT --joint OUT --index DATA/idx-050m \\
+    python -m experiments.cont_cache --outputs OUT --joint OUT --index DATA/idx-050m \\
         --variants knnj3r --posthoc benchmarks/results/joint_posthoc_NAME.json --name cont_cache
 """
 
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import save, table
+from benchmarks.common import EXPERIMENT_RESULTS, save, table
 from benchmarks.index_size import HALVES, SETS
 from benchmarks.knnlm import CACHE_FACTORS
 
@@ -41,8 +41,8 @@ def measure(outputs: Path, joint: Path, index: Path, variants: list[str], postho
     from teragram.model.mixture.baselines import mix_nll
 
     from benchmarks.joint import _load_nll
-    from benchmarks.joint_gap import posthoc_of, refit_t
     from benchmarks.knnlm import fit
+    from experiments.joint_gap import posthoc_of, refit_t
 
     ph = posthoc_of(posthoc, index)
     res = {"index": index.name, "variants": variants, "posthoc_results": str(posthoc), "sets": {}}
@@ -84,13 +84,13 @@ def measure(outputs: Path, joint: Path, index: Path, variants: list[str], postho
 
 def _gate_with_cache(o: dict, est: dict, q: dict) -> dict:
     """(t+cc): the post-hoc gate over (t)'s estimates and the continuous cache at each of its
-    temperatures as more estimates (its inputs (t)'s, fit on validation as benchmarks/gate_headroom.py
+    temperatures as more estimates (its inputs (t)'s, fit on validation as experiments/gate_headroom.py
     fits its (t+knn3)); the cache defers to the model at a document's first target, where it has
     no history. Per-target nll per half."""
     from teragram.model.mixture.estimates import COMPONENTS
     from teragram.model.mixture.gate import component_logp, gate_inputs
 
-    from benchmarks.gate_headroom import _linear
+    from experiments.gate_headroom import _linear
 
     X, lp = {}, {}
     for h in HALVES:
@@ -136,7 +136,7 @@ def report(res: dict, name: str) -> None:
                 f"estimates (fit on validation): {g:.4g} ({g / t['test_decontaminated']:.3f}x (t) alone). Against it, alone: {vs}.",
                 "",
             ]
-    save(name, res, "\n".join(lines), _figure(res))
+    save(name, res, "\n".join(lines), _figure(res), results=EXPERIMENT_RESULTS)
 
 
 def _figure(res: dict):

@@ -1,8 +1,8 @@
 """Real corpora from Debian packages: fetched with `apt-get download`, unpacked with `dpkg -x`.
 
-    python -m benchmarks.corpora fetch linux-source-6.1 linux-doc-6.1
-    python -m benchmarks.corpora export linux-source-6.1 --max-mb 200 --out /tmp/linux.jsonl.zst
-    python -m benchmarks.corpora make-default          # regenerates data/default/
+    python -m tools.corpora fetch linux-source-6.1 linux-doc-6.1
+    python -m tools.corpora export linux-source-6.1 --max-mb 200 --out /tmp/linux.jsonl.zst
+    python -m tools.corpora make-default          # regenerates data/default/
 
 Each corpus yields documents, one per source file (a file of the kernel tarball, a man page,
 a book of the bible, a fortune file); the few single-file corpora (the Jargon File, GCIDE)
