@@ -103,4 +103,3 @@ def test_only_files_absent_from_the_older_release_are_kept(releases):
     assert not {t.encode() for t in got.values()} & set(old.values())
     # and the new files' paths are what the held-out split keeps: every one held out
     assert {corpora.corpus_split("linux-source-6.12-new", NEW + "/" + p) for p in got} == {"heldout"}
-
