@@ -134,7 +134,7 @@ def main() -> int:
     md += (
         f"\n\nScoring every position of {len(docs)} held-out 1,000-token documents: teragram `score` {ours_tps:,.0f} tokens/s "
         f"(uncapped match length: {ours_uncapped_tps:,.0f}); infini-gram `infgram_prob` per position {ig_tps:,.0f} tokens/s "
-        f"({args.ig_docs} documents) -> {ours_tps / ig_tps:.1f}x. Opening the index and one count: {open_rss_mb:.0f} MB peak RSS, of which {open_anon_mb:.0f} MB the process's own and {open_file_mb:.0f} MB mapped index pages (the top-level cache reads a sample of the suffix array on first use)."
+        f"({args.ig_docs} documents) -> {ours_tps / ig_tps:.1f}x. Opening the index and one count: {open_rss_mb:.0f} MiB peak RSS, of which {open_anon_mb:.0f} MiB the process's own and {open_file_mb:.0f} MiB mapped index pages (the top-level cache reads a sample of the suffix array on first use)."
     )
     import matplotlib
 
