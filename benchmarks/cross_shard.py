@@ -207,7 +207,7 @@ def main() -> int:
     md = (
         f"Index: {len(idx.shards)} shards, {n:,} positions; cap {args.cap}; load average "
         f"{load['before'][0]:.2f} before, {load['after'][0]:.2f} after (of {os.cpu_count()} cores).\n\n"
-        f"Exclude-doc length + continuation of every position (peak RSS {fdata['peak_rss_mb_after_merged']:,.0f} MB after "
+        f"Exclude-doc length + continuation of every position (peak RSS {fdata['peak_rss_mb_after_merged']:,.0f} MiB after "
         f"the merged runs; last run: {_stats_line(fdata['merged_stats'][-1])}); answers equal on the pairwise shards and on "
         f"{check['equal']:,} of {check['checked']:,} positions checked by search ({check['read_one_by_one']:,} with every "
         f"occurrence read): {fequal}.\n\n" + table(frows, list(frows[0]))
