@@ -43,7 +43,7 @@ TRAIN = ("train-code.jsonl.zst", "train-english.jsonl.zst")
 
 def prepare(data: Path, carry: Path) -> dict:
     """CARRY/train-everyday.jsonl.zst and CARRY/everyday/{valid,test}.jsonl.zst from DATA/ppl."""
-    from benchmarks.index_size_data import _halves, _write_jsonl
+    from benchmarks.index_size_data import split_halves, write_jsonl
     from tools import corpora
 
     ppl = data / "ppl"
@@ -53,7 +53,7 @@ def prepare(data: Path, carry: Path) -> dict:
         raise SystemExit(f"{ppl / 'heldout-everyday.jsonl.zst'} holds a train-split document")
     carry.mkdir(parents=True, exist_ok=True)
     shutil.copy(ppl / "train-everyday.jsonl.zst", carry / "train-everyday.jsonl.zst")
-    info = {half: _write_jsonl(carry / "everyday" / f"{half}.jsonl.zst", recs) for half, recs in _halves(held).items()}
+    info = {half: write_jsonl(carry / "everyday" / f"{half}.jsonl.zst", recs) for half, recs in split_halves(held).items()}
     (carry / "prepare.json").write_text(json.dumps(info, indent=1))
     return info
 

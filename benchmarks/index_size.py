@@ -186,7 +186,7 @@ def save_outputs_a(work: Path, out: Path, held: dict, batch: int, device: str, r
 # ---- eval (here, where the indexes live) ------------------------------------------------------
 
 
-def _contamination(est: dict, starts: np.ndarray) -> np.ndarray:
+def contamination_share(est: dict, starts: np.ndarray) -> np.ndarray:
     """Per document, the share of its 13-grams found in the index: the ∞-gram match of the
     context before target j covers the 13-gram ending there iff its length is >= 13."""
     out = []
@@ -204,7 +204,7 @@ def clean_documents(o, est: dict) -> np.ndarray:
 
     # the targets of document k sit at starts[k] .. starts[k + 1] - 1 (its ids, then EOS)
     starts = np.asarray(fmt.open_array(o.path / "000000" / "docs.bin", "docs")).astype(np.int64)
-    return _contamination(est, starts) < 0.8
+    return contamination_share(est, starts) < 0.8
 
 
 def _variants(o: dict, est: dict, cache_only: dict | None) -> tuple[dict[str, dict[str, np.ndarray]], dict]:

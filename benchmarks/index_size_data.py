@@ -51,7 +51,8 @@ def _ready(data: Path, line: str) -> None:
     print(line, flush=True)
 
 
-def _write_jsonl(path: Path, records: list[dict]) -> dict:
+def write_jsonl(path: Path, records: list[dict]) -> dict:
+    """Write records (text, path, corpus) as zstd JSON lines, by a temporary name; their count and sizes."""
     import zstandard
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -88,13 +89,13 @@ def _hash(salt: str, path: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{salt}:{path}".encode(), digest_size=8).digest(), "big")
 
 
-def _halves(records: list[dict]) -> dict[str, list[dict]]:
+def split_halves(records: list[dict]) -> dict[str, list[dict]]:
     """valid/test by the perplexity benchmark's rule (a second hash of the path)."""
-    from benchmarks.perplexity import _valid
+    from benchmarks.perplexity import in_valid_half
 
     out: dict[str, list[dict]] = {"valid": [], "test": []}
     for r in records:
-        out["valid" if _valid(r["path"]) else "test"].append(r)
+        out["valid" if in_valid_half(r["path"]) else "test"].append(r)
     return out
 
 
@@ -115,18 +116,18 @@ def heldout(data: Path) -> dict:
     ppl = [r for name in ("heldout-code.jsonl.zst", "heldout-english.jsonl.zst") for r in read_jsonl(data / "ppl" / name)]
     if any(corpora.split_of(r["path"]) != "heldout" for r in ppl):
         raise SystemExit("ppl held-out files hold a train-split document")
-    sets = {"indist": _halves(ppl)}
+    sets = {"indist": split_halves(ppl)}
     for set_name, corpus in (("timeshift", "linux-source-6.12-new"), ("prose", "python3.11-doc")):
         docs = [
             {"text": t, "path": p, "corpus": corpus}
             for p, t in corpora.documents(corpus)
             if len(t.encode()) <= HELDOUT_MAX_DOC and corpora.corpus_split(corpus, p) == "heldout"
         ]
-        sets[set_name] = {k: _sample(v, HELDOUT_HALF_BYTES) for k, v in _halves(docs).items()}
+        sets[set_name] = {k: _sample(v, HELDOUT_HALF_BYTES) for k, v in split_halves(docs).items()}
         info[f"{set_name}_available"] = {"docs": len(docs), "bytes": sum(len(r["text"].encode()) for r in docs)}
     for set_name, halves in sets.items():
         for half, recs in halves.items():
-            st = _write_jsonl(data / "heldout" / set_name / f"{half}.jsonl.zst", recs)
+            st = write_jsonl(data / "heldout" / set_name / f"{half}.jsonl.zst", recs)
             info[f"{set_name}/{half}"] = st
             _ready(data, f"heldout/{set_name}/{half}.jsonl.zst: {st['docs']:,} docs, {st['bytes'] / 1e6:.2f} MB of text")
     for pkg in ("linux-source-6.12", "python3.11-doc"):

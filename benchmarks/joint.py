@@ -238,7 +238,7 @@ def _save_nll(path: Path, nll: np.ndarray, r: dict | None) -> None:
     np.savez_compressed(path, nll=np.asarray(nll, np.float32), **more)
 
 
-def _load_nll(home: dict, v: str, s: str, h: str) -> dict:
+def load_nll(home: dict, v: str, s: str, h: str) -> dict:
     """A variant's saved nll on one half, with its LM's and the targets (a refit's: its variant's)."""
     z = dict(np.load(home[v] / f"{v}-{s}-{h}.npz"))
     if "target" not in z:
@@ -504,7 +504,7 @@ def stage_eval(joint_outs: list[Path], index: Path, carry: Path, posthoc: Path, 
     from teragram.model.mixture import baselines
     from teragram.model.mixture.estimates import heldout_docs
 
-    from benchmarks.index_size import _contamination, heldout_features
+    from benchmarks.index_size import contamination_share, heldout_features
 
     rows = [r for r in json.loads(posthoc.read_text())["indexes"] if r["index"] == index.name]
     if not rows:
@@ -566,9 +566,9 @@ def stage_eval(joint_outs: list[Path], index: Path, carry: Path, posthoc: Path, 
                 m[first] = False
                 length[m] = L
                 starts = np.concatenate([[0], np.cumsum(lens + 1)])
-                keep = (_contamination({"index_length": length}, starts) < 0.8)[doc]
+                keep = (contamination_share({"index_length": length}, starts) < 0.8)[doc]
             for v in whole[s]:
-                z = _load_nll(home, v, s, h)
+                z = load_nll(home, v, s, h)
                 if not np.array_equal(z["target"], target):
                     raise SystemExit(f"{v} {s}-{h}: the joint run's targets differ from the held-out text's here")
                 r = row.setdefault(v, {})

@@ -97,7 +97,8 @@ def sh(*cmd, **kw):
     subprocess.run([str(c) for c in cmd], cwd=REPO, check=True, **kw)
 
 
-def _valid(path: str) -> bool:
+def in_valid_half(path: str) -> bool:
+    """Whether a held-out document goes to validation (else test): a second hash of its path."""
     return int.from_bytes(hashlib.blake2b(f"valid:{path}".encode(), digest_size=8).digest(), "big") % 2 == 0
 
 
@@ -117,7 +118,7 @@ def stage_build(data: Path, w: Path, s: dict, workers: int, variants: list[str])
         with zstandard.open(data / f"heldout-{dom}.jsonl.zst", "rt") as f:
             for line in f:
                 rec = json.loads(line)
-                outs["valid" if _valid(rec["path"]) else "test"].write(line)
+                outs["valid" if in_valid_half(rec["path"]) else "test"].write(line)
         for o in outs.values():
             o.close()
 

@@ -40,7 +40,7 @@ from benchmarks.knnlm import CACHE_FACTORS
 def measure(outputs: Path, joint: Path, index: Path, variants: list[str], posthoc: Path, workers: int) -> dict:
     from teragram.model.mixture.baselines import mix_nll
 
-    from benchmarks.joint import _load_nll
+    from benchmarks.joint import load_nll
     from benchmarks.knnlm import fit
     from experiments.joint_gap import posthoc_of, refit_t
 
@@ -58,7 +58,7 @@ def measure(outputs: Path, joint: Path, index: Path, variants: list[str], postho
         for v in variants:
             nll[v] = {}
             for h in HALVES:
-                z = _load_nll({v: joint}, v, s, h)
+                z = load_nll({v: joint}, v, s, h)
                 if not np.array_equal(z["target"], o[h].target.astype(np.int32)):
                     raise SystemExit(f"{v} {s}-{h}: the joint run's targets differ from (a)'s outputs'")
                 nll[v][h] = z["nll"].astype(np.float64)
@@ -90,7 +90,7 @@ def _gate_with_cache(o: dict, est: dict, q: dict) -> dict:
     from teragram.model.mixture.estimates import COMPONENTS
     from teragram.model.mixture.gate import component_logp, gate_inputs
 
-    from experiments.gate_headroom import _linear
+    from experiments.gate_headroom import linear_gate_nll
 
     X, lp = {}, {}
     for h in HALVES:
@@ -100,7 +100,7 @@ def _gate_with_cache(o: dict, est: dict, q: dict) -> dict:
         X[h] = gate_inputs(est[h], o[h].maxp.astype(np.float64), o[h].top.astype(np.int64), COMPONENTS)
         cc = np.where(first[:, None], -nll[:, None], np.log(q[h] + 1e-300))
         lp[h] = np.maximum(np.concatenate([component_logp(est[h], nll, COMPONENTS), cc], 1), -700.0)
-    return _linear(X, lp)
+    return linear_gate_nll(X, lp)
 
 
 def report(res: dict, name: str) -> None:

@@ -154,7 +154,9 @@ def _mlp_gate(X: dict, lp: dict, docs_valid: np.ndarray, seed: int = 0) -> np.nd
         return nll(torch.from_numpy(np.ascontiguousarray(X["test"], np.float64)), torch.from_numpy(lp["test"])).numpy()
 
 
-def _linear(X: dict, lp: dict) -> dict[str, np.ndarray]:
+def linear_gate_nll(X: dict, lp: dict) -> dict[str, np.ndarray]:
+    """Per half, the nll of the post-hoc softmax gate over the inputs X and the components' log
+    probabilities lp, its weights fit on (at most FIT_ROWS of) validation."""
     from teragram.model.mixture.gate import fit_weights, mix_nll_multi, mixture_weights
 
     fit = np.arange(len(X["valid"]))
@@ -202,12 +204,12 @@ def evaluate_set(name: str, a, nb: Neighbours | None) -> dict:
 
     nll = {"(a) no index": {h: o[h].nll.astype(np.float64) for h in HALVES}}
     X, lp = inputs(E.COMPONENTS)
-    nll["(t) post-hoc gate"] = _linear(X, lp)
+    nll["(t) post-hoc gate"] = linear_gate_nll(X, lp)
     t = time.time()
     nll["(t/mlp) the same inputs, an MLP gate"] = {"test": _mlp_gate(X, lp, o["valid"].doc)}
     mlp_s = time.time() - t
     Xn, lpn = inputs(E.COMPONENTS + near)
-    nll["(t+near) plus the neighbour cache"] = _linear(Xn, lpn)
+    nll["(t+near) plus the neighbour cache"] = linear_gate_nll(Xn, lpn)
     knn = {}
     if a.knn:
         p, dist = zip(*(_knn(Path(a.knn) / f"knn-{name}-{h}.npz", o[h]) for h in HALVES), strict=True)
@@ -230,7 +232,7 @@ def evaluate_set(name: str, a, nb: Neighbours | None) -> dict:
                 B[np.arange(len(B)), np.searchsorted(edges, dist[h])] = 1
                 Xk[h] = np.concatenate([B, Xb[h]], 1)
                 lpk[h] = np.concatenate([lpb[h], np.maximum(np.log(p[h][:, cols] + 1e-300), -700.0)], 1)
-            nll[tag] = _linear(Xk, lpk)
+            nll[tag] = linear_gate_nll(Xk, lpk)
         knn = {"temperature_factor": knnlm.FACTORS[j], "lambda": lam}
     row = {"set": name, "test targets": len(clean), "decontaminated targets": int(clean.sum())}
     for v, n in nll.items():

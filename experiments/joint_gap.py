@@ -58,7 +58,7 @@ def refit_t(outputs: Path, index: Path, s: str, ph: dict, workers: int):
 
 
 def gap(outputs: Path, joint: Path, index: Path, variants: list[str], posthoc: Path, workers: int) -> dict:
-    from benchmarks.joint import _load_nll
+    from benchmarks.joint import load_nll
 
     ph = posthoc_of(posthoc, index)
     res = {"index": index.name, "variants": variants, "posthoc_results": str(posthoc), "sets": {}}
@@ -66,7 +66,7 @@ def gap(outputs: Path, joint: Path, index: Path, variants: list[str], posthoc: P
         o, est, t, clean = refit_t(outputs, index, s, ph, workers)
         nll = {"a": o["test"].nll.astype(np.float64), "t": t["test"]}
         for v in variants:
-            z = _load_nll({v: joint}, v, s, "test")  # a refit's: with its variant's LM alone and targets
+            z = load_nll({v: joint}, v, s, "test")  # a refit's: with its variant's LM alone and targets
             if not np.array_equal(z["target"], o["test"].target.astype(np.int32)):
                 raise SystemExit(f"{v} {s}: the joint run's targets differ from (a)'s outputs'")
             nll[v] = z["nll"].astype(np.float64)

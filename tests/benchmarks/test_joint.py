@@ -109,7 +109,7 @@ def test_own_store_variants_resume_and_read_their_base(tmp_path):
             np.savez(out / f"knnj3o-{n}-{h}.npz", nll=np.ones(3, np.float32), nll_model=np.full(3, 2.0, np.float32), target=np.arange(3))
     assert joint._done(info, "knnj3", work, out, True, True)
     np.savez(out / "knnj3or-indist-test.npz", nll=np.zeros(3, np.float32))
-    z = joint._load_nll({"knnj3or": out}, "knnj3or", "indist", "test")
+    z = joint.load_nll({"knnj3or": out}, "knnj3or", "indist", "test")
     assert (z["nll_model"] == 2.0).all() and (z["target"] == np.arange(3)).all() and (z["nll"] == 0).all()
     with pytest.raises(SystemExit, match="--refit"):
         joint.main(["gpu", "--carry", "c", "--work", str(work), "--out", str(out), "--own-store"])
