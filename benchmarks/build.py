@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import default_workdir, linux_corpus, run_measured, save, table
+from benchmarks.common import SMOKE_HELP, default_workdir, linux_corpus, run_measured, save, smoke_context, smoke_jsonl, table
 
 
 def doc_ids(idx_dir: Path) -> list[np.ndarray]:
@@ -58,13 +58,18 @@ print("INDEX_S", time.time() - t)
 """
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=float, default=127, help="MB of linux-source-6.1 text, train split (about 50M tokens at 127)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--workdir", default=str(default_workdir()))
     ap.add_argument("--corpus", help="use this corpus file instead of exporting linux-source")
-    args = ap.parse_args()
+    ap.add_argument("--vocab-size", type=int, default=32000)
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
+    args = ap.parse_args(argv)
+    if args.smoke:
+        with smoke_context(True) as tmp:
+            return main(["--corpus", str(smoke_jsonl(tmp)), "--workdir", str(tmp / "w"), "--workers", "1", "--vocab-size", "512"])
     repo = str(Path(__file__).resolve().parents[1])
     w = Path(args.workdir)
     w.mkdir(parents=True, exist_ok=True)
@@ -75,7 +80,20 @@ def main() -> int:
     tg = w / "tg"
     run_measured(["rm", "-rf", str(tg), str(w / "tg1"), str(w / "tg2"), str(w / "ig")])
     m = run_measured(
-        [sys.executable, "-m", "teragram.builder.cli", str(corpus), "--out", str(tg), "--workers", str(args.workers), "--quiet"], cwd=repo
+        [
+            sys.executable,
+            "-m",
+            "teragram.builder.cli",
+            str(corpus),
+            "--out",
+            str(tg),
+            "--workers",
+            str(args.workers),
+            "--vocab-size",
+            str(args.vocab_size),
+            "--quiet",
+        ],
+        cwd=repo,
     )
     rep = json.loads((tg / "build-report.json").read_text())
     man = json.loads((tg / "manifest.json").read_text())

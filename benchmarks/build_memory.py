@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 from teragram.index import format as fmt
 
-from benchmarks.common import default_workdir, linux_corpus, save, table
+from benchmarks.common import SMOKE_HELP, default_workdir, linux_corpus, save, smoke_context, smoke_jsonl, table
 
 
 def run_sampled(cmd: list[str]) -> dict:
@@ -66,7 +66,7 @@ def run_sampled(cmd: list[str]) -> dict:
     }
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=float, default=400, help="MB of linux-source-6.1 text (train split)")
     ap.add_argument("--memory", default="2,8", help="comma-separated --memory values (GB)")
@@ -78,16 +78,22 @@ def main() -> int:
     ap.add_argument("--tokenizer", help="an existing tokenizer (with --corpus)")
     ap.add_argument("--out", help="where the index of the last --memory value goes (kept)")
     ap.add_argument("--name", default="build_memory")
-    args = ap.parse_args()
+    ap.add_argument("--vocab-size", type=int, default=32000, help="the tokenizer trained when --tokenizer is not given")
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
+    args = ap.parse_args(argv)
+    if args.smoke:
+        with smoke_context(True) as tmp:
+            c = str(smoke_jsonl(tmp))
+            return main(["--corpus", c, "--workdir", str(tmp), "--memory", "1", "--workers", "1", "--vocab-size", "512"])
     w = Path(args.workdir)
     corpus = [Path(c) for c in args.corpus] if args.corpus else [linux_corpus(w, args.mb, "train")]
-    tok = Path(args.tokenizer) if args.tokenizer else w / "tok32k.model"
+    tok = Path(args.tokenizer) if args.tokenizer else w / f"tok{args.vocab_size}.model"
     if not tok.exists():
         from teragram.index import readers
         from teragram.index import tokenizer as tok_mod
 
         texts = (d.text for d in readers.read_file(corpus[0]) if isinstance(d, readers.Doc))
-        tok.write_bytes(tok_mod.train(texts, 32000, sample_bytes=32 << 20, threads=args.workers))
+        tok.write_bytes(tok_mod.train(texts, args.vocab_size, sample_bytes=32 << 20, threads=args.workers))
     rows = []
     budgets = [float(x) for x in args.memory.split(",")]
     for gb in budgets:

@@ -166,7 +166,7 @@ def smoke_context(on: bool) -> Iterator[Path | None]:
                     os.environ[k] = v
 
 
-SMOKE_DOCS = 24  # documents of the embedded corpus in a smoke corpus: a ~100k-token index
+SMOKE_DOCS = 8  # documents of the embedded corpus in a smoke corpus: a ~100k-token index
 
 
 def smoke_corpus(tmp: Path, *, heldout: bool = False) -> Path:
@@ -199,3 +199,30 @@ def smoke_index(tmp: Path, vocab: int = 512) -> Path:
     if not (out / "manifest.json").exists():
         sh(sys.executable, "-m", "teragram.builder.cli", smoke_corpus(tmp), "--out", out, "--vocab-size", vocab, "--quiet")
     return out
+
+
+def smoke_jsonl(tmp: Path, *, heldout: bool = False) -> Path:
+    """smoke_corpus's training files (or its held-out files, both halves) as one JSON-lines file
+    (zstd), the format linux_corpus gives."""
+    import gzip
+
+    import zstandard
+
+    out = tmp / ("smoke-heldout.jsonl.zst" if heldout else "smoke-train.jsonl.zst")
+    if not out.exists():
+        with zstandard.open(out, "wt", encoding="utf-8") as f:
+            for p in sorted(smoke_corpus(tmp, heldout=heldout).rglob("*.gz")):
+                f.write(json.dumps({"text": gzip.open(p, "rt", encoding="utf-8").read(), "path": p.name}) + "\n")
+    return out
+
+
+def smoke_imports(*modules: str) -> None:
+    """Import the modules a script loads only inside the stages its smoke run cannot reach (a GPU,
+    a large corpus): an import error there still fails the smoke run."""
+    import importlib
+
+    for m in modules:
+        importlib.import_module(m)
+
+
+SMOKE_HELP = "tiny data on CPU, in seconds; results under a temporary folder (tests/benchmarks/test_smoke.py runs it)"

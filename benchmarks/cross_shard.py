@@ -37,7 +37,7 @@ from teragram.index import kernels as IK
 from teragram.index.engine import Index
 from teragram.index.features import FeatureConfig
 
-from benchmarks.common import save, table
+from benchmarks.common import SMOKE_HELP, save, sh, smoke_context, smoke_corpus, table
 
 
 def pair_rows(idx: Index, cap: int, live_tokens: int) -> tuple[list[dict], bool]:
@@ -85,16 +85,16 @@ def feature_rows(idx: Index, cap: int, repeat: int, pairwise_shards: list[int], 
         }
     ]
     equal = True
-    for sh in pairwise_shards:
+    for k in pairwise_shards:
         t = time.perf_counter()
-        f, _ = shard_features(idx, sh, cfg, pairwise=True)
+        f, _ = shard_features(idx, k, cfg, pairwise=True)
         sec = time.perf_counter() - t
-        length, cont = merged[sh]
+        length, cont = merged[k]
         equal &= bool(np.array_equal(f.length, length) and np.array_equal(np.where(f.cont < 0, idx.sep, f.cont), cont))
         m = len(f.length)
         rows.append(
             {
-                "method": f"merge-join per pair, shard {sh} vs the other {len(idx.shards) - 1}",
+                "method": f"merge-join per pair, shard {k} vs the other {len(idx.shards) - 1}",
                 "positions": m,
                 "seconds": sec,
                 "tokens_per_s_per_core": m / sec,
@@ -180,9 +180,9 @@ def _stats_line(st: dict) -> str:
     )
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--index", required=True)
+    ap.add_argument("--index")
     ap.add_argument("--cap", type=int, default=64)
     ap.add_argument("--live-tokens", type=int, default=2_000_000)
     ap.add_argument("--repeat", type=int, default=3)
@@ -191,7 +191,27 @@ def main() -> int:
     ap.add_argument("--scratch", type=Path, help="where the chunks wait between the passes (else merged twice)")
     ap.add_argument("--no-pair", action="store_true", help="skip part 1")
     ap.add_argument("--name", default="cross_shard")
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
+    args = ap.parse_args(argv)
+    if args.smoke:  # a tiny index of three shards
+        with smoke_context(True) as tmp:
+            idx = tmp / "idx"
+            sh(
+                sys.executable,
+                "-m",
+                "teragram.builder.cli",
+                smoke_corpus(tmp),
+                "--out",
+                idx,
+                "--vocab-size",
+                512,
+                "--shard-tokens",
+                40000,
+                "--quiet",
+            )
+            return main(["--index", str(idx), "--live-tokens", "5000", "--repeat", "1", "--check", "50", "--scratch", str(tmp / "scratch")])
+    if not args.index:
+        ap.error("--index is required")
     idx = Index(args.index, threads=1, access="normal")
     load = {"before": os.getloadavg()}
     shards = [s % len(idx.shards) for s in args.pairwise_shards]

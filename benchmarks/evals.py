@@ -21,13 +21,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import save, table
+from benchmarks.common import save, smoke_imports, table
 
 
 def main() -> None:
+    if "--smoke" in sys.argv[1:]:  # imports only: its stages need a GPU run's files or a large corpus
+        return smoke_imports(
+            "benchmarks.common",
+            "teragram.index.engine",
+            "teragram.model.checkpoint",
+            "teragram.model.evaluation.tasks",
+            "teragram.model.mixture.gate",
+        )
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", help="the model, or --outputs")
     ap.add_argument("--outputs", help="the model's outputs (teragram evals --save-outputs)")

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import default_workdir, linux_corpus, run_measured, save, table
+from benchmarks.common import SMOKE_HELP, default_workdir, linux_corpus, run_measured, save, smoke_context, smoke_index, smoke_jsonl, table
 
 BUCKETS = [(0, 0), (1, 3), (4, 7), (8, 15), (16, 31), (32, 63), (64, 64)]
 
@@ -45,11 +46,17 @@ def l_stats(tokens: np.ndarray, starts: np.ndarray, length: np.ndarray, cont: np
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workdir", default=str(default_workdir()))
     ap.add_argument("--heldout-mb", type=float, default=4)
-    args = ap.parse_args()
+    ap.add_argument("--heldout", type=Path, help="held-out corpus file (default: the first --heldout-mb of linux-source's held-out split)")
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
+    args = ap.parse_args(argv)
+    if args.smoke:  # WORKDIR/tg: a tiny index
+        with smoke_context(True) as tmp:
+            shutil.copytree(smoke_index(tmp), tmp / "w" / "tg")
+            return main(["--workdir", str(tmp / "w"), "--heldout", str(smoke_jsonl(tmp, heldout=True))])
     repo = str(Path(__file__).resolve().parents[1])
     w = Path(args.workdir)
     idx_dir = w / "tg"
@@ -88,7 +95,7 @@ def main() -> int:
             rows.append(
                 {"features": what, "mode": mode, "compute s": secs, "M tokens/s/core": n_pos / secs / 1e6, "peak RSS MB": m["peak_rss_mb"]}
             )
-    held = linux_corpus(w, args.heldout_mb, "heldout")
+    held = args.heldout or linux_corpus(w, args.heldout_mb, "heldout")
     out = w / "feat-heldout"
     run_measured(["rm", "-rf", str(out)])
     m = run_measured(

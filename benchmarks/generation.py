@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import commit, read_jsonl, save, sh, table
+from benchmarks.common import commit, read_jsonl, save, sh, smoke_imports, table
 
 SETS = {"code": "timeshift", "english": "prose"}
 PROMPT_TOKENS = 128
@@ -402,6 +402,17 @@ def stage_replay(a) -> None:
 
 
 def main() -> None:
+    if "--smoke" in sys.argv[1:]:  # imports only: its stages need a GPU run's files or a large corpus
+        return smoke_imports(
+            "benchmarks.common",
+            "benchmarks.perplexity",
+            "teragram.index",
+            "teragram.index.engine",
+            "teragram.index.tokenizer",
+            "teragram.model.checkpoint",
+            "teragram.model.generation.draft",
+            "teragram.model.generation.sample",
+        )
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("stage", choices=["prepare", "setup", "tune", "run", "report", "replay"])
     ap.add_argument("--data", type=Path, default=Path("/work/data14"))

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import run_measured, save, table
+from benchmarks.common import SMOKE_HELP, run_measured, save, sh, smoke_context, smoke_corpus, smoke_index, table
 
 OPS = ("count", "infgram_prob", "longest_match")
 
@@ -321,8 +321,8 @@ def report(res: dict, name: str = "index_scale") -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--index", type=Path, nargs="+", required=True)
-    ap.add_argument("--heldout", type=Path, required=True, help="a held-out features or outputs directory: the queries' text")
+    ap.add_argument("--index", type=Path, nargs="+")
+    ap.add_argument("--heldout", type=Path, help="a held-out features or outputs directory: the queries' text")
     ap.add_argument("--queries", type=int, default=1000)
     ap.add_argument("--cold", type=int, default=200, help="queries timed cold per operation")
     ap.add_argument("--bulk-tokens", type=int, default=100_000)
@@ -334,7 +334,52 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--infinigram-mem", type=int, default=8)
     ap.add_argument("--name", default="index_scale", help="results file name")
     ap.add_argument("--threads", type=int, default=1, help="shards searched at once (Index(threads=...))")
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     a = ap.parse_args(argv)
+    if a.smoke:
+        with smoke_context(True) as tmp:
+            idx, held = smoke_index(tmp), tmp / "heldout"
+            sh(
+                sys.executable,
+                "-m",
+                "teragram.serve.main",
+                "features",
+                idx,
+                "--out",
+                held,
+                "--corpus",
+                smoke_corpus(tmp, heldout=True) / "valid",
+                "--quiet",
+            )
+            return main(
+                [
+                    "--index",
+                    str(idx),
+                    "--heldout",
+                    str(held),
+                    "--queries",
+                    "20",
+                    "--cold",
+                    "5",
+                    "--bulk-tokens",
+                    "2000",
+                    "--reshard",
+                    f"{idx}:2",
+                ]
+                + [
+                    "--work",
+                    str(tmp / "work"),
+                    "--infinigram",
+                    str(tmp / "ig"),
+                    "--infinigram-of",
+                    str(idx),
+                    "--build-infinigram",
+                    "--infinigram-mem",
+                    "1",
+                ]
+            )
+    if not (a.index and a.heldout):
+        ap.error("--index and --heldout are required")
     qs = queries(a.heldout, a.queries)
     res = {"queries": a.queries, "cold_queries": a.cold, "heldout": str(a.heldout)}
     if a.infinigram and a.build_infinigram:

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import save, sh, table
+from benchmarks.common import save, sh, smoke_imports, table
 
 SETS = ("indist", "timeshift", "prose")
 HALVES = ("valid", "test")
@@ -372,6 +372,19 @@ def report(res: dict, results_name: str = "index_size") -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if "--smoke" in (argv if argv is not None else sys.argv[1:]):  # imports only: this script needs a GPU run's files
+        return smoke_imports(
+            "benchmarks.common",
+            "benchmarks.perplexity",
+            "teragram.builder.features",
+            "teragram.index",
+            "teragram.index.engine",
+            "teragram.model.checkpoint",
+            "teragram.model.evaluation.outputs",
+            "teragram.model.evaluation.perplexity",
+            "teragram.model.mixture",
+            "teragram.model.training.data",
+        )
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("stage", choices=["prepare", "gpu", "eval"])
     ap.add_argument("--data", type=Path, help="prepare: the corpora directory (ppl/, idx-050m/, heldout/)")

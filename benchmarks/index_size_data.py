@@ -36,7 +36,7 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks.common import read_jsonl
+from benchmarks.common import read_jsonl, smoke_imports
 from tools import corpora
 
 EXTRA = (*corpora.CODE, *corpora.ENGLISH, *corpora.EXTRA_CODE, *corpora.EXTRA_ENGLISH)
@@ -350,6 +350,8 @@ def overlap(index: Path, data: Path, n: int = 13, stride: int = 4) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if "--smoke" in (argv if argv is not None else sys.argv[1:]):  # imports only: this script needs a GPU run's files
+        return smoke_imports("benchmarks.common", "benchmarks.perplexity", "teragram.builder", "teragram.index", "teragram.index.engine")
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     for c in ("export", "heldout", "index", "overlap"):

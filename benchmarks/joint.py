@@ -70,7 +70,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import knnlm
-from benchmarks.common import save, sh, table
+from benchmarks.common import save, sh, smoke_imports, table
 
 CAPS = (1, 2, 4, 8, 16, 255)  # the fixed orders' context lengths and the ∞-gram's cap (model/mixture/joint.py)
 VARIANTS = {
@@ -784,6 +784,19 @@ def _figure(res: dict, names: dict):
 
 
 def main(argv: list[str] | None = None) -> int:
+    if "--smoke" in (argv if argv is not None else sys.argv[1:]):  # imports only: this script needs a GPU run's files
+        return smoke_imports(
+            "benchmarks",
+            "benchmarks.index_size",
+            "benchmarks.perplexity",
+            "teragram.index.bulk",
+            "teragram.index.engine",
+            "teragram.model.checkpoint",
+            "teragram.model.evaluation.perplexity",
+            "teragram.model.mixture",
+            "teragram.model.mixture.estimates",
+            "teragram.model.mixture.joint",
+        )
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("stage", choices=["gpu", "eval"])
     ap.add_argument("--carry", type=Path)

@@ -50,7 +50,7 @@ import numpy as np
 from teragram.model.mixture import baselines, estimates
 from teragram.model.mixture import gate as gate_mod
 
-from benchmarks.common import save, table
+from benchmarks.common import save, smoke_imports, table
 
 REPO = Path(__file__).resolve().parents[1]
 SCALES = {
@@ -390,6 +390,18 @@ def plots(w: Path, out: dict):
 
 
 def main() -> int:
+    if "--smoke" in sys.argv[1:]:  # imports only: its stages need a GPU run's files or a large corpus
+        return smoke_imports(
+            "benchmarks.common",
+            "teragram.index",
+            "teragram.index.engine",
+            "teragram.index.heldout",
+            "teragram.index.tokenizer",
+            "teragram.model.checkpoint",
+            "teragram.model.evaluation.perplexity",
+            "teragram.model.mixture.dense",
+            "teragram.model.training.data",
+        )
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", required=True, help="directory made by perplexity_data.py")
     ap.add_argument("--work", default=None)

@@ -48,6 +48,10 @@ SCALES = {
 
 
 def main() -> int:
+    if "--smoke" in sys.argv[1:]:  # imports only: its stages need a GPU run's files or a large corpus
+        from benchmarks.common import smoke_imports
+
+        return smoke_imports("tools")
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--scale", choices=list(SCALES), default="gpu")

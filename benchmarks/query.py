@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import default_workdir, linux_corpus, save, table
+from benchmarks.common import SMOKE_HELP, default_workdir, linux_corpus, save, smoke_context, smoke_jsonl, table
 
 
 def _lat(fn, queries) -> np.ndarray:
@@ -34,13 +34,22 @@ def _lat(fn, queries) -> np.ndarray:
     return out * 1e3  # ms
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workdir", default=str(default_workdir()))
     ap.add_argument("--queries", type=int, default=2000)
     ap.add_argument("--docs", type=int, default=200)
     ap.add_argument("--ig-docs", type=int, default=10, help="documents scored by infini-gram (per-position calls are slow)")
-    args = ap.parse_args()
+    ap.add_argument("--heldout", type=Path, help="held-out corpus file (default: 4 MB of linux-source's held-out split)")
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
+    args = ap.parse_args(argv)
+    if args.smoke:  # both indexes made by benchmarks/build.py's smoke arguments
+        from benchmarks import build
+
+        with smoke_context(True) as tmp:
+            w, held = str(tmp / "w"), str(smoke_jsonl(tmp, heldout=True))
+            build.main(["--corpus", str(smoke_jsonl(tmp)), "--workdir", w, "--workers", "1", "--vocab-size", "512"])
+            return main(["--workdir", w, "--queries", "20", "--docs", "2", "--ig-docs", "1", "--heldout", held])
     w = Path(args.workdir)
     from infini_gram.engine import InfiniGramEngine
     from teragram.index.engine import Index
@@ -100,7 +109,7 @@ def main() -> int:
     # sequence scoring on held-out documents
     from teragram.index import readers
 
-    held = linux_corpus(w, 4, "heldout")
+    held = args.heldout or linux_corpus(w, 4, "heldout")
     docs = []
     for item in readers.read_file(held):
         if isinstance(item, readers.Doc):

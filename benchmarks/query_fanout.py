@@ -21,7 +21,7 @@ import numpy as np
 from teragram.index import top_cache
 from teragram.index.engine import Index
 
-from benchmarks.common import save, table
+from benchmarks.common import SMOKE_HELP, save, smoke_context, smoke_index, table
 
 
 def _docs(idx: Index):
@@ -51,13 +51,19 @@ def _time(fn, qs) -> np.ndarray:
     return out * 1e3
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--index", required=True)
+    ap.add_argument("--index")
     ap.add_argument("--queries", type=int, default=1000)
     ap.add_argument("--reshard", type=int, help="rebuild the index's documents in this many shards first")
     ap.add_argument("--out", help="where the resharded index goes")
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
+    args = ap.parse_args(argv)
+    if args.smoke:
+        with smoke_context(True) as tmp:
+            return main(["--index", str(smoke_index(tmp)), "--queries", "20", "--reshard", "2", "--out", str(tmp / "resharded")])
+    if not args.index:
+        ap.error("--index is required")
     path = Path(args.index)
     if args.reshard:
         from teragram.builder.build import build_from_ids

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import default_workdir, linux_corpus, results_dir, run_measured, save, table
+from benchmarks.common import SMOKE_HELP, default_workdir, linux_corpus, results_dir, run_measured, save, smoke_context, smoke_jsonl, table
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -90,12 +90,19 @@ print("INDEX_S", time.time() - t)
 """
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="10,30,100,300", help="index sizes in millions of tokens")
     ap.add_argument("--workdir", default=str(default_workdir() / "scaling"))
     ap.add_argument("--queries", type=int, default=500)
-    args = ap.parse_args()
+    ap.add_argument("--corpus", nargs="+", help="files to tokenize instead of linux-source-6.1 and this machine's Python sources")
+    ap.add_argument("--vocab-size", type=int, default=32000)
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
+    args = ap.parse_args(argv)
+    if args.smoke:
+        with smoke_context(True) as tmp:
+            c = str(smoke_jsonl(tmp))
+            return main(["--sizes", "0.02,0.04", "--workdir", str(tmp / "w"), "--queries", "10", "--corpus", c, "--vocab-size", "512"])
     w = Path(args.workdir)
     w.mkdir(parents=True, exist_ok=True)
     sizes = [int(float(x) * 1e6) for x in args.sizes.split(",")]
@@ -103,7 +110,7 @@ def main() -> int:
     # 1. one tokenization of enough text for the largest size
     ids_path, starts_path = w / "ids.npy", w / "starts.npy"
     if not ids_path.exists():
-        corpus = [linux_corpus(default_workdir(), 1100, "train"), python_sources(w / "python.jsonl.zst")]
+        corpus = args.corpus or [linux_corpus(default_workdir(), 1100, "train"), python_sources(w / "python.jsonl.zst")]
         run_measured(
             [
                 py,
@@ -114,6 +121,8 @@ def main() -> int:
                 str(w / "all"),
                 "--workers",
                 "2",
+                "--vocab-size",
+                str(args.vocab_size),
                 "--quiet",
                 "--shard-tokens",
                 str(1 << 30),
@@ -195,6 +204,7 @@ def main() -> int:
         b, loga = np.polyfit(np.log(N), np.log(y), 1)
         fits[key] = {"exponent": float(b), "at_1T": float(np.exp(loga) * 1e12**b)}
     data["fits"] = fits
+    results_dir().mkdir(parents=True, exist_ok=True)
     (results_dir() / "scaling_points.json").write_text(json.dumps(data, indent=1))
     md = table(
         rows,

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import default_workdir, save, table
+from benchmarks.common import default_workdir, save, smoke_imports, table
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -134,6 +134,8 @@ def lookup_share(index_dir: Path, steps: int = 256) -> dict:
 
 
 def main() -> int:
+    if "--smoke" in sys.argv[1:]:  # imports only: its stages need a GPU run's files or a large corpus
+        return smoke_imports("benchmarks.common", "teragram.index.engine", "teragram.model.generation.sample", "teragram.model.gpt")
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=int, default=60)
     ap.add_argument("--clients", type=int, default=64)

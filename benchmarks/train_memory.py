@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import save, table
+from benchmarks.common import save, smoke_imports, table
 
 VOCAB = 32000
 CAP_SHAPE = dict(n_layer=24, n_head=16, n_embd=1536)
@@ -206,6 +206,8 @@ def cap_worker(offload: bool, cap_gib: float, B: int, T: int, steps: int) -> Non
 
 
 def main() -> int:
+    if "--smoke" in sys.argv[1:]:  # imports only: its stages need a GPU run's files or a large corpus
+        return smoke_imports("benchmarks.common", "teragram.model.gpt", "teragram.model.training")
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="125m")
     ap.add_argument("--batch-size", type=int, default=16)

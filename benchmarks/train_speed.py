@@ -28,7 +28,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from benchmarks.common import save, sh, table
+from benchmarks.common import save, sh, smoke_imports, table
 
 
 def rate(log: Path, after: int) -> tuple[float, int]:
@@ -256,6 +256,8 @@ def _report_features(args, rows: list[dict], data: dict, warm: int) -> None:
 
 
 def main() -> int:
+    if "--smoke" in sys.argv[1:]:  # imports only: its stages need a GPU run's files or a large corpus
+        return smoke_imports("benchmarks.common", "teragram.model.config", "teragram.model.gpt", "teragram.model.training.train")
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--warmup-steps", type=int, default=20)

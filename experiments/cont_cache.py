@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import EXPERIMENT_RESULTS, save, table
+from benchmarks.common import EXPERIMENT_RESULTS, save, smoke_imports, table
 from benchmarks.index_size import HALVES, SETS
 from benchmarks.knnlm import CACHE_FACTORS
 
@@ -161,6 +161,17 @@ def _figure(res: dict):
 
 
 def main(argv: list[str] | None = None) -> int:
+    if "--smoke" in (argv if argv is not None else sys.argv[1:]):  # imports only: its stages need a GPU run's files
+        return smoke_imports(
+            "benchmarks.common",
+            "benchmarks.joint",
+            "benchmarks.knnlm",
+            "experiments.gate_headroom",
+            "experiments.joint_gap",
+            "teragram.model.mixture.baselines",
+            "teragram.model.mixture.estimates",
+            "teragram.model.mixture.gate",
+        )
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--outputs", type=Path, required=True, help="(a)'s outputs, unpacked by benchmarks.index_size eval")
     ap.add_argument("--joint", type=Path, required=True, help="the joint run's outputs (V-SET-HALF.npz, contcache-SET-HALF.npz)")

@@ -18,16 +18,21 @@ as everywhere here). Both gates are fit on the same number of validation targets
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import EXPERIMENT_RESULTS, save, table
+from benchmarks.common import EXPERIMENT_RESULTS, save, smoke_imports, table
 from benchmarks.index_size import FIT_ROWS, HALVES, SETS, clean_documents
 
 
 def main() -> None:
+    if "--smoke" in sys.argv[1:]:  # imports only: its stages need a GPU run's files or a large corpus
+        return smoke_imports(
+            "benchmarks.common", "teragram.model.evaluation.outputs", "teragram.model.mixture.estimates", "teragram.model.mixture.gate"
+        )
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--outputs", required=True, help="a directory with unpacked/SET-HALF outputs of (a)")
     ap.add_argument("--index", required=True)

@@ -29,13 +29,14 @@ import argparse
 import json
 import os
 import re
+import sys
 import tarfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import EXPERIMENT_RESULTS, read_jsonl, save, table
+from benchmarks.common import EXPERIMENT_RESULTS, read_jsonl, save, smoke_imports, table
 from benchmarks.index_size import FIT_ROWS, HALVES, SETS, clean_documents
 
 NEIGHBOUR_TOKENS = 65536  # the neighbour cache's training text per document (one setting, not tuned)
@@ -279,6 +280,17 @@ def _decomposition(est: dict, t: np.ndarray, a: np.ndarray, lp: np.ndarray, clea
 
 
 def main() -> None:
+    if "--smoke" in sys.argv[1:]:  # imports only: its stages need a GPU run's files or a large corpus
+        return smoke_imports(
+            "benchmarks",
+            "benchmarks.common",
+            "teragram.index.engine",
+            "teragram.model.evaluation.outputs",
+            "teragram.model.mixture",
+            "teragram.model.mixture.baselines",
+            "teragram.model.mixture.estimates",
+            "teragram.model.mixture.gate",
+        )
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--outputs", required=True, help="a directory with unpacked/SET-HALF outputs of (a)")
     ap.add_argument("--index", required=True)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import EXPERIMENT_RESULTS, save, table
+from benchmarks.common import EXPERIMENT_RESULTS, save, smoke_imports, table
 from benchmarks.index_size import FIT_ROWS, HALVES, LENGTH_BUCKETS, SETS, clean_documents
 
 
@@ -137,6 +137,10 @@ def _figure(res: dict):
 
 
 def main(argv: list[str] | None = None) -> int:
+    if "--smoke" in (argv if argv is not None else sys.argv[1:]):  # imports only: its stages need a GPU run's files
+        return smoke_imports(
+            "benchmarks.common", "benchmarks.joint", "teragram.model.evaluation.outputs", "teragram.model.mixture.estimates"
+        )
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--outputs", type=Path, required=True, help="(a)'s outputs, unpacked by benchmarks.index_size eval")
     ap.add_argument("--joint", type=Path, required=True, help="the joint run's outputs (V-SET-test.npz)")

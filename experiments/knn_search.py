@@ -19,9 +19,10 @@ Each GEMM's k nearest are compared with float64's: the share of them among float
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
-from benchmarks.common import EXPERIMENT_RESULTS, save, table
+from benchmarks.common import EXPERIMENT_RESULTS, save, smoke_imports, table
 
 
 def _timed(f, reps: int, cuda: bool):
@@ -81,6 +82,8 @@ def measure(nq: int, L: int, C: int, k: int, reps: int, device: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if "--smoke" in (argv if argv is not None else sys.argv[1:]):  # imports only: its stages need a GPU run's files
+        return smoke_imports("benchmarks.common")
     import torch
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -199,6 +199,18 @@ def versions(names) -> dict[str, str]:
     return out
 
 
+def version_mismatch(recorded: dict[str, str], names) -> str | None:
+    """One line saying which packages the cache now holds at versions other than an export
+    recorded (`recorded`: its "packages"), or None when every recorded one is the same."""
+    now = versions(names)
+    diff = [f"{p} {v} -> {now[p]}" for p, v in sorted(recorded.items()) if p in now and now[p] != v]
+    if not diff:
+        return None
+    return (
+        f"note: packages differ from the export's ({'; '.join(diff)}): a new export of {', '.join(names)} would not give the same documents"
+    )
+
+
 def _chunks(text: str, base: str, sep: str = "\n\n") -> Iterator[tuple[str, str]]:
     """Cut a long text into ~_CHUNK pieces at `sep` boundaries: (base#k, piece)."""
     k, start = 0, 0
@@ -591,7 +603,10 @@ def export_buckets(
     d = outdir / name
     done = d / "manifest.json"
     if done.exists():
-        return json.loads(done.read_text())
+        manifest = json.loads(done.read_text())
+        if line := version_mismatch(manifest.get("packages", {}), [name]):
+            print(line, flush=True)
+        return manifest
     d.mkdir(parents=True, exist_ok=True)
     # one compressor per writer: stream writers sharing a compressor corrupt each other's frames
     writers = [zstandard.ZstdCompressor(level=level).stream_writer(open(d / f"b{k:02d}.jsonl.zst.tmp", "wb")) for k in range(buckets)]
@@ -686,7 +701,32 @@ def make_default(dst: Path) -> None:
     print(f"{dst}: {size / 1e6:.1f} MB, {len(files)} files ({n_held} held out)")
 
 
+def smoke() -> int:
+    """The parsers and exporters on a local fixture, nothing downloaded: the embedded corpus's
+    Jargon File laid out as its unpacked package (and a .deb name for its version) in a
+    temporary cache; an export, a bucketed export, and a rerun against another version."""
+    import tempfile
+
+    repo = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory(prefix="teragram-smoke-") as tmp:
+        os.environ["TERAGRAM_CACHE"] = str(Path(tmp) / "corpora")
+        root = cache_dir() / "root" / "jargon-text"
+        (root / "usr/share/doc/jargon-text").mkdir(parents=True)
+        shutil.copy(repo / "data/default/train/jargon/jargon.txt.gz", root / "usr/share/doc/jargon-text/jargon.txt.gz")
+        shutil.copy(repo / "data/default/LICENSES/jargon-text.copyright", root / "usr/share/doc/jargon-text/copyright")
+        (root / ".done").touch()
+        (cache_dir() / "debs").mkdir()
+        (cache_dir() / "debs" / "jargon-text_4.4.7-1_all.deb").touch()
+        print(json.dumps(export(["jargon-text"], Path(tmp) / "j.jsonl.zst", max_bytes=200_000, split="train")))
+        print(json.dumps(export_buckets("jargon-text", Path(tmp) / "extra", buckets=4)["docs"]))
+        os.replace(cache_dir() / "debs" / "jargon-text_4.4.7-1_all.deb", cache_dir() / "debs" / "jargon-text_4.4.7-2_all.deb")
+        export_buckets("jargon-text", Path(tmp) / "extra", buckets=4)  # prints the one-line note
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    if "--smoke" in (argv if argv is not None else sys.argv[1:]):
+        return smoke()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     f = sub.add_parser("fetch")

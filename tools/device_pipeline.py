@@ -140,7 +140,29 @@ def wait(home: Path, seconds: float, again: bool = False) -> int:
     return 1 if rc else 0
 
 
+def smoke() -> int:
+    """start and wait on a tiny working tree (one module) in a temporary folder: the command
+    imports the copy's package, writes two files, and both are shipped to $OUT."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="teragram-smoke-") as tmp:
+        tree, home = Path(tmp) / "tree", Path(tmp) / "home"
+        (tree / "model").mkdir(parents=True)
+        (tree / "model" / "mark.py").write_text("X = 41\n")
+        os.environ["OUT"] = str(Path(tmp) / "out")
+        os.chdir(tree)
+        code = "import os; from teragram.model.mark import X; os.makedirs('o'); open('o/a.txt', 'w').write(str(X)); open('o/b.txt', 'w').write('b')"
+        start(home, "o", [], [sys.executable, "-c", code])
+        rc = wait(home, 60)
+        shipped = (Path(tmp) / "out" / "MANIFEST.txt").read_text()
+        if rc or "a.txt" not in shipped:
+            raise SystemExit(f"smoke: the pipeline ended with {rc}, shipped: {shipped}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    if "--smoke" in (argv if argv is not None else sys.argv[1:]):
+        return smoke()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("verb", choices=["start", "wait"])
     ap.add_argument("--home", type=Path, required=True)

@@ -153,3 +153,20 @@ def test_versions_of_the_packages_a_corpus_is_unpacked_from(monkeypatch, tmp_pat
     got = corpora.versions(["fortunes", "bible-kjv-text", "linux-source-6.12-new", "linux-source-6.1"])
     # the epoch unquoted, a package's dependency's too, and no 6.12 .deb taken for linux-source-6.1
     assert got == {"fortunes": "1:1.99.1-7.3", "bible-kjv-text": "4.38", "bible-kjv": "4.38", "linux-source-6.12": "6.12.95-1~bpo12+1"}
+
+
+def test_rerun_against_other_package_versions_says_so_in_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TERAGRAM_CACHE", str(tmp_path / "cache"))
+    _fake_corpus(monkeypatch, tmp_path, n=40)
+    debs = corpora.cache_dir() / "debs"
+    debs.mkdir(parents=True)
+    (debs / "fake-src_1.0-1_all.deb").touch()
+    first = corpora.export_buckets("fake-src", tmp_path / "out", buckets=2)
+    assert first["packages"] == {"fake-src": "1.0-1"}
+    corpora.export_buckets("fake-src", tmp_path / "out", buckets=2)  # same versions: silent
+    assert capsys.readouterr().out == ""
+    (debs / "fake-src_1.0-1_all.deb").rename(debs / "fake-src_1.0-2_all.deb")
+    again = corpora.export_buckets("fake-src", tmp_path / "out", buckets=2)
+    out = capsys.readouterr().out.splitlines()
+    assert again == first and len(out) == 1 and "fake-src 1.0-1 -> 1.0-2" in out[0]
+    assert corpora.version_mismatch({"fake-src": "1.0-2"}, ["fake-src"]) is None

@@ -1,0 +1,52 @@
+"""Every script under benchmarks/, experiments/ and tools/ runs its smoke mode (`python -m MODULE
+--smoke`: tiny data, CPU, a temporary results folder) and exits 0, so that an import or argument
+error in any of them fails here. A module that is not a script (no `__main__` block, e.g.
+benchmarks/knnlm.py, the joint benchmark's kNN stage) is imported instead. A new script is
+picked up by the glob: without a smoke mode it fails."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = sorted(
+    p.relative_to(REPO).with_suffix("").as_posix().replace("/", ".")
+    for folder in ("benchmarks", "experiments", "tools")
+    for p in (REPO / folder).glob("*.py")
+    if p.stem not in ("__init__", "common")
+)
+
+
+@pytest.fixture(scope="session")
+def smoke_env(tmp_path_factory) -> dict:
+    """The environment of every smoke run: one tiny index for the scripts that take one
+    ($TERAGRAM_SMOKE_INDEX, built once), results and caches under a temporary folder."""
+    sys.path.insert(0, str(REPO))
+    from benchmarks.common import smoke_index
+
+    tmp = tmp_path_factory.mktemp("smoke")
+    return os.environ | {
+        "TERAGRAM_SMOKE_INDEX": str(smoke_index(tmp)),
+        "TERAGRAM_RESULTS": str(tmp / "results"),
+        "TERAGRAM_CACHE": str(tmp / "cache" / "corpora"),
+        "OMP_NUM_THREADS": "1",
+    }
+
+
+def test_every_folder_has_scripts():
+    assert {s.split(".")[0] for s in SCRIPTS} == {"benchmarks", "experiments", "tools"}
+
+
+@pytest.mark.parametrize("module", SCRIPTS)
+def test_smoke(module, smoke_env):
+    source = (REPO / (module.replace(".", "/") + ".py")).read_text()
+    is_script = 'if __name__ == "__main__":' in source
+    cmd = [sys.executable, "-m", module, "--smoke"] if is_script else [sys.executable, "-c", f"import {module}"]
+    r = subprocess.run(cmd, cwd=REPO, env=smoke_env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"{' '.join(cmd[1:])} exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    assert not (REPO / "benchmarks" / "results" / "smoke").exists()
