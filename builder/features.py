@@ -299,7 +299,7 @@ def _merge_others(idx: Index, shard: int, cfg: FeatureConfig, f: Features, aux: 
                 c = int(o.tok[p + Lt])
                 recent = (j, p, idx.eos_id if c == idx.sep else c)
             if with_topk:
-                hists.append(idx._shard_dist(o, a, b, Lt))
+                hists.append(idx.shard_dist(o, a, b, Lt))
         f.length[t] = Lt
         f.count[t] = count
         f.cont[t] = recent[2]

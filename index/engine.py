@@ -24,6 +24,9 @@ times, by sampling the suffix array), teragram is exact: in a suffix array the o
 of a prompt are sorted by the token that follows, so each distinct next token is one
 contiguous block whose end a galloping search finds; ntd costs O(k log count) for k distinct
 next tokens, never O(count). ``approx`` is therefore always False.
+
+This module holds the Index; its answers are in results.py, one shard's arrays in shard.py,
+the shards' interleaved searches in fanout.py and the incremental scorer in scorer.py.
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ import mmap
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import TypeVar
@@ -42,122 +44,30 @@ import numpy as np
 
 from . import format as fmt
 from . import kernels as K
-from . import top_cache
 from .errors import IndexFormatError, QueryError
 from .fanout import ShardSet
 from .features import SCORE_DTYPES, Features
+from .results import (
+    CountResult,
+    DocHit,
+    DocsResult,
+    InfgramNtdResult,
+    InfgramProbResult,
+    LongestMatch,
+    NtdResult,
+    Occurrence,
+    ProbResult,
+    Provenance,
+)
+from .scorer import Scorer
+from .shard import Shard, advise
+
+# The answer types (results.py), the shard (shard.py) and the incremental scorer (scorer.py) are
+# importable from here, as they were before they had modules of their own.
+__all__ = ["DOCS_SCAN", "OPS", "CountResult", "DocHit", "DocsResult", "Index", "InfgramNtdResult", "InfgramProbResult", "LongestMatch"]
+__all__ += ["NtdResult", "Occurrence", "ProbResult", "Provenance", "Scorer", "Shard", "advise", "with_tokens"]
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class CountResult:
-    count: int
-    approx: bool = False
-
-    def to_json(self) -> dict:
-        return {"count": self.count, "approx": self.approx}
-
-
-@dataclass(frozen=True)
-class ProbResult:
-    prompt_cnt: int
-    cont_cnt: int
-    prob: float
-
-    def to_json(self) -> dict:
-        return {"prompt_cnt": self.prompt_cnt, "cont_cnt": self.cont_cnt, "prob": self.prob}
-
-
-@dataclass(frozen=True)
-class NtdResult:
-    prompt_cnt: int
-    result_by_token_id: dict[int, tuple[int, float]]  # token -> (cont_cnt, prob)
-    approx: bool = False
-
-    def to_json(self) -> dict:
-        return {
-            "prompt_cnt": self.prompt_cnt,
-            "result_by_token_id": {t: {"cont_cnt": c, "prob": p} for t, (c, p) in self.result_by_token_id.items()},
-            "approx": self.approx,
-        }
-
-
-@dataclass(frozen=True)
-class InfgramProbResult(ProbResult):
-    suffix_len: int = 0
-
-    def to_json(self) -> dict:
-        return super().to_json() | {"suffix_len": self.suffix_len}
-
-
-@dataclass(frozen=True)
-class InfgramNtdResult(NtdResult):
-    suffix_len: int = 0
-
-    def to_json(self) -> dict:
-        return super().to_json() | {"suffix_len": self.suffix_len}
-
-
-@dataclass(frozen=True)
-class LongestMatch:
-    length: int  # longest suffix of the ids that occurs
-    cont: int  # token after its most recent occurrence (EOS at a document end; -1 if length 0)
-    count: int  # occurrences of that suffix
-
-    def to_json(self) -> dict:
-        return {"suffix_len": self.length, "cont": self.cont, "count": self.count}
-
-
-@dataclass(frozen=True)
-class Occurrence:
-    """Where a match occurs: shard (its place in Index.shards), start position, match length."""
-
-    shard: int
-    pos: int
-    length: int
-
-
-@dataclass(frozen=True)
-class Provenance:
-    """The document an occurrence lies in, from the LMDB metadata."""
-
-    doc_id: int
-    source: str  # the file it was read from
-    record: int  # its record number in that file (0 for a plain text file)
-    offset: int  # token offset of the match's start inside the document
-    length: int  # match length, in tokens
-
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-@dataclass(frozen=True)
-class DocHit:
-    doc_id: int
-    shard: int
-    offset: int  # token offset of the match inside the document
-    metadata: dict
-    snippet: str
-
-    def to_json(self) -> dict:
-        return {
-            "doc_ix": self.doc_id,
-            "shard": self.shard,
-            "needle_offset": self.offset,
-            "metadata": self.metadata,
-            "snippet": self.snippet,
-        }
-
-
-@dataclass(frozen=True)
-class DocsResult:
-    count: int
-    docs: list[DocHit]
-    approx: bool = False  # True when only the first DOCS_SCAN occurrences were looked at
-
-    def to_json(self) -> dict:
-        return {"cnt": self.count, "approx": self.approx, "documents": [d.to_json() for d in self.docs]}
 
 
 def with_tokens(idx: Index, answer: dict, ids, cont: int | None = None) -> dict:
@@ -177,76 +87,6 @@ def with_tokens(idx: Index, answer: dict, ids, cont: int | None = None) -> dict:
 
 OPS = ("count", "prob", "ntd", "infgram-prob", "infgram-ntd", "longest-match", "docs")
 DOCS_SCAN = 100_000  # occurrences examined to list matching documents
-
-
-@dataclass
-class Shard:
-    id: int
-    first_doc: int
-    tok: np.ndarray
-    starts: np.ndarray  # (n_docs + 1,) uint64
-    sa: fmt.PackedArray
-    samax: np.ndarray
-    unigram: np.ndarray
-    random: bool = False  # the searched arrays are advised MADV_RANDOM (Index(access="random"))
-    dir: Path | None = None  # where its stored samples may be (top_cache.load)
-    off2: int = field(init=False)
-    off3: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        n = self.sa.count
-        self.off2 = -(-n // fmt.SAMAX_BLOCKS[0])
-        self.off3 = self.off2 + -(-n // fmt.SAMAX_BLOCKS[1])
-
-    @property
-    def n(self) -> int:
-        return self.sa.count
-
-    @property
-    def searched(self) -> tuple[np.ndarray, ...]:
-        """The arrays a search reads at random: tokens, suffix array, its range maxima."""
-        return (self.tok, self.sa.words, self.samax)
-
-    @cached_property
-    def top(self) -> top_cache.TopCache:
-        """The top levels of the suffix array, in memory: the builder's stored samples, else built
-        on first use (a strided read of the whole suffix array, done with the kernel's read-ahead
-        even when searches go without)."""
-        stored = None if self.dir is None else top_cache.load(self.dir, self.tok, self.sa.words, self.sa.width, self.n)
-        if stored is not None:
-            return stored
-        if self.random:
-            advise(self.searched, mmap.MADV_NORMAL)
-        try:
-            return top_cache.build(self.tok, self.sa.words, self.sa.width, self.n, top_cache.STEP_LOG2)
-        finally:
-            if self.random:
-                advise(self.searched, mmap.MADV_RANDOM)
-
-    def blocks(self, lo: int, hi: int, d: int) -> tuple[np.ndarray, np.ndarray]:
-        """(tokens, counts) following the interval's common prefix of length d."""
-        cap = min(hi - lo, 1 << 17)
-        while True:
-            out_t = np.empty(cap, dtype=np.int64)
-            out_c = np.empty(cap, dtype=np.int64)
-            k = K.next_token_blocks(self.tok, self.sa.words, self.sa.width, lo, hi, d, out_t, out_c) if cap >= hi - lo else -1
-            if k >= 0:
-                return out_t[:k], out_c[:k]
-            cap = hi - lo
-
-    def most_recent(self, lo: int, hi: int) -> int:
-        return int(K.range_max(self.sa.words, self.sa.width, self.samax, self.off2, self.off3, lo, hi))
-
-    def doc_of(self, pos: int) -> int:
-        return int(np.searchsorted(self.starts, pos, side="right")) - 1
-
-
-def advise(arrays, advice: int) -> None:
-    """madvise the memory maps under numpy memmaps (arrays not memory-mapped are left alone)."""
-    for a in arrays:
-        m = getattr(a, "_mmap", None)
-        if m is not None:
-            m.madvise(advice)
 
 
 class Index:
@@ -363,7 +203,7 @@ class Index:
             raise QueryError(f"token id {bad} outside the vocabulary [0, {self.vocab_size})")
         return arr
 
-    def _token(self, cont, what: str = "cont") -> int:
+    def check_token(self, cont, what: str = "cont") -> int:
         if isinstance(cont, bool) or not isinstance(cont, (int, np.integer)):
             raise QueryError(f"{what} must be an integer token id")
         if not 0 <= int(cont) < self.vocab_size:
@@ -407,7 +247,7 @@ class Index:
         """Occurrences of a q_len-token pattern from its intervals (the empty one: every position)."""
         return self.n_positions if q_len == 0 else int((hi - lo).sum())
 
-    def _count(self, q: np.ndarray) -> tuple[int, list[tuple[int, int]]]:
+    def count_intervals(self, q: np.ndarray) -> tuple[int, list[tuple[int, int]]]:
         lo, hi = self._find(q)
         return self._total(len(q), lo, hi), list(zip(lo.tolist(), hi.tolist()))
 
@@ -417,7 +257,7 @@ class Index:
 
     def prob(self, prompt, cont) -> ProbResult:
         q = self._ids(prompt, allow_empty=True, what="prompt")
-        return self._prob(q, self._token(cont))
+        return self._prob(q, self.check_token(cont))
 
     def _prob(self, q: np.ndarray, cont: int) -> ProbResult:
         lo, hi = self._find(q)
@@ -440,7 +280,7 @@ class Index:
         """Count of every id over all positions, document ends counted as EOS (ntd([]))."""
         return self._unigram()
 
-    def _shard_dist(self, s: Shard, lo: int, hi: int, d: int) -> tuple[np.ndarray, np.ndarray]:
+    def shard_dist(self, s: Shard, lo: int, hi: int, d: int) -> tuple[np.ndarray, np.ndarray]:
         """Next-token histogram of one shard's interval, SEP mapped to EOS; cached when large."""
         key = (s.id, lo, hi, d)
         hit = self._dist_cache.get(key)
@@ -463,11 +303,11 @@ class Index:
             u = self.unigram
             nz = np.nonzero(u)[0]
             return nz, u[nz]
-        return self._segs_dist(segs, len(q))
+        return self.segs_dist(segs, len(q))
 
-    def _segs_dist(self, segs: list[tuple[int, int]], d: int) -> tuple[np.ndarray, np.ndarray]:
+    def segs_dist(self, segs: list[tuple[int, int]], d: int) -> tuple[np.ndarray, np.ndarray]:
         """Next-token histogram after the shards' intervals of one d-token pattern, summed."""
-        parts = [self._shard_dist(s, a, b, d) for s, (a, b) in zip(self.shards, segs) if b > a]
+        parts = [self.shard_dist(s, a, b, d) for s, (a, b) in zip(self.shards, segs) if b > a]
         if not parts:
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
         if len(parts) == 1:
@@ -494,7 +334,7 @@ class Index:
 
     def infgram_prob(self, prompt, cont) -> InfgramProbResult:
         q = self._ids(prompt, allow_empty=True, what="prompt")
-        c = self._token(cont)
+        c = self.check_token(cont)
         sl, iv = self._suffix(q, c)
         prompt_cnt = self._total(sl, iv[0], iv[1])
         if prompt_cnt == 0:
@@ -528,7 +368,7 @@ class Index:
         q = self._ids(ids, allow_empty=False)
         if max < 1:
             raise QueryError("max must be a positive integer")
-        cnt, segs = self._count(q)
+        cnt, segs = self.count_intervals(q)
         hits: list[DocHit] = []
         approx = False
         for s, (a, b) in zip(self.shards, segs):
@@ -582,7 +422,7 @@ class Index:
             per.append((L, lo, hi))
         out = _empty_score(T, top_k)
         for t in range(T):
-            self._position(q, t, [(p[0][t], p[1][t], p[2][t]) for p in per], top_k, out, t)
+            self.position_features(q, t, [(p[0][t], p[1][t], p[2][t]) for p in per], top_k, out, t)
         if targets:
             tc = np.zeros(T, np.int64)
             for t in range(T):
@@ -599,7 +439,7 @@ class Index:
             out = dataclasses.replace(out, target_cnt=tc)
         return out
 
-    def _position(self, q: np.ndarray, t: int, per: list[tuple[int, int, int]], top_k: int, out: Features, row: int) -> None:
+    def position_features(self, q: np.ndarray, t: int, per: list[tuple[int, int, int]], top_k: int, out: Features, row: int) -> None:
         """Merge the shards' (match length, interval) at position t into out's row."""
         L = max((int(x[0]) for x in per), default=0)
         if L == 0:
@@ -618,73 +458,6 @@ class Index:
         """An incremental scorer: append tokens one at a time (generation), get each new
         position's features; they equal score() of the whole sequence, position by position."""
         return Scorer(self, top_k, max_len)
-
-
-class Scorer:
-    def __init__(self, idx: Index, top_k: int, max_len: int):
-        self.idx, self.top_k, self.max_len = idx, top_k, max_len
-        self.ids = np.zeros(256, np.int64)
-        self.n = 0
-        self.state = [np.array([0, 0, s.n], np.int64) for s in idx.shards]
-
-    def append(self, token: int) -> Features:
-        """Features of the new last position (a one-row Features)."""
-        tok = self.idx._token(token, "token")
-        if self.n == len(self.ids):
-            self.ids = np.concatenate([self.ids, np.zeros(len(self.ids), np.int64)])
-        self.ids[self.n] = tok
-        t = self.n
-        self.n += 1
-        cap = self.max_len if self.max_len > 0 else 1 << 62
-        per = [K.match_step(s.tok, s.sa.words, s.sa.width, s.n, self.ids, t, cap, st) for s, st in zip(self.idx.shards, self.state)]
-        out = _empty_score(1, self.top_k)
-        self.idx._position(self.ids[: self.n], t, per, self.top_k, out, 0)
-        return out
-
-    def snapshot(self) -> tuple[int, list[np.ndarray]]:
-        """The scorer's state after the tokens so far; restore() returns to it (speculative
-        decoding appends drafted tokens, then drops those the model rejects)."""
-        return self.n, [st.copy() for st in self.state]
-
-    def restore(self, snap: tuple[int, list[np.ndarray]]) -> None:
-        self.n, states = snap
-        self.state = [st.copy() for st in states]
-
-    def _longest(self) -> tuple[int, list[tuple[int, int]]]:
-        """The last position's longest match length and each shard's interval of it ((0, 0)
-        in a shard where the match is shorter)."""
-        lens = [self.n - int(st[0]) for st in self.state]  # state [start, lo, hi]: match ids[start:n]
-        L = max(lens, default=0)
-        return L, [(int(st[1]), int(st[2])) if x == L and L > 0 else (0, 0) for st, x in zip(self.state, lens)]
-
-    def top_continuation(self, n: int) -> np.ndarray:
-        """Up to n tokens continuing the last position's longest match by the ∞-gram's most
-        frequent next token (ties: the smaller id), again and again: what a model that had
-        learnt the corpus by heart would write greedily. Stops at a document end: (<= n,) int64."""
-        L, segs = self._longest()
-        if L == 0:
-            return np.zeros(0, np.int64)
-        idx = self.idx
-        out = []
-        for d in range(L, L + n):
-            toks, cnts = idx._segs_dist(segs, d)
-            if not len(toks):
-                break
-            t = int(toks[np.lexsort((toks, -cnts))[0]])
-            if t == idx.eos_id:
-                break
-            out.append(t)
-            segs = [K.narrow(s.tok, s.sa.words, s.sa.width, a, b, d, t) if b > a else (0, 0) for s, (a, b) in zip(idx.shards, segs)]
-        return np.asarray(out, np.int64)
-
-    def occurrence(self) -> Occurrence | None:
-        """The most recent occurrence of the last position's longest match -- the one whose
-        next token is that position's `cont` feature -- or None when nothing matched."""
-        L, segs = self._longest()
-        if L == 0:
-            return None
-        j = max(j for j, (a, b) in enumerate(segs) if b > a)  # the latest shard, as the cont feature
-        return Occurrence(j, self.idx.shards[j].most_recent(*segs[j]), L)
 
 
 def _empty_score(T: int, k: int) -> Features:

@@ -1,0 +1,85 @@
+"""One shard of an opened index: its memory-mapped arrays (tokens, document starts, suffix
+array, its range maxima, unigram counts) and the searches that read one shard alone."""
+
+from __future__ import annotations
+
+import mmap
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+
+from . import format as fmt
+from . import kernels as K
+from . import top_cache
+
+
+@dataclass
+class Shard:
+    id: int
+    first_doc: int
+    tok: np.ndarray
+    starts: np.ndarray  # (n_docs + 1,) uint64
+    sa: fmt.PackedArray
+    samax: np.ndarray
+    unigram: np.ndarray
+    random: bool = False  # the searched arrays are advised MADV_RANDOM (Index(access="random"))
+    dir: Path | None = None  # where its stored samples may be (top_cache.load)
+    off2: int = field(init=False)
+    off3: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        n = self.sa.count
+        self.off2 = -(-n // fmt.SAMAX_BLOCKS[0])
+        self.off3 = self.off2 + -(-n // fmt.SAMAX_BLOCKS[1])
+
+    @property
+    def n(self) -> int:
+        return self.sa.count
+
+    @property
+    def searched(self) -> tuple[np.ndarray, ...]:
+        """The arrays a search reads at random: tokens, suffix array, its range maxima."""
+        return (self.tok, self.sa.words, self.samax)
+
+    @cached_property
+    def top(self) -> top_cache.TopCache:
+        """The top levels of the suffix array, in memory: the builder's stored samples, else built
+        on first use (a strided read of the whole suffix array, done with the kernel's read-ahead
+        even when searches go without)."""
+        stored = None if self.dir is None else top_cache.load(self.dir, self.tok, self.sa.words, self.sa.width, self.n)
+        if stored is not None:
+            return stored
+        if self.random:
+            advise(self.searched, mmap.MADV_NORMAL)
+        try:
+            return top_cache.build(self.tok, self.sa.words, self.sa.width, self.n, top_cache.STEP_LOG2)
+        finally:
+            if self.random:
+                advise(self.searched, mmap.MADV_RANDOM)
+
+    def blocks(self, lo: int, hi: int, d: int) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens, counts) following the interval's common prefix of length d."""
+        cap = min(hi - lo, 1 << 17)
+        while True:
+            out_t = np.empty(cap, dtype=np.int64)
+            out_c = np.empty(cap, dtype=np.int64)
+            k = K.next_token_blocks(self.tok, self.sa.words, self.sa.width, lo, hi, d, out_t, out_c) if cap >= hi - lo else -1
+            if k >= 0:
+                return out_t[:k], out_c[:k]
+            cap = hi - lo
+
+    def most_recent(self, lo: int, hi: int) -> int:
+        return int(K.range_max(self.sa.words, self.sa.width, self.samax, self.off2, self.off3, lo, hi))
+
+    def doc_of(self, pos: int) -> int:
+        return int(np.searchsorted(self.starts, pos, side="right")) - 1
+
+
+def advise(arrays, advice: int) -> None:
+    """madvise the memory maps under numpy memmaps (arrays not memory-mapped are left alone)."""
+    for a in arrays:
+        m = getattr(a, "_mmap", None)
+        if m is not None:
+            m.madvise(advice)
