@@ -99,9 +99,16 @@ def _bounds(table, first_rank, pos, prefix, step_log2, pat, st, J):
     the memory-mapped suffix array is searched inside it; each narrows by the common prefixes
     with both ends (Manber-Myers).
     """
-    dtype = prefix.dtype
-    width = prefix.shape[1]
-    mask = (1 << step_log2) - 1
+    _first_token_blocks(first_rank, pat, st, J)
+    _search_samples(table, pos, prefix, step_log2, pat, st, J)
+    _gaps_as_ranks(step_log2, st, J)
+    _search_suffix_arrays(table, prefix, pat, st, J)
+
+
+@nb.njit(**_NB)
+def _first_token_blocks(first_rank, pat, st, J):
+    """Narrow each search with nothing known to the ranks whose suffixes start with the
+    pattern's first token; one token of common prefix is then known at both ends."""
     for j in range(J):
         if st[j, LLCP] == 0 and st[j, RLCP] == 0 and st[j, END] > st[j, START]:
             s = st[j, SHARD]
@@ -111,6 +118,16 @@ def _bounds(table, first_rank, pos, prefix, step_log2, pat, st, J):
             st[j, LO] = a
             st[j, LLCP] = 1
             st[j, RLCP] = 1
+
+
+@nb.njit(**_NB)
+def _search_samples(table, pos, prefix, step_log2, pat, st, J):
+    """Binary searches over the in-memory samples inside each [LO, HI), all in lockstep: leaves
+    in L the index (in the shard's samples) of the first sample at or past the bound, and the
+    common prefixes with the samples around it in LLCP, RLCP."""
+    dtype = prefix.dtype
+    width = prefix.shape[1]
+    mask = (1 << step_log2) - 1
     for j in range(J):  # the samples inside [LO, HI): indexes [L, R) of the shard's samples
         st[j, L] = (st[j, LO] + mask) >> step_log2
         st[j, R] = (st[j, HI] + mask) >> step_log2
@@ -148,7 +165,14 @@ def _bounds(table, first_rank, pos, prefix, step_log2, pat, st, J):
             else:
                 st[j, L] = mid + 1
                 st[j, LLCP] = k
-    for j in range(J):  # the gap between the samples found, as ranks; the lcps carry over
+
+
+@nb.njit(**_NB)
+def _gaps_as_ranks(step_log2, st, J):
+    """The gap between the two samples each sample search ended at, as ranks [L, R) (clipped
+    to [LO, HI)); the common prefixes carry over."""
+    mask = (1 << step_log2) - 1
+    for j in range(J):
         a = st[j, L]
         if a > (st[j, LO] + mask) >> step_log2:
             st[j, L] = ((a - 1) << step_log2) + 1
@@ -158,6 +182,13 @@ def _bounds(table, first_rank, pos, prefix, step_log2, pat, st, J):
             st[j, R] = a << step_log2
         else:
             st[j, R] = st[j, HI]
+
+
+@nb.njit(**_NB)
+def _search_suffix_arrays(table, prefix, pat, st, J):
+    """Binary searches of the memory-mapped suffix arrays inside each [L, R), all in lockstep,
+    to their ends (the bound in L)."""
+    dtype = prefix.dtype
     itemsize = prefix.itemsize
     while True:
         # two passes a round: first each search's suffix-array word (asked for a round earlier),
