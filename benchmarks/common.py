@@ -226,3 +226,78 @@ def smoke_imports(*modules: str) -> None:
 
 
 SMOKE_HELP = "tiny data on CPU, in seconds; results under a temporary folder (tests/benchmarks/test_smoke.py runs it)"
+
+
+def _write_records(path: Path, records: list[dict]) -> None:
+    import zstandard
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with zstandard.open(path, "wt", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+
+
+def _embedded(part: str, n: int, skip: int = 0) -> list[dict]:
+    """Records {text, path, corpus} of the embedded corpus's .rst files: `part` train (paths
+    relative to train/) or heldout (relative to heldout/valid|test/: held-out paths by
+    corpora.split_of), the n after the first `skip`."""
+    import gzip
+
+    root = REPO / "data" / "default" / part
+    files = sorted(root.rglob("*.rst.gz"), key=lambda p: p.relative_to(root).parts[1:] if part == "heldout" else p.parts)
+    files = [f for f in files if f.stat().st_size > 2500][skip : skip + n]
+    rel = (lambda f: f.relative_to(root).parts[1:]) if part == "heldout" else (lambda f: f.relative_to(root).parts)
+    return [{"text": gzip.open(f, "rt", encoding="utf-8").read(), "path": "/".join(rel(f)), "corpus": "linux-doc-6.1"} for f in files]
+
+
+def smoke_data(tmp: Path) -> Path:
+    """A tiny DATA folder in the layout benchmarks/index_size_data.py makes (kept once under tmp),
+    of the embedded corpus's files: ppl/{train,heldout}-{code,english,everyday}.jsonl.zst,
+    idx-050m (smoke_index, a link) and heldout/{indist,timeshift,prose}/{valid,test}.jsonl.zst
+    (the same held-out documents in each set, split by the perplexity benchmark's rule)."""
+    out = tmp / "smoke-data"
+    if (out / "ready").exists():
+        return out
+    train, held = _embedded("train", 10), _embedded("heldout", 12)
+    ppl = out / "ppl"
+    for name, recs in (("code", train[:4]), ("english", train[4:8]), ("everyday", train[8:])):
+        _write_records(ppl / f"train-{name}.jsonl.zst", recs)
+    for name, recs in (("code", held[0:12:2]), ("english", held[1:10:2]), ("everyday", held[9:])):
+        _write_records(ppl / f"heldout-{name}.jsonl.zst", recs)
+    from benchmarks.perplexity import in_valid_half
+
+    for s in ("indist", "timeshift", "prose"):
+        for half in ("valid", "test"):
+            _write_records(out / "heldout" / s / f"{half}.jsonl.zst", [r for r in held if in_valid_half(r["path"]) == (half == "valid")])
+    (out / "idx-050m").symlink_to(smoke_index(tmp).resolve())
+    (out / "ready").touch()
+    return out
+
+
+SMOKE_TRAIN = dict(preset="tiny", block_size=128, batch_size=2, max_steps=3, warmup=1, lr=3e-3, min_lr=3e-4, log_every=1, progress=False)
+
+
+def smoke_model(tmp: Path) -> Path:
+    """A tiny model (no index inputs: the benchmarks' (a)) trained a few steps on smoke_index:
+    $TERAGRAM_SMOKE_MODEL when set (the smoke test trains one for every script), else under tmp."""
+    if os.environ.get("TERAGRAM_SMOKE_MODEL"):
+        return Path(os.environ["TERAGRAM_SMOKE_MODEL"])
+    out = tmp / "smoke-run"
+    if not (out / "latest.json").exists():
+        from teragram.model.training.train import TrainConfig, train
+
+        train(TrainConfig(index=str(smoke_index(tmp)), out=str(out), use_index=False, **SMOKE_TRAIN))
+    return out
+
+
+def smoke_features(tmp: Path) -> Path:
+    """Exclude-doc features (top 4) of smoke_index: $TERAGRAM_SMOKE_FEATURES when set, else under tmp."""
+    if os.environ.get("TERAGRAM_SMOKE_FEATURES"):
+        return Path(os.environ["TERAGRAM_SMOKE_FEATURES"])
+    out = tmp / "smoke-feats"
+    if not (out / "manifest.json").exists():
+        from teragram.builder.features import compute_features
+        from teragram.index.features import FeatureConfig
+
+        compute_features(smoke_index(tmp), out, FeatureConfig("exclude-doc", 64, 4), progress=False)
+    return out

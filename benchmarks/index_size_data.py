@@ -36,7 +36,7 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks.common import read_jsonl, smoke_imports
+from benchmarks.common import SMOKE_HELP, read_jsonl, smoke_context, smoke_data
 from tools import corpora
 
 EXTRA = (*corpora.CODE, *corpora.ENGLISH, *corpora.EXTRA_CODE, *corpora.EXTRA_ENGLISH)
@@ -142,7 +142,7 @@ def heldout(data: Path) -> dict:
 
 def tokens_per_byte(data: Path, tokenizer: Path, sample_bytes: int = 2_000_000) -> dict[str, float]:
     """Tokens per byte of text of each extra corpus, measured on the first documents of bucket 0."""
-    from teragram.builder import tokenizer as tok
+    from teragram.index import tokenizer as tok
 
     cached = data / "extra" / "tokens_per_byte.json"
     if cached.exists():
@@ -349,10 +349,31 @@ def overlap(index: Path, data: Path, n: int = 13, stride: int = 4) -> dict:
     return out
 
 
+def smoke() -> int:
+    """`index` (a nested index: the tokens per byte, the plan, one part built, composed) and
+    `overlap` on a tiny DATA: the embedded corpus's files, with an extra corpus of two buckets per
+    corpus cut from two of its documents. export and heldout read Debian packages: not run."""
+    with smoke_context(True) as tmp:
+        data = smoke_data(tmp)
+        text = "".join(r["text"] for r in read_jsonl(data / "ppl" / "train-everyday.jsonl.zst"))
+        size = len(text) // (2 * len(EXTRA))
+        for i, name in enumerate(EXTRA):
+            docs = [[{"text": text[(2 * i + b) * size : (2 * i + b + 1) * size], "path": f"{name}/doc{b}", "corpus": name}] for b in (0, 1)]
+            sizes = [write_jsonl(data / "extra" / name / f"b{b:02d}.jsonl.zst", d) for b, d in enumerate(docs)]
+            manifest = {"corpus": name, "buckets": 2, "docs": [s["docs"] for s in sizes], "bytes": [s["bytes"] for s in sizes]}
+            (data / "extra" / name / "manifest.json").write_text(json.dumps(manifest))
+        base = json.loads((data / "idx-050m" / "manifest.json").read_text())["counts"]["tokens"]
+        main(["index", "--data", str(data), "--name", "idx-smoke", "--tokens", str(base + 1), "--shard-tokens", "65536", "--workers", "1"])
+        main(["overlap", "--data", str(data), "--index", str(data / "idx-smoke")])
+        print((data / "READY.md").read_text())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    if "--smoke" in (argv if argv is not None else sys.argv[1:]):  # imports only: this script needs a GPU run's files
-        return smoke_imports("benchmarks.common", "benchmarks.perplexity", "teragram.builder", "teragram.index", "teragram.index.engine")
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
+    if ap.parse_known_args(argv)[0].smoke:
+        return smoke()
     sub = ap.add_subparsers(dest="cmd", required=True)
     for c in ("export", "heldout", "index", "overlap"):
         p = sub.add_parser(c)

@@ -24,14 +24,17 @@ SCRIPTS = sorted(
 
 @pytest.fixture(scope="session")
 def smoke_env(tmp_path_factory) -> dict:
-    """The environment of every smoke run: one tiny index for the scripts that take one
-    ($TERAGRAM_SMOKE_INDEX, built once), results and caches under a temporary folder."""
+    """The environment of every smoke run: one tiny index, its exclude-doc features and a tiny
+    model trained a few steps on it, for the scripts that take them ($TERAGRAM_SMOKE_INDEX,
+    _FEATURES, _MODEL, made once), results and caches under a temporary folder."""
     sys.path.insert(0, str(REPO))
-    from benchmarks.common import smoke_index
+    from benchmarks.common import smoke_features, smoke_index, smoke_model
 
     tmp = tmp_path_factory.mktemp("smoke")
     return os.environ | {
         "TERAGRAM_SMOKE_INDEX": str(smoke_index(tmp)),
+        "TERAGRAM_SMOKE_FEATURES": str(smoke_features(tmp)),
+        "TERAGRAM_SMOKE_MODEL": str(smoke_model(tmp)),
         "TERAGRAM_RESULTS": str(tmp / "results"),
         "TERAGRAM_CACHE": str(tmp / "cache" / "corpora"),
         "OMP_NUM_THREADS": "1",
