@@ -301,3 +301,13 @@ def smoke_features(tmp: Path) -> Path:
 
         compute_features(smoke_index(tmp), out, FeatureConfig("exclude-doc", 64, 4), progress=False)
     return out
+
+
+def smoke_short_fits(steps: int = 15) -> None:
+    """For a smoke run: every gate fit (model/mixture/gate: Gate.fit, fit_weights) takes `steps`
+    L-BFGS iterations by default, not 300 (the same code path; on tiny data the fits are the
+    slow part)."""
+    from teragram.model.mixture import gate
+
+    for f in (gate.fit_weights, gate.Gate.fit.__func__):
+        f.__kwdefaults__["steps"] = steps

@@ -25,18 +25,31 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import save, smoke_imports, table
+from benchmarks.common import save, smoke_context, smoke_index, smoke_model, table
 
 
 def main() -> None:
-    if "--smoke" in sys.argv[1:]:  # imports only: its stages need a GPU run's files or a large corpus
-        return smoke_imports(
-            "benchmarks.common",
-            "teragram.index.engine",
-            "teragram.model.checkpoint",
-            "teragram.model.evaluation.tasks",
-            "teragram.model.mixture.gate",
-        )
+    if "--smoke" in sys.argv[1:]:  # the tiny model and index, two tasks' first examples, then --results of that run
+        with smoke_context(True) as tmp:
+            run, idx = smoke_model(tmp), smoke_index(tmp)
+            sys.argv = [
+                sys.argv[0],
+                "--checkpoint",
+                str(run),
+                "--index",
+                str(idx),
+                "--tasks",
+                "hellaswag,piqa",
+                "--limit",
+                "3",
+                "--batch",
+                "4",
+            ]
+            main()
+            raw = json.loads((tmp / "results" / "evals.json").read_text())["raw"]
+            (tmp / "run.json").write_text(json.dumps({"tasks": raw, "index": str(idx)}))
+            sys.argv = [sys.argv[0], "--results", str(tmp / "run.json"), "--model-name", "tiny", "--name", "evals_results"]
+            return main()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", help="the model, or --outputs")
     ap.add_argument("--outputs", help="the model's outputs (teragram evals --save-outputs)")

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import commit, read_jsonl, save, sh, smoke_imports, table
+from benchmarks.common import commit, read_jsonl, save, sh, smoke_context, smoke_data, smoke_index, smoke_model, table
 
 SETS = {"code": "timeshift", "english": "prose"}
 PROMPT_TOKENS = 128
@@ -402,17 +402,21 @@ def stage_replay(a) -> None:
 
 
 def main() -> None:
-    if "--smoke" in sys.argv[1:]:  # imports only: its stages need a GPU run's files or a large corpus
-        return smoke_imports(
-            "benchmarks.common",
-            "benchmarks.perplexity",
-            "teragram.index",
-            "teragram.index.engine",
-            "teragram.index.tokenizer",
-            "teragram.model.checkpoint",
-            "teragram.model.generation.draft",
-            "teragram.model.generation.sample",
-        )
+    if "--smoke" in sys.argv[1:]:  # every stage but setup (it trains the 125M) on the tiny DATA, model and index, on CPU
+        with smoke_context(True) as tmp:
+            carry, work, part = tmp / "carry", tmp / "work", tmp / "part.json"
+            work.mkdir()
+            model = ["--checkpoint", str(smoke_model(tmp)), "--index", str(smoke_index(tmp)), "--prompts", "1", "--new-tokens", "8"]
+            for stage in (
+                ["prepare", "--data", str(smoke_data(tmp)), "--prompts", "2", "--n-valid", "1"],
+                ["tune", "--work", str(work), *model],
+                ["run", "--work", str(work), *model, "--out", str(part)],
+                ["report", "--parts", str(part)],
+                ["replay", "--parts", str(part), "--index", str(smoke_index(tmp)), "--name", "generation_policies"],
+            ):
+                sys.argv = [sys.argv[0], stage[0], "--carry", str(carry), *stage[1:]]
+                main()
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("stage", choices=["prepare", "setup", "tune", "run", "report", "replay"])
     ap.add_argument("--data", type=Path, default=Path("/work/data14"))

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import save, sh, smoke_imports, table
+from benchmarks.common import save, sh, smoke_context, smoke_data, smoke_index, smoke_model, smoke_short_fits, table
 
 SETS = ("indist", "timeshift", "prose")
 HALVES = ("valid", "test")
@@ -371,20 +371,24 @@ def report(res: dict, results_name: str = "index_size") -> None:
     save(results_name, res, "\n\n".join(md) + "\n\n" + "\n".join(lines), fig)
 
 
+def smoke() -> int:
+    """prepare on a tiny DATA; the gpu stage's held-out features and saved outputs of the tiny
+    (a) (trained once for every smoke run: the stage's own training is left out); eval on them."""
+    smoke_short_fits()
+    with smoke_context(True) as tmp:
+        carry, work, out = tmp / "carry", tmp / "work", tmp / "out"
+        main(["prepare", "--data", str(smoke_data(tmp)), "--carry", str(carry), "--max-mb", "0.02"])
+        work.mkdir()
+        out.mkdir()
+        (work / "idx").symlink_to(smoke_index(tmp).resolve())
+        held = heldout_features(work / "idx", work / "heldout", carry, 1)
+        save_outputs_a(work, out, held, 4, "cpu", run=smoke_model(tmp))
+        return main(["eval", "--outputs", str(out), "--index", str(work / "idx"), "--workers", "1", "--max-targets", "400"])
+
+
 def main(argv: list[str] | None = None) -> int:
-    if "--smoke" in (argv if argv is not None else sys.argv[1:]):  # imports only: this script needs a GPU run's files
-        return smoke_imports(
-            "benchmarks.common",
-            "benchmarks.perplexity",
-            "teragram.builder.features",
-            "teragram.index",
-            "teragram.index.engine",
-            "teragram.model.checkpoint",
-            "teragram.model.evaluation.outputs",
-            "teragram.model.evaluation.perplexity",
-            "teragram.model.mixture",
-            "teragram.model.training.data",
-        )
+    if "--smoke" in (argv if argv is not None else sys.argv[1:]):
+        return smoke()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("stage", choices=["prepare", "gpu", "eval"])
     ap.add_argument("--data", type=Path, help="prepare: the corpora directory (ppl/, idx-050m/, heldout/)")

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import default_workdir, save, smoke_imports, table
+from benchmarks.common import default_workdir, save, smoke_context, smoke_index, smoke_model, table
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -134,8 +134,16 @@ def lookup_share(index_dir: Path, steps: int = 256) -> dict:
 
 
 def main() -> int:
-    if "--smoke" in sys.argv[1:]:  # imports only: its stages need a GPU run's files or a large corpus
-        return smoke_imports("benchmarks.common", "teragram.index.engine", "teragram.model.generation.sample", "teragram.model.gpt")
+    if "--smoke" in sys.argv[1:]:  # the tiny index and model served, 4 clients for 2 s (no lookup share: no large index)
+        with smoke_context(True) as tmp:
+            run = tmp / "run"
+            run.mkdir()
+            for name, src in (("idx", smoke_index(tmp)), ("index-model", smoke_model(tmp))):
+                (run / name).symlink_to(src.resolve())
+            (run / "feats").mkdir()
+            (run / "feats" / "manifest.json").touch()  # ensure_demo: the served model reads no training features
+            sys.argv = [sys.argv[0], "--run", str(run), "--seconds", "2", "--clients", "4"]
+            return main()
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=int, default=60)
     ap.add_argument("--clients", type=int, default=64)

@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import save, smoke_imports, table
+from benchmarks.common import save, smoke_context, table
 
 VOCAB = 32000
 CAP_SHAPE = dict(n_layer=24, n_head=16, n_embd=1536)
@@ -206,8 +206,10 @@ def cap_worker(offload: bool, cap_gib: float, B: int, T: int, steps: int) -> Non
 
 
 def main() -> int:
-    if "--smoke" in sys.argv[1:]:  # imports only: its stages need a GPU run's files or a large corpus
-        return smoke_imports("benchmarks.common", "teragram.model.gpt", "teragram.model.training")
+    if "--smoke" in sys.argv[1:]:  # the tiny model on CPU, every setting a CPU has (zero1 and cap need GPUs)
+        with smoke_context(True):
+            sys.argv = [sys.argv[0], "--tiny", "--steps", "2", "--settings", "none,offload,block1"]
+            return main()
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="125m")
     ap.add_argument("--batch-size", type=int, default=16)

@@ -28,7 +28,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from benchmarks.common import save, sh, smoke_imports, table
+from benchmarks.common import save, sh, smoke_context, smoke_features, smoke_index, table
 
 
 def rate(log: Path, after: int) -> tuple[float, int]:
@@ -256,8 +256,13 @@ def _report_features(args, rows: list[dict], data: dict, warm: int) -> None:
 
 
 def main() -> int:
-    if "--smoke" in sys.argv[1:]:  # imports only: its stages need a GPU run's files or a large corpus
-        return smoke_imports("benchmarks.common", "teragram.model.config", "teragram.model.gpt", "teragram.model.training.train")
+    if "--smoke" in sys.argv[1:]:  # the features suite, tiny shape on CPU, on the smoke index (the index suite is 125M on GPUs)
+        with smoke_context(True) as tmp:
+            idx, feats = smoke_index(tmp), smoke_features(tmp)
+            sys.argv = [sys.argv[0], "--suite", "features", "--shapes", "tiny", "--settings", "bf16;recompute attn;modern block, Muon"]
+            sys.argv += ["--steps", "3", "--warmup-steps", "1", "--batch-size", "2", "--block-size", "32", "--work", str(tmp / "w")]
+            sys.argv += ["--index", str(idx), "--features", str(feats)]
+            return main()
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--warmup-steps", type=int, default=20)
