@@ -22,7 +22,7 @@ import argparse
 import sys
 import time
 
-from benchmarks.common import EXPERIMENT_RESULTS, save, smoke_imports, table
+from benchmarks.common import EXPERIMENT_RESULTS, save, smoke_context, table
 
 
 def _timed(f, reps: int, cuda: bool):
@@ -82,8 +82,9 @@ def measure(nq: int, L: int, C: int, k: int, reps: int, device: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if "--smoke" in (argv if argv is not None else sys.argv[1:]):  # imports only: its stages need a GPU run's files
-        return smoke_imports("benchmarks.common")
+    if "--smoke" in (argv if argv is not None else sys.argv[1:]):  # every operation on tiny shapes, CPU
+        with smoke_context(True):
+            return main(["--queries", "64", "--keys", "128", "--dim", "16", "--k", "4", "--reps", "1"])
     import torch
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
