@@ -262,7 +262,7 @@ def smoke_data(tmp: Path) -> Path:
     ppl = out / "ppl"
     for name, recs in (("code", train[:4]), ("english", train[4:8]), ("everyday", train[8:])):
         _write_records(ppl / f"train-{name}.jsonl.zst", recs)
-    for name, recs in (("code", held[0:12:2]), ("english", held[1:10:2]), ("everyday", held[9:])):
+    for name, recs in (("code", held[0:8:2]), ("english", held[1:8:2]), ("everyday", held[8:])):
         _write_records(ppl / f"heldout-{name}.jsonl.zst", recs)
     from benchmarks.perplexity import in_valid_half
 

@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import read_jsonl, sh, smoke_imports
+from benchmarks.common import read_jsonl, sh, smoke_context, smoke_data, smoke_imports
 
 EVALS = ["--evals=hellaswag,piqa,arc_easy", "--evals_limit=5000", "--eval_every=250"]
 TRAIN = ("train-code.jsonl.zst", "train-english.jsonl.zst")
@@ -190,8 +190,11 @@ def report(out: Path, earlier: Path, note: str, name: str) -> None:
 
 
 def main() -> int:
-    if "--smoke" in sys.argv[1:]:  # imports only: its stages need a GPU run's files or a large corpus
-        return smoke_imports("benchmarks.common", "benchmarks.index_size_data", "benchmarks.perplexity", "tools")
+    if "--smoke" in sys.argv[1:]:  # prepare on a tiny DATA; train, ppl, evals need the GPU run's carry (imported only)
+        smoke_imports("benchmarks.perplexity")
+        with smoke_context(True) as tmp:
+            sys.argv = [sys.argv[0], "prepare", "--data", str(smoke_data(tmp)), "--carry", str(tmp / "carry")]
+            return main()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("stage", choices=["prepare", "train", "ppl", "evals", "report"])
     ap.add_argument("--data", help="prepare: DATA (with DATA/ppl)")

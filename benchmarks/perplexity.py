@@ -50,7 +50,7 @@ import numpy as np
 from teragram.model.mixture import baselines, estimates
 from teragram.model.mixture import gate as gate_mod
 
-from benchmarks.common import save, smoke_imports, table
+from benchmarks.common import save, smoke_context, smoke_data, smoke_imports, table
 
 REPO = Path(__file__).resolve().parents[1]
 SCALES = {
@@ -390,7 +390,11 @@ def plots(w: Path, out: dict):
 
 
 def main() -> int:
-    if "--smoke" in sys.argv[1:]:  # imports only: its stages need a GPU run's files or a large corpus
+    if "--smoke" in sys.argv[1:]:  # the build stage on a tiny DATA (train and eval: three trainings, too slow for a smoke run)
+        with smoke_context(True) as tmp:
+            sys.argv = [sys.argv[0], "--data", str(smoke_data(tmp) / "ppl"), "--work", str(tmp / "w"), "--scale", "cpu", "--stage", "build"]
+            sys.argv += ["--variants", "a", "--workers", "1"]
+            main()
         return smoke_imports(
             "benchmarks.common",
             "teragram.index",
