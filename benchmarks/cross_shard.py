@@ -109,7 +109,7 @@ def _other_doc_recent(idx: Index, q: np.ndarray, doc_lo: int, doc_hi: int, brute
     from teragram.builder.merged_features import _max_below
     from teragram.index import packed
 
-    _, segs = idx._count(q)
+    _, segs = idx.count_intervals(q)
     offs = np.cumsum([0] + [s.tok.shape[0] for s in idx.shards])
     best, brute = -1, sum(hi - lo for lo, hi in segs) <= brute_max
     for s, (lo, hi), off in zip(idx.shards, segs, offs):
