@@ -29,7 +29,7 @@ _NB = dict(cache=True, nogil=True)
 
 
 @nb.njit(inline="always")
-def _lcp_cmp(TA, a, TB, b, cap, sep):
+def lcp_cmp(TA, a, TB, b, cap, sep):
     """(common prefix, sign): sign < 0 if suffix a < suffix b within cap tokens, 0 if they
     agree on cap tokens or through a SEP, > 0 otherwise."""
     k = 0
@@ -50,7 +50,7 @@ def adjacent_lcp(T, sa, cap, sep, lcp):
     entries, the last 0 (the end of the array bounds every run)."""
     lcp[0] = 0
     for r in range(1, sa.shape[0]):
-        lcp[r] = _lcp_cmp(T, sa[r - 1], T, sa[r], cap, sep)[0]
+        lcp[r] = lcp_cmp(T, sa[r - 1], T, sa[r], cap, sep)[0]
     lcp[sa.shape[0]] = 0
 
 
@@ -62,11 +62,11 @@ def merge_join(TS, saS, TO, saO, cap, sep, ins, la, lb, ms):
     nO = saO.shape[0]
     for r in range(saS.shape[0]):
         p = saS[r]
-        while j < nO and _lcp_cmp(TO, saO[j], TS, p, cap, sep)[1] < 0:
+        while j < nO and lcp_cmp(TO, saO[j], TS, p, cap, sep)[1] < 0:
             j += 1
         ins[p] = j
-        a = _lcp_cmp(TS, p, TO, saO[j - 1], cap, sep)[0] if j > 0 else 0
-        b = _lcp_cmp(TS, p, TO, saO[j], cap, sep)[0] if j < nO else 0
+        a = lcp_cmp(TS, p, TO, saO[j - 1], cap, sep)[0] if j > 0 else 0
+        b = lcp_cmp(TS, p, TO, saO[j], cap, sep)[0] if j < nO else 0
         la[p] = a
         lb[p] = b
         ms[p] = a if a > b else b

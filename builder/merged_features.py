@@ -126,7 +126,7 @@ def plan_chunks(idx: Index, max_positions: int, cap: int) -> tuple[list[Chunk], 
 
 
 @nb.njit(**_NB)
-def _max_below(words, width, samax, off2, off3, lo, hi, thr):
+def max_below(words, width, samax, off2, off3, lo, hi, thr):
     """Largest suffix-array value < thr over ranks [lo, hi) of a packed suffix array, skipping
     every block of 64, 4096 or 262144 ranks whose maximum (samax) is below thr; -1 if none."""
     best = np.int64(-1)
@@ -159,7 +159,7 @@ def _unpack_key_lcps(words, width, lo, hi, off, T, cap, sep, sa, h):
     if hi > lo:
         h[0] = 0
     for i in range(1, hi - lo):
-        k, sign = cross_shard._lcp_cmp(T, sa[i - 1], T, sa[i], cap, sep)
+        k, sign = cross_shard.lcp_cmp(T, sa[i - 1], T, sa[i], cap, sep)
         h[i] = cross_shard.KEY_EQUAL if sign == 0 else k
 
 
@@ -298,7 +298,7 @@ class _Merged:
             thr = self.starts[d1[b]]
             for s, (lo, hi), off in zip(self.idx.shards, blk.ranges, self.offs[:-1]):
                 if hi > lo and thr > off:
-                    v = _max_below(s.sa.words, s.sa.width, s.samax, s.off2, s.off3, lo, hi, thr - off)
+                    v = max_below(s.sa.words, s.sa.width, s.samax, s.off2, s.off3, lo, hi, thr - off)
                     if v >= 0:
                         m2[b] = max(m2[b], v + off)
         return m1, d1, m2
