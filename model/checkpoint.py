@@ -5,12 +5,14 @@ verb that runs a model."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 from teragram.index import format as fmt
@@ -90,3 +92,14 @@ def load_model(checkpoint: str | Path, device: str = "cpu") -> tuple[GPT, dict]:
     sd.setdefault("lm_head.weight", sd["transformer.wte.weight"])  # tied (gpt2 arch)
     model.load_state_dict(sd)
     return model.to(device), meta
+
+
+def weights_digest(model: GPT) -> str:
+    """blake2b of every parameter but a joint gate's: what a gate fit on a model's outputs belongs
+    to (a post-hoc gate, a refit joint gate), and is refused by any other model."""
+    h = hashlib.blake2b(digest_size=16)
+    for name, p in model.named_parameters():
+        if not name.startswith("joint_gate."):
+            h.update(name.encode())
+            h.update(np.ascontiguousarray(p.detach().float().cpu().numpy()))
+    return h.hexdigest()

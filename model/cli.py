@@ -34,7 +34,7 @@ def cmd_eval(args) -> int:
     from teragram.index.errors import TeragramError, TokenizerMismatch
     from teragram.index.features import FeatureConfig
     from teragram.index.heldout import compute_held_out
-    from teragram.model.checkpoint import load_model
+    from teragram.model.checkpoint import load_model, weights_digest
     from teragram.model.evaluation.perplexity import EvalOptions, heldout_report
     from teragram.model.mixture import baselines
     from teragram.model.mixture.gate import Gate
@@ -51,12 +51,17 @@ def cmd_eval(args) -> int:
         )
     if args.refit_hidden and not args.refit_gate:
         raise TeragramError("--refit-hidden goes with --refit-gate")
+    if args.no_cont_cache and not args.fit_gate:
+        raise TeragramError("--no-cont-cache goes with --fit-gate (a fitted gate says itself whether it reads the continuous cache)")
+    if args.cont_cache_from and not args.save_outputs:
+        raise TeragramError("--cont-cache-from goes with --save-outputs")
     opts = EvalOptions(
         gate=Gate.load(args.gate) if args.gate else None,
         fit_gate=bool(args.fit_gate),
         baseline=args.baseline,
         params=baselines.load_params(args.lambdas, args.baseline) if args.lambdas else None,
         decontaminate=args.decontaminate,
+        cont_cache=not args.no_cont_cache,
         dense=args.dense,
         workers=args.workers,
     )
@@ -67,12 +72,19 @@ def cmd_eval(args) -> int:
             )
         from teragram.model.evaluation.outputs import load_outputs, outputs_report
 
-        r, fitted = outputs_report(load_outputs(args.outputs), args.index, opts)
+        outputs = load_outputs(args.outputs)
+        model_id = outputs.manifest.get("model")  # outputs saved before it was recorded: not checked
+        if opts.gate is not None:
+            opts.gate.check(model=model_id, index_dir=args.index, name=args.gate)
+        r, fitted = outputs_report(outputs, args.index, opts)
         source = args.outputs
     else:
         if not (args.checkpoint and args.corpus):
             raise TeragramError("give --checkpoint and --corpus (or --outputs from an earlier --save-outputs)")
         model, meta = load_model(args.checkpoint, args.device)
+        model_id = weights_digest(model)
+        if opts.gate is not None:
+            opts.gate.check(model=model_id, index_dir=args.index, name=args.gate)
         idx = Index(args.index)
         if model.cfg.vocab_size != idx.vocab_size:
             raise TokenizerMismatch(f"checkpoint vocabulary {model.cfg.vocab_size} != index vocabulary {idx.vocab_size}")
@@ -101,7 +113,15 @@ def cmd_eval(args) -> int:
 
                 hidden = opts.baseline == "knn"
                 res, per_doc = save_model_outputs(
-                    args.save_outputs, model, feats, idx, args.device, meta=meta, source=args.checkpoint, hidden=hidden
+                    args.save_outputs,
+                    model,
+                    feats,
+                    idx,
+                    args.device,
+                    meta=meta,
+                    source=args.checkpoint,
+                    hidden=hidden,
+                    cont_cache=cont_cache_spec(args.cont_cache_from) if args.cont_cache_from else None,
                 )
                 r, fitted = mix_report(res, per_doc, args.index, feats, opts)
             elif args.refit_gate:
@@ -114,6 +134,9 @@ def cmd_eval(args) -> int:
                 r, fitted = heldout_report(model, args.index, feats, args.device, opts)
         source = args.checkpoint
     if args.fit_gate:
+        from teragram.model.mixture.gate import index_digest
+
+        fitted.fit_for = {"index": index_digest(args.index)} | ({"model": model_id} if model_id else {})
         fitted.save(args.fit_gate)
     if args.fit_lambdas:
         baselines.save_params(args.fit_lambdas, args.baseline, fitted)
@@ -129,6 +152,10 @@ def cmd_eval(args) -> int:
         msg = f"{source}: perplexity {r['perplexity']:.3f}, {r['bits_per_byte']:.4f} bits/byte over {r['tokens']:,} tokens ({r['bytes']:,} bytes)"
         if "gate" in r:
             msg += f" with the index gate {r['gate']}"
+            if "gate_choice" in r:
+                ch = r["gate_choice"]
+                scores = ", ".join(f"{k} {v:.3f}" for k, v in ch["held_out_half_perplexity"].items())
+                msg += f" ({ch['chosen']}, chosen on half the documents fit on the other half: {scores})"
         if "refit" in r:
             msg += f" with its joint gate refit here ({args.refit_gate}; the trained gate: {r['refit']['perplexity_trained_gate']:.3f})"
         elif args.joint_gate:
@@ -144,9 +171,22 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cont_cache_spec(path: str):
+    """The continuous cache's settings of a gate file or of saved outputs."""
+    from teragram.index.errors import TeragramError
+    from teragram.model.evaluation.outputs import load_outputs
+    from teragram.model.mixture.gate import Gate
+
+    spec = Gate.load(path).cont_cache if Path(path).is_file() else load_outputs(path).cont_cache
+    spec = spec[0] if isinstance(spec, tuple) else spec
+    if spec is None:
+        raise TeragramError(f"{path}: no continuous cache in it (a gate fit with it, or outputs saved with it)")
+    return spec
+
+
 def cmd_sample(args) -> int:
     from teragram.index.engine import Index
-    from teragram.model.checkpoint import load_model
+    from teragram.model.checkpoint import load_model, weights_digest
     from teragram.model.generation.draft import Drafter
     from teragram.model.generation.sample import generate
     from teragram.model.mixture.gate import Gate
@@ -154,6 +194,9 @@ def cmd_sample(args) -> int:
 
     model, _ = load_model(args.checkpoint, args.device)
     idx = Index(args.index)
+    gate = Gate.load(args.gate) if args.gate else None
+    if gate is not None:
+        gate.check(model=weights_digest(model), index_dir=args.index, name=args.gate)
     if args.joint_gate:
         from teragram.model.mixture.refit import use_gate_file
 
@@ -167,7 +210,7 @@ def cmd_sample(args) -> int:
         top_k=args.top_k,
         top_p=args.top_p,
         seed=args.seed,
-        gate=Gate.load(args.gate) if args.gate else None,
+        gate=gate,
         draft=Drafter(max_tokens=args.draft),
         provenance=args.provenance,
         knn=source_for(model, args.knn_keys, args.index, args.device),
@@ -217,7 +260,7 @@ def provenance_table(idx, ids: list[int], prov: list) -> str:
 def cmd_evals(args) -> int:
     from teragram.index.engine import Index
     from teragram.index.errors import TeragramError
-    from teragram.model.checkpoint import load_model
+    from teragram.model.checkpoint import load_model, weights_digest
     from teragram.model.evaluation.tasks import TASKS, check_run, run_task
     from teragram.model.mixture.gate import Gate
     from tqdm import tqdm
@@ -228,6 +271,8 @@ def cmd_evals(args) -> int:
     model = load_model(args.checkpoint, args.device)[0] if args.checkpoint else None
     idx = Index(args.index)
     gate = Gate.load(args.gate) if args.gate else None
+    if gate is not None:
+        gate.check(model=weights_digest(model) if model is not None else None, index_dir=args.index, name=args.gate)
     check_run(model, idx, gate=gate, save_dir=args.save_outputs, knn=args.knn_keys, index_side=not args.model_only)
     is_joint = model is not None and bool(model.cfg.joint)
     knn = None
@@ -304,7 +349,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--features-out", help="keep the held-out features here")
     ev.add_argument("--device", default="cpu")
     ev.add_argument("--gate", help="mix the model with the index's and the document cache's estimates by this gate (from --fit-gate)")
-    ev.add_argument("--fit-gate", metavar="OUT", help="fit the index gate on this (validation) text and save it")
+    ev.add_argument(
+        "--fit-gate",
+        metavar="OUT",
+        help="fit the gate on this (validation) text and save it: the index gate (t) and the same gate with the continuous"
+        " cache (t+cc), each fit on half the documents and scored on the other half; the better one is kept",
+    )
+    ev.add_argument("--no-cont-cache", action="store_true", help="with --fit-gate: the index gate alone, without the continuous cache")
+    ev.add_argument(
+        "--cont-cache-from",
+        metavar="PATH",
+        help="with --save-outputs: the continuous cache's scale of this gate (--fit-gate) or of these validation outputs"
+        " (default: fit on this text, which should then be validation text)",
+    )
     ev.add_argument(
         "--refit-gate",
         metavar="OUT",

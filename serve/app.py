@@ -150,6 +150,9 @@ def create_app(cfg: ServeConfig) -> FastAPI:
                 "a jointly trained model mixes the index through its own gate: no post-hoc --gate (--joint-gate: a refit one)"
             )
         gate = Gate.load(cfg.gate)
+        from teragram.model.checkpoint import weights_digest
+
+        gate.check(model=weights_digest(model), index_dir=cfg.index, name=cfg.gate)
     model_lock = threading.Lock()
     draft_stats = DraftStats()  # what drafting has learnt (acceptance by match length) and done, across requests
     stats = _Stats()
@@ -360,8 +363,16 @@ def create_app(cfg: ServeConfig) -> FastAPI:
 
             e = heldout_est(idx, [np.asarray(ids)], model.cfg.joint, model.cfg.joint_top_k, knn=knn_src).rows(0, len(ids))
             e = est_torch(e.map(lambda a: a[None]), cfg.device)
+        reads_cc = gate is not None and gate.cont_cache is not None
         with model_lock, torch.no_grad():
-            h = model.hidden(X, f)[0]
+            if reads_cc:  # the continuous cache compares the model's key states of the text's positions
+                from teragram.model.mixture.knn import key_states
+
+                with key_states(model, gate.cont_cache.key) as got:
+                    h = model.hidden(X, f)[0]
+                keys = got[-1][0].double().cpu().numpy()
+            else:
+                h = model.hidden(X, f)[0]
             mixed, logp = model.head_losses(h, Y, f, e)  # the final distribution's nll: the model's own, or its mixture's
             with_idx = -logp.gather(-1, Y.unsqueeze(-1)).squeeze(-1) if e is not None else mixed  # the LM's own
             without = model(X, Y, blinded(f))[0] if f is not None else with_idx  # a model without index inputs: the same
@@ -377,13 +388,19 @@ def create_app(cfg: ServeConfig) -> FastAPI:
         if e is not None:  # a jointly trained model: its own gate's mixture with the index's and the cache's estimates
             out["logprobs_with_gate"] = (-mixed[0]).tolist()
         if gate is not None:  # the model's distribution mixed with the index's and the cache's estimates
+            from teragram.model.mixture import cont_cache as cc
             from teragram.model.mixture.estimates import estimates
             from teragram.model.mixture.gate import component_logp, gate_inputs, mix_nll_multi
 
             maxlp, top = logp[0].max(-1)
             est = {k: v[: len(ids)] for k, v in estimates(idx, ids).items()}  # targets: ids (no final EOS)
             X_g = gate_inputs(est, maxlp.exp().cpu().numpy(), top.cpu().numpy(), gate.components)
-            nll = mix_nll_multi(component_logp(est, with_idx[0].cpu().numpy(), gate.components), gate(X_g))
+            ccols = None
+            if reads_cc:  # one document: the first target has no history
+                doc = np.zeros(len(ids), np.int64)
+                q = cc.target_probs(keys, np.asarray(ids), doc, gate.cont_cache.temperatures)
+                ccols = (q.astype(np.float32).astype(np.float64), cc.first_rows(doc))
+            nll = mix_nll_multi(component_logp(est, with_idx[0].cpu().numpy(), gate.components, ccols), gate(X_g))
             out["logprobs_with_gate"] = (-nll).tolist()
         return out
 

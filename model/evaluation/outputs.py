@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 from teragram.index import format as fmt
 from teragram.index import tokenizer
-from teragram.index.errors import IndexFormatError, TokenizerMismatch
+from teragram.index.errors import IndexFormatError, TeragramError, TokenizerMismatch
 
 KIND = "model-outputs"
 VERSION = 1
@@ -47,15 +47,19 @@ class ModelOutputs:
     target: np.ndarray
     doc: np.ndarray
     pos: np.ndarray
+    cont_cache: tuple | None = None  # (ContCache, q (N, len(factors))): the continuous cache's p(target), when saved
 
     @property
     def doc_bytes(self) -> np.ndarray:
         return np.asarray([d["bytes"] for d in self.manifest["docs"]], np.int64)
 
 
-def save_outputs(out: str | Path, r: dict, heldout: str | Path, *, checkpoint: str, step: int, docs_bytes: list[int]) -> Path:
+def save_outputs(
+    out: str | Path, r: dict, heldout: str | Path, *, checkpoint: str, step: int, docs_bytes: list[int], model: str | None = None
+) -> Path:
     """Write token_eval's result `r` on the held-out directory `heldout` (a held-out features
-    directory: its tokens, documents and tokenizer are copied beside the outputs)."""
+    directory: its tokens, documents and tokenizer are copied beside the outputs), with the
+    continuous cache's target probabilities when r has them (r["cont_cache"]: (spec, q))."""
     out, heldout = Path(out), Path(heldout)
     d = out / "000000"
     d.mkdir(parents=True, exist_ok=True)
@@ -64,6 +68,9 @@ def save_outputs(out: str | Path, r: dict, heldout: str | Path, *, checkpoint: s
     shutil.copyfile(heldout / "tokenizer.model", out / "tokenizer.model")
     for name, dtype in FIELDS.items():
         fmt.write_array(d / f"out.{name}.bin", f"out.{name}", np.asarray(r[name]).astype(dtype))
+    spec, q = r.get("cont_cache", (None, None))
+    for c, name in enumerate(spec.names if spec is not None else ()):
+        fmt.write_array(d / f"out.{name}.bin", f"out.cc{c}", q[:, c].astype(np.float32))  # float32 as the benchmark measured it
     metas = fmt.read_json(heldout / "000000.done")["docs"]
     if len(metas) != len(docs_bytes):
         raise IndexFormatError(f"{heldout}: {len(metas)} documents, {len(docs_bytes)} byte counts")
@@ -74,25 +81,39 @@ def save_outputs(out: str | Path, r: dict, heldout: str | Path, *, checkpoint: s
             "version": VERSION,
             "checkpoint": str(checkpoint),
             "step": int(step),
+            **({"model": model} if model else {}),  # checkpoint.weights_digest: a gate fit on these outputs belongs to it
             "tokenizer": tokenizer.digest(out / "tokenizer.model"),
             "tokens": int(len(r["nll"])),
             "docs": [m | {"bytes": int(b)} for m, b in zip(metas, docs_bytes, strict=True)],
-        },
+        }
+        | ({"cont_cache": spec.to_json()} if spec is not None else {}),
     )
     return out
 
 
-def save_model_outputs(out, model, heldout, idx, device: str = "cpu", *, meta: dict, source: str, hidden: bool = False, batch: int = 16):
+def save_model_outputs(
+    out, model, heldout, idx, device: str = "cpu", *, meta: dict, source: str, hidden: bool = False, cont_cache=None, batch: int = 16
+):
     """Run the model over held-out features' text (made against the index idx) once and save
     its outputs; returns (token_eval's result, each document's UTF-8 bytes) for the caller to
-    mix as well."""
-    from teragram.model.evaluation.perplexity import doc_bytes, token_eval
+    mix as well. The continuous cache's target probabilities are saved too (a model without a
+    joint gate), at the scale of `cont_cache` (a ContCache, e.g. of validation outputs saved
+    earlier), or at one fit on this text (which should then be validation text)."""
+    from teragram.model.evaluation.perplexity import cont_cache_of, doc_bytes, token_eval
+    from teragram.model.mixture import cont_cache as cc
     from teragram.model.training.data import EvalData
 
     eos, sep = idx.eos_id, idx.sep
-    r = token_eval(model, heldout, eos, sep, device, batch=batch, hidden=hidden)
+    with_cc = not model.cfg.joint
+    r = token_eval(model, heldout, eos, sep, device, batch=batch, hidden=hidden or (with_cc and cc.KEY))
+    if with_cc:
+        r["cont_cache"] = cont_cache_of(r, cont_cache, device)
+        if hidden is not True:
+            r.pop("hidden")
     per_doc = doc_bytes(EvalData(heldout, model.cfg.block_size, eos, sep), idx.decode)
-    save_outputs(out, r, heldout, checkpoint=source, step=meta["step"], docs_bytes=per_doc.tolist())
+    from teragram.model.checkpoint import weights_digest
+
+    save_outputs(out, r, heldout, checkpoint=source, step=meta["step"], docs_bytes=per_doc.tolist(), model=weights_digest(model))
     return r, per_doc
 
 
@@ -103,6 +124,8 @@ def outputs_report(outputs: ModelOutputs, index_dir, opts):
 
     check_tokenizer(outputs, index_dir)
     r = {"nll": outputs.nll, "maxp": outputs.maxp, "top": outputs.top.astype(np.int64), "target": outputs.target, "doc": outputs.doc}
+    if outputs.cont_cache is not None and opts.cont_cache:
+        r["cont_cache"] = outputs.cont_cache
     return mix_report(r, outputs.doc_bytes, index_dir, outputs.path, opts)
 
 
@@ -131,7 +154,18 @@ def load_outputs(path: str | Path) -> ModelOutputs:
     order = st[arrays["doc"].astype(np.int64)] + arrays["pos"].astype(np.int64)
     if not np.array_equal(np.where(expect[order] < 0, -1, got), expect[order]):
         raise IndexFormatError(f"{path}: the saved targets are not the documents' tokens")
-    return ModelOutputs(path, m, **arrays)
+    ccache = None
+    if "cont_cache" in m:
+        from teragram.model.mixture.cont_cache import ContCache
+
+        spec = ContCache.from_json(m["cont_cache"])
+        q = (
+            np.stack([np.asarray(fmt.open_array(d / f"out.{c}.bin", f"out.cc{k}"), np.float64) for k, c in enumerate(spec.names)], 1)
+            if n
+            else np.zeros((0, len(spec.names)))
+        )
+        ccache = (spec, q)
+    return ModelOutputs(path, m, **arrays, cont_cache=ccache)
 
 
 def truncate_outputs(outputs: ModelOutputs, dst: str | Path, max_targets: int) -> ModelOutputs:
@@ -148,6 +182,10 @@ def truncate_outputs(outputs: ModelOutputs, dst: str | Path, max_targets: int) -
     fmt.write_array(d / "docs.bin", "docs", np.asarray(fmt.open_array(src / "docs.bin", "docs"))[: k + 1])
     for name in FIELDS:
         fmt.write_array(d / f"out.{name}.bin", f"out.{name}", np.asarray(getattr(outputs, name))[:n])
+    if outputs.cont_cache is not None:
+        spec, q = outputs.cont_cache
+        for c, name in enumerate(spec.names):
+            fmt.write_array(d / f"out.{name}.bin", f"out.cc{c}", q[:n, c].astype(np.float32))
     shutil.copyfile(outputs.path / "tokenizer.model", dst / "tokenizer.model")
     fmt.write_json(dst / "manifest.json", outputs.manifest | {"tokens": n, "docs": outputs.manifest["docs"][:k]})
     return load_outputs(dst)
@@ -176,19 +214,33 @@ def outputs_estimates(outputs: ModelOutputs, index_dir: str | Path, *, workers: 
     return est
 
 
-def gated_outputs(outputs: ModelOutputs, est: dict[str, np.ndarray], gate=None, *, components=None, fit_rows: int | None = None):
+def gated_outputs(
+    outputs: ModelOutputs, est: dict[str, np.ndarray], gate=None, *, components=None, cont_cache: bool = False, fit_rows: int | None = None
+):
     """(gate, per-target nll of the gated mixture): the gate given, or one fit on these outputs
     (which should then be validation text), on a fixed random sample of fit_rows of them when
-    there are more."""
+    there are more; with cont_cache, the fit gate reads the continuous cache the outputs saved."""
+    from teragram.model.mixture.cont_cache import first_rows
     from teragram.model.mixture.estimates import COMPONENTS
     from teragram.model.mixture.gate import Gate, component_logp, gate_inputs, mix_nll_multi
 
-    comps = gate.components if gate is not None else (components or COMPONENTS)
+    spec, q = outputs.cont_cache if outputs.cont_cache is not None else (None, None)
+    if gate is not None:
+        comps, spec = gate.components, gate.cont_cache
+        if spec is not None and (outputs.cont_cache is None or outputs.cont_cache[0] != spec):
+            raise TeragramError(f"{outputs.path}: the gate reads the continuous cache at a scale these outputs were not saved with")
+    else:
+        if cont_cache and spec is None:
+            raise TeragramError(f"{outputs.path}: saved without the continuous cache")
+        spec = spec if cont_cache else None
+        comps = tuple(components or COMPONENTS) + (spec.names if spec is not None else ())
+    ccols = (q, first_rows(outputs.doc)) if spec is not None else None
     nll = outputs.nll.astype(np.float64)
-    X, logp = gate_inputs(est, outputs.maxp.astype(np.float64), outputs.top.astype(np.int64), comps), component_logp(est, nll, comps)
+    X = gate_inputs(est, outputs.maxp.astype(np.float64), outputs.top.astype(np.int64), comps)
+    logp = component_logp(est, nll, comps, ccols)
     if gate is None:
         rows = slice(None)
         if fit_rows is not None and len(X) > fit_rows:
             rows = np.sort(np.random.default_rng(0).choice(len(X), fit_rows, replace=False))
-        gate = Gate.fit(X[rows], logp[rows], components=comps)
+        gate = Gate.fit(X[rows], logp[rows], components=tuple(components or COMPONENTS), cont_cache=spec)
     return gate, mix_nll_multi(logp, gate(X))

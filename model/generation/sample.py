@@ -23,7 +23,9 @@ from teragram.index.features import Features
 from teragram.model.generation.draft import Draft, Drafter, DraftStats
 from teragram.model.gpt import GPT, to_torch
 from teragram.model.mixture import joint
+from teragram.model.mixture.cont_cache import LiveCache
 from teragram.model.mixture.gate import next_distribution
+from teragram.model.mixture.knn import key_states
 
 PROVENANCE_MIN = 8  # a token's provenance is reported when its context matches this many tokens
 
@@ -143,10 +145,13 @@ def stream(
     # the index's longest match is looked up only for what needs it: drafts, provenance
     want_occ = (drafter.max_tokens > 0 and "index" in drafter.sources) or provenance
     occ = sc.occurrence() if want_occ else None
+    # a gate reading the continuous cache: the key states of every position so far, with the token after each
+    cache = LiveCache(gate.cont_cache, model.cfg.vocab_size) if gate is not None and gate.cont_cache is not None else None
 
     def distributions(h: torch.Tensor, rows: list[Features], toks: list[int]) -> torch.Tensor:
         """Next-token distributions (n, V) from the last n hidden states h (n, C), rows their
-        positions' features, toks the text up to the first of them (greedy: what is argmaxed)."""
+        positions' features, toks the text up to the first of them (greedy: what is argmaxed);
+        the continuous cache, if read, holds the positions before the last of them."""
         if temperature <= 0 and gate is None and not (use_index and model.cfg.mixture) and not model.cfg.joint:
             return model.lm_head(h)  # greedy from the model alone: its logits have the same argmax
         f = to_torch(Features.combine(rows).map(lambda a: a[:, None]), device) if use_index else None
@@ -170,9 +175,13 @@ def stream(
         soft = torch.softmax(model.lm_head(h).float(), -1).cpu().double().numpy()
         out = []
         for j in range(len(h)):
-            doc = _doc(toks, len(toks) - len(h) + 1 + j, idx.eos_id)
-            out.append(torch.from_numpy(next_distribution(idx, doc, p[j].cpu().double().numpy(), gate, soft[j])).float())
+            n = len(toks) - len(h) + 1 + j  # the tokens before this row's prediction
+            doc = _doc(toks, n, idx.eos_id)
+            ccd = cache.distributions(cache_states[j], upto=n - 1) if cache is not None else None
+            out.append(torch.from_numpy(next_distribution(idx, doc, p[j].cpu().double().numpy(), gate, soft[j], ccd)).float())
         return torch.stack(out)
+
+    cache_states: np.ndarray | None = None  # this forward's key states of the rows distributions() reads
 
     try:
         while made < max_new_tokens:
@@ -189,9 +198,22 @@ def stream(
                 sc.restore(snap)
             x = torch.tensor([pending + dt], device=device)
             f = _batch(feats[len(feats) - len(pending) :] + drows, device) if use_index else None
-            h, kv = model.hidden(x, f, kv, cached)
+            p0 = start + cached  # the position of x's first token
+            if cache is None:
+                h, kv = model.hidden(x, f, kv, cached)
+            else:
+                with key_states(model, gate.cont_cache.key) as got:
+                    h, kv = model.hidden(x, f, kv, cached)
+                keys = got[-1][0].double().cpu().numpy()  # (len(x), C)
+                known = ids + dt  # every position of this pass but the last has its next token
+                for pos in range(max(cache.end, p0), len(known) - 1):
+                    cache.add(pos, keys[pos - p0], known[pos + 1])
+                cache_states = keys[-(len(dt) + 1) :]
             p = distributions(h[0, -(len(dt) + 1) :], [feats[-1], *drows], ids + dt)
             n_ok, nxt = _verify(p, dt, temperature, top_k, top_p, gen)
+            if cache is not None:  # keep the accepted positions; the last one's next token is nxt
+                cache.truncate(len(ids) - 1 + n_ok)
+                cache.add(len(ids) - 1 + n_ok, cache_states[n_ok], nxt)
             cached += len(pending) + n_ok
             if n_ok < len(dt):
                 kv = [(k[:, :, :cached], v[:, :, :cached]) for k, v in kv]

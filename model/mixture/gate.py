@@ -8,6 +8,11 @@ cache's) suffix length and the model's confidence. It generalises infini-gram's 
 (model/mixture/baselines.py) and is fit by maximum likelihood on validation text. Every mixture is a
 proper distribution for every context, so perplexities stay honest; generation computes the
 same mixture live (`next_distribution`).
+
+A gate may also read the continuous cache (model/mixture/cont_cache.py: the document's own
+earlier hidden states) at several temperatures, as more estimates after the exact-match ones:
+(t+cc), the best system measured on text from outside the indexed projects. Its weights come
+from the same features; a gate saved without it loads and means what it meant.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from pathlib import Path
 import numpy as np
 from teragram.index import format as fmt
 from teragram.index.errors import TeragramError
+from teragram.model.mixture.cont_cache import ContCache
 from teragram.model.mixture.estimates import CACHE_LENGTHS, COMPONENTS, INDEX, LEGACY_NAMES, ORDERS, cache_live, context_length
 
 LEN_EDGES = np.array([1, 2, 3, 4, 5, 7, 10, 15, 23, 35, 64, 128])  # suffix-length buckets
@@ -104,24 +110,50 @@ class Gate:
     (column 0, the model, is the reference: its logit is 0), fit on validation text."""
 
     W: np.ndarray  # (F, len(components))
-    components: tuple[str, ...] = ()  # estimates mixed in (estimates.COMPONENTS); () means all
+    components: tuple[str, ...] = ()  # estimates mixed in (estimates.COMPONENTS, then cont_cache's); () means all exact-match ones
+    cont_cache: ContCache | None = None  # the continuous cache's settings, when the gate reads it
+    fit_for: dict | None = None  # {"model": checkpoint.weights_digest, "index": its manifest's digest}: what it was fit with
 
     def __post_init__(self) -> None:
         self.components = tuple(self.components) or COMPONENTS
-        bad = [c for c in self.components if c not in COMPONENTS]
-        if bad or self.components[0] not in ("index_infgram", "cache_longest") or len(set(self.components)) != len(self.components):
+        exact = self.exact_components
+        cc = self.cont_cache.names if self.cont_cache is not None else ()
+        bad = [c for c in exact if c not in COMPONENTS] or self.components[len(exact) :] != cc
+        if bad or not exact or exact[0] not in ("index_infgram", "cache_longest") or len(set(self.components)) != len(self.components):
             raise TeragramError(f"a gate over unknown or misordered estimates {self.components}")
         if self.W.ndim != 2 or self.W.shape[1] != len(self.components):
             raise TeragramError(f"gate weights of shape {self.W.shape} for {len(self.components)} estimates")
 
+    @property
+    def exact_components(self) -> tuple[str, ...]:
+        """The exact-match estimates (the index's and the document cache's), which also give the
+        gate its features."""
+        return tuple(c for c in self.components if not c.startswith("cont_cache_"))
+
     @classmethod
-    def fit(cls, X: np.ndarray, logp: np.ndarray, *, components=(), steps: int = 300, l2: float = 1e-4) -> Gate:
+    def fit(
+        cls, X: np.ndarray, logp: np.ndarray, *, components=(), cont_cache: ContCache | None = None, steps: int = 300, l2: float = 1e-4
+    ) -> Gate:
         """X (N, F) gate features; logp (N, M) log-probability of the actual next token under
-        the model, then each component."""
-        return cls(fit_weights(X, logp, steps=steps, l2=l2), tuple(components))
+        the model, then each component (component_logp's columns)."""
+        comps = (tuple(components) or COMPONENTS) + (cont_cache.names if cont_cache is not None else ())
+        return cls(fit_weights(X, logp, steps=steps, l2=l2), comps, cont_cache)
 
     def __call__(self, X: np.ndarray) -> np.ndarray:
         return mixture_weights(X, self.W)
+
+    def check(self, *, model: str | None, index_dir, name: str = "the gate") -> None:
+        """Refuse a gate fit for another model or another index (digests; a gate saved without
+        them is taken as it is): its weights mean nothing for another model's probabilities,
+        and an index of another size needs its own, refit on validation text."""
+        if not self.fit_for:
+            return
+        if model is not None and self.fit_for.get("model") not in (None, model):
+            raise TeragramError(f"{name} was fit for another model's outputs: fit it again for this one (teragram eval --fit-gate)")
+        if self.fit_for.get("index") not in (None, index_digest(index_dir)):
+            raise TeragramError(
+                f"{name} was fit with another index: refit it on validation text against {index_dir} (teragram eval --index {index_dir} --fit-gate)"
+            )
 
     def save(self, path: str | Path) -> None:
         edges = {
@@ -131,7 +163,9 @@ class Gate:
             "orders": list(ORDERS),
             "cache_lengths": list(CACHE_LENGTHS),
         }
-        fmt.write_json(Path(path), {"W": self.W.tolist(), "components": list(self.components), **edges})
+        cc = {"cont_cache": self.cont_cache.to_json()} if self.cont_cache is not None else {}
+        fit_for = {"fit_for": self.fit_for} if self.fit_for else {}
+        fmt.write_json(Path(path), {"W": self.W.tolist(), "components": list(self.components), **edges, **cc, **fit_for})
 
     @classmethod
     def load(cls, path: str | Path) -> Gate:
@@ -144,19 +178,33 @@ class Gate:
             same = same and d["share_edges"] == SHARE_EDGES.tolist() and d["orders"] == list(ORDERS)
             same = same and d["cache_lengths"] == list(CACHE_LENGTHS)
             comps = tuple(LEGACY_NAMES.get(c, c) for c in d["components"])
+            cc = ContCache.from_json(d["cont_cache"]) if "cont_cache" in d else None
+            fit_for = d.get("fit_for")
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise TeragramError(f"{path}: not a teragram index gate ({e}); fit it again with this version") from e
         if not same or W.ndim != 2 or W.shape[1] != len(comps):
             raise TeragramError(f"{path}: a gate made for other features (fit it again with this version)")
         try:
-            return cls(W, comps)
+            return cls(W, comps, cc, fit_for)
         except TeragramError as e:
             raise TeragramError(f"{path}: {e}") from e
 
 
+def index_digest(index_dir) -> str:
+    """An index's identity, as a gate records it: the digest of its manifest."""
+    return fmt.file_digest(Path(index_dir) / "manifest.json")
+
+
+def exact(components) -> tuple[str, ...]:
+    """The exact-match estimates among a gate's components (the continuous cache's left out)."""
+    return tuple(c for c in components if not c.startswith("cont_cache_"))
+
+
 def gate_inputs(est: dict[str, np.ndarray], maxp: np.ndarray, top: np.ndarray, components=COMPONENTS) -> np.ndarray:
     """The gate's design matrix from the estimates and the model's top token and its
-    probability at the same positions."""
+    probability at the same positions (the continuous cache, if among the components, adds
+    no features: its weights read the same ones)."""
+    components = exact(components)
     first = components[0]
     return gate_features(
         est["index_length"] if first == "index_infgram" else est["cache_length"],
@@ -168,25 +216,38 @@ def gate_inputs(est: dict[str, np.ndarray], maxp: np.ndarray, top: np.ndarray, c
     )
 
 
-def component_logp(est: dict[str, np.ndarray], nll_model: np.ndarray, components=COMPONENTS) -> np.ndarray:
+def component_logp(est: dict[str, np.ndarray], nll_model: np.ndarray, components=COMPONENTS, cont_cache=None) -> np.ndarray:
     """(N, 1 + M) log-probability of each target under the model and each estimate. An estimate
     without occurrences (the cache early in a document) defers to the model, so that every
-    mixture stays a distribution."""
-    lp = [np.where(est[f"count_{s}"] > 0, np.log(est[f"p_{s}"] + 1e-300), -nll_model) for s in components]
+    mixture stays a distribution. A gate reading the continuous cache takes its target
+    probabilities from `cont_cache`: (q (N, len(factors)), first (N,) bool: no history)."""
+    n_cc = len(components) - len(exact(components))
+    if n_cc and cont_cache is None:
+        raise TeragramError("this gate reads the continuous cache: the model's states are needed (not saved outputs without them)")
+    lp = [np.where(est[f"count_{s}"] > 0, np.log(est[f"p_{s}"] + 1e-300), -nll_model) for s in exact(components)]
+    if n_cc:
+        q, first = cont_cache
+        if q.shape[1] != n_cc:
+            raise TeragramError(f"the continuous cache at {q.shape[1]} temperatures given to a gate that reads {n_cc}")
+        lp += [np.where(first, -nll_model, np.log(q[:, c] + 1e-300)) for c in range(n_cc)]
     return np.stack([-nll_model, *lp], 1)
 
 
-def next_distribution(idx, context, p_model: np.ndarray, gate: Gate, p_softmax: np.ndarray | None = None) -> np.ndarray:
+def next_distribution(
+    idx, context, p_model: np.ndarray, gate: Gate, p_softmax: np.ndarray | None = None, cont_cache: np.ndarray | None = None
+) -> np.ndarray:
     """The gated next-token distribution (V,) after `context` (a document's tokens so far, EOS
     not included), for generation: the same mixture estimates + gate give in bulk.
     p_model is the model's final distribution; p_softmax its own softmax when the model has
     a mixture head (the gate's confidence and agreement features read the softmax, as in
-    model.evaluate.token_eval)."""
+    model.evaluate.token_eval). A gate reading the continuous cache takes its distributions
+    (len(factors), V) from `cont_cache` (cont_cache.LiveCache.distributions; None: no history,
+    it defers to the model)."""
     V = len(p_model)
     q = np.asarray(context, np.int64)
     p_softmax = p_model if p_softmax is None else p_softmax
     top_m = int(np.argmax(p_softmax))
-    comps = gate.components
+    comps = gate.exact_components
     dists, counts = {}, {}
     length = 0
     if any(c in INDEX for c in comps):
@@ -216,4 +277,7 @@ def next_distribution(idx, context, p_model: np.ndarray, gate: Gate, p_softmax: 
         np.array([clen]) if comps[0] == "index_infgram" and "cache_longest" in comps else None,
     )
     w = gate(X)[0]
-    return w[0] * p_model + sum(wi * (dists[c] if counts[c] > 0 else p_model) for wi, c in zip(w[1:], comps, strict=True))
+    mix = w[0] * p_model + sum(wi * (dists[c] if counts[c] > 0 else p_model) for wi, c in zip(w[1 : 1 + len(comps)], comps, strict=True))
+    for c, wi in enumerate(w[1 + len(comps) :]):
+        mix = mix + wi * (cont_cache[c] if cont_cache is not None else p_model)
+    return mix

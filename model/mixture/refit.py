@@ -30,7 +30,6 @@ Full-batch L-BFGS with a fixed iteration budget: deterministic, no learning rate
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import os
 from dataclasses import dataclass, fields
@@ -39,6 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from teragram.index.errors import TeragramError
+from teragram.model.checkpoint import weights_digest
 from teragram.model.evaluation.perplexity import token_eval
 from teragram.model.gpt import GPT
 from teragram.model.mixture import joint
@@ -186,14 +186,9 @@ def refit_report(model: GPT, index_dir, heldout, device: str = "cpu", opts=None,
 
 
 def lm_digest(model: GPT) -> str:
-    """blake2b of every parameter but the joint gate's: a refit gate belongs to the LM whose hidden
-    states and probabilities it was fit on, and is refused by any other."""
-    h = hashlib.blake2b(digest_size=16)
-    for name, p in model.named_parameters():
-        if not name.startswith("joint_gate."):
-            h.update(name.encode())
-            h.update(np.ascontiguousarray(p.detach().float().cpu().numpy()))
-    return h.hexdigest()
+    """A refit gate belongs to the LM whose hidden states and probabilities it was fit on, and is
+    refused by any other: checkpoint.weights_digest."""
+    return weights_digest(model)
 
 
 def save_gate(path, model: GPT, gate: joint.JointGate, fit: dict | None = None) -> Path:

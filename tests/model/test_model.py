@@ -5,33 +5,20 @@ import math
 import subprocess
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from teragram.builder.features import compute_features
 from teragram.index.engine import Index
-from teragram.index.features import FeatureConfig, Features
+from teragram.index.features import Features
 from teragram.model.checkpoint import load_model
 from teragram.model.config import ConfigError
 from teragram.model.generation.sample import generate
 from teragram.model.gpt import GPT, GPTConfig
-from teragram.model.training.train import TrainConfig, train
+from teragram.model.training.train import train
 
 from tests.conftest import torchrun
-
-REPO = Path(__file__).resolve().parents[2]
-TINY = dict(preset="tiny", block_size=64, batch_size=8, log_every=1, progress=False, warmup=5, lr=3e-3, min_lr=3e-4)
-
-
-def _rand_feats(B, T, V, k, g):
-    length = torch.randint(0, 10, (B, T), generator=g)
-    cont = torch.randint(-1, V, (B, T), generator=g)
-    ids = torch.randint(-1, V, (B, T, k), generator=g)
-    cnt = torch.randint(0, 50, (B, T, k), generator=g) * (ids >= 0)
-    count = cnt.sum(-1) + torch.randint(0, 5, (B, T), generator=g)
-    return Features(length, cont, count, ids, cnt)
+from tests.model.helpers import REPO, dup_config, rand_feats
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "modern"])
@@ -44,7 +31,7 @@ def test_mixture_is_a_distribution_and_matches_the_loss(arch):
         m.gate_len.weight.normal_()
     x = torch.randint(0, 50, (2, 16), generator=g)
     y = torch.randint(0, 50, (2, 16), generator=g)
-    f = _rand_feats(2, 16, 50, 4, g)
+    f = rand_feats(2, 16, 50, 4, g)
     loss, _ = m(x, y, f)
     h, _ = m.hidden(x, f)
     for b in range(2):
@@ -60,7 +47,7 @@ def test_kv_cache_matches_full_forward(arch):
     g = torch.Generator().manual_seed(1)
     m = GPT(GPTConfig.preset("tiny", vocab_size=50, block_size=32, arch=arch)).eval()
     x = torch.randint(0, 50, (1, 20), generator=g)
-    f = _rand_feats(1, 20, 50, 4, g)
+    f = rand_feats(1, 20, 50, 4, g)
     full, _ = m.hidden(x, f)
     sl = lambda a, b: f.map(lambda v: v[:, a:b])  # noqa: E731
     for chunk in (1, 3):  # one token at a time (decoding), or several (verifying drafts)
@@ -73,34 +60,9 @@ def test_kv_cache_matches_full_forward(arch):
         assert torch.allclose(torch.cat(steps, 1), full, atol=1e-5), chunk
 
 
-@pytest.fixture(scope="module")
-def dup_setup(tmp_path_factory, tokenizer_model):
-    """A real-text corpus with duplicated documents, and held-out near-copies of some of them."""
-    from tests.conftest import write_dup_corpus
-
-    root = tmp_path_factory.mktemp("dup")
-    train_dir, held_dir = root / "train", root / "held"
-    write_dup_corpus(train_dir, held_dir, 40, 6000, 8)
-    from teragram.builder.build import BuildConfig, build
-
-    build(
-        BuildConfig(
-            inputs=(str(train_dir),), out=str(root / "idx"), tokenizer=str(tokenizer_model), shard_tokens=60000, workers=1, progress=False
-        )
-    )
-    compute_features(root / "idx", root / "feats", FeatureConfig("exclude-doc", 64, 4), progress=False)
-    compute_features(root / "idx", root / "held", FeatureConfig("held-out", 64, 4), corpus=[str(held_dir)], progress=False)
-    return root
-
-
-def _cfg(root, name, **kw):
-    base = TINY | {"index": str(root / "idx"), "features": str(root / "feats"), "heldout": str(root / "held"), "out": str(root / name)}
-    return TrainConfig(**(base | kw))
-
-
 def test_index_model_beats_baseline_on_duplicated_text(dup_setup):
-    base = train(_cfg(dup_setup, "base", features=None, max_steps=150))
-    idx = train(_cfg(dup_setup, "idxm", max_steps=150))
+    base = train(dup_config(dup_setup, "base", features=None, max_steps=150))
+    idx = train(dup_config(dup_setup, "idxm", max_steps=150))
     logs = [json.loads(x) for x in (dup_setup / "idxm" / "log.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in logs if "loss" in r]
     assert np.mean(losses[-10:]) < np.mean(losses[:5]) - 1.0  # the loss falls
@@ -110,9 +72,9 @@ def test_index_model_beats_baseline_on_duplicated_text(dup_setup):
 
 
 def test_resume_continues_the_same_loss_curve(dup_setup):
-    full = _cfg(dup_setup, "full", max_steps=8)
+    full = dup_config(dup_setup, "full", max_steps=8)
     train(full)
-    part = _cfg(dup_setup, "part", max_steps=4)
+    part = dup_config(dup_setup, "part", max_steps=4)
     train(part)
     train(replace(part, max_steps=8))
     read = lambda n: {r["step"]: r["loss"] for r in map(json.loads, (dup_setup / n / "log.jsonl").read_text().splitlines()) if "loss" in r}  # noqa: E731
@@ -171,7 +133,7 @@ os._exit(0)  # the gradients are saved; gloo's threads at interpreter exit once 
 
 @pytest.mark.parametrize("arch", ["gpt2", "modern"])
 def test_generation_features_equal_bulk_score(dup_setup, arch):
-    train(_cfg(dup_setup, "gen-" + arch, max_steps=20, arch=arch))
+    train(dup_config(dup_setup, "gen-" + arch, max_steps=20, arch=arch))
     model, _ = load_model(dup_setup / ("gen-" + arch))
     idx = Index(dup_setup / "idx")
     prompt = idx.tokenize("The kernel")
@@ -247,9 +209,9 @@ def test_index_gate_helps_and_its_live_mixture_equals_bulk(dup_setup):
     from teragram.model.mixture import estimates
     from teragram.model.mixture import gate as gate_mod
 
-    train(_cfg(dup_setup, "gbase", features=None, max_steps=60))
+    train(dup_config(dup_setup, "gbase", features=None, max_steps=60))
     model, _ = load_model(dup_setup / "gbase")
-    gate, nll_model, nll_gated = gated_eval(model, dup_setup / "idx", dup_setup / "held")
+    gate, nll_model, nll_gated = gated_eval(model, dup_setup / "idx", dup_setup / "held", cont_cache=False)  # (t): live below without states
     assert nll_gated.mean() < 0.7 * nll_model.mean()  # held-out near-duplicates: the index's estimates help
     # generation's distribution gives each actual next token the bulk mixture's probability
     idx = Index(dup_setup / "idx")
@@ -306,11 +268,11 @@ def test_split_evaluation_equals_joint(dup_setup, tmp_path):
     from teragram.model.evaluation.perplexity import doc_bytes, gated_eval, token_eval
     from teragram.model.training.data import EvalData
 
-    train(_cfg(dup_setup, "gbase", features=None, max_steps=60))  # trained once per module; a rerun returns at once
+    train(dup_config(dup_setup, "gbase", features=None, max_steps=60))  # trained once per module; a rerun returns at once
     model, meta = load_model(dup_setup / "gbase")
     held, root = dup_setup / "held", dup_setup / "idx"
     idx = Index(root)
-    gate, nll_model, nll_joint = gated_eval(model, root, held)
+    gate, nll_model, nll_joint = gated_eval(model, root, held, cont_cache=False)  # outputs saved below hold no cache
 
     r = token_eval(model, held, idx.eos_id, idx.sep)
     ev = EvalData(held, model.cfg.block_size, idx.eos_id, idx.sep)

@@ -1,0 +1,182 @@
+"""The continuous cache (Grave et al., 2017): the next token estimated from the document's own
+earlier hidden states. At a position i, each earlier position j < i of the same document votes
+for the token that followed it, with weight softmax_j(-||h_i - h_j||^2 / T); p(y) is the summed
+weight of the votes for y. It needs no store and no second model: only the states the served
+model computes anyway (`KEY`: the input of the last block's feed-forward, as
+model/mixture/knn.key_states names it).
+
+The post-hoc gate (model/mixture/gate.py) reads it at several temperatures as more estimates,
+(t+cc). The temperatures are FACTORS x a scale that is a property of the model: the median
+squared distance from a state to its nearest earlier state in the same document, measured on
+the validation text the gate is fit on and saved with the gate. A document's first position has
+no history: there the cache defers to the model, so every mixture stays a distribution.
+
+Bulk (`target_probs`, for evaluation and scoring) and live (`LiveCache`, for generation) give the
+same numbers on the same states.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+KEY = "ffn_in"  # the key states (model/mixture/knn.KEY_STATES) the cache compares
+FACTORS = (0.05, 0.1, 0.2, 0.5, 1.0)  # temperatures, x the model's scale: the gate weighs them on validation
+BLOCK = 2048  # query rows per distance block in bulk
+
+
+def component_names(factors=FACTORS) -> tuple[str, ...]:
+    """The gate's names of the cache at each temperature factor: cont_cache_0.05x, ..."""
+    return tuple(f"cont_cache_{f:g}x" for f in factors)
+
+
+@dataclass(frozen=True)
+class ContCache:
+    """What a gate needs to recompute the continuous cache: the key states compared, the model's
+    distance scale (fit on validation) and the temperature factors (one estimate each)."""
+
+    scale: float
+    factors: tuple[float, ...] = FACTORS
+    key: str = KEY
+
+    @property
+    def temperatures(self) -> list[float]:
+        return [f * self.scale for f in self.factors]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return component_names(self.factors)
+
+    def to_json(self) -> dict:
+        return {"scale": self.scale, "factors": list(self.factors), "key": self.key}
+
+    @classmethod
+    def from_json(cls, d: dict) -> ContCache:
+        return cls(float(d["scale"]), tuple(float(f) for f in d["factors"]), str(d["key"]))
+
+
+def runs(doc: np.ndarray) -> list[tuple[int, int]]:
+    """(start, end) of each document's rows; refused unless each document's rows are one run."""
+    doc = np.asarray(doc)
+    cuts = np.flatnonzero(np.diff(doc)) + 1
+    out = list(zip(np.concatenate([[0], cuts]).tolist(), np.concatenate([cuts, [len(doc)]]).tolist(), strict=True)) if len(doc) else []
+    if len({int(doc[a]) for a, _ in out}) != len(out):
+        raise ValueError("a document's rows come in one run, in order")
+    return out
+
+
+def _distances(h, qa: int, qb: int):
+    """Squared distances (qb - qa, qb) from rows qa..qb of h (float64, centred) to rows 0..qb,
+    +inf where j >= i (a row sees only the rows before it)."""
+    import torch
+
+    n2 = (h[:qb] * h[:qb]).sum(1)
+    d = (n2[qa:qb, None] + n2[None, :] - 2 * h[qa:qb] @ h[:qb].T).clamp_min(0)
+    later = torch.arange(qb, device=h.device)[None] >= torch.arange(qa, qb, device=h.device)[:, None]
+    return d.masked_fill(later, float("inf"))
+
+
+def _centred(hidden, device: str):
+    import torch
+
+    h = torch.as_tensor(np.asarray(hidden), device=device).double()
+    return h - h.mean(0) if len(h) else h  # any shift gives the same distances; centring keeps them precise
+
+
+def nearest_distances(hidden: np.ndarray, doc: np.ndarray, device: str = "cpu") -> np.ndarray:
+    """(n,) squared distance from each row's state to the nearest earlier state of its document
+    (NaN at a document's first row)."""
+    import torch
+
+    out = np.full(len(doc), np.nan)
+    for a, b in runs(doc):
+        h = _centred(hidden[a:b], device)
+        for qa in range(1, b - a, BLOCK):
+            qb = min(qa + BLOCK, b - a)
+            out[a + qa : a + qb] = torch.min(_distances(h, qa, qb), 1).values.cpu().numpy()
+    return out
+
+
+def fit_scale(hidden: np.ndarray, doc: np.ndarray, device: str = "cpu") -> float:
+    """The model's distance scale on (validation) text: the median nearest-earlier-state distance."""
+    d = nearest_distances(hidden, doc, device)
+    d = d[np.isfinite(d)]
+    if not len(d) or float(np.median(d)) <= 0:
+        return 1.0  # no document of two tokens, or all states equal: any scale gives the same estimates
+    return float(np.median(d))
+
+
+def target_probs(hidden: np.ndarray, target: np.ndarray, doc: np.ndarray, temps, device: str = "cpu") -> np.ndarray:
+    """(n, len(temps)) float64: per row i, the cache's probability of target_i at each temperature,
+    from the rows before it in its document (row j votes for target_j, the token after it). Rows
+    are token_eval's (each document's in order); 0 at a document's first row (no history)."""
+    import torch
+
+    out = np.zeros((len(target), len(temps)))
+    for a, b in runs(doc):
+        h = _centred(hidden[a:b], device)
+        t = torch.as_tensor(np.asarray(target[a:b], np.int64), device=device)
+        for qa in range(1, b - a, BLOCK):  # the first row has nothing before it
+            qb = min(qa + BLOCK, b - a)
+            d = _distances(h, qa, qb)
+            hit = (t[:qb][None] == t[qa:qb, None]).double()
+            for c, temp in enumerate(temps):
+                out[a + qa : a + qb, c] = (torch.softmax(-d / temp, dim=1) * hit).sum(1).cpu().numpy()
+    return out
+
+
+def first_rows(doc: np.ndarray) -> np.ndarray:
+    """(n,) bool: a document's first row, where the cache has no history."""
+    doc = np.asarray(doc)
+    return np.concatenate([[True], doc[1:] != doc[:-1]]) if len(doc) else np.zeros(0, bool)
+
+
+class LiveCache:
+    """The cache of one document as it is generated: the key states of its positions so far and
+    the token after each, and the cache's next-token distributions at a new state. Positions are
+    the document's (0: its first token); `start` is the first one held (a prompt longer than the
+    model's context is read from its last window)."""
+
+    def __init__(self, spec: ContCache, vocab_size: int):
+        self.spec, self.V = spec, vocab_size
+        self.start = 0
+        self.states: list[np.ndarray] = []  # (C,) float64 per position whose next token is known
+        self.next_tokens: list[int] = []
+
+    @property
+    def end(self) -> int:
+        """One past the last position held."""
+        return self.start + len(self.states)
+
+    def add(self, position: int, state: np.ndarray, next_token: int) -> None:
+        if not self.states:
+            self.start = position
+        elif position != self.end:
+            raise ValueError(f"position {position} added after {self.end - 1}")
+        self.states.append(np.asarray(state, np.float64))
+        self.next_tokens.append(int(next_token))
+
+    def truncate(self, end: int) -> None:
+        """Keep the positions before `end`."""
+        n = max(0, end - self.start)
+        del self.states[n:], self.next_tokens[n:]
+
+    def distributions(self, state: np.ndarray, upto: int | None = None) -> np.ndarray | None:
+        """(len(factors), V) next-token distributions at `state` from the positions held before
+        `upto` (default: all), or None without any (the cache defers to the model)."""
+        n = len(self.states) if upto is None else min(max(0, upto - self.start), len(self.states))
+        if n == 0:
+            return None
+        H = np.stack(self.states[:n])
+        q = np.asarray(state, np.float64)
+        mu = H.mean(0)  # distances do not depend on the shift; centring keeps them precise
+        H, q = H - mu, q - mu
+        d = np.maximum((q * q).sum() + (H * H).sum(1) - 2 * H @ q, 0)
+        out = np.zeros((len(self.spec.factors), self.V))
+        toks = np.asarray(self.next_tokens[:n])
+        for c, temp in enumerate(self.spec.temperatures):
+            z = -d / temp
+            w = np.exp(z - z.max())
+            np.add.at(out[c], toks, w / w.sum())
+        return out
