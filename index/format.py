@@ -98,6 +98,8 @@ class FileRecord:
 
 
 def encode_header(h: Header) -> bytes:
+    if len(h.kind.encode()) > 16:  # the header's field: a longer kind would be cut and never match on open
+        raise ValueError(f"file kind {h.kind!r} is over 16 bytes")
     body = _HEADER.pack(MAGIC, h.kind.encode(), FORMAT_VERSION, h.dtype.encode(), h.width, h.count, bytes(12))
     return body + struct.pack("<I", zlib.crc32(body))
 
@@ -162,10 +164,10 @@ def write_array(path: Path, kind: str, arr: np.ndarray) -> None:
     dtype = arr.dtype.name
     if dtype not in _DTYPES:
         raise ValueError(f"unsupported dtype {dtype}")
-    h = Header(kind, dtype, arr.dtype.itemsize * 8, arr.size)
+    head = encode_header(Header(kind, dtype, arr.dtype.itemsize * 8, arr.size))  # refused before any file is made
     tmp = _tmp_name(path)
     with naming(tmp), open(tmp, "wb") as f:
-        f.write(encode_header(h))
+        f.write(head)
         arr.astype(arr.dtype.newbyteorder("<"), copy=False).tofile(f)
     _finish(tmp, path)
 

@@ -72,3 +72,15 @@ def test_suffix_order_check_catches_a_consistent_but_wrong_array(real_index, tmp
     problems = verify(idx, samples=100000)
     assert any("out of order" in p for p in problems)
     assert not np.array_equal(vals, fmt.open_packed(real_index / "shards/000000/sa.bin", "sa").to_numpy())
+
+
+def test_a_kind_longer_than_its_header_field_is_refused(tmp_path):
+    import numpy as np
+    import pytest
+    from teragram.index import format as fmt
+
+    with pytest.raises(ValueError, match="over 16 bytes"):
+        fmt.write_array(tmp_path / "x.bin", "out.cont_cache_0.05x", np.zeros(3, np.float32))
+    assert list(tmp_path.iterdir()) == []  # nothing written, not even a temporary file
+    fmt.write_array(tmp_path / "x.bin", "sixteen-bytes-ok", np.zeros(3, np.float32))
+    assert fmt.open_array(tmp_path / "x.bin", "sixteen-bytes-ok").shape == (3,)

@@ -28,8 +28,9 @@ def _brute(examples: list[Example], logprobs: list[list[float]], mask=None) -> d
             total = math.fsum(logprobs[i])
             if best is None or total > best[0]:  # the first of equal scores, as argmax
                 best = (total, j)
-            if best_norm is None or total / len(comp) > best_norm[0]:
-                best_norm = (total / len(comp), j)
+            chars = len(comp[1:] if comp.startswith(" ") else comp)  # the choice, without the joining space
+            if best_norm is None or total / chars > best_norm[0]:
+                best_norm = (total / chars, j)
             i += 1
         hits.append(best[1] == ex.label)
         hits_norm.append(best_norm[1] == ex.label)
@@ -82,11 +83,6 @@ def test_acc_and_acc_norm_pick_different_answers():
     assert r == {"n": 2, "acc": 0.5, "acc_norm": 0.5}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="lm-eval-harness divides by len(choice), the choice without its target delimiter ' '; "
-    "tasks.py's completions carry the leading space and are divided by len(' ' + choice)",
-)
 def test_acc_norm_divides_by_the_choice_without_its_leading_space():
     """lm-eval-harness (ConfigurableTask.process_results): completion_len = len(choice), the
     request's continuation being ' ' + choice. Totals -1.0 over ' ab' and -1.9 over ' abcd':
