@@ -2,8 +2,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +12,7 @@ from teragram.index.engine import Index
 from teragram.index.errors import BuildError
 from teragram.index.meta import MetaStore
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.builder.helpers import REPO, brute_sa, built_files, run_and_kill
 
 
 def _docs_of(idx: Index):
@@ -23,17 +21,6 @@ def _docs_of(idx: Index):
         st = np.asarray(s.starts)
         for k in range(len(st) - 1):
             yield s, k, tok[st[k] : st[k + 1] - 1]
-
-
-def brute_sa(tok: np.ndarray, sep: int) -> list[int]:
-    """Non-separator positions sorted by their tokens through the document's SEP, then by
-    position (the shard order of builder/sa.py), by sorting Python tuples."""
-    ends = np.flatnonzero(tok == sep)
-    keys = {}
-    for p in np.flatnonzero(tok != sep):
-        e = ends[np.searchsorted(ends, p)]
-        keys[int(p)] = (tuple(tok[p : e + 1].tolist()), int(p))
-    return sorted(keys, key=keys.__getitem__)
 
 
 def test_round_trip_every_document(real_index, corpus_dir):
@@ -145,40 +132,13 @@ def test_cli_one_line_errors(tmp_path, corpus_dir):
     assert r.returncode == 2 and r.stderr.strip() == f"build-index: error: input not found: {tmp_path / 'nope'}"
 
 
-def _files(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and p.name != "build-report.json"}
-
-
-def _run_and_kill(args: list[str], out: Path, when) -> bool:
-    """Start build-index, SIGKILL it as soon as when(out) holds; True if it was killed. Its
-    worker processes must not outlive it."""
-    import psutil
-
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "teragram.builder.cli", *args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    while proc.poll() is None:
-        if out.exists() and when(out):
-            try:
-                workers = psutil.Process(proc.pid).children(recursive=True)
-            except psutil.NoSuchProcess:
-                workers = []
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
-            _, alive = psutil.wait_procs(workers, timeout=10)
-            assert not alive, f"orphaned workers: {alive}"
-            return True
-        time.sleep(0.002)
-    return False
-
-
 def test_resume_after_sigkill_is_byte_identical(tmp_path, corpus_dir):
     def args(out):
         return [str(corpus_dir), "--out", str(out), "--vocab-size", "600", "--shard-tokens", "30000", "--workers", "2", "--quiet"]
 
     ref = tmp_path / "ref"
     subprocess.run([sys.executable, "-m", "teragram.builder.cli", *args(ref)], cwd=REPO, check=True)
-    reference = _files(ref)
+    reference = built_files(ref)
     n_shards = fmt.read_json(ref / "manifest.json")["counts"]["shards"]
     assert n_shards >= 3
     milestones = {
@@ -192,13 +152,13 @@ def test_resume_after_sigkill_is_byte_identical(tmp_path, corpus_dir):
     kills = 0
     for name, when in milestones.items():
         out = tmp_path / name.replace(" ", "_")
-        killed = _run_and_kill(args(out), out, when)
+        killed = run_and_kill(args(out), out, when)
         kills += killed
         # a second kill during the resumed run, at the same milestone or later
         if killed:
-            _run_and_kill(args(out), out, lambda o: (o / "shards/000002.done").exists())
+            run_and_kill(args(out), out, lambda o: (o / "shards/000002.done").exists())
         subprocess.run([sys.executable, "-m", "teragram.builder.cli", *args(out)], cwd=REPO, check=True)
-        assert _files(out) == reference, name
+        assert built_files(out) == reference, name
         shutil.rmtree(out)
     assert kills >= len(milestones) - 1  # the build was really interrupted (a fast one may finish first)
 
@@ -207,7 +167,6 @@ def _no_writes_beyond(limit: int):
     """preexec_fn: files of this process and its children cannot grow past limit bytes (EFBIG,
     what a full disk is to the writer), SIGXFSZ ignored so that the write fails instead."""
     import resource
-    import signal
 
     def apply() -> None:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -239,4 +198,4 @@ def test_a_write_that_fails_is_one_line_and_a_rerun_completes_the_same_index(tmp
     assert len(lines) == 1 and lines[0].startswith(f"build-index: error: File too large: {out}/"), r.stderr
     assert "rerun the same command" in lines[0]
     subprocess.run([sys.executable, "-m", "teragram.builder.cli", *args(out)], cwd=REPO, check=True)
-    assert _files(out) == _files(ref)
+    assert built_files(out) == built_files(ref)

@@ -10,7 +10,7 @@ from teragram.index import kernels as IK
 from teragram.index.engine import Index
 from teragram.index.features import FeatureConfig
 
-from tests.builder.test_sa_parts import _docs_with_duplicates
+from tests.builder.helpers import docs_with_duplicates
 
 
 def _live(idx: Index, shard: int, other: int, cap: int):
@@ -28,7 +28,7 @@ def _live(idx: Index, shard: int, other: int, cap: int):
 @pytest.fixture(scope="module")
 def dup_index(tmp_path_factory, tokenizer_model):
     out = tmp_path_factory.mktemp("xs") / "idx"
-    build_from_ids(_docs_with_duplicates(5), out, tokenizer_model, shard_tokens=1200)
+    build_from_ids(docs_with_duplicates(5), out, tokenizer_model, shard_tokens=1200)
     return Index(out, threads=1)
 
 

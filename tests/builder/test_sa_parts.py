@@ -13,26 +13,16 @@ from teragram.index import packed
 from teragram.index.engine import Index
 from teragram.index.errors import BuildError
 
-from tests.builder.test_build import REPO, _files, _run_and_kill, brute_sa
-from tests.conftest import random_docs
-
-
-def _docs_with_duplicates(seed: int) -> list[np.ndarray]:
-    """Random documents over a tiny alphabet, some repeated whole (equal tails through SEP)."""
-    rng = np.random.default_rng(seed)
-    docs = random_docs(rng, 80, 3, 60, 1000)
-    for i in rng.integers(0, len(docs), size=25):
-        docs.insert(int(rng.integers(0, len(docs))), docs[int(i)])
-    return docs
+from tests.builder.helpers import REPO, brute_sa, built_files, docs_with_duplicates, run_and_kill
 
 
 def _shard_arrays(root) -> dict[str, bytes]:
-    return {k: v for k, v in _files(root).items() if k.endswith(("sa.bin", "samax.bin", "unigram.bin"))}
+    return {k: v for k, v in built_files(root).items() if k.endswith(("sa.bin", "samax.bin", "unigram.bin"))}
 
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_parts_give_the_same_bytes_as_one_part(tmp_path, tokenizer_model, monkeypatch, seed):
-    docs = _docs_with_duplicates(seed)
+    docs = docs_with_duplicates(seed)
     whole = tmp_path / "whole"
     build_from_ids(docs, whole, tokenizer_model, shard_tokens=3000)
     sorted_parts = []
@@ -51,7 +41,7 @@ def test_parts_give_the_same_bytes_as_one_part(tmp_path, tokenizer_model, monkey
 
 
 def test_budget_errors(tmp_path, tokenizer_model):
-    docs = _docs_with_duplicates(2)
+    docs = docs_with_duplicates(2)
     with pytest.raises(BuildError, match="cannot merge a shard of .* positions"):
         build_from_ids(docs, tmp_path / "i", tokenizer_model, memory_gb=0.01)
     starts = np.array([0, 10, 500, 520], dtype=np.uint64)
@@ -77,7 +67,7 @@ def test_resume_with_parts_after_sigkill_is_byte_identical(tmp_path, corpus_dir)
 
     ref = tmp_path / "ref"  # one part per shard
     subprocess.run([sys.executable, "-m", "teragram.builder.cli", *args(ref)], cwd=REPO, check=True)
-    reference = _files(ref)
+    reference = built_files(ref)
     parts = ("--sa-part-tokens", "14000")
     s1 = "shards/000001"
     milestones = {
@@ -88,9 +78,9 @@ def test_resume_with_parts_after_sigkill_is_byte_identical(tmp_path, corpus_dir)
     kills = 0
     for name, when in milestones.items():
         out = tmp_path / name.replace(" ", "_")
-        kills += _run_and_kill(args(out, *parts), out, when)
+        kills += run_and_kill(args(out, *parts), out, when)
         subprocess.run([sys.executable, "-m", "teragram.builder.cli", *args(out, *parts)], cwd=REPO, check=True)
-        assert _files(out) == reference, name
+        assert built_files(out) == reference, name
     assert kills >= 2
 
 
@@ -98,7 +88,7 @@ def test_corrupt_part_is_a_one_line_error_and_a_truncated_one_is_redone(tmp_path
     from teragram.builder import shard_index
     from teragram.index.errors import IndexFormatError
 
-    docs = _docs_with_duplicates(3)
+    docs = docs_with_duplicates(3)
     build_from_ids(docs, tmp_path / "i", tokenizer_model, shard_tokens=1 << 20)
     d = fmt.shard_dir(tmp_path / "i", 0)
     reference = (d / "sa.bin").read_bytes()
