@@ -386,7 +386,7 @@ class ShardSet:
 
     @classmethod
     def of(cls, shards, vocab: int) -> ShardSet:
-        """shards: engine.Shard objects (their top caches are built here if not yet)."""
+        """shards: shard.Shard objects (their top caches are built here if not yet)."""
         tops = [s.top for s in shards]
         first_rank = np.zeros((len(shards), vocab + 1), np.int64)
         for row, s in zip(first_rank, shards):
