@@ -1,5 +1,6 @@
 """Fixtures shared by the joint-training tests (test_joint.py, test_refit.py): one small index
-with its exclude-doc features and training estimates, built once per session (it is the slow part)."""
+with its exclude-doc features and training estimates, built once per session (it is the slow part);
+and the corpora that the training tests run on (dup_setup, data_root: built once per test module)."""
 
 from __future__ import annotations
 
@@ -68,3 +69,39 @@ def other_tokenizer_checkpoint(run, tmp_path):
     meta["model"]["joint_tokenizer"] = "0" * 32
     (bad / "config.json").write_text(json.dumps(meta))
     return bad
+
+
+@pytest.fixture(scope="module")
+def dup_setup(tmp_path_factory, tokenizer_model):
+    """A real-text corpus with duplicated documents, and held-out near-copies of some of them."""
+    from tests.conftest import write_dup_corpus
+
+    root = tmp_path_factory.mktemp("dup")
+    train_dir, held_dir = root / "train", root / "held"
+    write_dup_corpus(train_dir, held_dir, 40, 6000, 8)
+    from teragram.builder.build import BuildConfig, build
+
+    build(
+        BuildConfig(
+            inputs=(str(train_dir),), out=str(root / "idx"), tokenizer=str(tokenizer_model), shard_tokens=60000, workers=1, progress=False
+        )
+    )
+    compute_features(root / "idx", root / "feats", FeatureConfig("exclude-doc", 64, 4), progress=False)
+    compute_features(root / "idx", root / "held", FeatureConfig("held-out", 64, 4), corpus=[str(held_dir)], progress=False)
+    return root
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory, tokenizer_model):
+    """A small real-text index and its exclude-doc features."""
+    from teragram.builder.build import BuildConfig, build
+
+    from tests.conftest import real_texts
+
+    root = tmp_path_factory.mktemp("trainfeat")
+    (root / "txt").mkdir()
+    for i, (_, t) in enumerate(real_texts(12, 4000)):
+        (root / "txt" / f"{i:03d}.txt").write_text(t)
+    build(BuildConfig(inputs=(str(root / "txt"),), out=str(root / "idx"), tokenizer=str(tokenizer_model), workers=1, progress=False))
+    compute_features(root / "idx", root / "feats", FeatureConfig("exclude-doc", 64, 4), progress=False)
+    return root

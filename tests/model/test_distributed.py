@@ -12,8 +12,7 @@ import torch
 from teragram.model.training import comm
 
 from tests.conftest import torchrun
-from tests.model.test_model import REPO
-from tests.model.test_train_features import _cfg, _losses, data_root  # noqa: F401  (fixture)
+from tests.model.helpers import REPO, logged_losses, small_config
 
 
 def _rows(root, name) -> list[dict]:
@@ -64,15 +63,15 @@ def _resume_copy(name_from: str, name_to: str, step: int) -> str:
     )
 
 
-def test_1bit_and_local_sgd_on_two_gloo_processes(data_root, tmp_path):  # noqa: F811
+def test_1bit_and_local_sgd_on_two_gloo_processes(data_root, tmp_path):
     """One torchrun: plain DDP vs 1-bit over 200 steps, the 1-bit run resumed at step 100; local
     SGD with H = 1 and SGD vs DDP with SGD; local SGD with H = 4 resumed at step 8."""
     runs = {
-        "ddp": _cfg(data_root, "d-ddp", max_steps=200, features=None),
-        "1bit": _cfg(data_root, "d-1bit", max_steps=200, features=None, compress="1bit", ckpt_every=100),
-        "1bit-resumed": _cfg(data_root, "d-1bit-r", max_steps=200, features=None, compress="1bit"),
-        "sgd": _cfg(data_root, "d-sgd", max_steps=10, optimizer="sgd", lr=0.3, min_lr=0.3, grad_clip=0.0),
-        "local1": _cfg(
+        "ddp": small_config(data_root, "d-ddp", max_steps=200, features=None),
+        "1bit": small_config(data_root, "d-1bit", max_steps=200, features=None, compress="1bit", ckpt_every=100),
+        "1bit-resumed": small_config(data_root, "d-1bit-r", max_steps=200, features=None, compress="1bit"),
+        "sgd": small_config(data_root, "d-sgd", max_steps=10, optimizer="sgd", lr=0.3, min_lr=0.3, grad_clip=0.0),
+        "local1": small_config(
             data_root,
             "d-local1",
             max_steps=10,
@@ -86,10 +85,12 @@ def test_1bit_and_local_sgd_on_two_gloo_processes(data_root, tmp_path):  # noqa:
             outer_momentum=0.0,
             straggler="wait",
         ),
-        "local4": _cfg(data_root, "d-local4", max_steps=16, sync="local", outer_every=4, ckpt_every=8, straggler="wait"),
-        "local4-resumed": _cfg(data_root, "d-local4-r", max_steps=16, sync="local", outer_every=4, straggler="wait"),
-        "local4-bf16": _cfg(data_root, "d-local4-b", max_steps=16, sync="local", outer_every=4, straggler="wait", outer_dtype="bf16"),
-        "local4-ramp": _cfg(
+        "local4": small_config(data_root, "d-local4", max_steps=16, sync="local", outer_every=4, ckpt_every=8, straggler="wait"),
+        "local4-resumed": small_config(data_root, "d-local4-r", max_steps=16, sync="local", outer_every=4, straggler="wait"),
+        "local4-bf16": small_config(
+            data_root, "d-local4-b", max_steps=16, sync="local", outer_every=4, straggler="wait", outer_dtype="bf16"
+        ),
+        "local4-ramp": small_config(
             data_root, "d-local4-ramp", max_steps=16, sync="local", outer_every=4, straggler="wait", outer_lr=0.5, outer_lr_end=1.5
         ),
     }
@@ -109,7 +110,7 @@ def test_1bit_and_local_sgd_on_two_gloo_processes(data_root, tmp_path):  # noqa:
         ]
     )
     torchrun(_script(tmp_path, body))
-    ddp, onebit, resumed = _losses(data_root, "d-ddp"), _losses(data_root, "d-1bit"), _losses(data_root, "d-1bit-r")
+    ddp, onebit, resumed = logged_losses(data_root, "d-ddp"), logged_losses(data_root, "d-1bit"), logged_losses(data_root, "d-1bit-r")
     tail = lambda d: sum(d[s] for s in range(191, 201)) / 10  # noqa: E731
     assert tail(onebit) == pytest.approx(tail(ddp), rel=0.05), (tail(onebit), tail(ddp))
     assert tail(onebit) < 0.8 * onebit[1]  # it learned
@@ -124,10 +125,10 @@ def test_1bit_and_local_sgd_on_two_gloo_processes(data_root, tmp_path):  # noqa:
     assert 1 / 32 < ratio < 1.3 / 32, ratio
     assert b_1bit[100] - b_1bit[99] == pytest.approx((b_ddp[100] - b_ddp[99]) * (ratio + 1 / 2), rel=1e-6)
     # local SGD with H = 1, outer lr 1 and no momentum averages SGD steps: DDP's SGD step
-    sgd, local1 = _losses(data_root, "d-sgd"), _losses(data_root, "d-local1")
+    sgd, local1 = logged_losses(data_root, "d-sgd"), logged_losses(data_root, "d-local1")
     assert [local1[s] for s in range(1, 11)] == pytest.approx([sgd[s] for s in range(1, 11)], rel=1e-4)
     # local SGD resumes exactly (outer momentum, shared weights and each worker's AdamW)
-    l4, l4r = _losses(data_root, "d-local4"), _losses(data_root, "d-local4-r")
+    l4, l4r = logged_losses(data_root, "d-local4"), logged_losses(data_root, "d-local4-r")
     assert [l4r[s] for s in range(9, 17)] == [l4[s] for s in range(9, 17)]
     rounds = [r for r in _rows(data_root, "d-local4") if "round_steps" in r]
     assert [r["round_steps"] for r in rounds] == [[4, 4]] * 4
@@ -140,21 +141,21 @@ def test_1bit_and_local_sgd_on_two_gloo_processes(data_root, tmp_path):  # noqa:
     # outer_dtype = bf16: half the bytes a round, the same run to bf16's rounding
     rounds_b = [r for r in _rows(data_root, "d-local4-b") if "round_steps" in r]
     assert rounds_b[0]["comm_bytes"] == pytest.approx(2 * n, rel=0.01)
-    l4b = _losses(data_root, "d-local4-b")
+    l4b = logged_losses(data_root, "d-local4-b")
     assert l4b[4] == l4[4] and [l4b[s] for s in range(5, 17)] == pytest.approx([l4[s] for s in range(5, 17)], rel=0.02)
     assert l4b[16] != l4[16]  # the deltas were rounded
     # outer_lr_end: the outer lr ramps linearly over the 4 rounds, 0.5 -> 1.5, and ends there
     st = torch.load(data_root / "d-local4-ramp" / "checkpoints" / "step-0000016" / "state.pt", weights_only=False)
     assert [g["lr"] for g in st["local"]["outer"]["param_groups"]] == [pytest.approx(1.5)]
-    ramp = _losses(data_root, "d-local4-ramp")
+    ramp = logged_losses(data_root, "d-local4-ramp")
     assert ramp[4] == l4[4] and ramp[8] != l4[8]
 
 
-def test_a_slow_worker_does_not_hold_back_the_fast_one(data_root, tmp_path):  # noqa: F811
+def test_a_slow_worker_does_not_hold_back_the_fast_one(data_root, tmp_path):
     """Rank 1 sleeps 0.5 s in every forward: under straggler = deadline rank 0 keeps taking H
     steps per round, rank 1 as many as fit, and a round takes rank 0 at most half the 4 s that
     waiting for rank 1's 8 steps would (the policy: 1.25 x rank 0's 8 steps plus one of rank 1's)."""
-    runs = {"slow": _cfg(data_root, "d-slow", max_steps=40, sync="local", outer_every=8, straggler="deadline")}
+    runs = {"slow": small_config(data_root, "d-slow", max_steps=40, sync="local", outer_every=8, straggler="deadline")}
     body = (
         "from teragram.model.gpt import GPT\n"
         "if dist.get_rank() == 1:\n"
@@ -170,7 +171,7 @@ def test_a_slow_worker_does_not_hold_back_the_fast_one(data_root, tmp_path):  # 
     assert max(per_round) < 2.0, per_round
 
 
-def test_bad_distributed_settings_are_refused_on_every_rank(data_root, tmp_path):  # noqa: F811
+def test_bad_distributed_settings_are_refused_on_every_rank(data_root, tmp_path):
     cli = [sys.executable, "-m", "teragram.serve.main", "train"]
     base = [f"--index={data_root / 'idx'}", f"--out={tmp_path / 'bad'}", "--preset=tiny", "--max_steps=2"]
     for extra, msg in [
@@ -209,7 +210,7 @@ def test_bad_distributed_settings_are_refused_on_every_rank(data_root, tmp_path)
     assert len(errs) == 2 and all("ranks disagree on the training config (lr)" in e and "Traceback" not in e for e in errs), errs
 
 
-def test_two_launchers_meet_through_torchruns_rendezvous(data_root, tmp_path):  # noqa: F811
+def test_two_launchers_meet_through_torchruns_rendezvous(data_root, tmp_path):
     """The README's two-host command, with both "hosts" on this machine: two torchrun launchers
     (one process each) find each other through the c10d rendezvous and train with 1-bit."""
     import os

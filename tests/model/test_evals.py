@@ -11,6 +11,8 @@ from teragram.model.gpt import GPT, GPTConfig
 from teragram.model.mixture.estimates import COMPONENTS
 from teragram.model.mixture.gate import gate_inputs, next_distribution
 
+from tests.model.helpers import accuracy_by_hand, completion_rows, token_eval_of
+
 COUNTS = {  # validation examples, as published with each set
     "hellaswag": (10042, {4}),
     "arc_easy": (570, {3, 4, 5}),
@@ -154,27 +156,6 @@ def joint_run(joint_root):
     return joint_root, load_model(joint_root / "evals-joint")[0], Index(joint_root / "idx")
 
 
-def _token_eval_of(model, idx, ids: np.ndarray, out, **kw) -> dict:
-    """The oracle: token_eval of one document (ids) as held-out text, its held-out features
-    written from the ids themselves (kw: token_eval's, e.g. knn)."""
-    from teragram.index import features as ff
-    from teragram.index import format as fmt
-    from teragram.index.heldout import write_held_out
-    from teragram.model.evaluation.perplexity import token_eval
-
-    cfg = ff.FeatureConfig("held-out", 64, 1)
-    ident = ff.begin(idx.path, out, cfg, [])
-    write_held_out(idx, out, cfg, [ids], [{}])
-    ff.finish(out, ident, [fmt.read_json(out / "000000.done")], len(ids) + 1, {})
-    return token_eval(model, out, idx.eos_id, idx.sep, index=idx, **kw)
-
-
-def _completion(r: dict, n_ctx: int, n: int) -> dict:
-    """token_eval's rows of the completion's targets (ids[n_ctx:n]), in order."""
-    rows = np.nonzero((r["pos"] >= n_ctx) & (r["pos"] < n))[0]
-    return {k: r[k][rows[np.argsort(r["pos"][rows])]] for k in ("nll", "nll_model")}
-
-
 def test_joint_scores_equal_token_eval_of_each_candidate(joint_run, tmp_path):
     """Per completion token, the scorer's joint mixture and the LM alone are token_eval's numbers
     for the candidate as one held-out document, where the model's window is the same (the
@@ -198,25 +179,13 @@ def test_joint_scores_equal_token_eval_of_each_candidate(joint_run, tmp_path):
         for f in ("nll", "maxp", "top"):
             assert np.array_equal(o[f], p[f]), f
         if len(d) <= B or len(d) % B == 0:
-            want = _completion(_token_eval_of(model, idx, d, tmp_path / f"doc{k}"), n, len(d))
+            want = completion_rows(token_eval_of(model, idx, d, tmp_path / f"doc{k}"), n, len(d))
             assert np.allclose(o["nll_joint"], want["nll"], atol=1e-5, rtol=0)
             assert np.allclose(o["nll"], want["nll_model"], atol=1e-5, rtol=0)
             checked += 1
         moved = max(moved, float(np.abs(o["nll_joint"] - o["nll"]).max()))
     assert checked == len(docs) - 1 and len(docs) >= 8
     assert moved > 0.05  # the mixture is not the LM alone
-
-
-def _acc(examples, nll) -> tuple[float, float]:
-    """acc and acc_norm counted by hand from per-candidate completion nll."""
-    k, hit, hit_norm = 0, 0, 0
-    for ex in examples:
-        ll = [-float(nll[k + j].sum()) for j in range(len(ex.completions))]
-        norm = [x / len(c) for x, c in zip(ll, ex.completions, strict=True)]
-        hit += int(np.argmax(ll)) == ex.label
-        hit_norm += int(np.argmax(norm)) == ex.label
-        k += len(ex.completions)
-    return hit / len(examples), hit_norm / len(examples)
 
 
 def test_joint_task_accuracies_are_those_of_token_eval(joint_run, tmp_path):
@@ -229,10 +198,10 @@ def test_joint_task_accuracies_are_those_of_token_eval(joint_run, tmp_path):
     examples = load_task("openbookqa", 5)
     docs = candidates(examples, idx.tokenize)
     assert all(len(d) <= model.cfg.block_size for d, _ in docs)
-    want = [_completion(_token_eval_of(model, idx, d, tmp_path / f"doc{k}"), n, len(d)) for k, (d, n) in enumerate(docs)]
+    want = [completion_rows(token_eval_of(model, idx, d, tmp_path / f"doc{k}"), n, len(d)) for k, (d, n) in enumerate(docs)]
     r = run_task(model, idx, "openbookqa", limit=5, batch=6)
     for col, field in (("model", "nll_model"), ("joint", "nll")):
-        acc, acc_norm = _acc(examples, [w[field] for w in want])
+        acc, acc_norm = accuracy_by_hand(examples, [w[field] for w in want])
         assert (r[col]["acc"], r[col]["acc_norm"], r[col]["n"]) == (acc, acc_norm, 5), col
     assert r["model"] != r["joint"]  # the two columns can be told apart here
     assert {"contaminated_share", "model_clean", "joint_clean"} <= set(r) and "gated" not in r

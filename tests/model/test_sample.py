@@ -12,7 +12,7 @@ from teragram.model.generation.draft import Drafter, cache_match
 from teragram.model.generation.sample import _target, generate
 from teragram.model.training.train import train
 
-from tests.model.test_model import _cfg, dup_setup  # noqa: F401  (the fixture)
+from tests.model.helpers import dup_config
 
 
 def test_cache_match_against_brute_force():
@@ -29,25 +29,25 @@ def test_cache_match_against_brute_force():
 
 
 @pytest.fixture(scope="module")
-def models(dup_setup):  # noqa: F811
+def models(dup_setup):
     """Tiny models with a short context (48), so that generation also slides its window."""
     out = {}
     for arch, use_index in (("gpt2", True), ("modern", False)):
         name = f"draft-{arch}-{use_index}"
         kw = {} if use_index else {"features": None, "use_index": False}
-        train(_cfg(dup_setup, name, max_steps=60, arch=arch, block_size=48, **kw))
+        train(dup_config(dup_setup, name, max_steps=60, arch=arch, block_size=48, **kw))
         out[arch] = load_model(dup_setup / name)[0]
     return out
 
 
-def _prompts(idx, dup_setup):  # noqa: F811
+def _prompts(idx, dup_setup):
     train_text = (dup_setup / "train" / "003.txt").read_text()
     held = sorted((dup_setup / "held").glob("h*.txt"))[0].read_text()
     return [idx.tokenize(train_text[:60]), idx.tokenize(held[200:300]), []]
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "modern"])
-def test_greedy_with_drafts_equals_plain_greedy(dup_setup, models, arch):  # noqa: F811
+def test_greedy_with_drafts_equals_plain_greedy(dup_setup, models, arch):
     model = models[arch]
     idx = Index(dup_setup / "idx")
     accepted = forwards = tokens = 0
@@ -64,7 +64,7 @@ def test_greedy_with_drafts_equals_plain_greedy(dup_setup, models, arch):  # noq
     assert accepted > 0 and forwards < tokens  # drafts were taken, so the test compares something
 
 
-def test_sampling_with_drafts_draws_from_the_model(dup_setup, models):  # noqa: F811
+def test_sampling_with_drafts_draws_from_the_model(dup_setup, models):
     """The first two sampled tokens (top-3, temperature 0.8), drawn 1,200 times with drafts
     that are sometimes right and sometimes wrong, against their exact probabilities."""
     model = models["modern"]
@@ -116,7 +116,7 @@ def test_sampling_with_drafts_draws_from_the_model(dup_setup, models):  # noqa: 
     assert chi2 < limit, (chi2, limit, df)
 
 
-def test_provenance_points_at_the_matching_text(dup_setup, models):  # noqa: F811
+def test_provenance_points_at_the_matching_text(dup_setup, models):
     model = models["gpt2"]
     idx = Index(dup_setup / "idx")
     prompt = _prompts(idx, dup_setup)[0]
@@ -138,7 +138,7 @@ def test_provenance_points_at_the_matching_text(dup_setup, models):  # noqa: F81
     assert found > 0
 
 
-def test_greedy_with_drafts_and_a_gate_equals_plain_greedy(dup_setup, models):  # noqa: F811
+def test_greedy_with_drafts_and_a_gate_equals_plain_greedy(dup_setup, models):
     """The gated mixture's greedy tokens are the same with drafts (each verified position's
     estimates computed for its own prefix)."""
     from teragram.model.mixture.estimates import COMPONENTS, estimates

@@ -16,31 +16,7 @@ from teragram.model.gpt import GPT, GPTConfig
 from teragram.model.training.train import TrainConfig, train
 
 from tests.conftest import torchrun
-from tests.model.test_model import REPO, TINY, _rand_feats
-
-SMALL = TINY | {"block_size": 32, "batch_size": 4}
-
-
-@pytest.fixture(scope="module")
-def data_root(tmp_path_factory, tokenizer_model):
-    """A small real-text index and its exclude-doc features."""
-    from teragram.builder.build import BuildConfig, build
-    from teragram.builder.features import FeatureConfig, compute_features
-
-    from tests.conftest import real_texts
-
-    root = tmp_path_factory.mktemp("trainfeat")
-    (root / "txt").mkdir()
-    for i, (_, t) in enumerate(real_texts(12, 4000)):
-        (root / "txt" / f"{i:03d}.txt").write_text(t)
-    build(BuildConfig(inputs=(str(root / "txt"),), out=str(root / "idx"), tokenizer=str(tokenizer_model), workers=1, progress=False))
-    compute_features(root / "idx", root / "feats", FeatureConfig("exclude-doc", 64, 4), progress=False)
-    return root
-
-
-def _losses(root, name) -> dict[int, float]:
-    rows = map(json.loads, (root / name / "log.jsonl").read_text().splitlines())
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+from tests.model.helpers import REPO, logged_losses, rand_feats, small_config
 
 
 def _resume_from(run: Path, step: int, out: Path) -> None:
@@ -48,11 +24,6 @@ def _resume_from(run: Path, step: int, out: Path) -> None:
     ck = f"checkpoints/step-{step:07d}"
     shutil.copytree(run / ck, out / ck)
     (out / "latest.json").write_text(json.dumps({"checkpoint": ck, "step": step}))
-
-
-def _cfg(root, name, **kw) -> TrainConfig:
-    base = SMALL | {"index": str(root / "idx"), "features": str(root / "feats"), "out": str(root / name), "resume": True}
-    return TrainConfig(**(base | kw))
 
 
 @pytest.mark.parametrize("mode", ["attn", "block", "block2"])
@@ -71,7 +42,7 @@ def test_recompute_gives_the_same_losses_and_gradients(mode):
         for _ in range(3):
             x = torch.randint(0, 60, (2, 32), generator=g)
             y = torch.randint(0, 60, (2, 32), generator=g)
-            loss, _ = model(x, y, _rand_feats(2, 32, 60, 4, g))
+            loss, _ = model(x, y, rand_feats(2, 32, 60, 4, g))
             loss.mean().backward()
             losses.append(float(loss.mean().detach()))
             grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
@@ -124,7 +95,7 @@ def test_recompute_block_computes_the_head_in_chunks_with_the_same_losses_and_gr
     cfg = GPTConfig.preset("tiny", vocab_size=V, block_size=T, **HEADS[head])
     g = torch.Generator().manual_seed(1)
     x, y = torch.randint(0, V, (2, B, T), generator=g)
-    f = _rand_feats(B, T, V, 4, g) if cfg.use_index else None
+    f = rand_feats(B, T, V, 4, g) if cfg.use_index else None
     e = _rand_est(B, T, V, len(cfg.joint), g) if cfg.joint else None
     runs, logits = {}, gpt._logits
     for mode in ("none", "block"):
@@ -153,8 +124,8 @@ def test_recompute_block_computes_the_head_in_chunks_with_the_same_losses_and_gr
 
 @pytest.fixture(scope="module")
 def plain_run(data_root):
-    train(_cfg(data_root, "plain", max_steps=20))
-    return _losses(data_root, "plain")
+    train(small_config(data_root, "plain", max_steps=20))
+    return logged_losses(data_root, "plain")
 
 
 SINGLE_PROCESS = {
@@ -167,19 +138,19 @@ SINGLE_PROCESS = {
 @pytest.mark.parametrize("name", list(SINGLE_PROCESS))
 def test_feature_matches_the_plain_loop_and_resumes_exactly(data_root, plain_run, name):
     kw = SINGLE_PROCESS[name]
-    train(_cfg(data_root, name, max_steps=20, ckpt_every=10, **kw))
-    got = _losses(data_root, name)
+    train(small_config(data_root, name, max_steps=20, ckpt_every=10, **kw))
+    got = logged_losses(data_root, name)
     assert [got[s] for s in range(1, 21)] == pytest.approx([plain_run[s] for s in range(1, 21)], rel=1e-5)
     _resume_from(data_root / name, 10, data_root / (name + "-resumed"))
-    train(_cfg(data_root, name + "-resumed", max_steps=20, **kw))
-    resumed = _losses(data_root, name + "-resumed")
+    train(small_config(data_root, name + "-resumed", max_steps=20, **kw))
+    resumed = logged_losses(data_root, name + "-resumed")
     assert [resumed[s] for s in range(11, 21)] == [got[s] for s in range(11, 21)]
 
 
 def test_zero1_on_two_gloo_processes_matches_ddp_and_resumes_on_any_world_size(data_root, tmp_path):
     """Three trainings in one torchrun of 2 gloo processes: plain DDP, ZeRO-1, and ZeRO-1 resumed
     from its step-10 checkpoint. Then the ZeRO-1 checkpoint resumes in a single process."""
-    runs = {n: _cfg(data_root, "z-" + n, max_steps=20, ckpt_every=10) for n in ("ddp", "zero1", "zero1-resumed")}
+    runs = {n: small_config(data_root, "z-" + n, max_steps=20, ckpt_every=10) for n in ("ddp", "zero1", "zero1-resumed")}
     script = tmp_path / "zero1.py"
     script.write_text(
         f"""
@@ -200,7 +171,7 @@ dist.destroy_process_group()
 """.replace("from pathlib import Path", "from pathlib import Path\nfrom dataclasses import replace")
     )
     torchrun(script)
-    ddp, zero, resumed = (_losses(data_root, "z-" + n) for n in runs)
+    ddp, zero, resumed = (logged_losses(data_root, "z-" + n) for n in runs)
     assert [zero[s] for s in range(1, 21)] == pytest.approx([ddp[s] for s in range(1, 21)], rel=1e-5)
     assert [resumed[s] for s in range(11, 21)] == [zero[s] for s in range(11, 21)]
     # the consolidated ZeRO-1 state is the plain optimizer's state
@@ -214,8 +185,8 @@ dist.destroy_process_group()
     # a different world size: the 2-rank ZeRO-1 checkpoint resumes in one process like the DDP one
     for n in ("ddp", "zero1"):
         _resume_from(data_root / ("z-" + n), 10, data_root / ("z1-" + n))
-        train(_cfg(data_root, "z1-" + n, max_steps=20, zero1=True))
-    one = [_losses(data_root, "z1-" + n) for n in ("ddp", "zero1")]
+        train(small_config(data_root, "z1-" + n, max_steps=20, zero1=True))
+    one = [logged_losses(data_root, "z1-" + n) for n in ("ddp", "zero1")]
     assert [one[1][s] for s in range(11, 21)] == pytest.approx([one[0][s] for s in range(11, 21)], rel=1e-4)
 
 
@@ -225,12 +196,12 @@ def test_block_is_causal(arch):
     g = torch.Generator().manual_seed(2)
     m = GPT(GPTConfig.preset("tiny", vocab_size=60, block_size=32, arch=arch)).eval()
     x = torch.randint(0, 60, (2, 32), generator=g)
-    f = _rand_feats(2, 32, 60, 4, g)
+    f = rand_feats(2, 32, 60, 4, g)
     h, _ = m.hidden(x, f)
     s = 13
     x2 = x.clone()
     x2[:, s:] = torch.randint(0, 60, (2, 32 - s), generator=g)
-    f2 = _rand_feats(2, 32, 60, 4, g)
+    f2 = rand_feats(2, 32, 60, 4, g)
     f2 = type(f)(
         *(torch.cat([getattr(f, n)[:, :s], getattr(f2, n)[:, s:]], 1) for n in ("length", "cont", "count", "topk_ids", "topk_cnt"))
     )
@@ -260,14 +231,14 @@ def test_muon_orthogonalizes_and_the_modern_model_trains_deterministically(data_
     assert float((o * (u @ vt)).sum() / (o.norm() * (u @ vt).norm())) > 0.95  # close to U V^T
     kw = dict(arch="modern", optimizer="muon", max_steps=20, ckpt_every=10, tie_head=tie_head)
     run = f"modern-{tie_head}"
-    train(_cfg(data_root, f"{run}-a", **kw))
-    train(_cfg(data_root, f"{run}-b", **kw))
-    a, b = _losses(data_root, f"{run}-a"), _losses(data_root, f"{run}-b")
+    train(small_config(data_root, f"{run}-a", **kw))
+    train(small_config(data_root, f"{run}-b", **kw))
+    a, b = logged_losses(data_root, f"{run}-a"), logged_losses(data_root, f"{run}-b")
     assert a == b  # the same seed gives the same run
     assert sum(a[s] for s in range(16, 21)) < sum(a[s] for s in range(1, 6)) - 0.5  # it learns
     _resume_from(data_root / f"{run}-a", 10, data_root / f"{run}-resumed")
-    train(_cfg(data_root, f"{run}-resumed", **kw))
-    resumed = _losses(data_root, f"{run}-resumed")
+    train(small_config(data_root, f"{run}-resumed", **kw))
+    resumed = logged_losses(data_root, f"{run}-resumed")
     assert [resumed[s] for s in range(11, 21)] == [a[s] for s in range(11, 21)]
 
 
@@ -311,8 +282,8 @@ def test_int8_and_fp8_matmuls_against_float_references():
 
 
 def test_int8_training_follows_the_float_loop(data_root, plain_run):
-    train(_cfg(data_root, "int8", max_steps=20, precision="int8"))
-    got = _losses(data_root, "int8")
+    train(small_config(data_root, "int8", max_steps=20, precision="int8"))
+    got = logged_losses(data_root, "int8")
     assert [got[s] for s in range(1, 21)] == pytest.approx([plain_run[s] for s in range(1, 21)], rel=0.03)
 
 
