@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             "wall s": m["wall_s"],
             "index s": rep["timings"]["index_task_s"],
             "tokenize s": rep["timings"]["tokenize_index_s"],
-            "peak RSS MB": m["peak_rss_mb"],
+            "peak RSS MiB": m["peak_rss_mb"],
             "B/token (tokens+SA)": tg_bpt,
             "B/token (other)": (sum(sizes.values()) - sizes["tokens.bin"] - sizes["sa.bin"] + lmdb) / n,
         }
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             {
                 "run": f"teragram index, same ids ({label})",
                 "index s": index_s,
-                "peak RSS MB": mm["peak_rss_mb"],
+                "peak RSS MiB": mm["peak_rss_mb"],
                 "B/token (tokens+SA)": b / n,
             }
         )
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         {
             "run": f"infini-gram indexer, same ids (--cpus {args.workers})",
             "index s": mi["wall_s"],
-            "peak RSS MB": mi["peak_rss_mb"],
+            "peak RSS MiB": mi["peak_rss_mb"],
             "B/token (tokens+SA)": ig_bytes / n,
         }
     )
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     ax[1].set_xlabel("bytes per token: tokens + suffix array")
     ax[1].set_yticks([])
     fig.suptitle(f"{n / 1e6:.1f}M tokens of linux-source-6.1")
-    md = table(rows, ["run", "wall s", "tokenize s", "index s", "peak RSS MB", "B/token (tokens+SA)", "B/token (other)"])
+    md = table(rows, ["run", "wall s", "tokenize s", "index s", "peak RSS MiB", "B/token (tokens+SA)", "B/token (other)"])
     md += (
         f"\n\n{n:,} tokens, {man['counts']['docs']:,} documents. Tokens+SA {tg_bpt:.3f} B/token (infini-gram {ig_bytes / n:.3f}); "
         f"index time {best:.1f}s = {data['ratios']['index_time_ratio_best']:.2f}x infini-gram's {mi['wall_s']:.1f}s (one shard: "

@@ -69,7 +69,7 @@ def run_sampled(cmd: list[str]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=float, default=400, help="MB of linux-source-6.1 text (train split)")
-    ap.add_argument("--memory", default="2,8", help="comma-separated --memory values (GB)")
+    ap.add_argument("--memory", default="2,8", help="comma-separated --memory values (GiB)")
     ap.add_argument("--shard-tokens", type=int, default=1 << 30)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--workdir", default=str(default_workdir()))

@@ -84,7 +84,7 @@ def read_jsonl(path: Path):
 
 
 def run_measured(cmd: list[str], **kw) -> dict:
-    """Run a command; its wall time and peak RSS (MB, the child and its waited-for children)."""
+    """Run a command; its wall time and peak RSS (MiB: ru_maxrss is KiB; the child and its waited-for children)."""
     t = time.time()
     p = subprocess.Popen(cmd, **kw)
     _, status, ru = os.wait4(p.pid, 0)

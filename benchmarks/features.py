@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             what = "length + continuation" if k == 0 else "all, top-4"
             data[f"{mode}_k{k}"] = m | {"compute_s": secs, "tokens_per_s_per_core": n_pos / secs}
             rows.append(
-                {"features": what, "mode": mode, "compute s": secs, "M tokens/s/core": n_pos / secs / 1e6, "peak RSS MB": m["peak_rss_mb"]}
+                {"features": what, "mode": mode, "compute s": secs, "M tokens/s/core": n_pos / secs / 1e6, "peak RSS MiB": m["peak_rss_mb"]}
             )
     held = args.heldout or linux_corpus(w, args.heldout_mb, "heldout")
     out = w / "feat-heldout"
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             "mode": "held-out (bulk, one thread)",
             "compute s": rep["features_s"],
             "M tokens/s/core": rep["positions"] / rep["features_s"] / 1e6,
-            "peak RSS MB": m["peak_rss_mb"],
+            "peak RSS MiB": m["peak_rss_mb"],
         }
     )
 
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         a.set_xlabel("match length L")
         a.set_title(t)
     ax[0].legend(fontsize=8)
-    md = table(rows, ["features", "mode", "compute s", "M tokens/s/core", "peak RSS MB"])
+    md = table(rows, ["features", "mode", "compute s", "M tokens/s/core", "peak RSS MiB"])
     h = stats["heldout"]
     md += (
         "\n\nHeld-out linux-source ("

@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                     "tokens (M)": ntok / 1e6,
                     "shards": point["shards"],
                     "index s": index_s,
-                    "peak RSS MB": m["peak_rss_mb"],
+                    "peak RSS MiB": m["peak_rss_mb"],
                     "B/token": point["bytes_per_token"],
                     "count ms": point["count_ms"],
                     "infgram_prob ms": point["infgram_prob_ms"],
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     (results_dir() / "scaling_points.json").write_text(json.dumps(data, indent=1))
     md = table(
         rows,
-        ["tokens (M)", "shards", "index s", "peak RSS MB", "B/token", "count ms", "infgram_prob ms", "score us/token", "features M tok/s"],
+        ["tokens (M)", "shards", "index s", "peak RSS MiB", "B/token", "count ms", "infgram_prob ms", "score us/token", "features M tok/s"],
     )
     md += "\n\nPower-law fits on one-shard points (y = a N^b): " + ", ".join(f"{k} b={v['exponent']:.2f}" for k, v in fits.items())
     import matplotlib

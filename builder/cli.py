@@ -17,12 +17,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab-size", type=int, default=32000, help="vocabulary of the trained tokenizer (default 32000)")
     p.add_argument("--shard-tokens", type=int, default=1 << 30, help="max token positions per shard (default 2^30)")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizer processes (default: all cores)")
-    p.add_argument("--tokenizer-sample-mb", type=int, default=64, help="text sampled to train the tokenizer (MB)")
+    p.add_argument("--tokenizer-sample-mb", type=int, default=64, help="text sampled to train the tokenizer (MiB)")
     p.add_argument("--executor", choices=["local", "ray"], default="local")
     p.add_argument("--ray-address", help="Ray cluster address (default: start a local one)")
     p.add_argument("--shard-dirs", help="comma-separated directories (one per disk or mount) to spread the shards over")
     p.add_argument(
-        "--memory", type=float, metavar="GB", help="bound on the build's peak resident memory, workers included (default: 0.6 x available)"
+        "--memory", type=float, metavar="GiB", help="bound on the build's peak resident memory, workers included (default: 0.6 x available)"
     )
     p.add_argument("--sa-part-tokens", type=int, help="cap on the positions of one suffix-array part (default: what --memory allows)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     t = report["timings"]
     print(
         f"built {args.out}: {c['docs']} documents, {c['tokens']} tokens in {c['shards']} shard(s); "
-        f"{t['total_s']:.1f}s, peak RSS {report['peak_rss_mb']:.0f} MB"
+        f"{t['total_s']:.1f}s, peak RSS {report['peak_rss_mb']:.0f} MiB"
     )
     sk = report["skipped"]
     if sk["counts"]:
