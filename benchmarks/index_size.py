@@ -187,24 +187,23 @@ def save_outputs_a(work: Path, out: Path, held: dict, batch: int, device: str, r
 
 
 def contamination_share(est: dict, starts: np.ndarray) -> np.ndarray:
-    """Per document, the share of its 13-grams found in the index: the ∞-gram match of the
-    context before target j covers the 13-gram ending there iff its length is >= 13."""
-    out = []
-    for k in range(len(starts) - 1):
-        a, b = int(starts[k]), int(starts[k + 1])  # the document's targets (its ids, then EOS)
-        ll = est["index_length"][a + 13 : b]
-        out.append(float((ll >= 13).mean()) if len(ll) else 0.0)
-    return np.array(out)
+    """Per document, the share of its 13-grams found in the index (index.heldout.ngram_share, the
+    rule `teragram eval --decontaminate` applies): the ∞-gram match of the context before
+    target j + 1 is the longest match ending at the document's position j."""
+    from teragram.index.heldout import ngram_share
+
+    # the targets of document k sit at starts[k] .. starts[k + 1] - 1 (its ids, then EOS)
+    return np.array([ngram_share(est["index_length"][int(starts[k]) + 1 : int(starts[k + 1])]) for k in range(len(starts) - 1)])
 
 
 def clean_documents(o, est: dict) -> np.ndarray:
     """Per document of saved outputs `o` (model/evaluation/outputs.py), whether it is decontaminated: fewer
     than 80% of its 13-grams in the index (infini-gram's criterion). A target's: [o.doc]."""
     from teragram.index import format as fmt
+    from teragram.index.heldout import DECONTAMINATION_SHARE
 
-    # the targets of document k sit at starts[k] .. starts[k + 1] - 1 (its ids, then EOS)
     starts = np.asarray(fmt.open_array(o.path / "000000" / "docs.bin", "docs")).astype(np.int64)
-    return contamination_share(est, starts) < 0.8
+    return contamination_share(est, starts) < DECONTAMINATION_SHARE
 
 
 def _variants(o: dict, est: dict, cache_only: dict | None) -> tuple[dict[str, dict[str, np.ndarray]], dict]:

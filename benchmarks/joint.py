@@ -501,6 +501,7 @@ def stage_eval(joint_outs: list[Path], index: Path, carry: Path, posthoc: Path, 
     run's variants against its own plain)."""
     from teragram.index.bulk import continuations
     from teragram.index.engine import Index
+    from teragram.index.heldout import DECONTAMINATION_SHARE
     from teragram.model.mixture import baselines
     from teragram.model.mixture.estimates import heldout_docs
 
@@ -566,7 +567,7 @@ def stage_eval(joint_outs: list[Path], index: Path, carry: Path, posthoc: Path, 
                 m[first] = False
                 length[m] = L
                 starts = np.concatenate([[0], np.cumsum(lens + 1)])
-                keep = (contamination_share({"index_length": length}, starts) < 0.8)[doc]
+                keep = (contamination_share({"index_length": length}, starts) < DECONTAMINATION_SHARE)[doc]
             for v in whole[s]:
                 z = load_nll(home, v, s, h)
                 if not np.array_equal(z["target"], target):
