@@ -235,7 +235,7 @@ def build_from_ids(
 ) -> dict:
     """Index already-tokenized documents (ids in the tokenizer's vocabulary) into a fresh `out`.
 
-    For tests and benchmarks that need an index of exact token sequences (random texts with a
+    For tests and measurements that need an index of exact token sequences (random texts with a
     small alphabet, or the same ids given to infini-gram's indexer). Not resumable.
     """
     out = Path(out)

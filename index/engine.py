@@ -95,13 +95,13 @@ class Index:
     access: "random" (the default) advises the kernel that the tokens and the suffix array are
     read at random (MADV_RANDOM): a search on a cold page cache then reads the pages it needs
     and not the read-ahead around each (count on 2.43B tokens in 12 shards, cold: 889 ms ->
-    10 ms; benchmarks/results/index_scale_random.md). "normal" keeps the kernel's read-ahead, for code
+    10 ms; measured in docs/results.md, section 2). "normal" keeps the kernel's read-ahead, for code
     that scans the arrays in order (the builder's features).
 
     threads: on how many threads the shards are searched (the kernels release the GIL). The
     default, 1, searches all shards in one call, their binary searches interleaved step by
     step (index/fanout.py): on a warm page cache a query takes tens of microseconds, less than
-    handing it to a thread (benchmarks/results/query_fanout.md). More threads each search a
+    handing it to a thread (docs/results.md, section 2). More threads each search a
     run of consecutive shards; they pay when searches wait on the disk (a cold or
     larger-than-memory index), where a page fault stalls its thread.
     """

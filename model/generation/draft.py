@@ -113,7 +113,7 @@ class Drafter:
     # the index's draft: "top", the ∞-gram's argmax token by token, or "recent", what followed the
     # match's most recent occurrence; between index and cache, the one with more "expected"
     # accepted tokens (from the stats) or the "longer" match. Defaults chosen on validation
-    # prompts (benchmarks/results/generation_policies_valid.md).
+    # prompts (docs/results.md, section 6).
     index_draft: str = "top"
     choose: str = "expected"
     stats: DraftStats = field(default_factory=DraftStats)

@@ -1,7 +1,7 @@
 """The dense store of every training position, searched as the kNN-LM searches it (Khandelwal et
 al., 2020): keys are a model's states at every training position of an index's shards (float16,
 centred, in device memory: ~72 GB for 47M positions of a 125M model), values the next tokens.
-Which states (KEY_STATES) is chosen on validation (benchmarks/knnlm.choose_key). The search is
+Which states (KEY_STATES) is chosen on validation (the joint recipe's kNN stage). The search is
 an inverted file (k-means centroids, each query probing the nearest few lists, as FAISS's IVF)
 with exact float32 distances to the probed keys, so that the store built twice from the same
 model and index answers the same. The estimates made from its neighbours are in knn.py.

@@ -46,7 +46,7 @@ KIND = "joint-estimates"
 # validation and at sharper and broader multiples of it (model/mixture/knn.MULTIPLES), and dense_cache, the
 # continuous cache: the same estimate over the document's own earlier states (model/mixture/knn.doc_neighbours,
 # its temperature fit on validation too): written in bulk for training positions (exclude-doc) and
-# held-out text by benchmarks/knnlm.py; outside training, from the store rebuilt by
+# held-out text by the joint recipe's kNN stage (not yet a library verb); outside training, from the store rebuilt by
 # model/mixture/knn.KnnSource (live and bulk); the index itself has none
 DENSE = ("dense_knn", "dense_knn_sharp", "dense_knn_broad", "dense_cache")
 
@@ -234,7 +234,7 @@ def write_train_estimates(index_dir, feature_dirs, out, top_k: int = 4, workers:
     }
     if (out / "manifest.json").exists():
         have = fmt.read_json(out / "manifest.json")
-        have["components"] = [c for c in have["components"] if c not in DENSE]  # dense columns added later (benchmarks/knnlm.py)
+        have["components"] = [c for c in have["components"] if c not in DENSE]  # dense columns added later (the kNN stage)
         if {k: v for k, v in have.items() if k in ident} == ident:
             return out
         raise TeragramError(f"{out}: joint estimates of another index or other components; give another directory")
@@ -295,7 +295,7 @@ def check_index(cfg, idx) -> None:
 def heldout_est(idx, docs: list[np.ndarray], components, top_k: int, threads: int = 1, dense: Est | None = None, knn=None) -> Est:
     """Est of every target of the documents, each read as EOS + ids predicting ids + EOS
     (model.evaluate.token_eval's order), against the whole index; the DENSE components' columns
-    are `dense`'s (a kNN datastore's, benchmarks/knnlm.py), appended, or else `knn`'s
+    are `dense`'s (a kNN datastore's, written beside the training estimates), appended, or else `knn`'s
     (model/mixture/knn.KnnSource) of these documents."""
     from teragram.index.bulk import continuations
 
@@ -305,7 +305,7 @@ def heldout_est(idx, docs: list[np.ndarray], components, top_k: int, threads: in
         dense = knn.documents(docs, idx.eos_id)
     if want and (dense is None or dense.q.shape[1] != len(want)):
         raise TeragramError(
-            f"{', '.join(want)}: a kNN datastore's estimates (benchmarks/knnlm.py), given in bulk (--knn-keys: the store rebuilt from its keys model); the index has none"
+            f"{', '.join(want)}: a kNN datastore's estimates, given in bulk (--knn-keys: the store rebuilt from its keys model); the index has none"
         )
     if want:
         return with_columns(heldout_est(idx, docs, components[: -len(want)], top_k, threads), dense)

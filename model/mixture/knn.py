@@ -4,8 +4,8 @@
 The estimates come from the neighbours that the dense store of every training position
 (datastore.py: keys a model's states, values the next tokens, an inverted file searched with
 exact float32 distances) finds for a position's state, or from the document's own earlier
-states (doc_neighbours). benchmarks/knnlm.py measures the kNN-LM peer with them and writes the
-dense_knn estimates of training positions (exclude-doc) and held-out text in bulk; `KnnSource`
+states (doc_neighbours). The joint recipe's kNN stage measures the kNN-LM peer with them and writes
+the dense_knn estimates of training positions (exclude-doc) and held-out text in bulk; `KnnSource`
 gives the same estimate live (`teragram sample/serve --knn-keys`) and in bulk for `teragram
 eval`, with the settings a jointly trained model keeps (GPTConfig.joint_knn).
 """
@@ -44,8 +44,8 @@ __all__ += ["doc_neighbours", "estimate_columns", "kept", "knn_target_probs", "r
 K_JOINT = 64  # neighbours of the joint gate's kNN estimate (its p(target) against k = 1024's is measured: knn_est.json)
 DIST_EDGES = np.geomspace(0.02, 20.0, 19)  # the nearest distance / scale: the estimate's buckets 1..20 (0: no neighbour)
 # the joint gate's dense components (model/mixture/joint.DENSE, in its order): the kNN estimate at the temperature fit on
-# validation times these, so that the gate chooses per token how sharp it is (benchmarks/gate_headroom.py's (t+knn3):
-# the post-hoc gate over (a)'s estimate at three temperatures against the one fit on validation)
+# validation times these, so that the gate chooses per token how sharp it is (the post-hoc gate over the plain
+# model's estimate at three temperatures beat the one fit on validation: docs/research, the joint gate)
 MULTIPLES = (1.0, 0.5, 2.5)
 
 
@@ -206,7 +206,7 @@ class KnnSource:
     under the keys model (the checkpoint the training estimates were made with, e.g. the joint
     benchmark's plain (a)), rebuilt and searched with the settings the jointly trained model keeps.
     `documents` gives held-out text's estimates in bulk (for token_eval and /v1/score), `live` one
-    position's with its distribution (for generation); both see what benchmarks/knnlm.joint_estimates
+    position's with its distribution (for generation); both see what the joint recipe's kNN stage
     wrote for held-out text. The keys live in device memory (2 bytes x n_embd per training position)."""
 
     def __init__(self, keys_model, index_dir: str | Path, settings, components, device: str = "cpu"):
