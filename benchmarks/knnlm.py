@@ -31,7 +31,7 @@ that a model trained with it sees what held-out text sees; and dense_cache, the 
 the same estimate over the keys of the position's own document before it (model/mixture/knn.doc_neighbours;
 its temperature fit on the same validation half, in the same units), for training positions and
 held-out text alike (a document's earlier text is what both read). Its held-out pass also writes the
-continuous cache over the same states (OUT/contcache-SET-HALF.npz, model/mixture/knn.cache_target_probs)
+continuous cache over the same states (OUT/contcache-SET-HALF.npz, model/mixture/cont_cache.target_probs)
 for experiments/cont_cache.py.
 """
 
@@ -44,6 +44,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+from teragram.model.mixture.cont_cache import target_probs
 from teragram.model.mixture.knn import (
     CENTROIDS,
     K_JOINT,
@@ -56,7 +57,6 @@ from teragram.model.mixture.knn import (
     as_est,
     build,
     cache_columns,
-    cache_target_probs,
     doc_neighbours,
     estimate_columns,
     knn_target_probs,
@@ -236,7 +236,7 @@ def _heldout(
                 gpu |= {"temperature_scale": scale, "factors": list(FACTORS)}
                 gpu |= _recall(ds, queries(r["hidden"], slice(0, RECALL_ROWS), mu, device), K_NEIGHBOURS, nprobe)
         t = time.time()  # the continuous cache over the same states, beside them (experiments/cont_cache.py reads it)
-        q = cache_target_probs(r["hidden"], r["target"], r["doc"], [f * scale for f in CACHE_FACTORS], device)
+        q = target_probs(r["hidden"], r["target"], r["doc"], [f * scale for f in CACHE_FACTORS], device).astype(np.float32)
         q = q.astype(np.float16)  # half the bytes to bring back; a mixture's nll moves by < 1e-3
         np.savez_compressed(out / f"contcache-{name}-{h}.npz", target=r["target"].astype(np.int32), q=q, factors=CACHE_FACTORS)
         info[f"heldout_{name}_{h}_cache_s"] = time.time() - t

@@ -107,7 +107,7 @@ def fit_scale(hidden: np.ndarray, doc: np.ndarray, device: str = "cpu") -> float
     return float(np.median(d))
 
 
-def target_probs(hidden: np.ndarray, target: np.ndarray, doc: np.ndarray, temps, device: str = "cpu") -> np.ndarray:
+def target_probs(hidden: np.ndarray, target: np.ndarray, doc: np.ndarray, temps, device: str = "cpu", *, block: int = BLOCK) -> np.ndarray:
     """(n, len(temps)) float64: per row i, the cache's probability of target_i at each temperature,
     from the rows before it in its document (row j votes for target_j, the token after it). Rows
     are token_eval's (each document's in order); 0 at a document's first row (no history)."""
@@ -117,8 +117,8 @@ def target_probs(hidden: np.ndarray, target: np.ndarray, doc: np.ndarray, temps,
     for a, b in runs(doc):
         h = _centred(hidden[a:b], device)
         t = torch.as_tensor(np.asarray(target[a:b], np.int64), device=device)
-        for qa in range(1, b - a, BLOCK):  # the first row has nothing before it
-            qb = min(qa + BLOCK, b - a)
+        for qa in range(1, b - a, block):  # the first row has nothing before it
+            qb = min(qa + block, b - a)
             d = _distances(h, qa, qb)
             hit = (t[:qb][None] == t[qa:qb, None]).double()
             for c, temp in enumerate(temps):

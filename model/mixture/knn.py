@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 from teragram.index.errors import TeragramError
+from teragram.model.mixture.cont_cache import runs as doc_runs
 from teragram.model.mixture.datastore import (
     CENTROIDS,
     KEY_STATES,
@@ -38,7 +39,7 @@ from teragram.model.mixture.datastore import (
 # The store (datastore.py) is importable from here too.
 __all__ = ["CENTROIDS", "KEY_STATES", "KMEANS_ITERS", "KMEANS_SAMPLE", "NPROBE", "QUERY_CHUNK", "SEED", "Datastore", "assign"]
 __all__ += ["assign_scores", "build", "key_states", "kmeans", "queries", "states", "train_windows"]
-__all__ += ["DIST_EDGES", "K_JOINT", "MULTIPLES", "OPTIONAL", "SETTINGS", "KnnSource", "as_est", "cache_columns", "cache_target_probs"]
+__all__ += ["DIST_EDGES", "K_JOINT", "MULTIPLES", "OPTIONAL", "SETTINGS", "KnnSource", "as_est", "cache_columns"]
 __all__ += ["doc_neighbours", "estimate_columns", "kept", "knn_target_probs", "require_store", "source_for"]
 
 K_JOINT = 64  # neighbours of the joint gate's kNN estimate (its p(target) against k = 1024's is measured: knn_est.json)
@@ -62,40 +63,6 @@ def knn_target_probs(d, nb_vals, target, temps):
     return torch.nan_to_num(torch.stack(out, 1))  # no neighbour at all: 0
 
 
-def cache_target_probs(hidden: np.ndarray, target: np.ndarray, doc: np.ndarray, temps, device: str = "cpu", block: int = 2048):
-    """The continuous cache (Grave et al., 2017) over a text's own states, with the kNN-LM's
-    distance: per predicted token i, p(target_i) = softmax over the earlier predicted tokens j of
-    its document of -||h_i - h_j||^2 / T, summed where target_j == target_i (j's next token, known
-    at i). Rows are token_eval's (a document's in order); one float32 column per temperature of
-    `temps`, 0 at a document's first token."""
-    import torch
-
-    out = np.zeros((len(target), len(temps)), np.float32)
-    for a, b in _runs(doc):
-        h = torch.from_numpy(np.asarray(hidden[a:b], np.float64)).to(device)  # float64: exact enough for the nearest, fast on an H200
-        n2 = (h * h).sum(1)
-        t = torch.from_numpy(target[a:b].astype(np.int64)).to(device)
-        for qa in range(1, b - a, block):  # the first row has nothing before it
-            qb = min(qa + block, b - a)
-            d = (n2[qa:qb, None] + n2[None, :qb] - 2 * h[qa:qb] @ h[:qb].T).clamp_min(0)
-            later = torch.arange(qb, device=device)[None] >= torch.arange(qa, qb, device=device)[:, None]
-            d = d.masked_fill(later, float("inf"))
-            hit = (t[:qb][None] == t[qa:qb, None]).float()
-            for c, temp in enumerate(temps):
-                out[a + qa : a + qb, c] = (torch.softmax(-d / temp, dim=1) * hit).sum(1).cpu().numpy()
-    return out
-
-
-def _runs(doc) -> list[tuple[int, int]]:
-    """(start, end) of each document's rows; refused unless each document's rows are one run."""
-    doc = np.asarray(doc)
-    cuts = np.flatnonzero(np.diff(doc)) + 1
-    runs = list(zip(np.concatenate([[0], cuts]).tolist(), np.concatenate([cuts, [len(doc)]]).tolist(), strict=True)) if len(doc) else []
-    if len({int(doc[a]) for a, _ in runs}) != len(runs):
-        raise ValueError("a document's rows come in one run, in order")
-    return runs
-
-
 def doc_neighbours(h, doc, vals, k: int, max_elems: int = 1 << 28):
     """The continuous cache's neighbours (dense_cache): per row i, the k nearest (squared distance,
     float64) among the earlier rows j < i of its own document, and their values (j's next token,
@@ -108,7 +75,7 @@ def doc_neighbours(h, doc, vals, k: int, max_elems: int = 1 << 28):
     n, dev = len(h), h.device
     d_out = torch.full((n, k), float("inf"), device=dev)
     nb_out = torch.full((n, k), -1, dtype=torch.long, device=dev)
-    for a, b in _runs(doc):
+    for a, b in doc_runs(doc):
         if b - a < 2:
             continue
         x = h[a:b].double()
@@ -131,7 +98,7 @@ def cache_columns(h, doc, vals, target, k: int, temp: float, scale: float, rows:
     doc_neighbours over documents taken together up to `rows` rows at a time (one longer document
     alone): h, vals, target on one device, doc numpy. numpy arrays (n, 1)."""
     doc = np.asarray(doc)
-    runs, parts, i = _runs(doc), [], 0
+    runs, parts, i = doc_runs(doc), [], 0
     while i < len(runs):
         a, j = runs[i][0], i + 1
         while j < len(runs) and runs[j][1] - a <= rows:  # whole documents from row a

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from teragram.model.mixture import cont_cache as cc
 from teragram.model.mixture import knn
 
 from benchmarks import knnlm
@@ -79,7 +80,7 @@ def test_target_probs_equal_the_dense_store_formula():
 
 
 def test_continuous_cache_is_brute_force_over_the_documents_earlier_states():
-    """cache_target_probs, in query blocks smaller than a document: per row, the softmax over the
+    """cont_cache.target_probs, in query blocks smaller than a document: per row, the softmax over the
     same document's earlier rows, summed where their target is this one's; 0 at a document's
     first row; a document's rows out of one run are refused."""
     rng = np.random.default_rng(3)
@@ -87,7 +88,7 @@ def test_continuous_cache_is_brute_force_over_the_documents_earlier_states():
     h = rng.normal(size=(len(doc), 5)).astype(np.float32)
     tgt = rng.integers(0, 3, len(doc))
     temps = [0.5, 4.0]
-    got = knn.cache_target_probs(h, tgt, doc, temps, block=4)
+    got = cc.target_probs(h, tgt, doc, temps, block=4)
     for i in range(len(doc)):
         before = np.flatnonzero((doc == doc[i]) & (np.arange(len(doc)) < i))
         if not len(before):
@@ -99,14 +100,14 @@ def test_continuous_cache_is_brute_force_over_the_documents_earlier_states():
             assert got[i, c] == pytest.approx((w * (tgt[before] == tgt[i])).sum() / w.sum(), rel=1e-5, abs=1e-7)
     assert (got[:, 1] > 0).sum() > 10
     with pytest.raises(ValueError, match="one run"):
-        knn.cache_target_probs(h, tgt, np.concatenate([doc[:5], doc[10:], doc[5:10]]), temps)
+        cc.target_probs(h, tgt, np.concatenate([doc[:5], doc[10:], doc[5:10]]), temps)
 
 
 def test_doc_neighbours_and_cache_columns_are_brute_force_over_the_documents_earlier_states():
     """doc_neighbours, in query blocks smaller than a document: per row, the k nearest of the same
     document's earlier rows (fewer: inf / -1 after them) and their values; cache_columns over chunks
     of whole documents (one longer than a chunk) equals estimate_columns over them at once, and
-    at a large k it is cache_target_probs; a document's rows out of one run are refused."""
+    at a large k it is cont_cache.target_probs; a document's rows out of one run are refused."""
     rng = np.random.default_rng(4)
     doc = np.repeat([5, 1, 2, 7], [9, 1, 30, 4])
     h = torch.from_numpy(rng.normal(size=(len(doc), 5)).astype(np.float32))
@@ -126,7 +127,7 @@ def test_doc_neighbours_and_cache_columns_are_brute_force_over_the_documents_ear
     assert set(cols) == set(want) and all(np.array_equal(cols[f], want[f]) for f in want)
     assert cols["rest"][0, 0] == 1 and cols["q"][0, 0] == 0 and cols["top"][0, 0] == -1 and (cols["rest"][1:9] == 0).all()
     full = knn.cache_columns(h, doc, vals, vals, 64, 0.7, 2.0)
-    np.testing.assert_allclose(full["q"][:, 0], knn.cache_target_probs(h.numpy(), vals.numpy(), doc, [0.7])[:, 0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(full["q"][:, 0], cc.target_probs(h.numpy(), vals.numpy(), doc, [0.7])[:, 0], rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="one run"):
         knn.doc_neighbours(h, np.concatenate([doc[:5], doc[10:], doc[5:10]]), vals, k)
 
