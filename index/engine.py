@@ -133,6 +133,11 @@ class Index:
         self._dist_cache: dict[tuple[int, int, int, int], tuple[np.ndarray, np.ndarray]] = {}
         self._uni_top: tuple[np.ndarray, np.ndarray] | None = None
 
+    @property
+    def threads(self) -> int:
+        """On how many threads the shards are searched (threads= capped at the number of shards)."""
+        return self._n_threads
+
     @contextmanager
     def readahead(self):
         """Bulk work with the kernel's read-ahead back on: many searches whose neighbours in
