@@ -71,3 +71,17 @@ def test_entry_point_names_every_subsystem():
     from teragram.serve.main import VERB_MODULES
 
     assert sorted(VERB_MODULES) == sorted(f"teragram.{p}.cli" for p in PACKAGES)
+
+
+def test_the_library_never_names_benchmarks_experiments_or_tools():
+    """What a user needs from a benchmark becomes a library function with a verb: no module of
+    the four packages refers a reader (or a user, in an error message) to those folders."""
+    import re
+
+    bad = []
+    for pkg in PACKAGES:
+        for path in sorted((REPO / pkg).rglob("*.py")):
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                if re.search(r"\b(benchmarks|experiments|tools)[/.][a-z_]", line):
+                    bad.append(f"{path.relative_to(REPO)}:{n}: {line.strip()}")
+    assert bad == []

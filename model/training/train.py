@@ -177,7 +177,7 @@ def _model_config(cfg: TrainConfig, world: int, master: bool) -> tuple[GPTConfig
     if any(c in joint.DENSE for c in comps) and (cfg.heldout or cfg.evals):
         raise ConfigError(
             f"the gate reads {', '.join(c for c in comps if c in joint.DENSE)}, which evaluation during training has no"
-            " source for: leave heldout and evals unset and score with the dense estimates (benchmarks/joint.py)"
+            " source for: leave heldout and evals unset and score with the dense estimates given in bulk"
         )
     est = joint.open_train_estimates(est_dir, cfg.index, comps, cfg.joint_top_k)
     store = fmt.read_json(est_dir / "manifest.json").get("dense_knn", {}) if any(c in joint.DENSE for c in comps) else {}
