@@ -236,7 +236,9 @@ def _heldout(
                 gpu |= {"temperature_scale": scale, "factors": list(FACTORS)}
                 gpu |= _recall(ds, queries(r["hidden"], slice(0, RECALL_ROWS), mu, device), K_NEIGHBOURS, nprobe)
         t = time.time()  # the continuous cache over the same states, beside them (experiments/cont_cache.py reads it)
-        q = target_probs(r["hidden"], r["target"], r["doc"], [f * scale for f in CACHE_FACTORS], device).astype(np.float32)
+        q = target_probs(r["hidden"], r["target"], r["doc"], [f * scale for f in CACHE_FACTORS], device, window=len(r["target"])).astype(
+            np.float32
+        )  # every earlier state, as measured
         q = q.astype(np.float16)  # half the bytes to bring back; a mixture's nll moves by < 1e-3
         np.savez_compressed(out / f"contcache-{name}-{h}.npz", target=r["target"].astype(np.int32), q=q, factors=CACHE_FACTORS)
         info[f"heldout_{name}_{h}_cache_s"] = time.time() - t

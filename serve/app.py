@@ -17,7 +17,7 @@ import json
 import threading
 import time
 from collections import defaultdict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from fastapi import FastAPI, Request
@@ -111,7 +111,25 @@ def _err(status: int, msg: str) -> JSONResponse:
     return JSONResponse({"error": msg}, status_code=status)
 
 
-def create_app(cfg: ServeConfig) -> FastAPI:
+@dataclass
+class Served:
+    """What the server holds: the index, the model and what mixes into it, and the shared state
+    of its requests (the model's lock, what drafting has learnt, the endpoints' statistics)."""
+
+    cfg: ServeConfig
+    idx: Index
+    model: object = None
+    model_meta: dict = field(default_factory=dict)
+    gate: object = None
+    knn_src: object = None
+    model_lock: threading.Lock = field(default_factory=threading.Lock)
+    draft_stats: DraftStats = field(default_factory=DraftStats)  # acceptance by match length, across requests
+    stats: object = field(default_factory=lambda: _Stats())
+
+
+def load(cfg: ServeConfig) -> Served:
+    """Open the index and load the model, its gate or kNN store, refusing with one line what
+    cannot serve together (another vocabulary or tokenizer, a gate of another model or index)."""
     idx = Index(cfg.index)
     model = None
     model_meta: dict = {}
@@ -153,10 +171,37 @@ def create_app(cfg: ServeConfig) -> FastAPI:
         from teragram.model.checkpoint import weights_digest
 
         gate.check(model=weights_digest(model), index_dir=cfg.index, name=cfg.gate)
-    model_lock = threading.Lock()
-    draft_stats = DraftStats()  # what drafting has learnt (acceptance by match length) and done, across requests
-    stats = _Stats()
+    return Served(cfg, idx, model, model_meta, gate, knn_src)
+
+
+def create_app(cfg: ServeConfig) -> FastAPI:
+    s = load(cfg)
     app = FastAPI(title="teragram", version="0.1.0")
+    _add_guards(app, s)
+    _add_index_routes(app, s)
+    _add_completions(app, s)
+    _add_score(app, s)
+    return app
+
+
+def _need_model(s: Served) -> None:
+    if s.model is None:
+        raise StarletteHTTPException(404, "no model loaded: start the server with --checkpoint")
+
+
+def _query_ids(s: Served, req_text: str | None, req_ids: list[int] | None) -> list[int]:
+    """A request's token ids, from its text or its ids, within the query cap."""
+    if (req_text is None) == (req_ids is None):
+        raise QueryError("give exactly one of query (text) and query_ids")
+    ids = s.idx.tokenize(req_text) if req_text is not None else list(req_ids)
+    if len(ids) > s.cfg.max_query_tokens:
+        raise QueryError(f"query of {len(ids)} tokens is over the cap of {s.cfg.max_query_tokens}")
+    return ids
+
+
+def _add_guards(app: FastAPI, s: Served) -> None:
+    """API key, content type and body size checks, per-endpoint statistics, and errors as JSON."""
+    cfg, stats = s.cfg, s.stats
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
@@ -189,6 +234,11 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     async def _http(request: Request, exc: StarletteHTTPException):
         return _err(exc.status_code, str(exc.detail))
 
+
+def _add_index_routes(app: FastAPI, s: Served) -> None:
+    """/health, /stats and infini-gram's API at /."""
+    cfg, idx, model, model_meta, draft_stats, stats = s.cfg, s.idx, s.model, s.model_meta, s.draft_stats, s.stats
+
     @app.get("/health")
     def health():
         return {"status": "ok", "model": model is not None}
@@ -217,18 +267,10 @@ def create_app(cfg: ServeConfig) -> FastAPI:
             "endpoints": stats.summary(),
         }
 
-    def _query_ids(req_text: str | None, req_ids: list[int] | None) -> list[int]:
-        if (req_text is None) == (req_ids is None):
-            raise QueryError("give exactly one of query (text) and query_ids")
-        ids = idx.tokenize(req_text) if req_text is not None else list(req_ids)
-        if len(ids) > cfg.max_query_tokens:
-            raise QueryError(f"query of {len(ids)} tokens is over the cap of {cfg.max_query_tokens}")
-        return ids
-
     @app.post("/")
     def infinigram(req: InfinigramRequest):
         t = time.perf_counter()
-        ids = _query_ids(req.query, req.query_ids)
+        ids = _query_ids(s, req.query, req.query_ids)
         qt = req.query_type
         if qt == "count":
             r = idx.count(ids).to_json()
@@ -246,9 +288,11 @@ def create_app(cfg: ServeConfig) -> FastAPI:
             raise QueryError(f"unknown query_type {qt!r}; expected count, prob, ntd, infgram_prob, infgram_ntd or search_docs")
         return with_tokens(idx, r, ids) | {"latency": (time.perf_counter() - t) * 1e3}
 
-    def _need_model():
-        if model is None:
-            raise StarletteHTTPException(404, "no model loaded: start the server with --checkpoint")
+
+def _add_completions(app: FastAPI, s: Served) -> None:
+    """/v1/completions: generation with live index lookups, drafts and provenance, streamed or not."""
+    cfg, idx, model, gate, knn_src, model_lock = s.cfg, s.idx, s.model, s.gate, s.knn_src, s.model_lock
+    draft_stats = s.draft_stats
 
     def _prompt_ids(prompt: str) -> list[int]:
         ids = idx.tokenize(prompt)
@@ -262,7 +306,7 @@ def create_app(cfg: ServeConfig) -> FastAPI:
 
     @app.post("/v1/completions")
     def completions(req: CompletionRequest):
-        _need_model()
+        _need_model(s)
         if req.max_tokens > cfg.max_tokens:
             raise QueryError(f"max_tokens {req.max_tokens} is over the cap of {cfg.max_tokens}")
         from teragram.model.generation.draft import Drafter
@@ -296,9 +340,9 @@ def create_app(cfg: ServeConfig) -> FastAPI:
             out = list(run())
             new = [t.id for t in out]
             text = idx.decode(new)
-            for s in stops:
-                if s and s in text:
-                    text = text[: text.index(s)]
+            for stop_text in stops:
+                if stop_text and stop_text in text:
+                    text = text[: text.index(stop_text)]
             finish = "stop" if run.state["stopped"] in ("eos", "stop") else "length"  # type: ignore[attr-defined]
             long = sum(int(t.features.length[0]) >= 16 for t in out[:-1]) + (
                 1 if ids and out and int(run.state["features"][len(ids) - 1].length[0]) >= 16 else 0
@@ -334,14 +378,19 @@ def create_app(cfg: ServeConfig) -> FastAPI:
 
         return StreamingResponse(sse(), media_type="text/event-stream")
 
+
+def _add_score(app: FastAPI, s: Served) -> None:
+    """/v1/score: per-token log-probabilities with and without the index, and through the gate."""
+    cfg, idx, model, gate, knn_src, model_lock = s.cfg, s.idx, s.model, s.gate, s.knn_src, s.model_lock
+
     @app.post("/v1/score")
     def score(req: ScoreRequest):
-        _need_model()
+        _need_model(s)
         import torch
         from teragram.index.features import Features
         from teragram.model.gpt import blinded, to_torch
 
-        ids = _query_ids(req.text, req.ids)
+        ids = _query_ids(s, req.text, req.ids)
         if not ids:
             raise QueryError("nothing to score")
         if len(ids) > model.cfg.block_size:
@@ -398,13 +447,11 @@ def create_app(cfg: ServeConfig) -> FastAPI:
             ccols = None
             if reads_cc:  # one document: the first target has no history
                 doc = np.zeros(len(ids), np.int64)
-                q = cc.target_probs(keys, np.asarray(ids), doc, gate.cont_cache.temperatures)
+                q = cc.target_probs(keys, np.asarray(ids), doc, gate.cont_cache.temperatures, window=gate.cont_cache.window)
                 ccols = (q.astype(np.float32).astype(np.float64), cc.first_rows(doc))
             nll = mix_nll_multi(component_logp(est, with_idx[0].cpu().numpy(), gate.components, ccols), gate(X_g))
             out["logprobs_with_gate"] = (-nll).tolist()
         return out
-
-    return app
 
 
 def serve(cfg: ServeConfig) -> None:

@@ -228,8 +228,8 @@ def cont_cache_of(r: dict, spec: cc.ContCache | None, device: str = "cpu") -> tu
     token_eval's result r (with its key states under "hidden"); without a spec, the scale is fit
     on this text (which should then be validation text)."""
     if spec is None:
-        spec = cc.ContCache(cc.fit_scale(r["hidden"], r["doc"], device))
-    q = cc.target_probs(r["hidden"], r["target"], r["doc"], spec.temperatures, device)
+        spec = cc.ContCache(cc.fit_scale(r["hidden"], r["doc"], device, window=cc.WINDOW), window=cc.WINDOW)
+    q = cc.target_probs(r["hidden"], r["target"], r["doc"], spec.temperatures, device, window=spec.window)
     return spec, q.astype(np.float32).astype(np.float64)  # as saved outputs keep it: both paths give the same figures
 
 

@@ -229,7 +229,7 @@ def model_outputs(
             res[i] = {"nll": nll[j, sl], "maxp": np.exp(maxlp[j, sl]), "top": top[j, sl]}
             if cont_cache is not None:  # the window's rows, one document: its first row has no history
                 keys = got[-1][j, :m].double().cpu().numpy()
-                q = target_probs(keys, y[j, :m].numpy(), np.zeros(m, np.int64), cont_cache.temperatures)
+                q = target_probs(keys, y[j, :m].numpy(), np.zeros(m, np.int64), cont_cache.temperatures, window=cont_cache.window)
                 res[i]["cont_cache"] = (q.astype(np.float32).astype(np.float64)[sl], (np.arange(m) == 0)[sl])
             if nll_joint is not None:
                 res[i]["nll_joint"] = nll_joint[j, sl]

@@ -1,5 +1,6 @@
 """The continuous cache (Grave et al., 2017): the next token estimated from the document's own
-earlier hidden states. At a position i, each earlier position j < i of the same document votes
+earlier hidden states. At a position i, each earlier position j < i of the same document (the
+last WINDOW of them, as Grave et al.'s cache holds the last few thousand) votes
 for the token that followed it, with weight softmax_j(-||h_i - h_j||^2 / T); p(y) is the summed
 weight of the votes for y. It needs no store and no second model: only the states the served
 model computes anyway (`KEY`: the input of the last block's feed-forward, as
@@ -23,6 +24,7 @@ import numpy as np
 
 KEY = "ffn_in"  # the key states (model/mixture/knn.KEY_STATES) the cache compares
 FACTORS = (0.05, 0.1, 0.2, 0.5, 1.0)  # temperatures, x the model's scale: the gate weighs them on validation
+WINDOW = 4096  # the earlier positions a position sees: cost and memory stay linear in a document's length
 BLOCK = 2048  # query rows per distance block in bulk
 
 
@@ -39,6 +41,7 @@ class ContCache:
     scale: float
     factors: tuple[float, ...] = FACTORS
     key: str = KEY
+    window: int = WINDOW
 
     @property
     def temperatures(self) -> list[float]:
@@ -49,11 +52,11 @@ class ContCache:
         return component_names(self.factors)
 
     def to_json(self) -> dict:
-        return {"scale": self.scale, "factors": list(self.factors), "key": self.key}
+        return {"scale": self.scale, "factors": list(self.factors), "key": self.key, "window": self.window}
 
     @classmethod
     def from_json(cls, d: dict) -> ContCache:
-        return cls(float(d["scale"]), tuple(float(f) for f in d["factors"]), str(d["key"]))
+        return cls(float(d["scale"]), tuple(float(f) for f in d["factors"]), str(d["key"]), int(d["window"]))
 
 
 def runs(doc: np.ndarray) -> list[tuple[int, int]]:
@@ -66,15 +69,19 @@ def runs(doc: np.ndarray) -> list[tuple[int, int]]:
     return out
 
 
-def _distances(h, qa: int, qb: int):
-    """Squared distances (qb - qa, qb) from rows qa..qb of h (float64, centred) to rows 0..qb,
-    +inf where j >= i (a row sees only the rows before it)."""
+def _distances(h, qa: int, qb: int, window: int):
+    """(k0, squared distances (qb - qa, qb - k0)) from rows qa..qb of h (float64, centred) to rows
+    k0..qb, k0 = max(0, qa - window); +inf where j >= i or j < i - window (a row sees only the
+    `window` rows before it)."""
     import torch
 
-    n2 = (h[:qb] * h[:qb]).sum(1)
-    d = (n2[qa:qb, None] + n2[None, :] - 2 * h[qa:qb] @ h[:qb].T).clamp_min(0)
-    later = torch.arange(qb, device=h.device)[None] >= torch.arange(qa, qb, device=h.device)[:, None]
-    return d.masked_fill(later, float("inf"))
+    k0 = max(0, qa - window)
+    x = h[k0:qb]
+    n2 = (x * x).sum(1)
+    d = (n2[qa - k0 :, None] + n2[None, :] - 2 * h[qa:qb] @ x.T).clamp_min(0)
+    j = torch.arange(k0, qb, device=h.device)[None]
+    i = torch.arange(qa, qb, device=h.device)[:, None]
+    return k0, d.masked_fill((j >= i) | (j < i - window), float("inf"))
 
 
 def _centred(hidden, device: str):
@@ -84,9 +91,9 @@ def _centred(hidden, device: str):
     return h - h.mean(0) if len(h) else h  # any shift gives the same distances; centring keeps them precise
 
 
-def nearest_distances(hidden: np.ndarray, doc: np.ndarray, device: str = "cpu") -> np.ndarray:
-    """(n,) squared distance from each row's state to the nearest earlier state of its document
-    (NaN at a document's first row)."""
+def nearest_distances(hidden: np.ndarray, doc: np.ndarray, device: str = "cpu", *, window: int = WINDOW) -> np.ndarray:
+    """(n,) squared distance from each row's state to the nearest of the `window` earlier states of
+    its document (NaN at a document's first row)."""
     import torch
 
     out = np.full(len(doc), np.nan)
@@ -94,23 +101,25 @@ def nearest_distances(hidden: np.ndarray, doc: np.ndarray, device: str = "cpu") 
         h = _centred(hidden[a:b], device)
         for qa in range(1, b - a, BLOCK):
             qb = min(qa + BLOCK, b - a)
-            out[a + qa : a + qb] = torch.min(_distances(h, qa, qb), 1).values.cpu().numpy()
+            out[a + qa : a + qb] = torch.min(_distances(h, qa, qb, window)[1], 1).values.cpu().numpy()
     return out
 
 
-def fit_scale(hidden: np.ndarray, doc: np.ndarray, device: str = "cpu") -> float:
+def fit_scale(hidden: np.ndarray, doc: np.ndarray, device: str = "cpu", *, window: int = WINDOW) -> float:
     """The model's distance scale on (validation) text: the median nearest-earlier-state distance."""
-    d = nearest_distances(hidden, doc, device)
+    d = nearest_distances(hidden, doc, device, window=window)
     d = d[np.isfinite(d)]
     if not len(d) or float(np.median(d)) <= 0:
         return 1.0  # no document of two tokens, or all states equal: any scale gives the same estimates
     return float(np.median(d))
 
 
-def target_probs(hidden: np.ndarray, target: np.ndarray, doc: np.ndarray, temps, device: str = "cpu", *, block: int = BLOCK) -> np.ndarray:
+def target_probs(
+    hidden: np.ndarray, target: np.ndarray, doc: np.ndarray, temps, device: str = "cpu", *, window: int = WINDOW, block: int = BLOCK
+) -> np.ndarray:
     """(n, len(temps)) float64: per row i, the cache's probability of target_i at each temperature,
-    from the rows before it in its document (row j votes for target_j, the token after it). Rows
-    are token_eval's (each document's in order); 0 at a document's first row (no history)."""
+    from the `window` rows before it in its document (row j votes for target_j, the token after
+    it). Rows are token_eval's (each document's in order); 0 at a document's first row."""
     import torch
 
     out = np.zeros((len(target), len(temps)))
@@ -119,8 +128,8 @@ def target_probs(hidden: np.ndarray, target: np.ndarray, doc: np.ndarray, temps,
         t = torch.as_tensor(np.asarray(target[a:b], np.int64), device=device)
         for qa in range(1, b - a, block):  # the first row has nothing before it
             qb = min(qa + block, b - a)
-            d = _distances(h, qa, qb)
-            hit = (t[:qb][None] == t[qa:qb, None]).double()
+            k0, d = _distances(h, qa, qb, window)
+            hit = (t[k0:qb][None] == t[qa:qb, None]).double()
             for c, temp in enumerate(temps):
                 out[a + qa : a + qb, c] = (torch.softmax(-d / temp, dim=1) * hit).sum(1).cpu().numpy()
     return out
@@ -166,15 +175,16 @@ class LiveCache:
         """(len(factors), V) next-token distributions at `state` from the positions held before
         `upto` (default: all), or None without any (the cache defers to the model)."""
         n = len(self.states) if upto is None else min(max(0, upto - self.start), len(self.states))
+        first = max(0, n - self.spec.window)
         if n == 0:
             return None
-        H = np.stack(self.states[:n])
+        H = np.stack(self.states[first:n])
         q = np.asarray(state, np.float64)
         mu = H.mean(0)  # distances do not depend on the shift; centring keeps them precise
         H, q = H - mu, q - mu
         d = np.maximum((q * q).sum() + (H * H).sum(1) - 2 * H @ q, 0)
         out = np.zeros((len(self.spec.factors), self.V))
-        toks = np.asarray(self.next_tokens[:n])
+        toks = np.asarray(self.next_tokens[first:n])
         for c, temp in enumerate(self.spec.temperatures):
             z = -d / temp
             w = np.exp(z - z.max())

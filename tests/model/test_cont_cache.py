@@ -20,10 +20,10 @@ from teragram.model.mixture.knn import key_states
 from tests.model.conftest import train_tiny
 
 
-def brute_target_probs(h, target, doc, temps):
+def brute_target_probs(h, target, doc, temps, window=10**9):
     out = np.zeros((len(target), len(temps)))
     for i in range(len(target)):
-        js = [j for j in range(i) if doc[j] == doc[i]]
+        js = [j for j in range(max(0, i - window), i) if doc[j] == doc[i]]
         if not js:
             continue
         d = np.array([((h[i] - h[j]) ** 2).sum() for j in js])
@@ -67,6 +67,15 @@ def test_target_probs_equal_brute_force_and_the_live_cache():
         assert live.end == a + 3 and live.distributions(h[a + 5], upto=a + 1).shape == (3, V)
     with pytest.raises(ValueError):
         live.add(a + 7, h[0], 1)  # a gap
+    # a window of the last 5 positions: bulk in blocks, and live, against brute force
+    want5 = brute_target_probs(h, target, doc, temps, window=5)
+    np.testing.assert_allclose(cc.target_probs(h, target, doc, temps, window=5, block=3), want5, rtol=1e-9, atol=1e-12)
+    live = cc.LiveCache(cc.ContCache(scale=1.0, factors=tuple(temps), window=5), V)
+    live.add(26, h[26], target[26])
+    for i in range(27, 60):
+        np.testing.assert_allclose(live.distributions(h[i])[:, target[i]], want5[i], rtol=1e-9, atol=1e-12)
+        live.add(i, h[i], target[i])
+    assert not np.allclose(want5[26:], want[26:])  # the window matters in the 34-row document
 
 
 def test_scale_is_the_median_nearest_earlier_distance():
