@@ -27,17 +27,42 @@ def cmd_train(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    import dataclasses
-    import tempfile
-
-    from teragram.index.engine import Index
-    from teragram.index.errors import TeragramError, TokenizerMismatch
-    from teragram.index.features import FeatureConfig
-    from teragram.index.heldout import compute_held_out
-    from teragram.model.checkpoint import load_model, weights_digest
-    from teragram.model.evaluation.perplexity import EvalOptions, heldout_report
+    from teragram.model.evaluation.perplexity import EvalOptions
     from teragram.model.mixture import baselines
     from teragram.model.mixture.gate import Gate
+
+    _check_eval_args(args)
+    opts = EvalOptions(
+        gate=Gate.load(args.gate) if args.gate else None,
+        fit_gate=bool(args.fit_gate),
+        baseline=args.baseline,
+        params=baselines.load_params(args.lambdas, args.baseline) if args.lambdas else None,
+        decontaminate=args.decontaminate,
+        cont_cache=not args.no_cont_cache,
+        dense=args.dense,
+        workers=args.workers,
+    )
+    r, fitted, model_id = _eval_outputs(args, opts) if args.outputs else _eval_checkpoint(args, opts)
+    if args.fit_gate:
+        from teragram.model.mixture.gate import index_digest
+
+        fitted.fit_for = {"index": index_digest(args.index)} | ({"model": model_id} if model_id else {})
+        fitted.save(args.fit_gate)
+    if args.fit_lambdas:
+        baselines.save_params(args.fit_lambdas, args.baseline, fitted)
+    if args.gate or args.fit_gate:
+        r["gate"] = args.gate or args.fit_gate
+    if args.joint_gate or args.refit_gate:
+        r["joint_gate"] = args.joint_gate or args.refit_gate
+    if args.baseline:
+        r["baseline"] = args.baseline
+    _print_eval(args, r)
+    return 0
+
+
+def _check_eval_args(args) -> None:
+    """Combinations of `teragram eval` options that cannot work, refused before any work."""
+    from teragram.index.errors import TeragramError
 
     if args.baseline and not (args.fit_lambdas or args.lambdas):
         raise TeragramError("--baseline needs --fit-lambdas OUT (fit on validation text) or --lambdas FILE")
@@ -55,97 +80,94 @@ def cmd_eval(args) -> int:
         raise TeragramError("--no-cont-cache goes with --fit-gate (a fitted gate says itself whether it reads the continuous cache)")
     if args.cont_cache_from and not args.save_outputs:
         raise TeragramError("--cont-cache-from goes with --save-outputs")
-    opts = EvalOptions(
-        gate=Gate.load(args.gate) if args.gate else None,
-        fit_gate=bool(args.fit_gate),
-        baseline=args.baseline,
-        params=baselines.load_params(args.lambdas, args.baseline) if args.lambdas else None,
-        decontaminate=args.decontaminate,
-        cont_cache=not args.no_cont_cache,
-        dense=args.dense,
-        workers=args.workers,
-    )
-    if args.outputs:
-        if args.checkpoint or args.corpus or args.save_outputs or args.refit_gate or args.joint_gate:
-            raise TeragramError(
-                "--outputs replaces --checkpoint and --corpus (the model already ran; --refit-gate and --joint-gate need it)"
+
+
+def _eval_outputs(args, opts):
+    """(report, fitted, the model's digest) of saved outputs mixed with the index."""
+    from teragram.index.errors import TeragramError
+
+    if args.checkpoint or args.corpus or args.save_outputs or args.refit_gate or args.joint_gate:
+        raise TeragramError("--outputs replaces --checkpoint and --corpus (the model already ran; --refit-gate and --joint-gate need it)")
+    from teragram.model.evaluation.outputs import load_outputs, outputs_report
+
+    outputs = load_outputs(args.outputs)
+    model_id = outputs.manifest.get("model")  # outputs saved before it was recorded: not checked
+    if opts.gate is not None:
+        opts.gate.check(model=model_id, index_dir=args.index, name=args.gate)
+    r, fitted = outputs_report(outputs, args.index, opts)
+    return r, fitted, model_id
+
+
+def _eval_checkpoint(args, opts):
+    """(report, fitted, the model's digest) of a checkpoint run over held-out text."""
+    import dataclasses
+    import tempfile
+
+    from teragram.index.engine import Index
+    from teragram.index.errors import TeragramError, TokenizerMismatch
+    from teragram.index.features import FeatureConfig
+    from teragram.index.heldout import compute_held_out
+    from teragram.model.checkpoint import load_model, weights_digest
+    from teragram.model.evaluation.perplexity import heldout_report
+
+    if not (args.checkpoint and args.corpus):
+        raise TeragramError("give --checkpoint and --corpus (or --outputs from an earlier --save-outputs)")
+    model, meta = load_model(args.checkpoint, args.device)
+    model_id = weights_digest(model)
+    if opts.gate is not None:
+        opts.gate.check(model=model_id, index_dir=args.index, name=args.gate)
+    idx = Index(args.index)
+    if model.cfg.vocab_size != idx.vocab_size:
+        raise TokenizerMismatch(f"checkpoint vocabulary {model.cfg.vocab_size} != index vocabulary {idx.vocab_size}")
+    if model.cfg.joint:
+        from teragram.model.mixture.joint import check_index
+
+        check_index(model.cfg, idx)  # before any work: its gate reads this index's estimates
+    elif args.refit_gate or args.joint_gate:
+        raise TeragramError(
+            f"{args.checkpoint}: --refit-gate / --joint-gate are for a jointly trained model; fit a post-hoc gate with --fit-gate"
+        )
+    if args.joint_gate:
+        from teragram.model.mixture.refit import use_gate_file
+
+        use_gate_file(model, args.joint_gate)
+    from teragram.model.mixture.knn import source_for
+
+    opts = dataclasses.replace(opts, knn=source_for(model, args.knn_keys, args.index, args.device))
+    with tempfile.TemporaryDirectory() as tmp:
+        feats = args.features_out or tmp
+        cfg = FeatureConfig("held-out", model.cfg.max_match, max(model.cfg.top_k, 1))
+        compute_held_out(args.index, feats, cfg, args.corpus)
+        if args.save_outputs:  # the model runs once: its outputs are saved, then mixed as asked
+            from teragram.model.evaluation.outputs import save_model_outputs
+            from teragram.model.evaluation.perplexity import mix_report
+
+            hidden = opts.baseline == "knn"
+            res, per_doc = save_model_outputs(
+                args.save_outputs,
+                model,
+                feats,
+                idx,
+                args.device,
+                meta=meta,
+                source=args.checkpoint,
+                hidden=hidden,
+                cont_cache=cont_cache_spec(args.cont_cache_from) if args.cont_cache_from else None,
             )
-        from teragram.model.evaluation.outputs import load_outputs, outputs_report
+            r, fitted = mix_report(res, per_doc, args.index, feats, opts)
+        elif args.refit_gate:
+            from teragram.model.mixture.refit import refit_report, save_gate
 
-        outputs = load_outputs(args.outputs)
-        model_id = outputs.manifest.get("model")  # outputs saved before it was recorded: not checked
-        if opts.gate is not None:
-            opts.gate.check(model=model_id, index_dir=args.index, name=args.gate)
-        r, fitted = outputs_report(outputs, args.index, opts)
-        source = args.outputs
-    else:
-        if not (args.checkpoint and args.corpus):
-            raise TeragramError("give --checkpoint and --corpus (or --outputs from an earlier --save-outputs)")
-        model, meta = load_model(args.checkpoint, args.device)
-        model_id = weights_digest(model)
-        if opts.gate is not None:
-            opts.gate.check(model=model_id, index_dir=args.index, name=args.gate)
-        idx = Index(args.index)
-        if model.cfg.vocab_size != idx.vocab_size:
-            raise TokenizerMismatch(f"checkpoint vocabulary {model.cfg.vocab_size} != index vocabulary {idx.vocab_size}")
-        if model.cfg.joint:
-            from teragram.model.mixture.joint import check_index
+            r, gate, fit = refit_report(model, args.index, feats, args.device, opts, hidden=args.refit_hidden)
+            save_gate(args.refit_gate, model, gate, fit | {"checkpoint": str(args.checkpoint), "corpus": [str(c) for c in args.corpus]})
+            fitted = None
+        else:
+            r, fitted = heldout_report(model, args.index, feats, args.device, opts)
+    return r, fitted, model_id
 
-            check_index(model.cfg, idx)  # before any work: its gate reads this index's estimates
-        elif args.refit_gate or args.joint_gate:
-            raise TeragramError(
-                f"{args.checkpoint}: --refit-gate / --joint-gate are for a jointly trained model; fit a post-hoc gate with --fit-gate"
-            )
-        if args.joint_gate:
-            from teragram.model.mixture.refit import use_gate_file
 
-            use_gate_file(model, args.joint_gate)
-        from teragram.model.mixture.knn import source_for
-
-        opts = dataclasses.replace(opts, knn=source_for(model, args.knn_keys, args.index, args.device))
-        with tempfile.TemporaryDirectory() as tmp:
-            feats = args.features_out or tmp
-            cfg = FeatureConfig("held-out", model.cfg.max_match, max(model.cfg.top_k, 1))
-            compute_held_out(args.index, feats, cfg, args.corpus)
-            if args.save_outputs:  # the model runs once: its outputs are saved, then mixed as asked
-                from teragram.model.evaluation.outputs import save_model_outputs
-                from teragram.model.evaluation.perplexity import mix_report
-
-                hidden = opts.baseline == "knn"
-                res, per_doc = save_model_outputs(
-                    args.save_outputs,
-                    model,
-                    feats,
-                    idx,
-                    args.device,
-                    meta=meta,
-                    source=args.checkpoint,
-                    hidden=hidden,
-                    cont_cache=cont_cache_spec(args.cont_cache_from) if args.cont_cache_from else None,
-                )
-                r, fitted = mix_report(res, per_doc, args.index, feats, opts)
-            elif args.refit_gate:
-                from teragram.model.mixture.refit import refit_report, save_gate
-
-                r, gate, fit = refit_report(model, args.index, feats, args.device, opts, hidden=args.refit_hidden)
-                save_gate(args.refit_gate, model, gate, fit | {"checkpoint": str(args.checkpoint), "corpus": [str(c) for c in args.corpus]})
-                fitted = None
-            else:
-                r, fitted = heldout_report(model, args.index, feats, args.device, opts)
-        source = args.checkpoint
-    if args.fit_gate:
-        from teragram.model.mixture.gate import index_digest
-
-        fitted.fit_for = {"index": index_digest(args.index)} | ({"model": model_id} if model_id else {})
-        fitted.save(args.fit_gate)
-    if args.fit_lambdas:
-        baselines.save_params(args.fit_lambdas, args.baseline, fitted)
-    if args.gate or args.fit_gate:
-        r["gate"] = args.gate or args.fit_gate
-    if args.joint_gate or args.refit_gate:
-        r["joint_gate"] = args.joint_gate or args.refit_gate
-    if args.baseline:
-        r["baseline"] = args.baseline
+def _print_eval(args, r: dict) -> None:
+    source = args.outputs or args.checkpoint
     if args.json:
         print_json(r)
     else:
@@ -168,7 +190,6 @@ def cmd_eval(args) -> int:
             dc = r["decontaminated"]
             msg += f"; decontaminated: {dc['dropped_docs']} of {dc['docs']} documents dropped (>= 80% of their 13-grams in the index)"
         print(msg)
-    return 0
 
 
 def cont_cache_spec(path: str):
@@ -336,10 +357,21 @@ def cmd_dense(args) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    """The model's verbs, each parser beside its handler."""
+    _register_train(sub)
+    _register_eval(sub)
+    _register_evals(sub)
+    _register_sample(sub)
+    _register_dense(sub)
+
+
+def _register_train(sub) -> None:
     tr = sub.add_parser("train", help="train a GPT (with or without index inputs); extra --key=value override the config")
     tr.add_argument("--config", help="TOML file with TrainConfig fields")
     tr.set_defaults(run=cmd_train, overrides_ok=True)
 
+
+def _register_eval(sub) -> None:
     ev = sub.add_parser("eval", help="held-out perplexity and bits per byte of a checkpoint")
     ev.add_argument("--checkpoint", help="run directory or checkpoint directory (or --outputs)")
     ev.add_argument("--index", required=True)
@@ -393,6 +425,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--quiet", action="store_true")
     ev.set_defaults(run=cmd_eval)
 
+
+def _register_evals(sub) -> None:
     es = sub.add_parser("evals", help="multiple-choice accuracy (HellaSwag, ARC, ...) with and without the index")
     es.add_argument("--checkpoint", help="the model (or --outputs)")
     es.add_argument("--outputs", metavar="DIR", help="the model's outputs saved by --save-outputs, instead of a model")
@@ -425,6 +459,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     es.add_argument("--json", action="store_true")
     es.add_argument("--quiet", action="store_true")
     es.set_defaults(run=cmd_evals)
+
+
+def _register_sample(sub) -> None:
     sa = sub.add_parser("sample", help="generate text with live index lookups")
     sa.add_argument("--checkpoint", required=True)
     sa.add_argument("--index", required=True)
@@ -449,6 +486,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     sa.add_argument("--verbose", action="store_true", help="match and draft statistics")
     sa.set_defaults(run=cmd_sample)
 
+
+def _register_dense(sub) -> None:
     de = sub.add_parser("dense", help="kNN-LM datastore (FAISS IVF-PQ) of a model's hidden states at training positions")
     de.add_argument("index")
     de.add_argument("--checkpoint", required=True)

@@ -147,41 +147,7 @@ def stream(
     occ = sc.occurrence() if want_occ else None
     # a gate reading the continuous cache: the key states of every position so far, with the token after each
     cache = LiveCache(gate.cont_cache, model.cfg.vocab_size) if gate is not None and gate.cont_cache is not None else None
-
-    def distributions(h: torch.Tensor, rows: list[Features], toks: list[int]) -> torch.Tensor:
-        """Next-token distributions (n, V) from the last n hidden states h (n, C), rows their
-        positions' features, toks the text up to the first of them (greedy: what is argmaxed);
-        the continuous cache, if read, holds the positions before the last of them."""
-        if temperature <= 0 and gate is None and not (use_index and model.cfg.mixture) and not model.cfg.joint:
-            return model.lm_head(h)  # greedy from the model alone: its logits have the same argmax
-        f = to_torch(Features.combine(rows).map(lambda a: a[:, None]), device) if use_index else None
-        if model.cfg.joint:  # the model's own gate, with live estimates of the document so far
-            lv = [
-                joint.live(
-                    idx,
-                    _doc(toks, len(toks) - len(h) + 1 + j, idx.eos_id),
-                    model.cfg.vocab_size,
-                    model.cfg.joint,
-                    model.cfg.joint_top_k,
-                    knn=knn,
-                )
-                for j in range(len(h))
-            ]
-            e = joint.to_torch(joint.Est.combine([r for r, _ in lv]), device)
-            return model.next_distribution(h, None, e, torch.from_numpy(np.stack([d for _, d in lv])).float().to(device))
-        p = model.next_distribution(h, f)
-        if gate is None:
-            return p
-        soft = torch.softmax(model.lm_head(h).float(), -1).cpu().double().numpy()
-        out = []
-        for j in range(len(h)):
-            n = len(toks) - len(h) + 1 + j  # the tokens before this row's prediction
-            doc = _doc(toks, n, idx.eos_id)
-            ccd = cache.distributions(cache_states[j], upto=n - 1) if cache is not None else None
-            out.append(torch.from_numpy(next_distribution(idx, doc, p[j].cpu().double().numpy(), gate, soft[j], ccd)).float())
-        return torch.stack(out)
-
-    cache_states: np.ndarray | None = None  # this forward's key states of the rows distributions() reads
+    mix = dict(temperature=temperature, gate=gate, knn=knn, cache=cache)  # what the next-token distributions read
 
     try:
         while made < max_new_tokens:
@@ -198,18 +164,8 @@ def stream(
                 sc.restore(snap)
             x = torch.tensor([pending + dt], device=device)
             f = _batch(feats[len(feats) - len(pending) :] + drows, device) if use_index else None
-            p0 = start + cached  # the position of x's first token
-            if cache is None:
-                h, kv = model.hidden(x, f, kv, cached)
-            else:
-                with key_states(model, gate.cont_cache.key) as got:
-                    h, kv = model.hidden(x, f, kv, cached)
-                keys = got[-1][0].double().cpu().numpy()  # (len(x), C)
-                known = ids + dt  # every position of this pass but the last has its next token
-                for pos in range(max(cache.end, p0), len(known) - 1):
-                    cache.add(pos, keys[pos - p0], known[pos + 1])
-                cache_states = keys[-(len(dt) + 1) :]
-            p = distributions(h[0, -(len(dt) + 1) :], [feats[-1], *drows], ids + dt)
+            h, kv, cache_states = _forward(model, x, f, kv, cached, cache, start + cached, ids + dt, len(dt) + 1)
+            p = _distributions(model, idx, h[0, -(len(dt) + 1) :], [feats[-1], *drows], ids + dt, cache_states=cache_states, **mix)
             n_ok, nxt = _verify(p, dt, temperature, top_k, top_p, gen)
             if cache is not None:  # keep the accepted positions; the last one's next token is nxt
                 cache.truncate(len(ids) - 1 + n_ok)
@@ -235,6 +191,60 @@ def stream(
                     return
     finally:
         model.train(was)
+
+
+def _distributions(
+    model: GPT, idx: Index, h: torch.Tensor, rows: list[Features], toks: list[int], *, temperature: float, gate, knn, cache, cache_states
+) -> torch.Tensor:
+    """Next-token distributions (n, V) from the last n hidden states h (n, C), rows their
+    positions' features, toks the text up to the first of them (greedy: what is argmaxed);
+    the continuous cache (a LiveCache, if the gate reads it) holds the positions before the last
+    of them, cache_states their key states."""
+    device = h.device
+    use_index = model.cfg.use_index
+    if temperature <= 0 and gate is None and not (use_index and model.cfg.mixture) and not model.cfg.joint:
+        return model.lm_head(h)  # greedy from the model alone: its logits have the same argmax
+    f = to_torch(Features.combine(rows).map(lambda a: a[:, None]), device) if use_index else None
+    if model.cfg.joint:  # the model's own gate, with live estimates of the document so far
+        lv = [
+            joint.live(
+                idx,
+                _doc(toks, len(toks) - len(h) + 1 + j, idx.eos_id),
+                model.cfg.vocab_size,
+                model.cfg.joint,
+                model.cfg.joint_top_k,
+                knn=knn,
+            )
+            for j in range(len(h))
+        ]
+        e = joint.to_torch(joint.Est.combine([r for r, _ in lv]), device)
+        return model.next_distribution(h, None, e, torch.from_numpy(np.stack([d for _, d in lv])).float().to(device))
+    p = model.next_distribution(h, f)
+    if gate is None:
+        return p
+    soft = torch.softmax(model.lm_head(h).float(), -1).cpu().double().numpy()
+    out = []
+    for j in range(len(h)):
+        n = len(toks) - len(h) + 1 + j  # the tokens before this row's prediction
+        doc = _doc(toks, n, idx.eos_id)
+        ccd = cache.distributions(cache_states[j], upto=n - 1) if cache is not None else None
+        out.append(torch.from_numpy(next_distribution(idx, doc, p[j].cpu().double().numpy(), gate, soft[j], ccd)).float())
+    return torch.stack(out)
+
+
+def _forward(model: GPT, x, f, kv, cached: int, cache: LiveCache | None, p0: int, known: list[int], n_rows: int):
+    """One forward pass of x (its first token at position p0 of the text), with the key states of
+    its positions added to the continuous cache when one is kept (every position but the last of
+    `known`, the text with the draft, has its next token): (h, kv, the last n_rows' key states)."""
+    if cache is None:
+        h, kv = model.hidden(x, f, kv, cached)
+        return h, kv, None
+    with key_states(model, cache.spec.key) as got:
+        h, kv = model.hidden(x, f, kv, cached)
+    keys = got[-1][0].double().cpu().numpy()  # (len(x), C)
+    for pos in range(max(cache.end, p0), len(known) - 1):
+        cache.add(pos, keys[pos - p0], known[pos + 1])
+    return h, kv, keys[-n_rows:]
 
 
 def _doc(toks: list[int], n: int, eos: int) -> list[int]:
