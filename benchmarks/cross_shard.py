@@ -106,7 +106,7 @@ def feature_rows(idx: Index, cap: int, repeat: int, pairwise_shards: list[int], 
 def _other_doc_recent(idx: Index, q: np.ndarray, doc_lo: int, doc_hi: int, brute_max: int) -> tuple[int, bool]:
     """(largest global position of an occurrence of q outside [doc_lo, doc_hi), -1 if none;
     whether the occurrences were read one by one)."""
-    from teragram.builder.merged_features import _max_below
+    from teragram.builder.merged_features import max_below
     from teragram.index import packed
 
     _, segs = idx.count_intervals(q)
@@ -124,7 +124,7 @@ def _other_doc_recent(idx: Index, q: np.ndarray, doc_lo: int, doc_hi: int, brute
         if top >= doc_hi:
             best = max(best, int(top))
         elif doc_lo > off:
-            v = _max_below(s.sa.words, s.sa.width, s.samax, s.off2, s.off3, lo, hi, doc_lo - off)
+            v = max_below(s.sa.words, s.sa.width, s.samax, s.off2, s.off3, lo, hi, doc_lo - off)
             best = max(best, int(v + off) if v >= 0 else -1)
     return best, brute
 

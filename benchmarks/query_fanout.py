@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     ]:
         top_cache.STEP_LOG2 = step
         idx = Index(path, threads=threads)
-        row = {"config": label, "threads": idx._pool._max_workers if idx._pool else 1}
+        row = {"config": label, "threads": idx.threads}
         for name, fn, qs in [
             ("count", idx.count, counts),
             ("infgram_prob", lambda i, idx=idx: idx.infgram_prob(contexts[i], conts[i]), range(len(contexts))),
