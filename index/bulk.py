@@ -7,16 +7,18 @@ token after its most recent occurrence: the `Features` that `Index.score(doc, to
 max_len=cap, targets=True)` gives position by position. Here no step is taken per position in
 Python:
 
-1. per shard and cap, the match lengths and suffix-array intervals of every position in one
-   two-pointer pass per document (kernels.match_lengths_docs);
-2. the shards merged: the longest length wins, and only the shards that hold it count;
+1. the match lengths and every shard's suffix-array intervals of every position, all shards
+   searched together: the longest match in one two-pointer pass per document, and the capped
+   ones narrowed from the suffixes that start at each position (index/matching.py); a shard
+   that lacks a position's match gets an empty interval;
+2. the matches of the shards that hold them count, as in a one-shard index of all the text;
 3. positions (of all caps) that share a context are grouped: a context is one string, known by
    its length and its interval in the first shard that holds it. The short contexts repeat
    a lot and have the large intervals, so each distinct context's next-token histogram is
    computed once, summed over the shards in a dense scratch (one galloping search per distinct
    next token, kernels.block_end), and read by every position in its group.
 
-Steps 1 and 3 run on `threads` threads (the kernels release the GIL).
+Steps 1 and 3 run on `threads` threads, by documents and by contexts (the kernels release the GIL).
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ import numpy as np
 
 from . import kernels as K
 from .features import FIELDS, SCORE_DTYPES, Features
+from .matching import capped_intervals, longest_matches
 from .packed import get
 
 UNCAPPED = 1 << 62
-CHUNK = 1 << 18  # positions per pass: bounds the per-shard interval arrays (24 bytes per position, cap and shard)
+CHUNK = 1 << 18  # positions per pass at most
+SCRATCH = 1 << 23  # and at most this many (cap, position, shard) intervals (16 bytes each, a few copies)
 
 
 @nb.njit(cache=True, nogil=True)
@@ -98,21 +102,23 @@ def _histograms(toks, words, widths, samaxs, offs, sep, eos, lo, hi, d, grp, pos
 
 def continuations(idx, ids: np.ndarray, starts: np.ndarray, caps, *, top_k: int = 1, threads: int = 1) -> dict[int, Features]:
     """Features (with target_cnt) of every position of the documents ids[starts[k]:starts[k+1]],
-    for each cap in caps (0: uncapped, the ∞-gram's longest match)."""
+    for each cap in caps (<= 0: uncapped, the ∞-gram's longest match)."""
     ids = np.ascontiguousarray(ids, dtype=np.int64)
     starts = np.asarray(starts, dtype=np.int64)
-    caps = list(dict.fromkeys(caps))
+    asked = list(dict.fromkeys(caps))
+    caps = sorted({max(int(c), 0) for c in asked}, key=lambda c: c if c > 0 else UNCAPPED)  # as _intervals wants them
+    chunk = min(CHUNK, max(4096, SCRATCH // (len(caps) * len(idx.shards))))
     parts: list[dict[int, Features]] = []
     a = 0
     with idx.readahead():  # many searches, neighbours in suffix-array order: read-ahead pays
-        while a < len(starts) - 1:  # whole documents, about CHUNK positions at a time
-            b = max(a + 1, int(np.searchsorted(starts, starts[a] + CHUNK, side="right")) - 1)
+        while a < len(starts) - 1:  # whole documents, about `chunk` positions at a time
+            b = max(a + 1, int(np.searchsorted(starts, starts[a] + chunk, side="right")) - 1)
             b = min(b, len(starts) - 1)
             parts.append(_chunk(idx, ids[starts[a] : starts[b]], starts[a : b + 1] - starts[a], caps, top_k, threads))
             a = b
     if not parts:
-        return {c: _features(0, top_k) for c in caps}
-    return {c: _combine([p[c] for p in parts]) for c in caps}
+        return {c: _features(0, top_k) for c in asked}
+    return {c: _combine([p[max(int(c), 0)] for p in parts]) for c in asked}
 
 
 def _map(fn, jobs: list, threads: int) -> None:
@@ -138,37 +144,54 @@ def _rows(f: Features, a: int, b: int) -> Features:
     return Features(*(getattr(f, n)[a:b] for n in (*FIELDS, "target_cnt")))
 
 
+def _doc_parts(starts: np.ndarray, n: int) -> list[np.ndarray]:
+    """The document starts cut into about n runs of whole documents with as many positions."""
+    cuts = np.searchsorted(starts, np.linspace(0, starts[-1], n + 1)[1:-1])
+    edges = np.unique(np.concatenate([[0], cuts, [len(starts) - 1]]))
+    return [starts[a : b + 1] for a, b in zip(edges[:-1], edges[1:])]
+
+
+def _intervals(idx, ids: np.ndarray, starts: np.ndarray, caps: list[int], threads: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per cap (caps: positive and increasing, then 0, uncapped) and position: the match length
+    and each shard's interval of the match, (C, P) and (C, P, S) twice (index/matching.py)."""
+    P, S, C = len(ids), len(idx.shards), len(caps)
+    ss = idx.shard_set
+    args = (ss.table, ss.first_rank, ss.pos, ss.prefix, ss.step_log2, ids)
+    m_len = np.zeros(P, np.int64)
+    lo = np.zeros((C, P, S), np.int64)
+    hi = np.zeros((C, P, S), np.int64)
+    m_lo, m_hi = lo[C - 1], hi[C - 1]  # the uncapped match: the last row, whatever its cap
+    parts = _doc_parts(starts, threads * 4 if threads > 1 else 1)
+    _map(lambda st: longest_matches(*args, st, m_len, m_lo, m_hi), parts, threads)
+    capped = np.array([c for c in caps if c > 0], np.int64)
+    if len(capped):
+        if caps[-1] > 0:  # every cap is capped: the last one's intervals overwrite the match's
+            m_lo, m_hi = m_lo.copy(), m_hi.copy()
+        _map(lambda st: capped_intervals(*args, st, m_len, m_lo, m_hi, capped, lo, hi), parts, threads)
+    lengths = np.stack([np.minimum(m_len, c) if c > 0 else m_len for c in caps])
+    return lengths, lo, hi
+
+
 def _chunk(idx, ids: np.ndarray, starts: np.ndarray, caps: list[int], k: int, threads: int) -> dict[int, Features]:
     P, S, C = len(ids), len(idx.shards), len(caps)
     V = max(idx.vocab_size, idx.eos_id + 1, int(ids.max(initial=0)) + 1)
     target = np.append(ids[1:], 0)
     target[starts[1:] - 1] = idx.eos_id  # a document's last position is followed by its end
-    L = np.zeros((C, S, P), np.int64)
-    lo = np.zeros((C, S, P), np.int64)
-    hi = np.zeros((C, S, P), np.int64)
-
-    def lengths(job: tuple[int, int]) -> None:
-        ci, si = job
-        s, cap = idx.shards[si], caps[ci]
-        K.match_lengths_docs(
-            s.tok, s.sa.words, s.sa.width, s.n, ids, starts, cap if cap > 0 else UNCAPPED, L[ci, si], lo[ci, si], hi[ci, si]
-        )
-
-    _map(lengths, [(ci, si) for ci in range(C) for si in range(S)], threads)
-    Lm = L.max(1)  # (C, P)
-    held = (L == Lm[:, None, :]) & (Lm[:, None, :] > 0)
-    lo = np.where(held, lo, 0).transpose(0, 2, 1).reshape(C * P, S)  # rows: (cap, position)
-    hi = np.where(held, hi, 0).transpose(0, 2, 1).reshape(C * P, S)
+    Lm, lo, hi = _intervals(idx, ids, starts, caps, threads)
     Lm = Lm.reshape(-1)
-    first = held.transpose(0, 2, 1).reshape(C * P, S).argmax(1)
+    held = (hi > lo).reshape(C * P, S) & (Lm > 0)[:, None]
+    lo = np.where(held, lo.reshape(C * P, S), 0)  # rows: (cap, position)
+    hi = np.where(held, hi.reshape(C * P, S), 0)
+    first = held.argmax(1)
     rows = np.nonzero(Lm > 0)[0]
-    key = np.stack([Lm[rows], first[rows], lo[rows, first[rows]]], 1)
-    _, rep, inv = np.unique(key, axis=0, return_index=True, return_inverse=True)
-    inv = inv.ravel()
-    order = np.argsort(inv, kind="stable")
-    grp = np.searchsorted(inv[order], np.arange(len(rep) + 1))
+    fl = lo[rows, first[rows]]
+    order = np.lexsort((fl, first[rows], Lm[rows]))  # a context: its length and interval in the first shard holding it
+    key = np.stack([Lm[rows], first[rows], fl])[:, order]
+    new = np.ones(len(rows), bool)
+    new[1:] = (key[:, 1:] != key[:, :-1]).any(0)
+    grp = np.append(np.nonzero(new)[0], len(rows))
     pos = rows[order]
-    u_rows = rows[rep]
+    u_rows = pos[grp[:-1]]
     u_lo, u_hi, u_d = lo[u_rows], hi[u_rows], Lm[u_rows]
     tgt = np.tile(target, C)
     f = _features(C * P, k)
@@ -187,7 +210,7 @@ def _chunk(idx, ids: np.ndarray, starts: np.ndarray, caps: list[int], k: int, th
         args = (u_lo[ua:ub], u_hi[ua:ub], u_d[ua:ub], grp[ua : ub + 1], pos, tgt, tcnt, top, topc, cont, scratch, touched)
         _histograms(toks, words, widths, samaxs, offs, idx.sep, idx.eos_id, *args)
 
-    bounds = np.linspace(0, len(rep), max(1, min(threads, len(rep))) * 8 + 1).astype(int)
+    bounds = np.linspace(0, len(u_rows), max(1, min(threads, len(u_rows))) * 8 + 1).astype(int)
     _map(lambda ab: run(*ab), list(zip(bounds[:-1], bounds[1:])), threads)
     none = Lm == 0  # no suffix occurs: the unigram distribution
     uni = idx.unigram

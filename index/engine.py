@@ -43,10 +43,10 @@ from typing import TypeVar
 import numpy as np
 
 from . import format as fmt
-from . import kernels as K
+from .bulk import continuations
 from .errors import IndexFormatError, QueryError
 from .fanout import ShardSet
-from .features import SCORE_DTYPES, Features
+from .features import Features
 from .results import (
     CountResult,
     DocHit,
@@ -216,6 +216,13 @@ class Index:
         return int(cont)
 
     # ---- operations --------------------------------------------------------------------------
+
+    @cached_property
+    def shard_set(self) -> ShardSet:
+        """All the shards as one set searched together (index/fanout.py), for bulk scoring."""
+        if len(self._groups) == 1:
+            return self._groups[0][1]
+        return ShardSet.of(self.shards, self.vocab_size)
 
     @cached_property
     def _groups(self) -> list[tuple[slice, ShardSet]]:
@@ -413,36 +420,12 @@ class Index:
         """Index features for every position of a token sequence (one document), in one pass.
 
         The same features the builder computes in bulk for held-out text (against the whole
-        index); see index.features.Features for the fields. max_len caps the match length (<= 0: uncapped).
+        index; index/bulk.py); see index.features.Features for the fields. max_len caps the
+        match length (<= 0: uncapped). targets: also how often the next token follows each match.
         """
         q = self._ids(ids, allow_empty=True)
-        T = len(q)
-        cap = max_len if max_len > 0 else T + 1
-        per = []
-        for s in self.shards:
-            L = np.zeros(T, np.int64)
-            lo = np.zeros(T, np.int64)
-            hi = np.zeros(T, np.int64)
-            K.match_lengths(s.tok, s.sa.words, s.sa.width, s.n, q, cap, L, lo, hi)
-            per.append((L, lo, hi))
-        out = _empty_score(T, top_k)
-        for t in range(T):
-            self.position_features(q, t, [(p[0][t], p[1][t], p[2][t]) for p in per], top_k, out, t)
-        if targets:
-            tc = np.zeros(T, np.int64)
-            for t in range(T):
-                nxt = int(q[t + 1]) if t + 1 < T else self.sep
-                nxt = self.sep if nxt == self.eos_id else nxt  # EOS is a document's end
-                L = int(out.length[t])
-                if L == 0:
-                    tc[t] = self.unigram[self.eos_id if nxt == self.sep else nxt]
-                    continue
-                for s, (Ls, lo, hi) in zip(self.shards, per):
-                    if Ls[t] == L:
-                        a, b = K.narrow(s.tok, s.sa.words, s.sa.width, int(lo[t]), int(hi[t]), L, nxt)
-                        tc[t] += b - a
-            out = dataclasses.replace(out, target_cnt=tc)
-        return out
+        f = continuations(self, q, np.array([0, len(q)]), [max_len], top_k=top_k)[max_len]
+        return f if targets else dataclasses.replace(f, target_cnt=None)
 
     def position_features(self, q: np.ndarray, t: int, per: list[tuple[int, int, int]], top_k: int, out: Features, row: int) -> None:
         """Merge the shards' (match length, interval) at position t into out's row."""
@@ -463,10 +446,6 @@ class Index:
         """An incremental scorer: append tokens one at a time (generation), get each new
         position's features; they equal score() of the whole sequence, position by position."""
         return Scorer(self, top_k, max_len)
-
-
-def _empty_score(T: int, k: int) -> Features:
-    return Features.empty(T, k, SCORE_DTYPES)
 
 
 def _joined(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:

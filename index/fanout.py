@@ -84,7 +84,7 @@ def _words(table, s):
 
 
 @nb.njit(**_NB)
-def _bounds(table, first_rank, pos, prefix, step_log2, pat, st, J):
+def search_bounds(table, first_rank, pos, prefix, step_log2, pat, st, J):
     """Run the bound searches st[:J] to their ends, all in lockstep.
 
     Row j: the first rank in [LO, HI) of shard SHARD whose suffix's first m tokens are >=
@@ -243,7 +243,9 @@ def _search_suffix_arrays(table, prefix, pat, st, J):
 
 
 @nb.njit(inline="always")
-def _chain(st, j, s, start, end, lo, hi, d, upper):
+def set_search(st, j, s, start, end, lo, hi, d, upper):
+    """Row j of a search state: the lower (upper: the upper) bound of pat[start:end] in ranks
+    [lo, hi) of shard s, whose suffixes all share the pattern's first d tokens."""
     st[j, SHARD] = s
     st[j, START] = start
     st[j, END] = end
@@ -265,9 +267,9 @@ def find(table, first_rank, pos, prefix, step_log2, q, out_lo, out_hi):
         return
     st = np.empty((2 * S, N_STATE), np.int64)
     for s in range(S):
-        _chain(st, 2 * s, s, 0, q.shape[0], 0, table[s, N], 0, 0)
-        _chain(st, 2 * s + 1, s, 0, q.shape[0], 0, table[s, N], 0, 1)
-    _bounds(table, first_rank, pos, prefix, step_log2, q, st, 2 * S)
+        set_search(st, 2 * s, s, 0, q.shape[0], 0, table[s, N], 0, 0)
+        set_search(st, 2 * s + 1, s, 0, q.shape[0], 0, table[s, N], 0, 1)
+    search_bounds(table, first_rank, pos, prefix, step_log2, q, st, 2 * S)
     for s in range(S):
         out_lo[s] = st[2 * s, L]
         out_hi[s] = st[2 * s + 1, L]
@@ -285,10 +287,10 @@ def narrow(table, first_rank, pos, prefix, step_log2, pat, lo, hi, out_lo, out_h
         out_lo[s] = 0
         out_hi[s] = 0
         if lo[s] < hi[s]:
-            _chain(st, J, s, 0, d + 1, lo[s], hi[s], d, 0)
-            _chain(st, J + 1, s, 0, d + 1, lo[s], hi[s], d, 1)
+            set_search(st, J, s, 0, d + 1, lo[s], hi[s], d, 0)
+            set_search(st, J + 1, s, 0, d + 1, lo[s], hi[s], d, 1)
             J += 2
-    _bounds(table, first_rank, pos, prefix, step_log2, pat, st, J)
+    search_bounds(table, first_rank, pos, prefix, step_log2, pat, st, J)
     for j in range(0, J, 2):
         s = st[j, SHARD]
         out_lo[s] = st[j, L]
@@ -321,9 +323,9 @@ def longest_suffix(table, first_rank, pos, prefix, step_log2, q, cont, out):
         J = 0
         for s in range(S):
             if fails_at[s] > n_tok:
-                _chain(st, J, s, m - n_tok, m, 0, table[s, N], 0, 0)
+                set_search(st, J, s, m - n_tok, m, 0, table[s, N], 0, 0)
                 J += 1
-        _bounds(table, first_rank, pos, prefix, step_log2, pat, st, J)
+        search_bounds(table, first_rank, pos, prefix, step_log2, pat, st, J)
         found = False
         for j in range(J):
             if st[j, L] < st[j, HI] and st[j, RLCP] == n_tok:
@@ -343,7 +345,7 @@ def longest_suffix(table, first_rank, pos, prefix, step_log2, q, cont, out):
             out[0, s] = 0
             out[1, s] = table[s, N]
         elif fails_at[s] > sl:  # out[0, s] is its lower bound
-            _chain(st, J, s, m - sl, m, out[0, s], table[s, N], 0, 1)
+            set_search(st, J, s, m - sl, m, out[0, s], table[s, N], 0, 1)
             J += 1
         else:
             out[0, s] = 0
@@ -351,10 +353,10 @@ def longest_suffix(table, first_rank, pos, prefix, step_log2, q, cont, out):
         out[2, s] = 0
         out[3, s] = 0
         if cont >= 0 and out[0, s] < table[s, N] and (sl == 0 or fails_at[s] > sl):
-            _chain(st, J, s, m - sl, m + 1, out[0, s], table[s, N], 0, 0)
-            _chain(st, J + 1, s, m - sl, m + 1, out[0, s], table[s, N], 0, 1)
+            set_search(st, J, s, m - sl, m + 1, out[0, s], table[s, N], 0, 0)
+            set_search(st, J + 1, s, m - sl, m + 1, out[0, s], table[s, N], 0, 1)
             J += 2
-    _bounds(table, first_rank, pos, prefix, step_log2, pat, st, J)
+    search_bounds(table, first_rank, pos, prefix, step_log2, pat, st, J)
     for j in range(J):
         s = st[j, SHARD]
         if st[j, END] == m:

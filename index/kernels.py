@@ -181,15 +181,6 @@ def match_lengths(tok, words, w, n, ids, max_len, out_len, out_lo, out_hi):
 
 
 @nb.njit(**_NB)
-def match_lengths_docs(tok, words, w, n, ids, starts, max_len, out_len, out_lo, out_hi):
-    """match_lengths of each document ids[starts[k]:starts[k+1]], every one on its own."""
-    for k in range(starts.shape[0] - 1):
-        a = starts[k]
-        b = starts[k + 1]
-        match_lengths(tok, words, w, n, ids[a:b], max_len, out_len[a:b], out_lo[a:b], out_hi[a:b])
-
-
-@nb.njit(**_NB)
 def first_unordered(tok, words, w, ranks, sep):
     """First rank r in `ranks` with suffix(SA[r]) > suffix(SA[r+1]) or a bad pointer; -1 if none.
 

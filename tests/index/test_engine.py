@@ -210,6 +210,35 @@ def test_many_shards_against_brute_force(many_shards, monkeypatch, threads, step
     assert max(orc.suffix_len(q) for q in queries) == 32
 
 
+@pytest.mark.parametrize("threads, step_log2, caps", [(1, 10, (1, 2, 4, 8, 16)), (3, 2, (0, 5, 40)), (1, 0, (0, 2))])
+def test_bulk_over_many_shards_against_brute_force(many_shards, monkeypatch, threads, step_log2, caps):
+    """Bulk features of documents whose matches cross shards and run long (index/matching.py:
+    every shard searched together, the capped matches narrowed from the suffixes that start at
+    each position), with samples every rank, every few or none; a token the index cannot hold
+    matches nothing. Against the per-position oracle."""
+    from teragram.index import top_cache
+    from teragram.index.bulk import continuations
+
+    monkeypatch.setattr(top_cache, "STEP_LOG2", step_log2)
+    path, orc = many_shards
+    idx = Index(path)
+    rng = np.random.default_rng(19)
+    e = orc.docs[-1][:70].copy()  # a long match broken every 9 tokens: it restarts from a suffix of itself
+    e[::9] = rng.choice(np.unique(orc.flat[orc.flat >= 0]), size=len(e[::9]))
+    odd = orc.docs[2][:25].copy()
+    odd[10] = idx.vocab_size + 3
+    docs = [orc.docs[-1][:60], orc.docs[-2], e, odd, rng.integers(3, idx.vocab_size, size=30)]
+    starts = np.cumsum([0] + [len(x) for x in docs])
+    got = continuations(idx, np.concatenate(docs), starts, caps, top_k=2, threads=threads)
+    assert max(int(got[caps[0]].length.max()), int(got[caps[-1]].length.max())) >= min(c for c in caps if c)
+    for cap, r in got.items():
+        for k, ids in enumerate(docs):
+            for t, (L, cont, cnt, top) in enumerate(orc.features(ids, cap if cap else len(ids) + 1, 2)):
+                p = starts[k] + t
+                assert (r.length[p], r.cont[p], r.count[p]) == (L, cont, cnt), (cap, k, t)
+                assert [(int(a), int(b)) for a, b in zip(r.topk_ids[p], r.topk_cnt[p]) if a >= 0] == top, (cap, k, t)
+
+
 @pytest.mark.parametrize("which", ["random_index", "real"])
 def test_draft_continuations_against_brute_force(which, request):
     """The scorer's occurrence / following / top_continuation (drafts for speculative

@@ -1,0 +1,138 @@
+"""Longest matches of whole documents against every shard at once: the first step of bulk
+scoring (index/bulk.py).
+
+For each position t of a document: L(t), the length of the longest suffix of the document up
+to t that occurs in the index, and each shard's suffix-array interval of that suffix (empty in
+a shard that lacks it). One pass with two pointers, as for one shard (kernels.match_step), but
+over all the shards together: extending the match by a token narrows the intervals of the
+shards that hold it; when none does, the match start moves right and the shorter match is found
+again in every shard. Every step searches the shards in lockstep (fanout.search_bounds: their
+cache misses overlap, and the in-memory samples and first-token blocks start each search), so
+a pass costs about what one shard's does, and no shard is searched for a match it cannot hold.
+
+The longest suffix of at most c tokens is the last min(L(t), c) tokens, since every suffix of
+a match occurs too. Where L(t) <= c it is the match itself; elsewhere it is the c tokens from
+t - c + 1, and the suffixes that start at one position nest: the intervals of ids[j : j + c]
+for the caps c in increasing order are found by narrowing each from the last one
+(capped_intervals), never from the whole suffix array.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+from .fanout import N_STATE, SHARD, L, N, search_bounds, set_search
+
+_NB = dict(cache=True, nogil=True)
+
+
+@nb.njit(**_NB)
+def _search(table, first_rank, pos, prefix, step_log2, ids, st, lo, hi, start, end, d, every):
+    """Each shard's interval of ids[start:end] into lo, hi, searched inside [lo[s], hi[s])
+    (whose suffixes share its first d tokens) in the shards where that is not empty, or from
+    the whole shard in all of them (every). True if any shard holds it."""
+    S = table.shape[0]
+    J = 0
+    for s in range(S):
+        if every:
+            lo[s] = 0
+            hi[s] = table[s, N]
+        if lo[s] < hi[s]:
+            set_search(st, J, s, start, end, lo[s], hi[s], d, 0)
+            set_search(st, J + 1, s, start, end, lo[s], hi[s], d, 1)
+            J += 2
+        lo[s] = 0
+        hi[s] = 0
+    search_bounds(table, first_rank, pos, prefix, step_log2, ids, st, J)
+    found = False
+    for j in range(0, J, 2):
+        s = st[j, SHARD]
+        lo[s] = st[j, L]
+        hi[s] = st[j + 1, L]
+        if hi[s] > lo[s]:
+            found = True
+    return found
+
+
+@nb.njit(**_NB)
+def longest_matches(table, first_rank, pos, prefix, step_log2, ids, starts, out_len, out_lo, out_hi):
+    """For every position t of the documents ids[starts[k]:starts[k+1]]: out_len[t] = L(t) and
+    out_lo[t, s], out_hi[t, s] each shard's interval of ids[t-L+1 : t+1] (every rank when L is
+    0). A token outside the vocabulary matches nothing."""
+    S = table.shape[0]
+    V = first_rank.shape[1] - 1
+    st = np.empty((2 * S, N_STATE), np.int64)
+    lo = np.empty(S, np.int64)
+    hi = np.empty(S, np.int64)
+    for k in range(starts.shape[0] - 1):
+        i = starts[k]  # the match is ids[i:t]; lo, hi its intervals
+        for s in range(S):
+            lo[s] = 0
+            hi[s] = table[s, N]
+        for t in range(starts[k], starts[k + 1]):
+            found = False
+            if 0 <= ids[t] < V:
+                while True:
+                    if _search(table, first_rank, pos, prefix, step_log2, ids, st, lo, hi, i, t + 1, t - i, False):
+                        found = True
+                        break
+                    i += 1  # no shard holds ids[i:t+1]: try the next shorter match
+                    if i == t:
+                        for s in range(S):
+                            lo[s] = 0
+                            hi[s] = table[s, N]
+                    elif i < t:  # ids[i:t] occurs (a suffix of the old match); in which shards
+                        _search(table, first_rank, pos, prefix, step_log2, ids, st, lo, hi, i, t, 0, True)
+                    else:
+                        break
+            if found:
+                out_len[t] = t - i + 1
+                for s in range(S):
+                    out_lo[t, s] = lo[s]
+                    out_hi[t, s] = hi[s]
+            else:  # not even ids[t] occurs: the next match starts after it
+                i = t + 1
+                out_len[t] = 0
+                for s in range(S):
+                    lo[s] = 0
+                    hi[s] = table[s, N]
+                    out_lo[t, s] = 0
+                    out_hi[t, s] = hi[s]
+
+
+@nb.njit(**_NB)
+def capped_intervals(table, first_rank, pos, prefix, step_log2, ids, starts, length, m_lo, m_hi, caps, out_lo, out_hi):
+    """For each cap caps[c] (increasing, > 0) and position t: each shard's interval of the
+    longest suffix of at most caps[c] tokens, ids[t - min(L, cap) + 1 : t + 1] (L = length[t],
+    the longest match, whose intervals are m_lo[t], m_hi[t]), into out_lo[c, t], out_hi[c, t]."""
+    S = table.shape[0]
+    C = caps.shape[0]
+    st = np.empty((2 * S, N_STATE), np.int64)
+    lo = np.empty(S, np.int64)
+    hi = np.empty(S, np.int64)
+    for k in range(starts.shape[0] - 1):
+        a = starts[k]
+        b = starts[k + 1]
+        for t in range(a, b):
+            for c in range(C):
+                if length[t] <= caps[c]:
+                    for s in range(S):
+                        out_lo[c, t, s] = m_lo[t, s]
+                        out_hi[c, t, s] = m_hi[t, s]
+        for j in range(a, b):  # the capped suffixes that start at j, shortest first
+            d = 0
+            for s in range(S):
+                lo[s] = 0
+                hi[s] = table[s, N]
+            for c in range(C):
+                t = j + caps[c] - 1
+                if t >= b:
+                    break
+                if length[t] <= caps[c]:
+                    continue
+                _search(table, first_rank, pos, prefix, step_log2, ids, st, lo, hi, j, t + 1, d, False)
+                d = caps[c]
+                for s in range(S):
+                    out_lo[c, t, s] = lo[s]
+                    out_hi[c, t, s] = hi[s]
