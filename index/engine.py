@@ -130,7 +130,7 @@ class Index:
                 advise(sh.searched, mmap.MADV_RANDOM)
         self._n_threads = max(1, min(threads, len(self.shards)))
         self._pool = ThreadPoolExecutor(self._n_threads, thread_name_prefix="shard") if self._n_threads >= 2 else None
-        self._dist_cache: dict[tuple[int, int, int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self._dist_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # next-token histograms of large intervals
         self._uni_top: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
@@ -324,10 +324,19 @@ class Index:
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
         if len(parts) == 1:
             return parts[0]
+        key = (d, tuple(segs))
+        hit = self._dist_cache.get(key)  # a large merge (the short contexts' next tokens) is kept
+        if hit is not None:
+            return hit
         toks = np.concatenate([p[0] for p in parts])
         cnts = np.concatenate([p[1] for p in parts])
         u, inv = np.unique(toks, return_inverse=True)
-        return u, np.bincount(inv, weights=cnts).astype(np.int64)
+        out = u, np.bincount(inv, weights=cnts).astype(np.int64)
+        if len(toks) > 256:
+            if len(self._dist_cache) > 50_000:
+                self._dist_cache.clear()
+            self._dist_cache[key] = out
+        return out
 
     def _ntd(self, q: np.ndarray) -> NtdResult:
         return self._ntd_in(q, *self._find(q))

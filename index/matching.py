@@ -56,12 +56,36 @@ def _search(table, first_rank, pos, prefix, step_log2, ids, st, lo, hi, start, e
 
 
 @nb.njit(**_NB)
+def extend(table, first_rank, pos, prefix, step_log2, ids, i, t, st, lo, hi):
+    """One step of the two-pointer pass: given the longest match ids[i:t] before position t and
+    its intervals lo, hi, the longest match ending at t: returns its start (t + 1 when not even
+    ids[t] occurs; lo, hi then every rank) with its intervals in lo, hi."""
+    S = table.shape[0]
+    if 0 <= ids[t] < first_rank.shape[1] - 1:
+        while True:
+            if _search(table, first_rank, pos, prefix, step_log2, ids, st, lo, hi, i, t + 1, t - i, False):
+                return i
+            i += 1  # no shard holds ids[i:t+1]: try the next shorter match
+            if i == t:
+                for s in range(S):
+                    lo[s] = 0
+                    hi[s] = table[s, N]
+            elif i < t:  # ids[i:t] occurs (a suffix of the old match); in which shards
+                _search(table, first_rank, pos, prefix, step_log2, ids, st, lo, hi, i, t, 0, True)
+            else:
+                break
+    for s in range(S):  # not even ids[t] occurs (or the index cannot hold it): start again after it
+        lo[s] = 0
+        hi[s] = table[s, N]
+    return t + 1
+
+
+@nb.njit(**_NB)
 def longest_matches(table, first_rank, pos, prefix, step_log2, ids, starts, out_len, out_lo, out_hi):
     """For every position t of the documents ids[starts[k]:starts[k+1]]: out_len[t] = L(t) and
     out_lo[t, s], out_hi[t, s] each shard's interval of ids[t-L+1 : t+1] (every rank when L is
     0). A token outside the vocabulary matches nothing."""
     S = table.shape[0]
-    V = first_rank.shape[1] - 1
     st = np.empty((2 * S, N_STATE), np.int64)
     lo = np.empty(S, np.int64)
     hi = np.empty(S, np.int64)
@@ -71,34 +95,11 @@ def longest_matches(table, first_rank, pos, prefix, step_log2, ids, starts, out_
             lo[s] = 0
             hi[s] = table[s, N]
         for t in range(starts[k], starts[k + 1]):
-            found = False
-            if 0 <= ids[t] < V:
-                while True:
-                    if _search(table, first_rank, pos, prefix, step_log2, ids, st, lo, hi, i, t + 1, t - i, False):
-                        found = True
-                        break
-                    i += 1  # no shard holds ids[i:t+1]: try the next shorter match
-                    if i == t:
-                        for s in range(S):
-                            lo[s] = 0
-                            hi[s] = table[s, N]
-                    elif i < t:  # ids[i:t] occurs (a suffix of the old match); in which shards
-                        _search(table, first_rank, pos, prefix, step_log2, ids, st, lo, hi, i, t, 0, True)
-                    else:
-                        break
-            if found:
-                out_len[t] = t - i + 1
-                for s in range(S):
-                    out_lo[t, s] = lo[s]
-                    out_hi[t, s] = hi[s]
-            else:  # not even ids[t] occurs: the next match starts after it
-                i = t + 1
-                out_len[t] = 0
-                for s in range(S):
-                    lo[s] = 0
-                    hi[s] = table[s, N]
-                    out_lo[t, s] = 0
-                    out_hi[t, s] = hi[s]
+            i = extend(table, first_rank, pos, prefix, step_log2, ids, i, t, st, lo, hi)
+            out_len[t] = t - i + 1
+            for s in range(S):
+                out_lo[t, s] = lo[s]
+                out_hi[t, s] = hi[s]
 
 
 @nb.njit(**_NB)

@@ -1,14 +1,18 @@
 """The incremental scorer: an index's per-position features for a sequence that grows one
-token at a time (generation), each equal to Index.score of the whole sequence at that position."""
+token at a time (generation), each equal to Index.score of the whole sequence at that position,
+and the gates' index estimates after it, each from the previous token's match and intervals."""
 
 from __future__ import annotations
 
+import time
 from typing import Protocol
 
 import numpy as np
 
 from . import kernels as K
+from .fanout import N_STATE, ShardSet
 from .features import SCORE_DTYPES, Features
+from .matching import extend
 from .results import Occurrence
 from .shard import Shard
 
@@ -17,7 +21,10 @@ class Searched(Protocol):
     """What the scorer reads of an index (index.engine.Index is one)."""
 
     shards: list[Shard]
+    shard_set: ShardSet
     eos_id: int
+    n_positions: int
+    unigram: np.ndarray
 
     def check_token(self, cont, what: str = "cont") -> int: ...
 
@@ -27,41 +34,89 @@ class Searched(Protocol):
 
 
 class Scorer:
+    """The longest match of the sequence's end (ids[start:n]) and every shard's interval of it,
+    carried from token to token (matching.extend: all shards searched together). `lookup_s`:
+    the seconds spent in index lookups per appended token (and per estimates() call)."""
+
     def __init__(self, idx: Searched, top_k: int, max_len: int):
         self.idx, self.top_k, self.max_len = idx, top_k, max_len
+        self.ss = idx.shard_set
         self.ids = np.zeros(256, np.int64)
         self.n = 0
-        self.state = [np.array([0, 0, s.n], np.int64) for s in idx.shards]
+        self.start = 0
+        self.lo = np.zeros(len(idx.shards), np.int64)
+        self.hi = np.array([s.n for s in idx.shards], np.int64)
+        self._st = np.empty((2 * len(idx.shards), N_STATE), np.int64)
+        self.lookup_s: list[float] = []
 
     def append(self, token: int) -> Features:
         """Features of the new last position (a one-row Features)."""
         tok = self.idx.check_token(token, "token")
+        t0 = time.perf_counter()
         if self.n == len(self.ids):
             self.ids = np.concatenate([self.ids, np.zeros(len(self.ids), np.int64)])
         self.ids[self.n] = tok
-        t = self.n
+        ss = self.ss
+        self.start = extend(
+            ss.table, ss.first_rank, ss.pos, ss.prefix, ss.step_log2, self.ids, self.start, self.n, self._st, self.lo, self.hi
+        )
         self.n += 1
-        cap = self.max_len if self.max_len > 0 else 1 << 62
-        per = [K.match_step(s.tok, s.sa.words, s.sa.width, s.n, self.ids, t, cap, st) for s, st in zip(self.idx.shards, self.state)]
+        L = self.n - self.start
+        cap = min(L, self.max_len) if self.max_len > 0 else L
+        lo, hi = self.intervals(cap, L)
+        per = [(cap if b > a else 0, a, b) for a, b in zip(lo.tolist(), hi.tolist())]
         out = Features.empty(1, self.top_k, SCORE_DTYPES)
-        self.idx.position_features(self.ids[: self.n], t, per, self.top_k, out, 0)
+        self.idx.position_features(self.ids[: self.n], self.n - 1, per, self.top_k, out, 0)
+        self.lookup_s.append(time.perf_counter() - t0)
         return out
 
-    def snapshot(self) -> tuple[int, list[np.ndarray]]:
+    def intervals(self, k: int, L: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Every shard's interval of the last k tokens, k <= the longest match L: the match's own,
+        or found (every shard together)."""
+        L = self.n - self.start if L is None else L
+        if k == L:
+            return self.lo, self.hi
+        return self.ss.find(self.ids[self.n - k : self.n])
+
+    def estimates(self, lengths: dict[str, int]) -> tuple[int, dict[str, tuple[int, np.ndarray, np.ndarray]]]:
+        """The index's next-token estimates after the sequence so far, as the gates read them
+        (model/mixture/estimates.py): the longest match's length L and, for each name, the
+        continuations of the last min(L, k) tokens (k = 0: the longest match, the ∞-gram's) as
+        (count, tokens, counts). The match's intervals are the scorer's; a shorter context's
+        are found once (every shard together)."""
+        t0 = time.perf_counter()
+        L = self.n - self.start
+        out, seen = {}, {}
+        for name, k in lengths.items():
+            k = min(L, k) if k else L
+            if k not in seen:
+                if k == 0:
+                    u = self.idx.unigram
+                    nz = np.flatnonzero(u)
+                    seen[k] = (self.idx.n_positions, nz, u[nz])
+                else:
+                    lo, hi = self.intervals(k, L)
+                    toks, cnts = self.idx.segs_dist(list(zip(lo.tolist(), hi.tolist())), k)
+                    seen[k] = (int((hi - lo).sum()), toks, cnts)
+            out[name] = seen[k]
+        if self.lookup_s:
+            self.lookup_s[-1] += time.perf_counter() - t0
+        return L, out
+
+    def snapshot(self) -> tuple:
         """The scorer's state after the tokens so far; restore() returns to it (speculative
         decoding appends drafted tokens, then drops those the model rejects)."""
-        return self.n, [st.copy() for st in self.state]
+        return self.n, self.start, self.lo.copy(), self.hi.copy()
 
-    def restore(self, snap: tuple[int, list[np.ndarray]]) -> None:
-        self.n, states = snap
-        self.state = [st.copy() for st in states]
+    def restore(self, snap: tuple) -> None:
+        self.n, self.start, lo, hi = snap
+        self.lo, self.hi = lo.copy(), hi.copy()
 
     def _longest(self) -> tuple[int, list[tuple[int, int]]]:
         """The last position's longest match length and each shard's interval of it ((0, 0)
-        in a shard where the match is shorter)."""
-        lens = [self.n - int(st[0]) for st in self.state]  # state [start, lo, hi]: match ids[start:n]
-        L = max(lens, default=0)
-        return L, [(int(st[1]), int(st[2])) if x == L and L > 0 else (0, 0) for st, x in zip(self.state, lens)]
+        in a shard that lacks it)."""
+        L = self.n - self.start
+        return L, [(a, b) if b > a and L > 0 else (0, 0) for a, b in zip(self.lo.tolist(), self.hi.tolist())]
 
     def top_continuation(self, n: int) -> np.ndarray:
         """Up to n tokens continuing the last position's longest match by the ∞-gram's most

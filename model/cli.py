@@ -247,6 +247,8 @@ def cmd_sample(args) -> int:
             f"{st['accepted']} of {st['drafted']} drafted tokens accepted; by match length: {json.dumps(st['by_match_length'])}]",
             file=sys.stderr,
         )
+        if st["lookup_ms_median"] is not None:
+            print(f"[index lookups per token: median {st['lookup_ms_median']:.3f} ms, mean {st['lookup_ms_mean']:.3f} ms]", file=sys.stderr)
     return 0
 
 

@@ -21,6 +21,7 @@ SOURCES = ("index", "cache")
 N_BUCKETS = 8  # match lengths by powers of two: 0-1, 2-3, 4-7, ..., >= 128
 MAX_DRAFT = 256
 PRIOR = (1.0, 2.0)  # (accepted, proposed) pseudo-counts of a bucket before it has data
+LOOKUPS_KEPT = 100_000  # per-token lookup times a DraftStats keeps (a server keeps one for every request)
 
 
 def length_bucket(length: int) -> int:
@@ -59,6 +60,7 @@ class DraftStats:
     accepted: np.ndarray = field(default_factory=lambda: np.zeros((len(SOURCES), N_BUCKETS), np.int64))
     forwards: int = 0
     tokens: int = 0
+    lookup_s: list[float] = field(default_factory=list)  # index lookups per appended token (the last LOOKUPS_KEPT)
 
     def rate(self, source: str, length: int) -> float:
         s, b = SOURCES.index(source), length_bucket(length)
@@ -75,11 +77,16 @@ class DraftStats:
             self.proposed[s, b] += 1
             self.accepted[s, b] += j < n_accepted
 
+    def add_lookups(self, seconds: list[float]) -> None:
+        """The seconds of index lookups (features, and the gate's estimates) of appended tokens."""
+        self.lookup_s = (self.lookup_s + list(seconds))[-LOOKUPS_KEPT:]
+
     def merge(self, other: DraftStats) -> None:
         self.proposed += other.proposed
         self.accepted += other.accepted
         self.forwards += other.forwards
         self.tokens += other.tokens
+        self.add_lookups(other.lookup_s)
 
     def to_json(self) -> dict:
         by = {}
@@ -98,6 +105,8 @@ class DraftStats:
             "accepted": int(self.accepted.sum()),
             "acceptance_rate": float(self.accepted.sum()) / max(drafted, 1),
             "by_match_length": by,
+            "lookup_ms_median": float(np.median(self.lookup_s)) * 1e3 if self.lookup_s else None,
+            "lookup_ms_mean": float(np.mean(self.lookup_s)) * 1e3 if self.lookup_s else None,
         }
 
 

@@ -24,7 +24,7 @@ from teragram.model.generation.draft import Draft, Drafter, DraftStats
 from teragram.model.gpt import GPT, to_torch
 from teragram.model.mixture import joint
 from teragram.model.mixture.cont_cache import LiveCache
-from teragram.model.mixture.gate import next_distribution
+from teragram.model.mixture.gate import index_lengths, next_distribution
 from teragram.model.mixture.knn import key_states
 
 PROVENANCE_MIN = 8  # a token's provenance is reported when its context matches this many tokens
@@ -134,6 +134,8 @@ def stream(
     use_index = model.cfg.use_index
     sc = idx.scorer(top_k=model.cfg.top_k, max_len=model.cfg.max_match)
     feats = [sc.append(t) for t in prompt]
+    lengths = index_lengths(gate) if gate is not None else {}
+    est = sc.estimates(lengths) if lengths else None  # the gate's index estimates after the last token
     stats = DraftStats()
     state.update(features=feats, stopped="length", stats=stats)
     ids = list(prompt)
@@ -147,7 +149,7 @@ def stream(
     occ = sc.occurrence() if want_occ else None
     # a gate reading the continuous cache: the key states of every position so far, with the token after each
     cache = LiveCache(gate.cont_cache, model.cfg.vocab_size) if gate is not None and gate.cont_cache is not None else None
-    mix = dict(temperature=temperature, gate=gate, knn=knn, cache=cache)  # what the next-token distributions read
+    mix = dict(temperature=temperature, gate=gate, knn=knn, cache=cache, ests=None)  # what the next-token distributions read
 
     try:
         while made < max_new_tokens:
@@ -157,13 +159,16 @@ def stream(
             room = min(B - (len(ids) - start), max_new_tokens - made - 1)  # predictions this window still allows
             d: Draft | None = drafter.propose(sc, occ, ids, room) if drafter.max_tokens else None
             dt = d.tokens if d else []
-            drows = []
-            if dt and use_index:  # the model reads the drafted positions' features
+            drows, dests = [], []
+            if dt and (use_index or lengths):  # the drafted positions' features and estimates
                 snap = sc.snapshot()
-                drows = [sc.append(t) for t in dt]
+                for t in dt:
+                    drows.append(sc.append(t))
+                    dests.append(sc.estimates(lengths) if lengths else None)
                 sc.restore(snap)
             x = torch.tensor([pending + dt], device=device)
             f = _batch(feats[len(feats) - len(pending) :] + drows, device) if use_index else None
+            mix["ests"] = [est, *dests] if lengths else None
             h, kv, cache_states = _forward(model, x, f, kv, cached, cache, start + cached, ids + dt, len(dt) + 1)
             p = _distributions(model, idx, h[0, -(len(dt) + 1) :], [feats[-1], *drows], ids + dt, cache_states=cache_states, **mix)
             n_ok, nxt = _verify(p, dt, temperature, top_k, top_p, gen)
@@ -189,17 +194,32 @@ def stream(
                 if stop and any(len(s) and ids[-len(s) :] == s for s in stop):
                     state["stopped"] = "stop"
                     return
+            est = sc.estimates(lengths) if lengths else None
     finally:
         model.train(was)
+        stats.add_lookups(sc.lookup_s[len(prompt) :])
+        drafter.stats.add_lookups(sc.lookup_s[len(prompt) :])
 
 
 def _distributions(
-    model: GPT, idx: Index, h: torch.Tensor, rows: list[Features], toks: list[int], *, temperature: float, gate, knn, cache, cache_states
+    model: GPT,
+    idx: Index,
+    h: torch.Tensor,
+    rows: list[Features],
+    toks: list[int],
+    *,
+    temperature: float,
+    gate,
+    knn,
+    cache,
+    cache_states,
+    ests,
 ) -> torch.Tensor:
     """Next-token distributions (n, V) from the last n hidden states h (n, C), rows their
     positions' features, toks the text up to the first of them (greedy: what is argmaxed);
     the continuous cache (a LiveCache, if the gate reads it) holds the positions before the last
-    of them, cache_states their key states."""
+    of them, cache_states their key states; ests the gate's index estimates of each row (the
+    incremental scorer's, None: looked up from scratch)."""
     device = h.device
     use_index = model.cfg.use_index
     if temperature <= 0 and gate is None and not (use_index and model.cfg.mixture) and not model.cfg.joint:
@@ -228,7 +248,8 @@ def _distributions(
         n = len(toks) - len(h) + 1 + j  # the tokens before this row's prediction
         doc = _doc(toks, n, idx.eos_id)
         ccd = cache.distributions(cache_states[j], upto=n - 1) if cache is not None else None
-        out.append(torch.from_numpy(next_distribution(idx, doc, p[j].cpu().double().numpy(), gate, soft[j], ccd)).float())
+        e = ests[j] if ests is not None else None
+        out.append(torch.from_numpy(next_distribution(idx, doc, p[j].cpu().double().numpy(), gate, soft[j], ccd, e)).float())
     return torch.stack(out)
 
 

@@ -233,8 +233,33 @@ def component_logp(est: dict[str, np.ndarray], nll_model: np.ndarray, components
     return np.stack([-nll_model, *lp], 1)
 
 
+def lookup_estimates(idx, q: np.ndarray, lengths: dict[str, int]) -> tuple[int, dict]:
+    """(the ∞-gram's suffix length, {name: (count, tokens, counts)}) after the context q, from
+    scratch: the continuations of its last min(length, k) tokens (k = 0: the ∞-gram's)."""
+    length = idx.infgram_ntd(q).suffix_len if len(q) else 0
+    out = {}
+    for c, k in lengths.items():
+        k = min(length, k) if k else length
+        r = idx.ntd(q[len(q) - k :] if k else q[:0])
+        toks = np.fromiter(r.result_by_token_id, np.int64, len(r.result_by_token_id))
+        out[c] = (r.prompt_cnt, toks, np.array([c_ for c_, _ in r.result_by_token_id.values()], np.int64))
+    return length, out
+
+
+def index_lengths(gate: Gate) -> dict[str, int]:
+    """The index estimates a gate reads, with their context lengths (0: the ∞-gram's): what
+    index.scorer.Scorer.estimates looks up for it."""
+    return {c: context_length(c) for c in gate.exact_components if c in INDEX}
+
+
 def next_distribution(
-    idx, context, p_model: np.ndarray, gate: Gate, p_softmax: np.ndarray | None = None, cont_cache: np.ndarray | None = None
+    idx,
+    context,
+    p_model: np.ndarray,
+    gate: Gate,
+    p_softmax: np.ndarray | None = None,
+    cont_cache: np.ndarray | None = None,
+    index_estimates: tuple[int, dict] | None = None,
 ) -> np.ndarray:
     """The gated next-token distribution (V,) after `context` (a document's tokens so far, EOS
     not included), for generation: the same mixture estimates + gate give in bulk.
@@ -242,7 +267,9 @@ def next_distribution(
     a mixture head (the gate's confidence and agreement features read the softmax, as in
     model.evaluate.token_eval). A gate reading the continuous cache takes its distributions
     (len(factors), V) from `cont_cache` (cont_cache.LiveCache.distributions; None: no history,
-    it defers to the model)."""
+    it defers to the model). index_estimates: the index's estimates after the context, as an
+    incremental scorer gives them ((the ∞-gram's length, Scorer.estimates(index_lengths(gate))));
+    None: looked up here."""
     V = len(p_model)
     q = np.asarray(context, np.int64)
     p_softmax = p_model if p_softmax is None else p_softmax
@@ -251,20 +278,11 @@ def next_distribution(
     dists, counts = {}, {}
     length = 0
     if any(c in INDEX for c in comps):
-        if len(q) == 0:  # a document's first token: every index estimate is the unigram distribution
-            for s in INDEX:
-                dists[s], counts[s] = idx.unigram / idx.n_positions, idx.n_positions
-        else:
-            length = idx.infgram_ntd(q).suffix_len
-            for s in (c for c in comps if c in INDEX):
-                k = min(length, context_length(s)) if context_length(s) else length
-                r = idx.ntd(q[len(q) - k :] if k else q[:0])
-                d = np.zeros(V)
-                if r.result_by_token_id:
-                    t = np.fromiter(r.result_by_token_id, np.int64)
-                    d[t] = [c for c, _ in r.result_by_token_id.values()]
-                    d /= r.prompt_cnt
-                dists[s], counts[s] = d, r.prompt_cnt
+        length, est = index_estimates if index_estimates is not None else lookup_estimates(idx, q, index_lengths(gate))
+        for c, (n, toks, cnts) in est.items():
+            d = np.zeros(V)
+            d[toks] = cnts / max(n, 1)
+            dists[c], counts[c] = d, n
     cache, clen = cache_live(q, V, comps)
     for c, (d, n) in cache.items():
         dists[c], counts[c] = d, n

@@ -239,6 +239,35 @@ def test_bulk_over_many_shards_against_brute_force(many_shards, monkeypatch, thr
                 assert [(int(a), int(b)) for a, b in zip(r.topk_ids[p], r.topk_cnt[p]) if a >= 0] == top, (cap, k, t)
 
 
+def test_scorer_estimates_over_many_shards_against_brute_force(many_shards):
+    """The incremental scorer's longest match and the gates' estimates after every prefix (the
+    continuations of the last min(L, k) tokens, summed over the shards), through restarts,
+    a snapshot and restore, against brute force."""
+    path, orc = many_shards
+    idx = Index(path)
+    rng = np.random.default_rng(23)
+    seq = np.concatenate([orc.docs[-1][:40], rng.choice(orc.docs[0], 10), orc.docs[-2][:20]])
+    lengths = {"inf": 0, "one": 1, "three": 3, "eight": 8}
+    sc = idx.scorer(top_k=2, max_len=6)
+    for t, tok in enumerate(seq):
+        f = sc.append(int(tok))
+        if t == 30:
+            snap = sc.snapshot()
+            sc.append(int(seq[0]))
+            sc.restore(snap)
+        L = orc.suffix_len(seq[: t + 1])
+        assert f.length[0] == min(L, 6), t
+        got_L, est = sc.estimates(lengths)
+        assert got_L == L, t
+        for name, k in lengths.items():
+            k = min(L, k) if k else L
+            ctx = seq[t + 1 - k : t + 1] if k else []
+            n, toks, cnts = est[name]
+            assert n == orc.count(ctx), (t, name)
+            assert dict(zip(toks.tolist(), cnts.tolist())) == orc.next_tokens(ctx), (t, name)
+    assert len(sc.lookup_s) == len(seq) + 1
+
+
 @pytest.mark.parametrize("which", ["random_index", "real"])
 def test_draft_continuations_against_brute_force(which, request):
     """The scorer's occurrence / following / top_continuation (drafts for speculative

@@ -211,7 +211,9 @@ def test_index_gate_helps_and_its_live_mixture_equals_bulk(dup_setup):
 
     train(dup_config(dup_setup, "gbase", features=None, max_steps=60))
     model, _ = load_model(dup_setup / "gbase")
-    gate, nll_model, nll_gated = gated_eval(model, dup_setup / "idx", dup_setup / "held", cont_cache=False)  # (t): live below without states
+    gate, nll_model, nll_gated = gated_eval(
+        model, dup_setup / "idx", dup_setup / "held", cont_cache=False
+    )  # (t): live below without states
     assert nll_gated.mean() < 0.7 * nll_model.mean()  # held-out near-duplicates: the index's estimates help
     # generation's distribution gives each actual next token the bulk mixture's probability
     idx = Index(dup_setup / "idx")
@@ -224,10 +226,16 @@ def test_index_gate_helps_and_its_live_mixture_equals_bulk(dup_setup):
     est = estimates.estimates(idx, doc)
     bulk = gate_mod.mix_nll_multi(gate_mod.component_logp(est, nll_m), gate(gate_mod.gate_inputs(est, p_model.max(-1), p_model.argmax(-1))))
     assert est["count_cache_longest"][45:].min() > 0 and est["cache_length"][-1] >= 16
+    sc = idx.scorer()  # generation's incremental estimates give the same distributions
+    sc.append(idx.eos_id)
     for t in range(len(targets)):
         p = gate_mod.next_distribution(idx, doc[:t], p_model[t], gate)
         assert p.sum() == pytest.approx(1.0, abs=1e-9), t
         assert -np.log(p[targets[t]]) == pytest.approx(bulk[t], rel=1e-6, abs=1e-9), t
+        live = gate_mod.next_distribution(idx, doc[:t], p_model[t], gate, index_estimates=sc.estimates(gate_mod.index_lengths(gate)))
+        assert np.array_equal(live, p), t
+        if t < len(doc):
+            sc.append(doc[t])
 
 
 def test_heldout_estimates_follow_the_index_asked_for(dup_setup, real_index):
