@@ -35,13 +35,16 @@ from .packed import get
 
 UNCAPPED = 1 << 62
 CHUNK = 1 << 18  # positions per pass at most
+HEAVY = 1 << 12  # a context this frequent is summarized once per index (Index.context_summary), not per chunk
 SCRATCH = 1 << 23  # and at most this many (cap, position, shard) intervals (16 bytes each, a few copies)
 
 
 @nb.njit(cache=True, nogil=True)
-def _histograms(toks, words, widths, samaxs, offs, sep, eos, lo, hi, d, grp, pos, target, o_tcnt, o_top, o_topc, o_cont, scratch, touched):
-    """For each context u (rows of lo/hi: its interval per shard, empty where the shard lacks
-    it; d[u] its length): its next-token histogram over the shards, then each of its positions
+def _histograms(
+    toks, words, widths, samaxs, offs, sep, eos, us, lo, hi, d, grp, pos, target, o_tcnt, o_top, o_topc, o_cont, scratch, touched
+):
+    """For each context u of us (rows of lo/hi: its interval per shard, empty where the shard
+    lacks it; d[u] its length): its next-token histogram over the shards, then each of its positions
     pos[grp[u]:grp[u+1]] reads its target's count, the top-k continuations (count desc, id
     asc; k = o_top.shape[1]) and the token after the most recent occurrence (latest shard,
     largest position). scratch is zero on entry and exit; a document's end (SEP) counts as
@@ -49,7 +52,8 @@ def _histograms(toks, words, widths, samaxs, offs, sep, eos, lo, hi, d, grp, pos
     k = o_top.shape[1]
     best = np.empty(k, np.int64)
     bestc = np.empty(k, np.int64)
-    for u in range(lo.shape[0]):
+    for ui in range(us.shape[0]):
+        u = us[ui]
         nt = 0
         cont = -1
         for s in range(len(toks)):
@@ -204,13 +208,22 @@ def _chunk(idx, ids: np.ndarray, starts: np.ndarray, caps: list[int], k: int, th
     widths = np.array([s.sa.width for s in idx.shards], np.int64)
     offs = np.array([[s.off2, s.off3] for s in idx.shards], np.int64).reshape(S, 2)
 
+    heavy = (u_hi - u_lo).sum(1) >= HEAVY
+    for u in np.flatnonzero(heavy):  # the frequent contexts: their summaries are kept by the index
+        ht, hc, ti, tc, c = idx.context_summary(list(zip(u_lo[u].tolist(), u_hi[u].tolist())), int(u_d[u]), k)
+        at = pos[grp[u] : grp[u + 1]]
+        j = np.minimum(np.searchsorted(ht, tgt[at]), max(len(ht) - 1, 0))
+        tcnt[at] = np.where(ht[j] == tgt[at], hc[j], 0) if len(ht) else 0
+        top[at], topc[at], cont[at] = ti, tc, c
+    light = np.flatnonzero(~heavy)
+
     def run(ua: int, ub: int) -> None:
         scratch = np.zeros(V, np.int64)
         touched = np.zeros(V, np.int64)
-        args = (u_lo[ua:ub], u_hi[ua:ub], u_d[ua:ub], grp[ua : ub + 1], pos, tgt, tcnt, top, topc, cont, scratch, touched)
+        args = (light[ua:ub], u_lo, u_hi, u_d, grp, pos, tgt, tcnt, top, topc, cont, scratch, touched)
         _histograms(toks, words, widths, samaxs, offs, idx.sep, idx.eos_id, *args)
 
-    bounds = np.linspace(0, len(u_rows), max(1, min(threads, len(u_rows))) * 8 + 1).astype(int)
+    bounds = np.linspace(0, len(light), max(1, min(threads, len(light))) * 8 + 1).astype(int)
     _map(lambda ab: run(*ab), list(zip(bounds[:-1], bounds[1:])), threads)
     none = Lm == 0  # no suffix occurs: the unigram distribution
     uni = idx.unigram

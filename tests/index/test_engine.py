@@ -210,16 +210,21 @@ def test_many_shards_against_brute_force(many_shards, monkeypatch, threads, step
     assert max(orc.suffix_len(q) for q in queries) == 32
 
 
-@pytest.mark.parametrize("threads, step_log2, caps", [(1, 10, (1, 2, 4, 8, 16)), (3, 2, (0, 5, 40)), (1, 0, (0, 2))])
-def test_bulk_over_many_shards_against_brute_force(many_shards, monkeypatch, threads, step_log2, caps):
+@pytest.mark.parametrize(
+    "threads, step_log2, caps, heavy",
+    [(1, 10, (1, 2, 4, 8, 16), 1), (3, 2, (0, 5, 40), 1 << 62), (1, 0, (0, 2), 30), (2, 10, (0, 1, 3), 2)],
+)
+def test_bulk_over_many_shards_against_brute_force(many_shards, monkeypatch, threads, step_log2, caps, heavy):
     """Bulk features of documents whose matches cross shards and run long (index/matching.py:
     every shard searched together, the capped matches narrowed from the suffixes that start at
     each position), with samples every rank, every few or none; a token the index cannot hold
-    matches nothing. Against the per-position oracle."""
-    from teragram.index import top_cache
+    matches nothing; contexts summarized by the index (heavy: every context that frequent) or
+    in the bulk kernel. Against the per-position oracle."""
+    from teragram.index import bulk, top_cache
     from teragram.index.bulk import continuations
 
     monkeypatch.setattr(top_cache, "STEP_LOG2", step_log2)
+    monkeypatch.setattr(bulk, "HEAVY", heavy)
     path, orc = many_shards
     idx = Index(path)
     rng = np.random.default_rng(19)
@@ -235,7 +240,9 @@ def test_bulk_over_many_shards_against_brute_force(many_shards, monkeypatch, thr
         for k, ids in enumerate(docs):
             for t, (L, cont, cnt, top) in enumerate(orc.features(ids, cap if cap else len(ids) + 1, 2)):
                 p = starts[k] + t
+                nxt = int(ids[t + 1]) if t + 1 < len(ids) else orc.eos
                 assert (r.length[p], r.cont[p], r.count[p]) == (L, cont, cnt), (cap, k, t)
+                assert r.target_cnt[p] == orc.next_tokens(ids[t - L + 1 : t + 1] if L else []).get(nxt, 0), (cap, k, t)
                 assert [(int(a), int(b)) for a, b in zip(r.topk_ids[p], r.topk_cnt[p]) if a >= 0] == top, (cap, k, t)
 
 
