@@ -119,32 +119,14 @@ def own_shard_features(idx: Index, shard: int, cfg: FeatureConfig) -> tuple[Feat
         ha = np.empty_like(ht)
         hb = np.empty_like(ht)
         doc_ranks = FK.doc_sorted_ranks(rank, starts) if mode == FK.EXCLUDE_DOC and k else np.zeros(0, np.int64)
+        outs = (f.cont, pos, f.count, f.topk_ids, f.topk_cnt)
         nh = FK.own_shard(
             T, sa, rank, doc, starts, ivl_a, ivl_b, length, mode, idx.sep, idx.eos_id, k, HEAVY if k else HEAVY_K0, s.samax, s.off2, s.off3, doc_ranks,
-            f.cont, pos, f.count, f.topk_ids, f.topk_cnt, ht, ha, hb,
+            outs, (ht, ha, hb),
         )  # fmt: skip
         if k:
             vocab1 = max(idx.vocab_size, idx.eos_id + 1)
-            FK.heavy_groups(
-                T,
-                sa,
-                doc,
-                starts,
-                length,
-                mode,
-                idx.sep,
-                idx.eos_id,
-                k,
-                vocab1,
-                ht[:nh],
-                ha[:nh],
-                hb[:nh],
-                f.cont,
-                pos,
-                f.count,
-                f.topk_ids,
-                f.topk_cnt,
-            )
+            FK.heavy_groups(T, sa, doc, starts, length, mode, idx.sep, idx.eos_id, k, vocab1, ht[:nh], ha[:nh], hb[:nh], outs)
     aux = {"T": T, "sa": sa, "rank": rank, "doc": doc, "lcp": lcp, "pos": pos, "starts": starts, "mode": mode}
     return f, aux
 
