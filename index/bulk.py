@@ -16,7 +16,10 @@ Python:
    its length and its interval in the first shard that holds it. The short contexts repeat
    a lot and have the large intervals, so each distinct context's next-token histogram is
    computed once, summed over the shards in a dense scratch (one galloping search per distinct
-   next token, kernels.block_end), and read by every position in its group.
+   next token, kernels.block_end), and read by every position in its group. A context with at
+   least HEAVY occurrences is summarized by the index instead (Index.context_summary), which
+   keeps the summary for the next chunk and the next call: a long text's frequent contexts are
+   enumerated once.
 
 Steps 1 and 3 run on `threads` threads, by documents and by contexts (the kernels release the GIL).
 """

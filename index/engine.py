@@ -87,6 +87,7 @@ def with_tokens(idx: Index, answer: dict, ids, cont: int | None = None) -> dict:
 
 OPS = ("count", "prob", "ntd", "infgram-prob", "infgram-ntd", "longest-match", "docs")
 DOCS_SCAN = 100_000  # occurrences examined to list matching documents
+DIST_CACHE_ELEMENTS = 1 << 25  # next-token histogram entries kept across queries (~0.5 GiB with their counts)
 
 
 class Index:
@@ -130,7 +131,8 @@ class Index:
                 advise(sh.searched, mmap.MADV_RANDOM)
         self._n_threads = max(1, min(threads, len(self.shards)))
         self._pool = ThreadPoolExecutor(self._n_threads, thread_name_prefix="shard") if self._n_threads >= 2 else None
-        self._dist_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # next-token histograms of large intervals
+        self._dist_cache: dict[tuple, tuple] = {}  # next-token histograms of large intervals (_keep)
+        self._dist_cache_elements = 0
         self._uni_top: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
@@ -292,8 +294,17 @@ class Index:
         """Count of every id over all positions, document ends counted as EOS (ntd([]))."""
         return self._unigram()
 
+    def _keep(self, key, value: tuple, elements: int) -> None:
+        """Keep a histogram (or a summary holding one) of `elements` entries; all are dropped
+        when they would pass DIST_CACHE_ELEMENTS."""
+        if self._dist_cache_elements + elements > DIST_CACHE_ELEMENTS:
+            self._dist_cache.clear()
+            self._dist_cache_elements = 0
+        self._dist_cache[key] = value
+        self._dist_cache_elements += elements
+
     def shard_dist(self, s: Shard, lo: int, hi: int, d: int) -> tuple[np.ndarray, np.ndarray]:
-        """Next-token histogram of one shard's interval, SEP mapped to EOS; cached when large."""
+        """Next-token histogram of one shard's interval, SEP mapped to EOS; kept when large."""
         key = (s.id, lo, hi, d)
         hit = self._dist_cache.get(key)
         if hit is not None:
@@ -305,9 +316,7 @@ class Index:
             order = np.argsort(t, kind="stable")
             t, c = t[order], c[order]
         if hi - lo > 256:
-            if len(self._dist_cache) > 50_000:
-                self._dist_cache.clear()
-            self._dist_cache[key] = (t, c)
+            self._keep(key, (t, c), len(t))
         return t, c
 
     def context_summary(self, segs: list[tuple[int, int]], d: int, k: int) -> tuple:
@@ -321,9 +330,7 @@ class Index:
             toks, cnts = self.segs_dist(segs, d)
             top_ids, top_cnt = _topk(toks, cnts, k)
             hit = (toks, cnts, top_ids, top_cnt, self._cont(segs, d))
-            if len(self._dist_cache) > 50_000:
-                self._dist_cache.clear()
-            self._dist_cache[key] = hit
+            self._keep(key, hit, len(toks))
         return hit
 
     def _dist(self, q: np.ndarray, segs: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -334,24 +341,24 @@ class Index:
         return self.segs_dist(segs, len(q))
 
     def segs_dist(self, segs: list[tuple[int, int]], d: int) -> tuple[np.ndarray, np.ndarray]:
-        """Next-token histogram after the shards' intervals of one d-token pattern, summed."""
-        parts = [self.shard_dist(s, a, b, d) for s, (a, b) in zip(self.shards, segs) if b > a]
-        if not parts:
+        """Next-token histogram after the shards' intervals of one d-token pattern, summed (a
+        large one kept, like one shard's)."""
+        held = [(s, a, b) for s, (a, b) in zip(self.shards, segs) if b > a]
+        if not held:
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        if len(parts) == 1:
-            return parts[0]
+        if len(held) == 1:
+            return self.shard_dist(*held[0], d)
         key = (d, tuple(segs))
-        hit = self._dist_cache.get(key)  # a large merge (the short contexts' next tokens) is kept
+        hit = self._dist_cache.get(key)
         if hit is not None:
             return hit
+        parts = [self.shard_dist(s, a, b, d) for s, a, b in held]
         toks = np.concatenate([p[0] for p in parts])
         cnts = np.concatenate([p[1] for p in parts])
         u, inv = np.unique(toks, return_inverse=True)
         out = u, np.bincount(inv, weights=cnts).astype(np.int64)
         if len(toks) > 256:
-            if len(self._dist_cache) > 50_000:
-                self._dist_cache.clear()
-            self._dist_cache[key] = out
+            self._keep(key, out, len(u))
         return out
 
     def _ntd(self, q: np.ndarray) -> NtdResult:

@@ -104,11 +104,14 @@ def next_token_blocks(tok, words, w, lo, hi, d, out_tok, out_cnt):
     In a suffix array the suffixes of an interval are sorted by their token at offset d, so
     each distinct next token is one contiguous block (block_end). Cost O(k log(count)) for k
     distinct tokens, not O(count).
-    Returns k; out_tok[:k] ascending (SEP, meaning end of document, last), out_cnt[:k].
+    Returns k; out_tok[:k] ascending (SEP, meaning end of document, last), out_cnt[:k]; -1
+    if there are more distinct tokens than out_tok holds.
     """
     k = 0
     r = lo
     while r < hi:
+        if k == out_tok.shape[0]:
+            return -1
         e = block_end(tok, words, w, r, hi, d)
         out_tok[k] = tok[get(words, w, r) + d]
         out_cnt[k] = e - r

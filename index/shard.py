@@ -61,11 +61,11 @@ class Shard:
 
     def blocks(self, lo: int, hi: int, d: int) -> tuple[np.ndarray, np.ndarray]:
         """(tokens, counts) following the interval's common prefix of length d."""
-        cap = min(hi - lo, 1 << 17)
+        cap = min(hi - lo, len(self.unigram) + 1)  # distinct next tokens: every token and SEP at most
         while True:
             out_t = np.empty(cap, dtype=np.int64)
             out_c = np.empty(cap, dtype=np.int64)
-            k = K.next_token_blocks(self.tok, self.sa.words, self.sa.width, lo, hi, d, out_t, out_c) if cap >= hi - lo else -1
+            k = K.next_token_blocks(self.tok, self.sa.words, self.sa.width, lo, hi, d, out_t, out_c)
             if k >= 0:
                 return out_t[:k], out_c[:k]
             cap = hi - lo
