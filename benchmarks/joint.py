@@ -9,6 +9,7 @@ peers, on the index-size benchmark's data: the same 125M, steps and text as its 
     python -m benchmarks.index_size eval --outputs OUT --index DATA/idx-050m --name joint_posthoc   # here
     python -m benchmarks.joint eval --joint OUT [OUT2 ...] --index DATA/idx-050m --carry .carry15 \
         --posthoc benchmarks/results/joint_posthoc.json                                # here
+    python -m benchmarks.joint --smoke   # every stage above on CPU at tiny scale (smoke_stages), then eval
 
 `prep` indexes the training text with the carried tokenizer, writes exclude-doc features at every
 context length the estimates need and the training positions' estimates (model/mixture/joint.py), while
@@ -70,7 +71,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import knnlm
-from benchmarks.common import save, sh, smoke_imports, table
+from benchmarks.common import save, sh, table
 
 CAPS = (1, 2, 4, 8, 16, 255)  # the fixed orders' context lengths and the ∞-gram's cap (model/mixture/joint.py)
 VARIANTS = {
@@ -388,6 +389,7 @@ def stage_train(
     knn_key: str = "auto",
     knn_peer: bool = True,
     own: bool = False,
+    knn_lists: int = knnlm.CENTROIDS,
 ) -> None:
     import torch
     from teragram.index.engine import Index
@@ -417,14 +419,16 @@ def stage_train(
         t = time.time()
         if v == "knn":  # the peer (d) over (a), trained during prep
             model, _ = load_model(_run(work, "a", seed), device)
-            info[v] = knnlm.run(model, work / "idx", held, out, device, eval_batch=s["eval_batch"]) | {"total_s": time.time() - t}
+            info[v] = knnlm.run(model, work / "idx", held, out, device, eval_batch=s["eval_batch"], centroids=knn_lists)
+            info[v]["total_s"] = time.time() - t
             saved.write_text(json.dumps(info, indent=1))
             del model
             continue
         if v == "knnest":  # dense_knn for the joint gate, over (a) trained during prep
             model, _ = load_model(_run(work, "a", seed), device)
             args = (model, work / "idx", held, work / "est", work / DENSE_ESTIMATES, out, device)
-            info[v] = knnlm.joint_estimates(*args, eval_batch=s["eval_batch"], key=knn_key, peer=knn_peer) | {"total_s": time.time() - t}
+            info[v] = knnlm.joint_estimates(*args, eval_batch=s["eval_batch"], key=knn_key, peer=knn_peer, centroids=knn_lists)
+            info[v]["total_s"] = time.time() - t
             saved.write_text(json.dumps(info, indent=1))
             del model
             continue
@@ -784,20 +788,85 @@ def _figure(res: dict, names: dict):
     return fig
 
 
+SMOKE_VARIANTS = "a,knnest,knnj3"  # the plain model; the dense estimates, with the peer (d) over their store; a joint model reading them
+SMOKE_TEXT = 1000  # characters kept of each training document of a smoke run: ~4k training positions
+SMOKE_HELD = (8, 150)  # a smoke run's held-out half: 8 documents (experiments/gate_headroom holds out its 8th) of 150 characters
+SMOKE_LISTS = 2  # a smoke run's kNN store's inverted lists: its searches (k = 1024) take seconds on CPU
+
+
+def _smoke_carry(carry: Path) -> None:
+    """Cut the carried text down to smoke size: each training document to its first SMOKE_TEXT
+    characters; each held-out half to SMOKE_HELD's documents, consecutive pieces of its text."""
+    import zstandard
+
+    from benchmarks.common import read_jsonl
+
+    for f in carry.rglob("*.jsonl.zst"):
+        docs = list(read_jsonl(f))
+        if f.name.startswith("train-"):
+            docs = [r | {"text": r["text"][:SMOKE_TEXT]} for r in docs]
+        else:
+            n, size = SMOKE_HELD
+            pieces = [(r, i) for r in docs for i in range(0, len(r["text"]), size)][:n]
+            docs = [r | {"text": r["text"][i : i + size], "path": f"{r['path']}#{i}"} for r, i in pieces]
+        with zstandard.open(f, "wt", encoding="utf-8") as z:
+            z.writelines(json.dumps(r) + "\n" for r in docs)
+
+
+def smoke_stages(root: Path) -> Path:
+    """The GPU machine's stages at smoke scale, on CPU, into ROOT: index_size's prepare on a tiny
+    DATA (ROOT/carry, cut down by _smoke_carry), prep and train (--refit --own-store) of
+    SMOKE_VARIANTS for 3 steps of the tiny model with a SMOKE_LISTS-list kNN store keyed by the
+    final states (ROOT/work, ROOT/out; knnlm.run and choose_key, left out here, are tested in
+    tests/), and the post-hoc variants on the same index (index_size's eval of (a)'s outputs:
+    ROOT/posthoc.json), which `eval` compares them with. Gate fits are shortened
+    (smoke_short_fits) and torch runs one thread (its tensors are tiny; more threads only
+    contend on a small machine) unless $OMP_NUM_THREADS says otherwise: for a smoke process only."""
+    import torch
+
+    from benchmarks import index_size
+    from benchmarks.common import smoke_data, smoke_short_fits
+
+    smoke_short_fits()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # the stages' processes too
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    carry, work, out = root / "carry", root / "work", root / "out"
+    index_size.main(["prepare", "--data", str(smoke_data(root)), "--carry", str(carry), "--max-mb", "0.001"])
+    _smoke_carry(carry)
+    work.mkdir(parents=True, exist_ok=True)
+    gpu = ["gpu", "--carry", str(carry), "--work", str(work), "--out", str(out), "--scale", "cpu", "--steps", "3"]
+    gpu += ["--knn-lists", str(SMOKE_LISTS), "--knn-key", "final"]
+    main([*gpu, "--stage", "prep", "--variants", SMOKE_VARIANTS])
+    main([*gpu, "--stage", "train", "--variants", SMOKE_VARIANTS, "--refit", "--own-store"])
+    res = index_size.stage_eval(out, [work / "idx"], 1)
+    (root / "posthoc.json").write_text(json.dumps(res, indent=1, default=float))
+    return root
+
+
+def smoke_joint(tmp: Path) -> Path:
+    """A joint run at smoke scale (smoke_stages: carry/, work/ with work/idx, out/, posthoc.json):
+    $TERAGRAM_SMOKE_JOINT when set (the smoke test makes one for every script that reads it),
+    else made under tmp."""
+    if os.environ.get("TERAGRAM_SMOKE_JOINT"):
+        return Path(os.environ["TERAGRAM_SMOKE_JOINT"])
+    root = tmp / "smoke-joint"
+    return root if (root / "posthoc.json").exists() else smoke_stages(root)
+
+
+def smoke() -> int:
+    """Every stage at smoke scale (smoke_joint), then `eval` of its run against its post-hoc results."""
+    from benchmarks.common import smoke_context
+
+    with smoke_context(True) as tmp:
+        root = smoke_joint(tmp)
+        args = ["--joint", str(root / "out"), "--index", str(root / "work" / "idx"), "--carry", str(root / "carry")]
+        args += ["--posthoc", str(root / "posthoc.json"), "--work", str(root / "work"), "--workers", "1"]
+        return main(["eval", *args])
+
+
 def main(argv: list[str] | None = None) -> int:
-    if "--smoke" in (argv if argv is not None else sys.argv[1:]):  # imports only: this script needs a GPU run's files
-        return smoke_imports(
-            "benchmarks",
-            "benchmarks.index_size",
-            "benchmarks.perplexity",
-            "teragram.index.bulk",
-            "teragram.index.engine",
-            "teragram.model.checkpoint",
-            "teragram.model.evaluation.perplexity",
-            "teragram.model.mixture",
-            "teragram.model.mixture.estimates",
-            "teragram.model.mixture.joint",
-        )
+    if "--smoke" in (argv if argv is not None else sys.argv[1:]):
+        return smoke()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("stage", choices=["gpu", "eval"])
     ap.add_argument("--carry", type=Path)
@@ -827,6 +896,12 @@ def main(argv: list[str] | None = None) -> int:
         "--knn-key", choices=["auto", *knnlm.KEY_STATES], default="auto", help="knnest: the store's keys (auto: chosen on validation)"
     )
     ap.add_argument("--no-knn-peer", action="store_true", help="knnest: leave out the peer (d) over the same store (k = 1024)")
+    ap.add_argument(
+        "--knn-lists",
+        type=int,
+        default=knnlm.CENTROIDS,
+        help="knn, knnest: the datastore's inverted lists (a smoke run's tiny store: a few)",
+    )
     ap.add_argument("--joint", type=Path, nargs="+", help="eval: the GPU runs' outputs (a variant: from the first that has it)")
     ap.add_argument("--index", type=Path, help="eval: the model's index, here (DATA/idx-050m)")
     ap.add_argument("--prior", type=Path, nargs="+", help="eval: earlier results (JSON) whose variants replicated here count as runs")
@@ -844,13 +919,15 @@ def main(argv: list[str] | None = None) -> int:
             then = tuple(a.then.split(",")) if a.then else ()
             if set(then) - THEN_OK:
                 raise SystemExit(f"--then {a.then}: only {', '.join(sorted(THEN_OK))} (over (a), GPU only) can run beside prep")
-            knn_args = ("--knn-key", a.knn_key) + (("--no-knn-peer",) if a.no_knn_peer else ())
+            knn_args = ("--knn-key", a.knn_key, "--knn-lists", str(a.knn_lists)) + (("--no-knn-peer",) if a.no_knn_peer else ())
             ph, follow = stage_prep(a.carry, a.work, a.scale, a.steps, a.seed, joint_inputs, then, a.out, knn_args, tuple(variants))
             (a.out / "prep.json").write_text(json.dumps(ph))
             if any([p.wait() for p in follow]):
                 raise SystemExit(f"--then {a.then} failed: see {a.work / 'train-then.log'}")
         if a.gpu_stage in ("train", "all"):
-            stage_train(a.carry, a.work, a.out, variants, a.steps, a.scale, a.refit, a.seed, a.knn_key, not a.no_knn_peer, a.own_store)
+            stage_train(
+                a.carry, a.work, a.out, variants, a.steps, a.scale, a.refit, a.seed, a.knn_key, not a.no_knn_peer, a.own_store, a.knn_lists
+            )
     else:
         res = stage_eval(a.joint, a.index, a.carry, a.posthoc, a.work or Path("/tmp/joint-eval"), a.workers)
         res["replicates"] = replicates(res, a.prior or [])
