@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import EXPERIMENT_RESULTS, save, smoke_imports, table
+from benchmarks.common import EXPERIMENT_RESULTS, save, table
 from benchmarks.index_size import HALVES, SETS
 from benchmarks.knnlm import CACHE_FACTORS
 
@@ -160,18 +160,21 @@ def _figure(res: dict):
     return fig
 
 
+def smoke() -> int:
+    """The study on benchmarks/joint.py's smoke run (its (a) outputs, continuous-cache estimates, refit joint variant, post-hoc results)."""
+    from benchmarks.common import smoke_context, smoke_short_fits
+    from benchmarks.joint import smoke_joint
+
+    smoke_short_fits()  # as the smoke run's post-hoc gates were fit: (t) refit here must give their figure
+    with smoke_context(True) as tmp:
+        run = smoke_joint(tmp)
+        args = ["--outputs", str(run / "out"), "--joint", str(run / "out"), "--index", str(run / "work" / "idx")]
+        return main([*args, "--variants", "knnj3r", "--posthoc", str(run / "posthoc.json"), "--workers", "1"])
+
+
 def main(argv: list[str] | None = None) -> int:
-    if "--smoke" in (argv if argv is not None else sys.argv[1:]):  # imports only: its stages need a GPU run's files
-        return smoke_imports(
-            "benchmarks.common",
-            "benchmarks.joint",
-            "benchmarks.knnlm",
-            "experiments.gate_headroom",
-            "experiments.joint_gap",
-            "teragram.model.mixture.baselines",
-            "teragram.model.mixture.estimates",
-            "teragram.model.mixture.gate",
-        )
+    if "--smoke" in (argv if argv is not None else sys.argv[1:]):
+        return smoke()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--outputs", type=Path, required=True, help="(a)'s outputs, unpacked by benchmarks.index_size eval")
     ap.add_argument("--joint", type=Path, required=True, help="the joint run's outputs (V-SET-HALF.npz, contcache-SET-HALF.npz)")

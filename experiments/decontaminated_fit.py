@@ -24,22 +24,31 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import EXPERIMENT_RESULTS, save, smoke_imports, table
+from benchmarks.common import EXPERIMENT_RESULTS, save, table
 from benchmarks.index_size import FIT_ROWS, HALVES, SETS, clean_documents
 
 
-def main() -> None:
-    if "--smoke" in sys.argv[1:]:  # imports only: its stages need a GPU run's files or a large corpus
-        return smoke_imports(
-            "benchmarks.common", "teragram.model.evaluation.outputs", "teragram.model.mixture.estimates", "teragram.model.mixture.gate"
-        )
+def smoke() -> int:
+    """The study on benchmarks/joint.py's smoke run: its (a) outputs, index and joint variant."""
+    from benchmarks.common import smoke_context, smoke_short_fits
+    from benchmarks.joint import smoke_joint
+
+    smoke_short_fits()
+    with smoke_context(True) as tmp:
+        run = smoke_joint(tmp)
+        return main(["--outputs", str(run / "out"), "--index", str(run / "work" / "idx"), "--joint", "knnj3", "--workers", "1"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    if "--smoke" in (argv if argv is not None else sys.argv[1:]):
+        return smoke()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--outputs", required=True, help="a directory with unpacked/SET-HALF outputs of (a)")
     ap.add_argument("--index", required=True)
     ap.add_argument("--joint", default="lm1", help="the joint variant whose LM alone is compared with (a) (OUT/V-SET-test.npz)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--name", default="decontaminated_fit")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     from teragram.model.evaluation.outputs import load_outputs, outputs_estimates
     from teragram.model.mixture.estimates import COMPONENTS
     from teragram.model.mixture.gate import Gate, component_logp, gate_inputs, mix_nll_multi
@@ -90,6 +99,7 @@ def main() -> None:
         md,
         results=EXPERIMENT_RESULTS,
     )
+    return 0
 
 
 def _lm_alone(path: Path, name: str, o, est: dict, clean: np.ndarray) -> list[dict]:
@@ -113,4 +123,4 @@ def _lm_alone(path: Path, name: str, o, est: dict, clean: np.ndarray) -> list[di
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import EXPERIMENT_RESULTS, read_jsonl, save, smoke_imports, table
+from benchmarks.common import EXPERIMENT_RESULTS, read_jsonl, save, table
 from benchmarks.index_size import FIT_ROWS, HALVES, SETS, clean_documents
 
 NEIGHBOUR_TOKENS = 65536  # the neighbour cache's training text per document (one setting, not tuned)
@@ -279,18 +279,25 @@ def _decomposition(est: dict, t: np.ndarray, a: np.ndarray, lp: np.ndarray, clea
     return out
 
 
-def main() -> None:
-    if "--smoke" in sys.argv[1:]:  # imports only: its stages need a GPU run's files or a large corpus
-        return smoke_imports(
-            "benchmarks",
-            "benchmarks.common",
-            "teragram.index.engine",
-            "teragram.model.evaluation.outputs",
-            "teragram.model.mixture",
-            "teragram.model.mixture.baselines",
-            "teragram.model.mixture.estimates",
-            "teragram.model.mixture.gate",
-        )
+def smoke() -> int:
+    """The study on benchmarks/joint.py's smoke run: its (a) outputs, index (one shard, its sources
+    the run's carried files) and kNN-LM peer (every target)."""
+    from benchmarks.common import smoke_context, smoke_short_fits
+    from benchmarks.joint import smoke_joint
+
+    smoke_short_fits()
+    with smoke_context(True) as tmp:
+        run = smoke_joint(tmp)
+        out = tmp / "outputs"  # the estimates' cache (OUTPUTS/eval) goes here, not into the shared run
+        out.mkdir()
+        (out / "unpacked").symlink_to(run / "out" / "unpacked")
+        args = ["--outputs", str(out), "--index", str(run / "work" / "idx"), "--knn", str(run / "out"), "--workers", "1"]
+        return main(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    if "--smoke" in (argv if argv is not None else sys.argv[1:]):
+        return smoke()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--outputs", required=True, help="a directory with unpacked/SET-HALF outputs of (a)")
     ap.add_argument("--index", required=True)
@@ -298,7 +305,7 @@ def main() -> None:
     ap.add_argument("--carry-root", default=".", help="where the outputs' held-out sources (.carry15/...) are")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--name", default="gate_headroom")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     from teragram.index.engine import Index
 
     nb = Neighbours(Index(a.index))
@@ -307,6 +314,7 @@ def main() -> None:
         rows.append(evaluate_set(name, a, nb))
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "decomposition"}), flush=True)
     report(rows, a)
+    return 0
 
 
 def report(rows: list[dict], a) -> None:
@@ -366,4 +374,4 @@ def report(rows: list[dict], a) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import EXPERIMENT_RESULTS, save, smoke_imports, table
+from benchmarks.common import EXPERIMENT_RESULTS, save, table
 from benchmarks.index_size import FIT_ROWS, HALVES, LENGTH_BUCKETS, SETS, clean_documents
 
 
@@ -136,11 +136,21 @@ def _figure(res: dict):
     return fig
 
 
+def smoke() -> int:
+    """The study on benchmarks/joint.py's smoke run (its (a) outputs, refit and own-store joint variants, post-hoc results)."""
+    from benchmarks.common import smoke_context, smoke_short_fits
+    from benchmarks.joint import smoke_joint
+
+    smoke_short_fits()  # as the smoke run's post-hoc gates were fit: (t) refit here must give their figure
+    with smoke_context(True) as tmp:
+        run = smoke_joint(tmp)
+        args = ["--outputs", str(run / "out"), "--joint", str(run / "out"), "--index", str(run / "work" / "idx")]
+        return main([*args, "--variants", "knnj3r,knnj3or", "--posthoc", str(run / "posthoc.json"), "--workers", "1"])
+
+
 def main(argv: list[str] | None = None) -> int:
-    if "--smoke" in (argv if argv is not None else sys.argv[1:]):  # imports only: its stages need a GPU run's files
-        return smoke_imports(
-            "benchmarks.common", "benchmarks.joint", "teragram.model.evaluation.outputs", "teragram.model.mixture.estimates"
-        )
+    if "--smoke" in (argv if argv is not None else sys.argv[1:]):
+        return smoke()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--outputs", type=Path, required=True, help="(a)'s outputs, unpacked by benchmarks.index_size eval")
     ap.add_argument("--joint", type=Path, required=True, help="the joint run's outputs (V-SET-test.npz)")
