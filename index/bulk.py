@@ -26,6 +26,7 @@ Steps 1 and 3 run on `threads` threads, by documents and by contexts (the kernel
 
 from __future__ import annotations
 
+import contextlib
 from concurrent.futures import ThreadPoolExecutor
 
 import numba as nb
@@ -38,6 +39,7 @@ from .packed import get
 
 UNCAPPED = 1 << 62
 CHUNK = 1 << 18  # positions per pass at most
+READAHEAD_MIN = 1 << 14  # positions from which a call turns the kernel's read-ahead on (not one short document)
 HEAVY = 1 << 12  # a context this frequent is summarized once per index (Index.context_summary), not per chunk
 SCRATCH = 1 << 23  # and at most this many (cap, position, shard) intervals (16 bytes each, a few copies)
 
@@ -117,7 +119,8 @@ def continuations(idx, ids: np.ndarray, starts: np.ndarray, caps, *, top_k: int 
     chunk = min(CHUNK, max(4096, SCRATCH // (len(caps) * len(idx.shards))))
     parts: list[dict[int, Features]] = []
     a = 0
-    with idx.readahead():  # many searches, neighbours in suffix-array order: read-ahead pays
+    many = len(ids) >= READAHEAD_MIN  # many searches, neighbours in suffix-array order: read-ahead pays
+    with idx.readahead() if many else contextlib.nullcontext():
         while a < len(starts) - 1:  # whole documents, about `chunk` positions at a time
             b = max(a + 1, int(np.searchsorted(starts, starts[a] + chunk, side="right")) - 1)
             b = min(b, len(starts) - 1)
