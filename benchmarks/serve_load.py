@@ -1,9 +1,10 @@
 """Load test of `teragram serve`: 64 concurrent clients on loopback for a bounded time.
 
-    python -m benchmarks.serve_load [--seconds 60] [--clients 64]
+    python -m benchmarks.serve_load [--seconds 60] [--clients 64] [--run RUN --name NAME]
 
 Serves the demo index and tiny index model (runs/default, made by `make demo`; built here if
-missing) on CPU, then keeps 64 clients busy with a mix of infini-gram-style index queries
+missing; --run: another folder with idx/ and index-model/, e.g. links to a large index and a
+model of its tokenizer) on CPU, then keeps 64 clients busy with a mix of infini-gram-style index queries
 (70%), short completions (20%) and scoring requests (10%). Reports requests/s, failures and
 p50/p99 latency per endpoint. Then measures the index-lookup share of a decode step with the
 125M model shape against the ~50M-token linux-source index (if benchmarks/build.py made it).
@@ -148,6 +149,7 @@ def main() -> int:
     ap.add_argument("--seconds", type=int, default=60)
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--run", default=str(REPO / "runs" / "default"))
+    ap.add_argument("--name", default="serve_load", help="the result files' name")
     ap.add_argument("--share-only", action="store_true", help="only the decode-step lookup share (updates serve_load.json)")
     args = ap.parse_args()
     run = Path(args.run)
@@ -231,7 +233,11 @@ def main() -> int:
         share = lookup_share(big)
         data["decode_lookup_share"] = share
     md = table(rows, ["endpoint", "requests", "failed", "req/s", "p50 ms", "p99 ms"])
-    md += f"\n\n{args.clients} concurrent clients for {wall:.0f} s on loopback against the tiny demo model on CPU: {total:,} requests, {failed} failed, {total / wall:,.1f} requests/s."
+    n_tok = idx.manifest["counts"]["tokens"]
+    md += (
+        f"\n\n{args.clients} concurrent clients for {wall:.0f} s on loopback against {run / 'idx'} ({n_tok / 1e6:,.0f}M tokens, "
+        f"{len(idx.shards)} shards) and the tiny model {run / 'index-model'} on CPU: {total:,} requests, {failed} failed, {total / wall:,.1f} requests/s."
+    )
     if share:
         md += (
             f"\n\nIndex-lookup share of a decode step, 125M model on this CPU, {share['index_tokens'] / 1e6:.0f}M-token index: lookup {share['lookup_ms']:.3f} ms, "
@@ -250,7 +256,7 @@ def main() -> int:
     ax.set_xscale("log")
     ax.set_xlabel("latency (ms)")
     ax.legend()
-    save("serve_load", data, md, fig)
+    save(args.name, data, md, fig)
     print(json.dumps(data["total"]))
     return 0
 

@@ -427,7 +427,7 @@ class Index:
             for j in np.sort(first)[: max - len(hits)]:
                 p, d = int(pos[j]), int(docs[j])
                 ds, de = int(s.starts[d]), int(s.starts[d + 1]) - 1
-                lo, hi = max_(ds, p - context), min(de, p + len(q) + context)
+                lo, hi = max(ds, p - context), min(de, p + len(q) + context)
                 snippet = self.decode(s.tok[lo:hi])
                 hits.append(DocHit(s.first_doc + d, s.id, p - ds, self.meta.doc(s.first_doc + d), snippet))
         return DocsResult(cnt, hits, approx)
@@ -485,10 +485,6 @@ def _joined(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.
     if len(parts) == 1:
         return parts[0]
     return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
-
-
-def max_(a: int, b: int) -> int:
-    return a if a > b else b
 
 
 def _topk(toks: np.ndarray, cnts: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
