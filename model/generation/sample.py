@@ -159,13 +159,7 @@ def stream(
             room = min(B - (len(ids) - start), max_new_tokens - made - 1)  # predictions this window still allows
             d: Draft | None = drafter.propose(sc, occ, ids, room) if drafter.max_tokens else None
             dt = d.tokens if d else []
-            drows, dests = [], []
-            if dt and (use_index or lengths):  # the drafted positions' features and estimates
-                snap = sc.snapshot()
-                for t in dt:
-                    drows.append(sc.append(t))
-                    dests.append(sc.estimates(lengths) if lengths else None)
-                sc.restore(snap)
+            drows, dests = _drafted(sc, dt, lengths) if dt and (use_index or lengths) else ([], [])
             x = torch.tensor([pending + dt], device=device)
             f = _batch(feats[len(feats) - len(pending) :] + drows, device) if use_index else None
             mix["ests"] = [est, *dests] if lengths else None
@@ -199,6 +193,18 @@ def stream(
         model.train(was)
         stats.add_lookups(sc.lookup_s[len(prompt) :])
         drafter.stats.add_lookups(sc.lookup_s[len(prompt) :])
+
+
+def _drafted(sc, dt: list[int], lengths: dict[str, int]) -> tuple[list[Features], list]:
+    """The drafted positions' features and the gate's estimates after each (none without
+    lengths), the scorer left as it was."""
+    snap = sc.snapshot()
+    rows, ests = [], []
+    for t in dt:
+        rows.append(sc.append(t))
+        ests.append(sc.estimates(lengths) if lengths else None)
+    sc.restore(snap)
+    return rows, ests
 
 
 def _distributions(
