@@ -427,7 +427,7 @@ class Index:
             for j in np.sort(first)[: max - len(hits)]:
                 p, d = int(pos[j]), int(docs[j])
                 ds, de = int(s.starts[d]), int(s.starts[d + 1]) - 1
-                lo, hi = max(ds, p - context), min(de, p + len(q) + context)
+                lo, hi = ds if ds > p - context else p - context, min(de, p + len(q) + context)  # `max` is the argument
                 snippet = self.decode(s.tok[lo:hi])
                 hits.append(DocHit(s.first_doc + d, s.id, p - ds, self.meta.doc(s.first_doc + d), snippet))
         return DocsResult(cnt, hits, approx)
