@@ -66,6 +66,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -851,6 +853,17 @@ def smoke_joint(tmp: Path) -> Path:
         return Path(os.environ["TERAGRAM_SMOKE_JOINT"])
     root = tmp / "smoke-joint"
     return root if (root / "posthoc.json").exists() else smoke_stages(root)
+
+
+@contextmanager
+def smoke_study() -> Iterator[tuple[Path, Path]]:
+    """For a study's --smoke (experiments/): gate fits as short as the smoke run's (so that a (t)
+    refit gives its figure), a temporary folder and the joint smoke run: (tmp, run)."""
+    from benchmarks.common import smoke_context, smoke_short_fits
+
+    smoke_short_fits()
+    with smoke_context(True) as tmp:
+        yield tmp, smoke_joint(tmp)
 
 
 def smoke() -> int:

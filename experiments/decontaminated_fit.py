@@ -30,12 +30,9 @@ from benchmarks.index_size import FIT_ROWS, HALVES, SETS, clean_documents
 
 def smoke() -> int:
     """The study on benchmarks/joint.py's smoke run: its (a) outputs, index and joint variant."""
-    from benchmarks.common import smoke_context, smoke_short_fits
-    from benchmarks.joint import smoke_joint
+    from benchmarks.joint import smoke_study
 
-    smoke_short_fits()
-    with smoke_context(True) as tmp:
-        run = smoke_joint(tmp)
+    with smoke_study() as (tmp, run):
         return main(["--outputs", str(run / "out"), "--index", str(run / "work" / "idx"), "--joint", "knnj3", "--workers", "1"])
 
 

@@ -282,12 +282,9 @@ def _decomposition(est: dict, t: np.ndarray, a: np.ndarray, lp: np.ndarray, clea
 def smoke() -> int:
     """The study on benchmarks/joint.py's smoke run: its (a) outputs, index (one shard, its sources
     the run's carried files) and kNN-LM peer (every target)."""
-    from benchmarks.common import smoke_context, smoke_short_fits
-    from benchmarks.joint import smoke_joint
+    from benchmarks.joint import smoke_study
 
-    smoke_short_fits()
-    with smoke_context(True) as tmp:
-        run = smoke_joint(tmp)
+    with smoke_study() as (tmp, run):
         out = tmp / "outputs"  # the estimates' cache (OUTPUTS/eval) goes here, not into the shared run
         out.mkdir()
         (out / "unpacked").symlink_to(run / "out" / "unpacked")

@@ -138,12 +138,9 @@ def _figure(res: dict):
 
 def smoke() -> int:
     """The study on benchmarks/joint.py's smoke run (its (a) outputs, refit and own-store joint variants, post-hoc results)."""
-    from benchmarks.common import smoke_context, smoke_short_fits
-    from benchmarks.joint import smoke_joint
+    from benchmarks.joint import smoke_study
 
-    smoke_short_fits()  # as the smoke run's post-hoc gates were fit: (t) refit here must give their figure
-    with smoke_context(True) as tmp:
-        run = smoke_joint(tmp)
+    with smoke_study() as (tmp, run):
         args = ["--outputs", str(run / "out"), "--joint", str(run / "out"), "--index", str(run / "work" / "idx")]
         return main([*args, "--variants", "knnj3r,knnj3or", "--posthoc", str(run / "posthoc.json"), "--workers", "1"])
 

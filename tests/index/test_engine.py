@@ -97,6 +97,19 @@ def test_score_against_brute_force(which, request):
                 assert [(int(a), int(b)) for a, b in zip(r.topk_ids[t], r.topk_cnt[t]) if a >= 0] == top, t
 
 
+def _check_bulk(got: dict, docs: list, starts: np.ndarray, orc, k: int) -> None:
+    """Bulk features per cap (continuations) against the per-position oracle: match length, most
+    recent continuation, count, how often the next token follows, top k."""
+    for cap, r in got.items():
+        for d, ids in enumerate(docs):
+            for t, (L, cont, cnt, top) in enumerate(orc.features(ids, cap if cap else len(ids) + 1, k)):
+                p = starts[d] + t
+                nxt = int(ids[t + 1]) if t + 1 < len(ids) else orc.eos
+                assert (r.length[p], r.cont[p], r.count[p]) == (L, cont, cnt), (cap, d, t)
+                assert r.target_cnt[p] == orc.next_tokens(ids[t - L + 1 : t + 1] if L else []).get(nxt, 0), (cap, d, t)
+                assert [(int(a), int(b)) for a, b in zip(r.topk_ids[p], r.topk_cnt[p]) if a >= 0] == top, (cap, d, t)
+
+
 @pytest.mark.parametrize("which", ["random_index", "real"])
 def test_bulk_features_against_brute_force(which, request):
     """Many documents at once, several caps, one or two threads: the per-position oracle's
@@ -114,14 +127,7 @@ def test_bulk_features_against_brute_force(which, request):
     starts = np.cumsum([0] + [len(x) for x in docs])
     for threads in (1, 2):
         got = continuations(idx, np.concatenate(docs), starts, (0, 1, 3, 16), top_k=3, threads=threads)
-        for cap, r in got.items():
-            for k, ids in enumerate(docs):
-                for t, (L, cont, cnt, top) in enumerate(orc.features(ids, cap if cap else len(ids) + 1, 3)):
-                    p = starts[k] + t
-                    nxt = int(ids[t + 1]) if t + 1 < len(ids) else orc.eos
-                    assert (r.length[p], r.cont[p], r.count[p]) == (L, cont, cnt), (cap, k, t)
-                    assert r.target_cnt[p] == orc.next_tokens(ids[t - L + 1 : t + 1] if L else []).get(nxt, 0), (cap, k, t)
-                    assert [(int(a), int(b)) for a, b in zip(r.topk_ids[p], r.topk_cnt[p]) if a >= 0] == top, (cap, k, t)
+        _check_bulk(got, docs, starts, orc, 3)
 
 
 def test_docs_returns_matching_documents(real):
@@ -236,14 +242,7 @@ def test_bulk_over_many_shards_against_brute_force(many_shards, monkeypatch, thr
     starts = np.cumsum([0] + [len(x) for x in docs])
     got = continuations(idx, np.concatenate(docs), starts, caps, top_k=2, threads=threads)
     assert max(int(got[caps[0]].length.max()), int(got[caps[-1]].length.max())) >= min(c for c in caps if c)
-    for cap, r in got.items():
-        for k, ids in enumerate(docs):
-            for t, (L, cont, cnt, top) in enumerate(orc.features(ids, cap if cap else len(ids) + 1, 2)):
-                p = starts[k] + t
-                nxt = int(ids[t + 1]) if t + 1 < len(ids) else orc.eos
-                assert (r.length[p], r.cont[p], r.count[p]) == (L, cont, cnt), (cap, k, t)
-                assert r.target_cnt[p] == orc.next_tokens(ids[t - L + 1 : t + 1] if L else []).get(nxt, 0), (cap, k, t)
-                assert [(int(a), int(b)) for a, b in zip(r.topk_ids[p], r.topk_cnt[p]) if a >= 0] == top, (cap, k, t)
+    _check_bulk(got, docs, starts, orc, 2)
 
 
 def test_scorer_estimates_over_many_shards_against_brute_force(many_shards):
