@@ -1,4 +1,5 @@
-"""What a bigger index buys: perplexity on new text as the index grows, one model throughout.
+"""What a bigger index buys: perplexity on new text as the index grows, one model throughout; with
+the continuous cache saved, the best system (issue 46): (t+cc) and the product's choice.
 
     python -m benchmarks.index_size prepare --data DATA --carry .carry14          # here
     python -m benchmarks.index_size gpu --carry .carry14 --work W --out OUT       # on a GPU
@@ -16,11 +17,17 @@ Held-out sets, each split into validation (every λ and gate is fit there) and t
   indist     the perplexity benchmark's held-out documents (split from training by path hash)
   timeshift  files new in linux-source-6.12 (absent from 6.1): text written after the index
   prose      English prose from a source no index holds
+  packages   (when DATA/heldout/packages exists) code of whole packages held out of every index
+             by a hash of the package name: projects no index holds
 Variants per index and set: (a) the model alone; (c) infini-gram's interpolation (two λ);
 (c+cache) infini-gram's interpolation plus the same document cache the gates read (fixed
 weights per group, by EM: model/mixture/baselines.py); (t-c) the gate over the index's estimates only;
 (a+c) the gate over the document cache's estimates only (no index: constant across sizes); (t)
-the gate over both. Also reported: the share of targets whose context has a match of >= 8 /
+the gate over both. With outputs saved with the continuous cache (the document's own earlier
+states, as `teragram eval --save-outputs` keeps them): (t+cc) the gate over both and the
+continuous cache, and the product's choice (what `eval --fit-gate` keeps: (t) or (t+cc), chosen
+on half the validation documents, fit on all; `--product-check IDX` runs those commands alone
+and compares). Also reported: the share of targets whose context has a match of >= 8 /
 16 / 32 tokens, the ∞-gram's argmax accuracy by match length, and decontaminated test
 perplexity (documents with >= 80% of their 13-grams in that index removed).
 """
@@ -40,6 +47,7 @@ import numpy as np
 from benchmarks.common import save, sh, smoke_context, smoke_data, smoke_index, smoke_model, smoke_short_fits, table
 
 SETS = ("indist", "timeshift", "prose")
+PACKAGES = "packages"  # the fourth set, when DATA/heldout/packages exists: code of whole packages no index holds
 HALVES = ("valid", "test")
 NAMES = {
     "a": "(a) no index",
@@ -48,6 +56,11 @@ NAMES = {
     "t-c": "(t-c) index gate, index estimates only",
     "a+c": "(a+c) cache gate, no index",
     "t": "(t) index + cache gate",
+}
+# with outputs saved with the continuous cache (the gpu stage's since issue 46)
+CC_NAMES = {
+    "t+cc": "(t+cc) index + cache gate + continuous cache",
+    "choice": "product: eval --fit-gate's choice",
 }
 FIT_ROWS = 100_000  # each gate is fit on this many validation targets (a fixed random sample)
 LENGTH_BUCKETS = (0, 1, 4, 8, 16, 32)  # ∞-gram accuracy by match length: [0], [1, 4), ...
@@ -85,7 +98,7 @@ def stage_prepare(data: Path, carry: Path, max_mb: float) -> None:
         shutil.copyfile(data / "ppl" / name, carry / name)
     shutil.copyfile(data / "idx-050m" / "tokenizer.model", carry / "tokenizer.model")
     info = {}
-    for s in SETS:
+    for s in (*SETS, PACKAGES) if (data / "heldout" / PACKAGES).is_dir() else SETS:
         (carry / s).mkdir(exist_ok=True)
         for h in HALVES:
             info[f"{s}/{h}"] = _sample(data / "heldout" / s / f"{h}.jsonl.zst", carry / s / f"{h}.jsonl.zst", int(max_mb * 1e6))
@@ -144,6 +157,11 @@ def stage_gpu(carry: Path, work: Path, out: Path, scale: str) -> None:
     print(json.dumps(info))
 
 
+def carried_sets(carry: Path) -> tuple[str, ...]:
+    """The held-out sets prepare carried (the fourth, packages, where DATA had it)."""
+    return tuple(s for s in (*SETS, PACKAGES) if (carry / s).is_dir())
+
+
 def heldout_features(index: Path, root: Path, carry: Path, workers: int) -> dict:
     """Held-out features of every carried half against the index, ROOT/SET-HALF (test halves
     first: the figures reported); a half already written against this index is kept (one of
@@ -154,7 +172,7 @@ def heldout_features(index: Path, root: Path, carry: Path, workers: int) -> dict
     digest = fmt.file_digest(index / "manifest.json")
     held = {}
     for h in ("test", "valid"):
-        for name in SETS:
+        for name in carried_sets(carry):
             d, corpus = root / f"{name}-{h}", [str(carry / name / f"{h}.jsonl.zst")]
             held[name, h] = d
             m = fmt.read_json(d / "manifest.json") if (d / "manifest.json").exists() else {}
@@ -165,20 +183,20 @@ def heldout_features(index: Path, root: Path, carry: Path, workers: int) -> dict
 
 def save_outputs_a(work: Path, out: Path, held: dict, batch: int, device: str, run: Path | None = None) -> None:
     """(a)'s (RUN, default WORK/runs/a) per-token outputs on each held-out half (held[set, half]: its features
-    directory), one .tgz each in OUT: one file each, so that < 16 MB comes back."""
+    directory), as `teragram eval --save-outputs` saves them: with the continuous cache's p(target),
+    its scale fit on the validation half and the test half saved at that scale (--cont-cache-from).
+    One .tgz each in OUT: one file each, so that < 16 MB comes back."""
     from teragram.index.engine import Index
     from teragram.model.checkpoint import load_model
-    from teragram.model.evaluation.outputs import save_outputs
-    from teragram.model.evaluation.perplexity import doc_bytes, token_eval
-    from teragram.model.training.data import EvalData
+    from teragram.model.evaluation.outputs import save_model_outputs
 
     model, meta = load_model(run or work / "runs" / "a", device)
     idx = Index(work / "idx")
-    for (name, h), feats in held.items():
-        r = token_eval(model, feats, idx.eos_id, idx.sep, device, batch=batch)
-        ev = EvalData(feats, model.cfg.block_size, idx.eos_id, idx.sep)
+    spec = {}
+    for (name, h), feats in sorted(held.items(), key=lambda kv: kv[0][1] != "valid"):  # valid halves first
         dst = work / "outputs" / f"{name}-{h}"
-        save_outputs(dst, r, feats, checkpoint="a", step=meta["step"], docs_bytes=doc_bytes(ev, idx.decode).tolist())
+        r, _ = save_model_outputs(dst, model, feats, idx, device, meta=meta, source="a", cont_cache=spec.get(name), batch=batch)
+        spec[name] = r["cont_cache"][0]
         with tarfile.open(out / f"outputs-{name}-{h}.tgz", "w:gz") as tar:
             tar.add(dst, arcname=f"{name}-{h}")
 
@@ -230,7 +248,26 @@ def _variants(o: dict, est: dict, cache_only: dict | None) -> tuple[dict[str, di
         "c": {"non-sparse": lam.get(0, 0.0), "sparse": lam.get(1, 0.0)},
         "c+c": {baselines.CACHE_GROUPS[g]: dict(zip(baselines.CACHE_WEIGHTS, wg, strict=True)) for g, wg in cw.items()},
     }
+    if o["valid"].cont_cache is not None:
+        gate, nll_valid = gated_outputs(o["valid"], est["valid"], cont_cache=True, fit_rows=FIT_ROWS)
+        nll["t+cc"] = {"valid": nll_valid, "test": gated_outputs(o["test"], est["test"], gate)[1]}
+        nll["choice"], weights["choice"] = product_choice(o, est)
     return nll, weights
+
+
+def product_choice(o: dict, est: dict) -> tuple[dict[str, np.ndarray], dict]:
+    """What `teragram eval --outputs VALID --fit-gate G` then `--outputs TEST --gate G` give: the
+    product's gate, chosen and fit on every validation target (model/evaluation/perplexity.gated,
+    the code eval runs), and applied to the test half. Returns (per-target nll, its choice)."""
+    from teragram.model.evaluation.outputs import gated_outputs
+    from teragram.model.evaluation.perplexity import EvalOptions, gated
+
+    v = o["valid"]
+    r = {"nll": v.nll, "maxp": v.maxp, "top": v.top.astype(np.int64), "target": v.target, "doc": v.doc, "cont_cache": v.cont_cache}
+    nll_valid, gate, info = gated(r, est["valid"], np.ones(len(v.nll), bool), EvalOptions(fit_gate=True))
+    return {"valid": nll_valid, "test": gated_outputs(o["test"], est["test"], gate)[1]}, info.get(
+        "gate_choice", {"chosen": "gate+cont_cache" if gate.cont_cache is not None else "gate", "held_out_half_perplexity": {}}
+    )  # one validation document: nothing to choose on
 
 
 def _ppl(nll: np.ndarray) -> float:
@@ -245,12 +282,14 @@ def stage_eval(outputs: Path, indexes: list[Path], workers: int, max_targets: in
     from teragram.model.evaluation.outputs import load_outputs, outputs_estimates, truncate_outputs
 
     unpacked = outputs / "unpacked"
-    for name in SETS:
+    sets = tuple(s for s in (*SETS, PACKAGES) if (outputs / f"outputs-{s}-test.tgz").exists())
+    for name in sets:
         for h in HALVES:
             if not (unpacked / f"{name}-{h}").exists():
                 with tarfile.open(outputs / f"outputs-{name}-{h}.tgz") as tar:
                     tar.extractall(unpacked, filter="data")
-    outs = {name: {h: load_outputs(unpacked / f"{name}-{h}") for h in HALVES} for name in SETS}
+    outs = {name: {h: load_outputs(unpacked / f"{name}-{h}") for h in HALVES} for name in sets}
+    names = set(NAMES) | (set(CC_NAMES) if all(o.cont_cache is not None for oh in outs.values() for o in oh.values()) else set())
     if max_targets:  # the first documents of each half (they were saved in hash order: a random sample)
         outs = {
             n: {h: truncate_outputs(o, unpacked / f"first{max_targets}" / f"{n}-{h}", max_targets) for h, o in oh.items()}
@@ -264,13 +303,17 @@ def stage_eval(outputs: Path, indexes: list[Path], workers: int, max_targets: in
         tag = f"-first{max_targets}" if max_targets else ""
         saved = outputs / "eval" / f"{root.name}{tag}.json"
         old = json.loads(saved.read_text()) if saved.exists() else {}
-        if old.get("manifest_sha256") == key and all(set(NAMES) <= set(s["ppl"]) for s in old["sets"].values()):
+        if (
+            old.get("manifest_sha256") == key
+            and set(old["sets"]) == set(sets)
+            and all(names <= set(s["ppl"]) for s in old["sets"].values())
+        ):
             results.append(old)
             print(f"{root.name}: evaluated before ({saved})", flush=True)
             continue
         tokens = json.loads(manifest)["counts"]["tokens"]
         row = {"index": root.name, "index_tokens": tokens, "manifest_sha256": key, "sets": {}}
-        for name in SETS:
+        for name in sets:
             t = time.time()
             o = outs[name]
             est = {h: outputs_estimates(o[h], root, workers=workers) for h in HALVES}
@@ -316,14 +359,18 @@ def report(res: dict, results_name: str = "index_size") -> None:
     import matplotlib.pyplot as plt
 
     rows = sorted(res["indexes"], key=lambda r: r["index_tokens"])
+    sets = [s for s in (*SETS, PACKAGES) if s in rows[0]["sets"]]
+    names = {v: n for v, n in (NAMES | CC_NAMES).items() if all(v in r["sets"][s]["ppl"] for r in rows for s in sets)}
     md = []
-    fig, axes = plt.subplots(1, len(SETS), figsize=(5 * len(SETS), 4))
-    for ax, name in zip(axes, SETS):
+    fig, axes = plt.subplots(1, len(sets), figsize=(5 * len(sets), 4))
+    for ax, name in zip(axes, sets):
         trs = []
         for r in rows:
             s = r["sets"][name]
             tr = {"index tokens": f"{r['index_tokens'] / 1e6:,.0f}M"}
-            tr |= {NAMES[v]: f"{s['ppl'][v]:.3g} / {s['ppl_decontaminated'][v]:.3g}" for v in NAMES}
+            tr |= {names[v]: f"{s['ppl'][v]:.3g} / {s['ppl_decontaminated'][v]:.3g}" for v in names}
+            if "choice" in names:
+                tr["chosen"] = "(t+cc)" if s["weights"]["choice"]["chosen"] == "gate+cont_cache" else "(t)"
             tr |= {f"match >= {k}": f"{100 * s['match_share'][str(k)]:.0f}%" for k in (8, 16, 32)}
             trs.append(tr)
         first = rows[0]["sets"][name]
@@ -332,8 +379,8 @@ def report(res: dict, results_name: str = "index_size") -> None:
             + table(trs, list(trs[0]))
         )
         x = [r["index_tokens"] for r in rows]
-        for v in NAMES:
-            ax.plot(x, [r["sets"][name]["ppl"][v] for r in rows], marker="o", label=NAMES[v])
+        for v in names:
+            ax.plot(x, [r["sets"][name]["ppl"][v] for r in rows], marker="o", label=names[v])
         ax.set_xscale("log")
         ax.set_xlabel("index tokens")
         ax.set_ylabel("test perplexity")
@@ -341,15 +388,25 @@ def report(res: dict, results_name: str = "index_size") -> None:
     axes[0].legend(fontsize=7)
     big = rows[-1]
     lines = []
-    for name in SETS:
+    for name in sets:
         p = big["sets"][name]["ppl"]
         lines.append(
             f"- {name}, largest index ({big['index_tokens'] / 1e6:,.0f}M tokens): (t-c) is {100 * (1 - p['t-c'] / p['a']):.1f}% below (a); "
             f"(t) is {100 * (1 - p['t'] / p['a+c']):.1f}% below the cache-only gate (a+c) "
             f"and {100 * (1 - p['t'] / p['c+c']):.1f}% below the peers' interpolation with the same cache (c+cache)."
         )
+    if "choice" in names:
+        lines += best_system_bars(rows, sets)
+    if "product_check" in res:
+        pc = res["product_check"]
+        lines.append(
+            f"- The product commands alone (`teragram eval --outputs VALID --index {pc['index']} --fit-gate G`, then `--outputs TEST --gate G`) "
+            "against this table's choice: "
+            + ", ".join(f"{n} {c['product']:.4g} vs {c['benchmark']:.4g} ({100 * (c['ratio'] - 1):+.2f}%)" for n, c in pc["sets"].items())
+            + " (bar: within 0.5%)."
+        )
     acc = []
-    for name in SETS:
+    for name in sets:
         by = big["sets"][name]["infgram_accuracy_by_length"]
         acc.append(
             {"set": name}
@@ -365,9 +422,59 @@ def report(res: dict, results_name: str = "index_size") -> None:
         "- Index side of the evaluation (bulk estimates of both halves of a set, index/bulk.py, "
         f"{res['workers']} threads): "
         + "; ".join(f"{r['index']} {sum(s['estimates_s'] for s in r['sets'].values()):.0f} s" for r in rows)
-        + f" for all {sum(r['sets'][n]['test_tokens'] for n in SETS for r in rows[:1]):,} test tokens and their validation halves."
+        + f" for all {sum(r['sets'][n]['test_tokens'] for n in sets for r in rows[:1]):,} test tokens and their validation halves."
     )
     save(results_name, res, "\n\n".join(md) + "\n\n" + "\n".join(lines), fig)
+
+
+def product_check(outputs: Path, index: Path, res: dict, workers: int, max_targets: int | None = None) -> dict:
+    """The product commands alone on each set's saved outputs against INDEX (`teragram eval
+    --outputs VALID --fit-gate G`, then `--outputs TEST --gate G`), against this benchmark's
+    "choice" figure for that index: the bar is agreement within 0.5%."""
+    import subprocess
+
+    row = next(r for r in res["indexes"] if r["index"] == index.name)
+    check = {"index": index.name, "sets": {}}
+    for name, s in row["sets"].items():
+        half = {h: outputs / "unpacked" / (f"first{max_targets}" if max_targets else "") / f"{name}-{h}" for h in HALVES}
+        gate = outputs / "product" / f"{index.name}-{name}.json"
+        gate.parent.mkdir(exist_ok=True)
+        base = [sys.executable, "-m", "teragram.serve.main", "eval", "--index", str(index), "--workers", str(workers), "--json"]
+        for cmd in (
+            [*base, "--outputs", str(half["valid"]), "--fit-gate", str(gate)],
+            [*base, "--outputs", str(half["test"]), "--gate", str(gate)],
+        ):
+            print("+", " ".join(cmd), flush=True)
+            out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+        ppl = out["perplexity"]
+        check["sets"][name] = {
+            "product": ppl,
+            "benchmark": s["ppl"]["choice"],
+            "ratio": ppl / s["ppl"]["choice"],
+            "commands": "eval --fit-gate; eval --gate",
+        }
+        print(f"{name}: product {ppl:.4f}, benchmark {s['ppl']['choice']:.4f}", flush=True)
+    return check
+
+
+def best_system_bars(rows: list[dict], sets: list[str]) -> list[str]:
+    """Issue 46's bars, on decontaminated test perplexity: at the largest index the product's
+    choice >= 25% below (t) at the smallest on the time-shifted and prose sets and never worse
+    than (t+cc) at the largest; moonshot: >= 35% below (c+cache) at the largest on every set."""
+    small, big = rows[0], rows[-1]
+    tag = f"{big['index_tokens'] / 1e6:,.0f}M"
+    out = []
+    for name in sets:
+        d, d0 = big["sets"][name]["ppl_decontaminated"], small["sets"][name]["ppl_decontaminated"]
+        a = big["sets"][name]["ppl"]
+        out.append(
+            f"- {name}, decontaminated, the product's choice at {tag}: {d['choice']:.4g}, "
+            f"{100 * (1 - d['choice'] / d0['t']):.1f}% below (t) at {small['index_tokens'] / 1e6:,.0f}M"
+            f"{' (bar >= 25%)' if name in ('timeshift', 'prose') else ''}, "
+            f"{d['choice'] / d['t+cc']:.4f}x (t+cc) at {tag} (all: {a['choice'] / a['t+cc']:.4f}x; bar <= 1), "
+            f"{100 * (1 - d['choice'] / d['c+c']):.1f}% below (c+cache) at {tag} (moonshot >= 35%)."
+        )
+    return out
 
 
 def smoke() -> int:
@@ -382,7 +489,8 @@ def smoke() -> int:
         (work / "idx").symlink_to(smoke_index(tmp).resolve())
         held = heldout_features(work / "idx", work / "heldout", carry, 1)
         save_outputs_a(work, out, held, 4, "cpu", run=smoke_model(tmp))
-        return main(["eval", "--outputs", str(out), "--index", str(work / "idx"), "--workers", "1", "--max-targets", "400"])
+        idx = str(work / "idx")
+        return main(["eval", "--outputs", str(out), "--index", idx, "--workers", "1", "--max-targets", "400", "--product-check", idx])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -401,6 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-mb", type=float, default=1.2, help="prepare: text per held-out half")
     ap.add_argument("--scale", choices=["gpu", "cpu"], default="gpu", help="gpu: the 125M model; cpu: the tiny one")
     ap.add_argument("--name", default="index_size", help="eval: the results' name (benchmarks/results/NAME.md)")
+    ap.add_argument("--product-check", type=Path, help="eval: also run the product commands alone with this index (one of --index)")
     a = ap.parse_args(argv)
     if a.stage == "prepare":
         stage_prepare(a.data, a.carry, a.max_mb)
@@ -408,7 +517,10 @@ def main(argv: list[str] | None = None) -> int:
         a.out.mkdir(parents=True, exist_ok=True)
         stage_gpu(a.carry, a.work, a.out, a.scale)
     else:
-        report(stage_eval(a.outputs, a.index, a.workers, a.max_targets), a.name)
+        res = stage_eval(a.outputs, a.index, a.workers, a.max_targets)
+        if a.product_check:
+            res["product_check"] = product_check(a.outputs, a.product_check, res, a.workers, a.max_targets)
+        report(res, a.name)
     return 0
 
 
