@@ -1,5 +1,6 @@
-"""Faster generation from exact matches: greedy decoding at batch 1 with drafts read off the
-index's longest match and the document cache (model/generation/draft.py), against plain decoding.
+"""Faster generation from exact matches: decoding at batch 1, greedy or sampled (--temperature,
+--top-p), with drafts read off the index's longest match and the document cache
+(model/generation/draft.py), against plain decoding.
 
     python -m benchmarks.generation prepare --data DATA --carry .carry19            # here
     python -m benchmarks.generation setup --carry .carry19 --work W --out OUT        # GPU: index, 125M, tiny
@@ -138,10 +139,21 @@ def _self_repeats(ids: list[int], n0: int, k: int = 8) -> float:
     return hits / max(len(ids) - n0, 1)
 
 
-def decode(model, idx, prompts: list[list[int]], modes: dict[str, dict], new_tokens: int, deadline: float) -> dict:
+def decode(
+    model,
+    idx,
+    prompts: list[list[int]],
+    modes: dict[str, dict],
+    new_tokens: int,
+    deadline: float,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+) -> dict:
     """Each prompt in every mode in turn (so that a deadline cuts all modes at the same prompt):
     per mode, the tokens, seconds, and the drafts' statistics (one Drafter per mode and set,
-    so it learns over the prompts as a server does)."""
+    so it learns over the prompts as a server does). Greedy at temperature 0; else sampled
+    (prompt i with seed i in every mode; drafts are verified by speculative sampling, which keeps
+    the model's distribution but not its random draws, so sampled texts differ between modes)."""
     import torch
     from teragram.model.generation.draft import Drafter
     from teragram.model.generation.sample import generate
@@ -156,7 +168,17 @@ def decode(model, idx, prompts: list[list[int]], modes: dict[str, dict], new_tok
         for m in modes:
             sync()
             t = time.perf_counter()
-            g = generate(model, idx, p, max_new_tokens=new_tokens, temperature=0, draft=drafters[m], provenance=m == "prov")
+            g = generate(
+                model,
+                idx,
+                p,
+                max_new_tokens=new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                seed=i,
+                draft=drafters[m],
+                provenance=m == "prov",
+            )
             sync()
             out[m]["seconds"].append(time.perf_counter() - t)
             out[m]["tokens"].append(len(g.new_ids))
@@ -197,7 +219,7 @@ def stage_tune(a) -> None:
     res = {}
     for name in SETS:
         ps = [p["ids"] for p in prompts[name]["valid"][: a.prompts]]
-        res[name] = decode(model, idx, ps, modes, a.new_tokens, deadline)
+        res[name] = decode(model, idx, ps, modes, a.new_tokens, deadline, a.temperature, a.top_p)
     for m, kw in modes.items():
         r = {"mode": m} | kw
         for name in SETS:
@@ -211,8 +233,16 @@ def stage_tune(a) -> None:
     choice = {"max_tokens": best["max_tokens"], "min_prob": best["min_prob"]}
     (a.work / "tuned.json").write_text(json.dumps(choice))
     cols = ["mode", "code_tok_s", "code_speedup", "english_tok_s", "english_speedup", "score", "code_identical", "english_identical"]
-    md = f"Validation prompts ({a.prompts} per set, {a.new_tokens} new tokens, greedy); chosen: {choice} (best geometric mean of the two speedups)\n\n"
-    save(a.name, {"rows": rows, "choice": choice, "prompts": a.prompts, "new_tokens": a.new_tokens}, md + table(rows, cols))
+    md = f"Validation prompts ({a.prompts} per set, {a.new_tokens} new tokens, {_sampling(a.temperature, a.top_p)}); chosen: {choice} (best geometric mean of the two speedups)\n\n"
+    info = {
+        "rows": rows,
+        "choice": choice,
+        "prompts": a.prompts,
+        "new_tokens": a.new_tokens,
+        "temperature": a.temperature,
+        "top_p": a.top_p,
+    }
+    save(a.name, info, md + table(rows, cols))
     print(md + table(rows, cols))
 
 
@@ -226,7 +256,7 @@ def stage_run(a) -> None:
     res = {}
     for name in a.sets.split(","):
         ps = [p["ids"] for p in prompts[name][a.half][: a.prompts]]
-        res[name] = decode(model, idx, ps, modes, a.new_tokens, deadline)
+        res[name] = decode(model, idx, ps, modes, a.new_tokens, deadline, a.temperature, a.top_p)
     from teragram.model.generation.draft import Drafter
 
     default = Drafter()
@@ -238,11 +268,18 @@ def stage_run(a) -> None:
         "checkpoint": str(a.checkpoint or "125m (a)"),
         "tuned": tuned,
         "new_tokens": a.new_tokens,
+        "temperature": a.temperature,
+        "top_p": a.top_p,
+        "index": str(a.index or "the training text's"),
         "sets": res,
     }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(part))
     print(f"wrote {a.out}")
+
+
+def _sampling(temperature: float, top_p: float) -> str:
+    return "greedy" if temperature == 0 else f"sampled at temperature {temperature:g}, top-p {top_p:g}"
 
 
 def stage_report(a) -> None:
@@ -290,7 +327,8 @@ def stage_report(a) -> None:
     for k, v in by.items():
         acc.append(f"- {k}: " + ", ".join(f"{b} {x['accepted']}/{x['drafted']}" for b, x in v.items()))
     md = (
-        f"Greedy decoding, batch 1, {meta.get('new_tokens')} new tokens per prompt, on {meta.get('device')}; "
+        f"{_sampling(meta.get('temperature', 0), meta.get('top_p', 1)).capitalize()} decoding, batch 1, "
+        f"{meta.get('new_tokens')} new tokens per prompt, on {meta.get('device')}; index {meta.get('index', '?')}; "
         f"model {meta.get('checkpoint')}; drafts {meta.get('tuned')} (chosen on validation prompts). "
         f"plain: no drafts; ours: drafts from the index's longest match or the document cache ({meta.get('policy')}: "
         "the index's draft is the ∞-gram's argmax token by token (top) or what followed the match's most recent "
@@ -311,7 +349,7 @@ def stage_report(a) -> None:
         )
     ax.set_xticks(np.arange(len(names)) + w * (len(ms) - 1) / 2, names)
     ax.set_ylabel("generated tokens / s")
-    ax.set_title(f"greedy decoding, batch 1, {meta.get('device')}")
+    ax.set_title(f"{_sampling(meta.get('temperature', 0), meta.get('top_p', 1))}, batch 1, {meta.get('device')}")
     ax.legend()
     fig.tight_layout()
     save(a.name, {"rows": rows, "meta": meta, "by_match_length": by}, md, fig)
@@ -413,6 +451,8 @@ def main() -> None:
                 ["run", "--work", str(work), *model, "--out", str(part)],
                 ["report", "--parts", str(part)],
                 ["replay", "--parts", str(part), "--index", str(smoke_index(tmp)), "--name", "generation_policies"],
+                ["run", "--work", str(work), *model, "--temperature", "0.8", "--top-p", "0.95", "--out", str(tmp / "sampled.json")],
+                ["report", "--parts", str(tmp / "sampled.json"), "--name", "generation_sampled"],
             ):
                 sys.argv = [sys.argv[0], stage[0], "--carry", str(carry), *stage[1:]]
                 main()
@@ -432,6 +472,8 @@ def main() -> None:
     ap.add_argument("--half", default="test", choices=["valid", "test"], help="run: the prompts' half")
     ap.add_argument("--prompts", type=int, default=100, help="prompts per set (tune: validation prompts per set)")
     ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--temperature", type=float, default=0.0, help="tune, run: 0 greedy; else sampled (speculative sampling of drafts)")
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seconds", type=float, default=1e9, help="start no prompt after this many seconds")
     ap.add_argument("--tiny-steps", type=int, default=2000)
     ap.add_argument("--n-valid", type=int, default=30)
