@@ -7,7 +7,7 @@ Everything goes under DATA (large; outside the repository). One command per step
     build-index DATA/ppl/train-code.jsonl.zst DATA/ppl/train-english.jsonl.zst \\
         --out DATA/idx-050m --vocab-size 32000 --workers 2 --shard-tokens 134217728
     python -m benchmarks.index_size_data export  --data DATA           # DATA/extra/CORPUS/bNN.jsonl.zst
-    python -m benchmarks.index_size_data heldout --data DATA           # DATA/heldout/{indist,timeshift,prose}
+    python -m benchmarks.index_size_data heldout --data DATA           # DATA/heldout/{indist,timeshift,prose,packages}
     python -m benchmarks.index_size_data index   --data DATA --name idx-200m --tokens 200e6
     python -m benchmarks.index_size_data index   --data DATA --name idx-1b --tokens 1e9
     python -m benchmarks.index_size_data index   --data DATA --name idx-2b --all
@@ -21,7 +21,10 @@ each is a uniform sample of documents of the next, never a prefix of a sorted li
 use idx-050m's tokenizer. Held-out documents never enter an index: the indist set is the
 perplexity benchmark's held-out documents (split_of == heldout, which the exports skip), the
 time-shifted and prose sets come from evaluation-only corpora (corpora.EVAL_ONLY) that no export
-accepts. Each step appends what it made to DATA/READY.md.
+accepts, and the packages set is code of whole packages held out of every index (the package pool
+of tools/package_pool.py, split by a hash of the package name before any export; `heldout --sets
+packages` makes it alone, selecting the pool and downloading its held-out packages if needed).
+Each step appends what it made to DATA/READY.md.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ EXTRA = (*corpora.CODE, *corpora.ENGLISH, *corpora.EXTRA_CODE, *corpora.EXTRA_EN
 TRAIN = ("train-code.jsonl.zst", "train-english.jsonl.zst")
 HELDOUT_HALF_BYTES = 2_500_000  # target size of each valid/test half of the timeshift and prose sets
 HELDOUT_MAX_DOC = 200_000  # one document must not dominate a held-out half
+POOL_DIR = "extra2"  # the package pool (tools.package_pool) and its export: DATA/extra2/
 
 
 def _ready(data: Path, line: str) -> None:
@@ -111,30 +115,106 @@ def _sample(records: list[dict], budget: int) -> list[dict]:
     return sorted(keep, key=lambda r: order[r["path"]])
 
 
-def heldout(data: Path) -> dict:
-    info = {}
-    ppl = [r for name in ("heldout-code.jsonl.zst", "heldout-english.jsonl.zst") for r in read_jsonl(data / "ppl" / name)]
-    if any(corpora.split_of(r["path"]) != "heldout" for r in ppl):
-        raise SystemExit("ppl held-out files hold a train-split document")
-    sets = {"indist": split_halves(ppl)}
+HELDOUT_SETS = ("indist", "timeshift", "prose", "packages")
+
+
+def heldout(data: Path, sets: tuple[str, ...] = HELDOUT_SETS) -> dict:
+    """The held-out sets named in `sets` under DATA/heldout/SET/{valid,test}.jsonl.zst; each
+    set's numbers in DATA/heldout/SET/info.json (and all of them in heldout.json when every set
+    is made)."""
+    info: dict = {}
+    sets_made: dict[str, dict[str, list[dict]]] = {}
+    if "indist" in sets:
+        ppl = [r for name in ("heldout-code.jsonl.zst", "heldout-english.jsonl.zst") for r in read_jsonl(data / "ppl" / name)]
+        if any(corpora.split_of(r["path"]) != "heldout" for r in ppl):
+            raise SystemExit("ppl held-out files hold a train-split document")
+        sets_made["indist"] = split_halves(ppl)
     for set_name, corpus in (("timeshift", "linux-source-6.12-new"), ("prose", "python3.11-doc")):
+        if set_name not in sets:
+            continue
         docs = [
             {"text": t, "path": p, "corpus": corpus}
             for p, t in corpora.documents(corpus)
             if len(t.encode()) <= HELDOUT_MAX_DOC and corpora.corpus_split(corpus, p) == "heldout"
         ]
-        sets[set_name] = {k: _sample(v, HELDOUT_HALF_BYTES) for k, v in split_halves(docs).items()}
+        sets_made[set_name] = {k: _sample(v, HELDOUT_HALF_BYTES) for k, v in split_halves(docs).items()}
         info[f"{set_name}_available"] = {"docs": len(docs), "bytes": sum(len(r["text"].encode()) for r in docs)}
-    for set_name, halves in sets.items():
+    if "packages" in sets:
+        sets_made["packages"], info["packages_available"] = heldout_packages(data)
+    for set_name, halves in sets_made.items():
+        mine = {k: v for k, v in info.items() if k == f"{set_name}_available"}
         for half, recs in halves.items():
             st = write_jsonl(data / "heldout" / set_name / f"{half}.jsonl.zst", recs)
-            info[f"{set_name}/{half}"] = st
+            if set_name == "packages":
+                st["packages"] = len({r["path"].split("/", 1)[0] for r in recs})
+            info[f"{set_name}/{half}"] = mine[half] = st
             _ready(data, f"heldout/{set_name}/{half}.jsonl.zst: {st['docs']:,} docs, {st['bytes'] / 1e6:.2f} MB of text")
-    for pkg in ("linux-source-6.12", "python3.11-doc"):
-        src = corpora.fetch(pkg) / "usr/share/doc" / pkg / "copyright"
-        (data / "heldout" / f"{pkg}.copyright").write_bytes(src.read_bytes())
-    (data / "heldout" / "heldout.json").write_text(json.dumps(info, indent=1))
+        (data / "heldout" / set_name / "info.json").write_text(json.dumps(mine, indent=1))
+    for pkg, set_name in (("linux-source-6.12", "timeshift"), ("python3.11-doc", "prose")):
+        if set_name in sets:
+            src = corpora.fetch(pkg) / "usr/share/doc" / pkg / "copyright"
+            (data / "heldout" / f"{pkg}.copyright").write_bytes(src.read_bytes())
+    if set(sets) == set(HELDOUT_SETS):
+        (data / "heldout" / "heldout.json").write_text(json.dumps(info, indent=1))
     return info
+
+
+# The fourth set: code of whole packages held out of every index (corpora.heldout_package, chosen
+# by a hash of the package name before any export), split into valid/test by a hash of the package
+# name, so that no package is in both halves; by path (split_halves) if there are fewer than
+# MIN_PACKAGES_PER_HALF packages per half. A package gives a half at most HELDOUT_PACKAGE_BYTES.
+HELDOUT_PACKAGE_BYTES = HELDOUT_HALF_BYTES // 20
+MIN_PACKAGES_PER_HALF = 20
+
+
+def package_halves(records: list[dict]) -> dict[str, list[dict]]:
+    """valid/test by a hash of each record's package (the first component of its path)."""
+    pkgs = sorted({r["path"].split("/", 1)[0] for r in records})
+    valid = {p for p in pkgs if _hash("teragram-package-half-v1", p) % 2 == 0}
+    if min(len(valid), len(pkgs) - len(valid)) < MIN_PACKAGES_PER_HALF:
+        return split_halves(records)
+    out: dict[str, list[dict]] = {"valid": [], "test": []}
+    for r in records:
+        out["valid" if r["path"].split("/", 1)[0] in valid else "test"].append(r)
+    return out
+
+
+def _sample_capped(records: list[dict], budget: int, per_package: int) -> list[dict]:
+    """_sample, with at most per_package bytes of any one package (a document that would pass it is skipped)."""
+    keep, used, mine = [], 0, {}
+    for r in sorted(records, key=lambda r: _hash("teragram-heldout-order", r["path"])):
+        if used >= budget:
+            break
+        pkg, size = r["path"].split("/", 1)[0], len(r["text"].encode())
+        if mine.get(pkg, 0) + size > per_package:
+            continue
+        keep.append(r)
+        used, mine[pkg] = used + size, mine.get(pkg, 0) + size
+    order = {r["path"]: i for i, r in enumerate(records)}
+    return sorted(keep, key=lambda r: order[r["path"]])
+
+
+def heldout_packages(data: Path) -> tuple[dict[str, list[dict]], dict]:
+    """The packages set's halves from the held-out code packages of the pool (DATA/extra2/pool.json,
+    selected and their .debs downloaded if missing), with their copyright files kept beside it."""
+    from tools import package_pool
+
+    pool = package_pool.ensure_pool(data / POOL_DIR / "pool.json")
+    held = [p for p in pool if p["split"] == "heldout" and p["group"] in package_pool.CODE_GROUPS]
+    if failed := package_pool.download(held):
+        raise SystemExit(f"held-out packages not downloaded: {', '.join(failed)}")
+    recs = [{k: r[k] for k in ("text", "path", "corpus")} for r in package_pool.heldout_code(pool, max_doc=HELDOUT_MAX_DOC)]
+    halves = {k: _sample_capped(v, HELDOUT_HALF_BYTES, HELDOUT_PACKAGE_BYTES) for k, v in package_halves(recs).items()}
+    lic = data / "heldout" / "packages" / "copyright"
+    lic.mkdir(parents=True, exist_ok=True)
+    for name in sorted({r["path"].split("/", 1)[0] for v in halves.values() for r in v}):
+        (lic / name).write_text(package_pool.copyright_text(next(p for p in pool if p["name"] == name)))
+    avail = {
+        "packages": len({r["path"].split("/", 1)[0] for r in recs}),
+        "docs": len(recs),
+        "bytes": sum(len(r["text"].encode()) for r in recs),
+    }
+    return halves, avail
 
 
 # ---- nested indexes --------------------------------------------------------------------------
@@ -378,6 +458,8 @@ def main(argv: list[str] | None = None) -> int:
     for c in ("export", "heldout", "index", "overlap"):
         p = sub.add_parser(c)
         p.add_argument("--data", required=True)
+        if c == "heldout":
+            p.add_argument("--sets", nargs="+", choices=HELDOUT_SETS, default=list(HELDOUT_SETS))
         if c == "overlap":
             p.add_argument("--index", required=True)
         if c == "index":
@@ -393,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "export":
         export_all(data)
     elif args.cmd == "heldout":
-        print(json.dumps(heldout(data), indent=1))
+        print(json.dumps(heldout(data, tuple(args.sets)), indent=1))
     elif args.cmd == "overlap":
         res = overlap(Path(args.index), data)
         print(json.dumps(res, indent=1))

@@ -16,11 +16,13 @@ its held-out sets (EVAL_ONLY corpora: never exported into train) and the nested 
 are made by benchmarks/index_size_data.py, one command per step (see its docstring):
 
     python -m benchmarks.index_size_data export  --data DATA   # DATA/extra/NAME/bNN.jsonl.zst + copyright
-    python -m benchmarks.index_size_data heldout --data DATA   # DATA/heldout/{indist,timeshift,prose}
+    python -m benchmarks.index_size_data heldout --data DATA   # DATA/heldout/{indist,timeshift,prose,packages}
     python -m benchmarks.index_size_data index   --data DATA --name idx-2b --all
 
 No Linux kernel newer than 6.1 is ever exported into a train split: linux-source-6.12 is read
-only as the evaluation-only corpus linux-source-6.12-new.
+only as the evaluation-only corpus linux-source-6.12-new. Packages beyond the named corpora (the
+package pool of tools/package_pool.py) are split whole by a hash of the package name
+(heldout_package): the held-out ones are refused in a train split as the evaluation-only corpora are.
 """
 
 from __future__ import annotations
@@ -548,18 +550,46 @@ def split_of(path: str, heldout_percent: int = 5, salt: str = "teragram-split-v1
 
 
 def corpus_split(name: str, path: str, heldout_percent: int = 5) -> str:
-    """split_of, except that every document of an evaluation-only corpus is held-out."""
-    return "heldout" if name in EVAL_ONLY else split_of(path, heldout_percent)
+    """split_of, except that every document of an evaluation-only corpus or of a held-out
+    package (heldout_package) is held-out."""
+    return "heldout" if name in EVAL_ONLY or heldout_package(name) else split_of(path, heldout_percent)
+
+
+# The corpora named above; any other Debian package (the package pool of tools/package_pool.py)
+# is split whole by a hash of its split key (package_pool.split_key: the name of its Debian source
+# package less a version suffix, so that a project's binary packages and versioned copies go
+# together): PACKAGE_HELDOUT_PERCENT of them are held out of every index, so that held-out text
+# comes from projects no index holds. The salt fixes the split.
+NAMED = (*CODE, *ENGLISH, *EVERYDAY, *EXTRA_CODE, *EXTRA_ENGLISH, *EVAL_ONLY)
+PACKAGE_HELDOUT_PERCENT = 5
+PACKAGE_SALT = "teragram-package-split-v1"
+
+
+def heldout_package(key: str) -> bool:
+    """Whether a package of split key `key` (outside the named corpora) is held out of every index."""
+    if key in NAMED:
+        return False
+    h = int.from_bytes(hashlib.blake2b(f"{PACKAGE_SALT}:{key}".encode(), digest_size=8).digest(), "big")
+    return h % 100 < PACKAGE_HELDOUT_PERCENT
 
 
 class EvalOnlyError(ValueError):
-    """An evaluation-only corpus was asked for in a split that may be trained on or indexed."""
+    """An evaluation-only corpus or a held-out package was asked for in a split that may be
+    trained on or indexed."""
 
 
 def _refuse_eval_only(names, split: str | None) -> None:
     bad = [n for n in names if n in EVAL_ONLY]
     if bad and split != "heldout":
         raise EvalOnlyError(f"{', '.join(bad)} is evaluation-only: export it with split='heldout', never into train")
+    refuse_heldout_packages({n: n for n in names}, split)
+
+
+def refuse_heldout_packages(keys: dict[str, str], split: str | None) -> None:
+    """EvalOnlyError unless split is "heldout" when a package (name -> split key) is held out."""
+    held = [n for n, k in keys.items() if heldout_package(k)]
+    if held and split != "heldout":
+        raise EvalOnlyError(f"{', '.join(held)} is a held-out package (corpora.heldout_package): never exported into train")
 
 
 def copyright_file(name: str) -> Path:
