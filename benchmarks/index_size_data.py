@@ -37,16 +37,30 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.common import SMOKE_HELP, read_jsonl, smoke_context, smoke_data
-from tools import corpora
+from tools import corpora, package_pool
 
 EXTRA = (*corpora.CODE, *corpora.ENGLISH, *corpora.EXTRA_CODE, *corpora.EXTRA_ENGLISH)
 TRAIN = ("train-code.jsonl.zst", "train-english.jsonl.zst")
 HELDOUT_HALF_BYTES = 2_500_000  # target size of each valid/test half of the timeshift and prose sets
 HELDOUT_MAX_DOC = 200_000  # one document must not dominate a held-out half
 POOL_DIR = "extra2"  # the package pool (tools.package_pool) and its export: DATA/extra2/
+
+
+@dataclass(frozen=True)
+class Stage:
+    """An exported corpus that nested indexes take bucket by bucket: its corpora's exports under
+    DATA/exports/NAME/bNN.jsonl.zst, the indexes of its buckets under DATA/parts/bLO-bHI."""
+
+    exports: str
+    names: tuple[str, ...]
+    parts: str
+
+
+STAGES = (Stage("extra", EXTRA, "parts"), Stage(POOL_DIR, tuple(package_pool.GROUPS), "parts2"))
 
 
 def _ready(data: Path, line: str) -> None:
@@ -83,6 +97,25 @@ def export_all(data: Path) -> dict:
             f"extra/{name}: {sum(m['docs']):,} docs, {sum(m['bytes']) / 1e6:,.1f} MB of text, skipped {m['skipped']} ({time.time() - t0:.0f} s)",
         )
         out[name] = m
+    return out
+
+
+def export_pool(data: Path) -> dict:
+    """The package pool (selected and recorded in DATA/extra2/pool.json once) downloaded, and its
+    indexable packages exported into DATA/extra2/GROUP/bNN.jsonl.zst."""
+    pool = package_pool.ensure_pool(data / POOL_DIR / "pool.json")
+    if failed := package_pool.download([p for p in pool if p["split"] == "indexable"]):
+        raise SystemExit(f"{len(failed)} pool packages not downloaded: {', '.join(failed[:10])}")
+    out = {}
+    for group in package_pool.GROUPS:
+        t0 = time.time()
+        m = package_pool.export_group(pool, group, data / POOL_DIR)
+        _ready(
+            data,
+            f"{POOL_DIR}/{group}: {len(m['packages']):,} packages, {sum(m['docs']):,} docs, "
+            f"{sum(m['bytes']) / 1e6:,.1f} MB of text, skipped {m['skipped']} ({time.time() - t0:.0f} s)",
+        )
+        out[group] = m
     return out
 
 
@@ -197,8 +230,6 @@ def _sample_capped(records: list[dict], budget: int, per_package: int) -> list[d
 def heldout_packages(data: Path) -> tuple[dict[str, list[dict]], dict]:
     """The packages set's halves from the held-out code packages of the pool (DATA/extra2/pool.json,
     selected and their .debs downloaded if missing), with their copyright files kept beside it."""
-    from tools import package_pool
-
     pool = package_pool.ensure_pool(data / POOL_DIR / "pool.json")
     held = [p for p in pool if p["split"] == "heldout" and p["group"] in package_pool.CODE_GROUPS]
     if failed := package_pool.download(held):
@@ -220,18 +251,18 @@ def heldout_packages(data: Path) -> tuple[dict[str, list[dict]], dict]:
 # ---- nested indexes --------------------------------------------------------------------------
 
 
-def tokens_per_byte(data: Path, tokenizer: Path, sample_bytes: int = 2_000_000) -> dict[str, float]:
-    """Tokens per byte of text of each extra corpus, measured on the first documents of bucket 0."""
+def tokens_per_byte(data: Path, tokenizer: Path, sample_bytes: int = 2_000_000, stage: Stage = STAGES[0]) -> dict[str, float]:
+    """Tokens per byte of text of each corpus of a stage, measured on the first documents of bucket 0."""
     from teragram.index import tokenizer as tok
 
-    cached = data / "extra" / "tokens_per_byte.json"
+    cached = data / stage.exports / "tokens_per_byte.json"
     if cached.exists():
         return json.loads(cached.read_text())
     sp = tok.load(tokenizer)
     out = {}
-    for name in EXTRA:
+    for name in stage.names:
         n_tok = n_bytes = 0
-        for r in read_jsonl(data / "extra" / name / "b00.jsonl.zst"):
+        for r in read_jsonl(data / stage.exports / name / "b00.jsonl.zst"):
             n_tok += len(sp.encode(r["text"]))
             n_bytes += len(r["text"].encode())
             if n_bytes >= sample_bytes:
@@ -241,10 +272,10 @@ def tokens_per_byte(data: Path, tokenizer: Path, sample_bytes: int = 2_000_000) 
     return out
 
 
-def plan(data: Path, base_tokens: int, tpb: dict[str, float], target: float | None) -> tuple[int, float]:
-    """The fewest buckets whose estimated tokens, with the base, reach target (all 100 if None)."""
-    manifests = {n: json.loads((data / "extra" / n / "manifest.json").read_text()) for n in EXTRA}
-    nb = manifests[EXTRA[0]]["buckets"]
+def plan(data: Path, base_tokens: int, tpb: dict[str, float], target: float | None, stage: Stage = STAGES[0]) -> tuple[int, float]:
+    """The fewest buckets of a stage whose estimated tokens, with the base, reach target (all 100 if None)."""
+    manifests = {n: json.loads((data / stage.exports / n / "manifest.json").read_text()) for n in stage.names}
+    nb = manifests[stage.names[0]]["buckets"]
     est = base_tokens
     for k in range(nb):
         est += sum(tpb[n] * m["bytes"][k] for n, m in manifests.items())
@@ -291,36 +322,38 @@ def _run_build(data: Path, files: list[Path], out: Path, shard_tokens: int, work
     cmd = [str(Path(sys.executable).with_name("build-index")), *map(str, files), "--out", str(out), "--tokenizer", str(tokenizer)]
     cmd += ["--workers", str(workers), "--shard-tokens", str(shard_tokens), "--quiet"]
     t0 = time.time()
-    with open(data / "logs" / f"{out.name}.log", "ab") as log:
+    log_name = f"{out.name}.log" if out.parent.name == STAGES[0].parts else f"{out.parent.name}-{out.name}.log"
+    with open(data / "logs" / log_name, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         rss = _PeakRss(proc.pid)
         rc = proc.wait()
         peak = rss.stop()
     if rc != 0:
-        raise SystemExit(f"build-index failed ({rc}): see {data / 'logs' / f'{out.name}.log'}")
+        raise SystemExit(f"build-index failed ({rc}): see {data / 'logs' / log_name}")
     report = json.loads((out / "build-report.json").read_text())
     return {"command": cmd, "wall_s": time.time() - t0, "peak_rss_tree_mb": peak / 2**20, "build_report": report}
 
 
-def _parts(data: Path) -> list[tuple[int, int, Path]]:
-    """Finished parts (lo, hi, dir): indexes of the extra corpus's buckets lo..hi-1, by lo."""
+def _parts(data: Path, stage: Stage = STAGES[0]) -> list[tuple[int, int, Path]]:
+    """Finished parts (lo, hi, dir): indexes of a stage's buckets lo..hi-1, by lo."""
     out = []
-    for d in sorted((data / "parts").glob("b*-b*")):
+    for d in sorted((data / stage.parts).glob("b*-b*")):
         if (d / "part.json").exists():
             lo, hi = (int(x[1:]) for x in d.name.split("-"))
             out.append((lo, hi, d))
     return sorted(out)
 
 
-def build_part(data: Path, lo: int, hi: int, shard_tokens: int, workers: int) -> Path:
-    out = data / "parts" / f"b{lo:02d}-b{hi:02d}"
-    files = [data / "extra" / n / f"b{b:02d}.jsonl.zst" for n in EXTRA for b in range(lo, hi)]
+def build_part(data: Path, lo: int, hi: int, shard_tokens: int, workers: int, stage: Stage = STAGES[0]) -> Path:
+    """An index of a stage's buckets lo..hi-1 (build-index resumes a part left unfinished)."""
+    out = data / stage.parts / f"b{lo:02d}-b{hi:02d}"
+    files = [data / stage.exports / n / f"b{b:02d}.jsonl.zst" for n in stage.names for b in range(lo, hi)]
     run = _run_build(data, files, out, shard_tokens, workers)
     counts = json.loads((out / "manifest.json").read_text())["counts"]
-    (out / "part.json").write_text(json.dumps({"buckets": [lo, hi], "corpora": list(EXTRA), "counts": counts} | run, indent=1))
+    (out / "part.json").write_text(json.dumps({"buckets": [lo, hi], "corpora": list(stage.names), "counts": counts} | run, indent=1))
     _ready(
         data,
-        f"parts/{out.name} (extra-corpus buckets {lo}..{hi - 1}): {counts['tokens']:,} tokens, {counts['docs']:,} docs, "
+        f"{stage.parts}/{out.name} ({stage.exports} buckets {lo}..{hi - 1}): {counts['tokens']:,} tokens, {counts['docs']:,} docs, "
         f"{counts['shards']} shards; build {run['wall_s'] / 60:.1f} min, peak RSS {run['peak_rss_tree_mb'] / 1024:.1f} GiB (process tree)",
     )
     return out
@@ -365,25 +398,44 @@ def compose(out: Path, parts: list[Path]) -> dict:
     return manifest
 
 
-def build(data: Path, name: str, target: float | None, shard_tokens: int, workers: int) -> dict:
-    """idx-050m plus the extra corpus's buckets < k (k from the token target): the part of the
-    buckets not yet indexed is built, then the index is composed of idx-050m and the parts."""
+def _contiguous_parts(data: Path, stage: Stage) -> list[tuple[int, int, Path]]:
+    parts = _parts(data, stage)
+    if any(a != b for (_, a, _), (b, _, _) in zip(parts, parts[1:], strict=False)) or (parts and parts[0][0] != 0):
+        raise SystemExit(f"{data / stage.parts}: the parts do not cover buckets 0.. without gaps")
+    return parts
+
+
+def build(
+    data: Path, name: str, target: float | None, shard_tokens: int, workers: int, *, pool: bool = False, part_buckets: int = 0
+) -> dict:
+    """idx-050m plus the extra corpus's buckets < k (k from the token target) or, with pool, plus
+    all of the extra corpus's parts and the package pool's buckets < k: the buckets not yet
+    indexed are built as parts of part_buckets buckets each (all in one if 0; a part left
+    unfinished resumes), then the index is composed of idx-050m and the parts, so that it nests on
+    every smaller one."""
     tokenizer = data / "idx-050m" / "tokenizer.model"
     base = json.loads((data / "idx-050m" / "manifest.json").read_text())["counts"]["tokens"]
-    tpb = tokens_per_byte(data, tokenizer)
-    k, est = plan(data, base, tpb, target)
-    parts = _parts(data)
+    stage, below, nb = STAGES[1 if pool else 0], [], 0
+    if pool:
+        first = _contiguous_parts(data, STAGES[0])
+        nb = json.loads((data / "extra" / EXTRA[0] / "manifest.json").read_text())["buckets"]
+        if not first or first[-1][1] != nb:
+            raise SystemExit("index the whole extra corpus first (index --all): the package pool nests on it")
+        below = [d for _, _, d in first]
+        base += sum(json.loads((d / "part.json").read_text())["counts"]["tokens"] for d in below)
+    tpb = tokens_per_byte(data, tokenizer, stage=stage)
+    k, est = plan(data, base, tpb, target, stage)
+    parts = _contiguous_parts(data, stage)
     have = parts[-1][1] if parts else 0
-    if any(a != b for (_, a, _), (b, _, _) in zip(parts, parts[1:], strict=False)) or (parts and parts[0][0] != 0):
-        raise SystemExit(f"{data / 'parts'}: the parts do not cover buckets 0.. without gaps")
     bounds = {0} | {hi for _, hi, _ in parts}
     if k < have and k not in bounds:
         k = min(b for b in bounds if b >= k)  # nest on the parts already built
-    print(f"{name}: buckets < {k} of each extra corpus, ~{est / 1e6:,.0f}M tokens estimated", flush=True)
-    if k > have:
-        build_part(data, have, k, shard_tokens, workers)
-        parts = _parts(data)
-    use = [d for _, hi, d in parts if hi <= k]
+    print(f"{name}: buckets < {k} of each {stage.exports} corpus, ~{est / 1e6:,.0f}M tokens estimated", flush=True)
+    step = part_buckets or max(k - have, 1)
+    for lo in range(have, k, step):
+        build_part(data, lo, min(lo + step, k), shard_tokens, workers, stage)
+    parts = _parts(data, stage)
+    use = below + [d for _, hi, d in parts if hi <= k]
     manifest = compose(data / name, [data / "idx-050m", *use])
     runs = [json.loads((d / "part.json").read_text()) for d in use]
     base_report = json.loads((data / "idx-050m" / "build-report.json").read_text())
@@ -391,14 +443,16 @@ def build(data: Path, name: str, target: float | None, shard_tokens: int, worker
     peak = max([base_report["peak_rss_mb"]] + [r["peak_rss_tree_mb"] for r in runs])
     counts = manifest["counts"]
     disk = sum(f["size"] for s in manifest["shards"] for f in s["files"])
-    sel = {"buckets": k, "of_buckets": 100, "corpora": list(EXTRA), "estimated_tokens": est, "counts": counts}
-    sel |= {"parts": ["idx-050m"] + [d.name for d in use], "build_wall_s_sum_of_parts": wall, "peak_rss_mb_max_of_parts": peak}
-    sel |= {"shard_bytes": disk}
+    names = [d.name if d.parent.name == STAGES[0].parts else f"{d.parent.name}/{d.name}" for d in use]
+    sel = {"buckets": k, "of_buckets": 100, "corpora": list(stage.names), "estimated_tokens": est, "counts": counts}
+    sel |= {"parts": ["idx-050m", *names], "build_wall_s_sum_of_parts": wall, "peak_rss_mb_max_of_parts": peak}
+    sel |= {"shard_bytes": disk} | ({"on": "all of the extra corpus (idx-2b's parts)", "stage": stage.exports} if pool else {})
     (data / name / "selection.json").write_text(json.dumps(sel, indent=1))
+    what = f"extra-corpus buckets < {nb}/{nb} + {stage.exports} buckets < {k}/100" if pool else f"extra-corpus buckets < {k}/100"
     _ready(
         data,
         f"{name}: {counts['tokens']:,} tokens, {counts['docs']:,} docs, {counts['shards']} shards, {disk / 1e9:.2f} GB; "
-        f"idx-050m + extra-corpus buckets < {k}/100 (parts {', '.join(sel['parts'])}); "
+        f"idx-050m + {what} (parts {', '.join(sel['parts'])}); "
         f"build {wall / 60:.1f} min in all, peak RSS {peak / 1024:.1f} GiB",
     )
     return sel
@@ -430,20 +484,25 @@ def overlap(index: Path, data: Path, n: int = 13, stride: int = 4) -> dict:
 
 
 def smoke() -> int:
-    """`index` (a nested index: the tokens per byte, the plan, one part built, composed) and
-    `overlap` on a tiny DATA: the embedded corpus's files, with an extra corpus of two buckets per
-    corpus cut from two of its documents. export and heldout read Debian packages: not run."""
+    """`index` (a nested index: the tokens per byte, the plan, one part built, composed; then the
+    whole extra corpus, and the package pool's stage nested on it, a part per bucket) and
+    `overlap` on a tiny DATA: the embedded corpus's files, with an extra corpus and a package
+    pool of two buckets per corpus cut from its documents. export and heldout read Debian
+    packages: not run."""
     with smoke_context(True) as tmp:
         data = smoke_data(tmp)
         text = "".join(r["text"] for r in read_jsonl(data / "ppl" / "train-everyday.jsonl.zst"))
-        size = len(text) // (2 * len(EXTRA))
-        for i, name in enumerate(EXTRA):
+        size = len(text) // (2 * (len(EXTRA) + len(STAGES[1].names)))
+        for i, (stage, name) in enumerate((st, n) for st in STAGES for n in st.names):
             docs = [[{"text": text[(2 * i + b) * size : (2 * i + b + 1) * size], "path": f"{name}/doc{b}", "corpus": name}] for b in (0, 1)]
-            sizes = [write_jsonl(data / "extra" / name / f"b{b:02d}.jsonl.zst", d) for b, d in enumerate(docs)]
+            sizes = [write_jsonl(data / stage.exports / name / f"b{b:02d}.jsonl.zst", d) for b, d in enumerate(docs)]
             manifest = {"corpus": name, "buckets": 2, "docs": [s["docs"] for s in sizes], "bytes": [s["bytes"] for s in sizes]}
-            (data / "extra" / name / "manifest.json").write_text(json.dumps(manifest))
+            (data / stage.exports / name / "manifest.json").write_text(json.dumps(manifest))
         base = json.loads((data / "idx-050m" / "manifest.json").read_text())["counts"]["tokens"]
-        main(["index", "--data", str(data), "--name", "idx-smoke", "--tokens", str(base + 1), "--shard-tokens", "65536", "--workers", "1"])
+        opts = ["--data", str(data), "--shard-tokens", "65536", "--workers", "1"]
+        main(["index", *opts, "--name", "idx-smoke", "--tokens", str(base + 1)])
+        main(["index", *opts, "--name", "idx-smoke-all", "--all"])
+        main(["index", *opts, "--name", "idx-smoke-pool", "--all", "--pool", "--part-buckets", "1"])
         main(["overlap", "--data", str(data), "--index", str(data / "idx-smoke")])
         print((data / "READY.md").read_text())
     return 0
@@ -462,8 +521,11 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--sets", nargs="+", choices=HELDOUT_SETS, default=list(HELDOUT_SETS))
         if c == "overlap":
             p.add_argument("--index", required=True)
+        if c in ("export", "index"):
+            p.add_argument("--pool", action="store_true", help="the package pool (tools.package_pool), under DATA/extra2")
         if c == "index":
             p.add_argument("--name", required=True)
+            p.add_argument("--part-buckets", type=int, default=0, help="buckets per part built (0: one part)")
             g = p.add_mutually_exclusive_group(required=True)
             g.add_argument("--tokens", type=float, help="target token count (estimated from tokens per byte)")
             g.add_argument("--all", action="store_true", help="every bucket of the extra corpus")
@@ -473,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
     data = Path(args.data)
     (data / "logs").mkdir(parents=True, exist_ok=True)
     if args.cmd == "export":
-        export_all(data)
+        export_pool(data) if args.pool else export_all(data)
     elif args.cmd == "heldout":
         print(json.dumps(heldout(data, tuple(args.sets)), indent=1))
     elif args.cmd == "overlap":
@@ -485,7 +547,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"13-gram overlap of heldout/{k} with {Path(args.index).name}: mean {v['mean_share']:.1%} of a document's 13-grams, {v['docs_ge_80pct']} of {v['docs']} docs >= 80%",
             )
     else:
-        build(data, args.name, None if args.all else args.tokens, args.shard_tokens, args.workers)
+        build(
+            data,
+            args.name,
+            None if args.all else args.tokens,
+            args.shard_tokens,
+            args.workers,
+            pool=args.pool,
+            part_buckets=args.part_buckets,
+        )
     return 0
 
 

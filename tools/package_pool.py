@@ -131,10 +131,12 @@ def select_from_apt() -> list[dict]:
 
 
 def deb_path(pkg: dict) -> Path | None:
-    """The pool package's .deb in the corpus cache, at the version the pool records."""
+    """The pool package's .deb in the corpus cache, at the version and of the size the pool records
+    (a download cut short is not taken)."""
     for deb in (corpora.cache_dir() / "debs").glob(f"{pkg['name']}_*.deb"):
         if unquote(deb.name[len(pkg["name"]) + 1 :].rsplit("_", 1)[0]) == pkg["version"]:
-            return deb
+            if pkg.get("deb_bytes", deb.stat().st_size) == deb.stat().st_size:
+                return deb
     return None
 
 
