@@ -88,13 +88,18 @@ def _parse_ids(s: str) -> list[int]:
         raise QueryError(f"--ids must be comma-separated integers, got {s!r}") from None
 
 
+def _checked(op: str, cont) -> str:
+    op = op.replace("_", "-")
+    if op in ("prob", "infgram-prob") and cont is None:
+        raise QueryError(f'{op} needs a continuation token (--cont / "cont")')
+    return op
+
+
 def _answer(idx, op: str, ids, cont) -> dict:
     """The answer to one query, with each token id's text beside it (engine.with_tokens)."""
     from .engine import OPS, with_tokens
 
-    op = op.replace("_", "-")
-    if op in ("prob", "infgram-prob") and cont is None:
-        raise QueryError(f'{op} needs a continuation token (--cont / "cont")')
+    op = _checked(op, cont)
     run = {
         "count": lambda: idx.count(ids),
         "prob": lambda: idx.prob(ids, cont),
@@ -109,30 +114,94 @@ def _answer(idx, op: str, ids, cont) -> dict:
     return with_tokens(idx, run[op]().to_json(), ids, cont if op in ("prob", "infgram-prob") else None)
 
 
-def cmd_query(args) -> int:
+BATCH_CHUNK = 1000  # batch lines sent to a cluster's holders at once
+
+
+def _parse(idx, n: int, line: str):
+    """(op, ids, cont) of one batch line, or its answer when it is not a query: {"error": ...}."""
+    try:
+        q = json.loads(line)
+        if not isinstance(q, dict) or "op" not in q:
+            raise QueryError('each line must be a JSON object with "op" and "ids"')
+        ids = q.get("ids")
+        if ids is None:
+            ids = idx.tokenize(q["text"]) if isinstance(q.get("text"), str) else []
+        return str(q["op"]), ids, q.get("cont")
+    except json.JSONDecodeError as e:
+        return {"error": f"line {n}: malformed JSON ({e.msg})"}
+    except TeragramError as e:
+        return {"error": f"line {n}: {e}"}
+
+
+def _answer_lines(idx, lines: list[tuple[int, str]]) -> list[dict]:
+    """The answers to numbered batch lines, in order: a local index answers them one by one, a
+    cluster's holders (index/cluster.py) the well-formed ones in one batch."""
+    from .cluster import ClusterIndex, Query
+    from .engine import with_tokens
+
+    out: list = [_parse(idx, n, line) for n, line in lines]
+    if not isinstance(idx, ClusterIndex):
+        for i, (n, _) in enumerate(lines):
+            if isinstance(out[i], tuple):
+                try:
+                    out[i] = _answer(idx, *out[i])
+                except TeragramError as e:
+                    out[i] = {"error": f"line {n}: {e}"}
+        return out
+    sent = []
+    for i, (n, _) in enumerate(lines):
+        if isinstance(out[i], tuple):
+            op, ids, cont = out[i]
+            try:
+                q = Query(_checked(op, cont), ids, cont)
+                idx.check(q)
+                sent.append((i, q))
+            except TeragramError as e:
+                out[i] = {"error": f"line {n}: {e}"}
+    for (i, q), r in zip(sent, idx.batch([q for _, q in sent])):
+        out[i] = with_tokens(idx, r.to_json(), q.ids, q.cont if q.op in ("prob", "infgram-prob") else None)
+    return out
+
+
+def _open(args):
+    """The index to query: local, or held by a Ray cluster's actors (--cluster)."""
+    if args.cluster:
+        from .cluster import ClusterIndex
+
+        return ClusterIndex.open(args.index, address=args.cluster, replicas=args.replicas)
     from .engine import Index
 
-    idx = Index(args.index)
+    return Index(args.index)
+
+
+def cmd_query(args) -> int:
+    from .cluster import ClusterIndex
+
+    idx = _open(args)
+    try:
+        return _query(idx, args)
+    finally:
+        if isinstance(idx, ClusterIndex):
+            idx.close()
+
+
+def _query(idx, args) -> int:
+    from .cluster import ClusterIndex
+
     if args.batch:
         try:
             lines = open(args.batch) if args.batch != "-" else sys.stdin
         except OSError as e:
             raise QueryError(f"cannot read {args.batch}: {e.strerror}") from None
+        chunk: list[tuple[int, str]] = []
         for n, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                q = json.loads(line)
-                if not isinstance(q, dict) or "op" not in q:
-                    raise QueryError('each line must be a JSON object with "op" and "ids"')
-                ids = q.get("ids")
-                if ids is None:
-                    ids = idx.tokenize(q["text"]) if isinstance(q.get("text"), str) else []
-                ans = _answer(idx, str(q["op"]), ids, q.get("cont"))
-            except json.JSONDecodeError as e:
-                ans = {"error": f"line {n}: malformed JSON ({e.msg})"}
-            except TeragramError as e:
-                ans = {"error": f"line {n}: {e}"}
+            if line.strip():
+                chunk.append((n, line))
+            if len(chunk) == (BATCH_CHUNK if isinstance(idx, ClusterIndex) else 1):
+                for ans in _answer_lines(idx, chunk):
+                    print(json.dumps(ans), flush=False)
+                chunk = []
+        for ans in _answer_lines(idx, chunk):
             print(json.dumps(ans), flush=False)
         return 0
     if args.op is None:
@@ -191,4 +260,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--cont", type=int, help="continuation token id for prob / infgram-prob")
     q.add_argument("--json", action="store_true", help="infini-gram's field names, as JSON")
     q.add_argument("--batch", help="JSONL file of queries {op, ids, cont}; one JSON answer per line")
+    q.add_argument("--cluster", metavar="ADDRESS", help="the shards held by actors on this Ray cluster (host:port, ray://..., auto)")
+    q.add_argument("--replicas", type=int, default=1, help="with --cluster: holders of each group of shards, each on another node")
     q.set_defaults(run=cmd_query)

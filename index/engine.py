@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import mmap
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from functools import cached_property
@@ -105,9 +105,12 @@ class Index:
     handing it to a thread (docs/results.md, section 2). More threads each search a
     run of consecutive shards; they pay when searches wait on the disk (a cold or
     larger-than-memory index), where a page fault stalls its thread.
+
+    shards: open only these shards (their places in the manifest's list) as an index of their
+    own: counts, ntd([]) and n_positions are theirs. A cluster's holders open theirs this way.
     """
 
-    def __init__(self, path: str | Path, *, threads: int = 1, access: str = "random"):
+    def __init__(self, path: str | Path, *, threads: int = 1, access: str = "random", shards: Sequence[int] | None = None):
         if access not in ("random", "normal"):
             raise ValueError(f"access must be 'random' or 'normal', not {access!r}")
         self.path = Path(path)
@@ -120,11 +123,15 @@ class Index:
         self.vocab_size: int = tk["vocab_size"]
         self.eos_id: int = tk["eos_id"]
         self.sep: int = self.manifest["separator"]
-        c = self.manifest["counts"]
-        self.n_tokens: int = c["tokens"]
-        self.n_docs: int = c["docs"]
-        self.n_positions: int = c["positions"]
-        self.shards = [self._open_shard(s) for s in self.manifest["shards"]]
+        held = self.manifest["shards"]
+        if shards is not None:  # these shards alone, as an index of their own (the cluster's holders: cluster.py)
+            if any(not 0 <= i < len(held) for i in shards):
+                raise ValueError(f"shards {list(shards)}: the index has shards 0..{len(held) - 1}")
+            held = [held[i] for i in shards]
+        self.n_tokens: int = sum(s["n_tokens"] for s in held)
+        self.n_docs: int = sum(s["n_docs"] for s in held)
+        self.n_positions: int = sum(s["n_positions"] for s in held)
+        self.shards = [self._open_shard(s) for s in held]
         if access == "random":
             for sh in self.shards:
                 sh.random = True
@@ -196,7 +203,7 @@ class Index:
 
     # ---- validation --------------------------------------------------------------------------
 
-    def _ids(self, ids, *, allow_empty: bool, what: str = "ids") -> np.ndarray:
+    def check_ids(self, ids, *, allow_empty: bool, what: str = "ids") -> np.ndarray:
         try:
             arr = np.asarray(list(ids), dtype=np.int64)
         except (TypeError, ValueError, OverflowError):
@@ -247,7 +254,7 @@ class Index:
         """Every shard's interval of pat inside its interval [lo, hi) of pat[:-1]."""
         return _joined(self._per_group(lambda part, g: g.narrow(pat, lo[part], hi[part])))
 
-    def _suffix(self, q: np.ndarray, cont: int = -1) -> tuple[int, np.ndarray]:
+    def suffix_intervals(self, q: np.ndarray, cont: int = -1) -> tuple[int, np.ndarray]:
         """(l, intervals): the longest suffix of q that occurs, and (4, n_shards) int64: every
         shard's interval of it, lo then hi (empty in a shard that lacks it; every rank when l is
         0), then of it + [cont] (empty if cont < 0)."""
@@ -266,11 +273,11 @@ class Index:
         return self._total(len(q), lo, hi), list(zip(lo.tolist(), hi.tolist()))
 
     def count(self, ids) -> CountResult:
-        q = self._ids(ids, allow_empty=True)
+        q = self.check_ids(ids, allow_empty=True)
         return CountResult(self._total(len(q), *self._find(q)))
 
     def prob(self, prompt, cont) -> ProbResult:
-        q = self._ids(prompt, allow_empty=True, what="prompt")
+        q = self.check_ids(prompt, allow_empty=True, what="prompt")
         return self._prob(q, self.check_token(cont))
 
     def _prob(self, q: np.ndarray, cont: int) -> ProbResult:
@@ -329,7 +336,7 @@ class Index:
         if hit is None:
             toks, cnts = self.segs_dist(segs, d)
             top_ids, top_cnt = _topk(toks, cnts, k)
-            hit = (toks, cnts, top_ids, top_cnt, self._cont(segs, d))
+            hit = (toks, cnts, top_ids, top_cnt, self.latest_cont(segs, d))
             self._keep(key, hit, len(toks))
         return hit
 
@@ -374,12 +381,12 @@ class Index:
         return NtdResult(prompt_cnt, {int(t): (int(c), int(c) / prompt_cnt) for t, c in zip(toks, cnts)})
 
     def ntd(self, prompt) -> NtdResult:
-        return self._ntd(self._ids(prompt, allow_empty=True, what="prompt"))
+        return self._ntd(self.check_ids(prompt, allow_empty=True, what="prompt"))
 
     def infgram_prob(self, prompt, cont) -> InfgramProbResult:
-        q = self._ids(prompt, allow_empty=True, what="prompt")
+        q = self.check_ids(prompt, allow_empty=True, what="prompt")
         c = self.check_token(cont)
-        sl, iv = self._suffix(q, c)
+        sl, iv = self.suffix_intervals(q, c)
         prompt_cnt = self._total(sl, iv[0], iv[1])
         if prompt_cnt == 0:
             return InfgramProbResult(0, 0, -1.0, suffix_len=sl)
@@ -387,12 +394,12 @@ class Index:
         return InfgramProbResult(prompt_cnt, cont_cnt, cont_cnt / prompt_cnt, suffix_len=sl)
 
     def infgram_ntd(self, prompt) -> InfgramNtdResult:
-        q = self._ids(prompt, allow_empty=True, what="prompt")
-        sl, iv = self._suffix(q)
+        q = self.check_ids(prompt, allow_empty=True, what="prompt")
+        sl, iv = self.suffix_intervals(q)
         r = self._ntd_in(q[len(q) - sl :], iv[0], iv[1])
         return InfgramNtdResult(r.prompt_cnt, r.result_by_token_id, r.approx, suffix_len=sl)
 
-    def _cont(self, segs: list[tuple[int, int]], length: int) -> int:
+    def latest_cont(self, segs: list[tuple[int, int]], length: int) -> int:
         """Token after the most recent occurrence (latest shard, largest position)."""
         for s, (a, b) in reversed(list(zip(self.shards, segs))):
             if b > a:
@@ -402,35 +409,40 @@ class Index:
         return -1
 
     def longest_match(self, ids) -> LongestMatch:
-        q = self._ids(ids, allow_empty=False)
-        sl, iv = self._suffix(q)
+        q = self.check_ids(ids, allow_empty=False)
+        sl, iv = self.suffix_intervals(q)
         if sl == 0:
             return LongestMatch(0, -1, self.n_positions)
-        return LongestMatch(sl, self._cont(list(zip(iv[0].tolist(), iv[1].tolist())), sl), int((iv[1] - iv[0]).sum()))
+        return LongestMatch(sl, self.latest_cont(list(zip(iv[0].tolist(), iv[1].tolist())), sl), int((iv[1] - iv[0]).sum()))
 
     def docs(self, ids, *, max: int = 10, context: int = 20) -> DocsResult:
-        q = self._ids(ids, allow_empty=False)
+        q = self.check_ids(ids, allow_empty=False)
         if max < 1:
             raise QueryError("max must be a positive integer")
         cnt, segs = self.count_intervals(q)
         hits: list[DocHit] = []
         approx = False
-        for s, (a, b) in zip(self.shards, segs):
-            if b <= a or len(hits) >= max:
-                continue
-            if b - a > DOCS_SCAN:
-                approx = True
-                b = a + DOCS_SCAN
-            pos = np.sort(s.sa.to_numpy(a, b))
-            docs = np.searchsorted(s.starts, pos, side="right") - 1
-            _, first = np.unique(docs, return_index=True)
-            for j in np.sort(first)[: max - len(hits)]:
-                p, d = int(pos[j]), int(docs[j])
-                ds, de = int(s.starts[d]), int(s.starts[d + 1]) - 1
-                lo, hi = ds if ds > p - context else p - context, min(de, p + len(q) + context)  # `max` is the argument
-                snippet = self.decode(s.tok[lo:hi])
-                hits.append(DocHit(s.first_doc + d, s.id, p - ds, self.meta.doc(s.first_doc + d), snippet))
+        for place, (a, b) in enumerate(segs):
+            if b > a and len(hits) < max:
+                found, cut = self.shard_docs(place, a, b, len(q), max - len(hits), context)
+                hits += found
+                approx |= cut
         return DocsResult(cnt, hits, approx)
+
+    def shard_docs(self, place: int, a: int, b: int, length: int, n: int, context: int = 20) -> tuple[list[DocHit], bool]:
+        """The first n documents (in corpus order) holding a length-token match whose interval
+        in shard `place` is [a, b), and whether only its first DOCS_SCAN occurrences were read."""
+        s = self.shards[place]
+        pos = np.sort(s.sa.to_numpy(a, min(b, a + DOCS_SCAN)))
+        docs = np.searchsorted(s.starts, pos, side="right") - 1
+        _, first = np.unique(docs, return_index=True)
+        hits = []
+        for j in np.sort(first)[:n]:
+            p, d = int(pos[j]), int(docs[j])
+            ds, de = int(s.starts[d]), int(s.starts[d + 1]) - 1
+            lo, hi = max(ds, p - context), min(de, p + length + context)
+            hits.append(DocHit(s.first_doc + d, s.id, p - ds, self.meta.doc(s.first_doc + d), self.decode(s.tok[lo:hi])))
+        return hits, b - a > DOCS_SCAN
 
     def following(self, occ: Occurrence, n: int) -> np.ndarray:
         """Up to n tokens that follow the occurrence in its document (fewer at the document's end): (<= n,) int64."""
@@ -455,7 +467,7 @@ class Index:
         index; index/bulk.py); see index.features.Features for the fields. max_len caps the
         match length (<= 0: uncapped). targets: also how often the next token follows each match.
         """
-        q = self._ids(ids, allow_empty=True)
+        q = self.check_ids(ids, allow_empty=True)
         f = continuations(self, q, np.array([0, len(q)]), [max_len], top_k=top_k)[max_len]
         return f if targets else dataclasses.replace(f, target_cnt=None)
 
@@ -471,7 +483,7 @@ class Index:
         segs = [(int(a), int(b)) if int(x) == L else (0, 0) for x, a, b in per]
         out.length[row] = L
         out.count[row] = sum(b - a for a, b in segs)
-        out.cont[row] = self._cont(segs, L)
+        out.cont[row] = self.latest_cont(segs, L)
         out.topk_ids[row], out.topk_cnt[row] = _topk(*self._dist(q[t - L + 1 : t + 1], segs), top_k)
 
     def scorer(self, *, top_k: int = 4, max_len: int = 64) -> Scorer:

@@ -17,6 +17,10 @@ class QueryError(TeragramError):
     """A query is malformed: unknown op, ids outside the vocabulary, empty where not allowed."""
 
 
+class ClusterError(TeragramError):
+    """Some shards of an index held by a Ray cluster (index/cluster.py) have no live holder left."""
+
+
 class TokenizerMismatch(TeragramError):
     """The tokenizer given does not match the one the index was built with."""
 

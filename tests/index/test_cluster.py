@@ -1,0 +1,224 @@
+"""An index held by Ray actors on a local cluster of several nodes (index/cluster.py) answers
+every kind of query exactly as one process holding every shard: compared with a local Index of
+the same shards and with brute force. A lost holder is a one-line error naming its shards, or,
+with replicas, the same exact answer from another copy, also when the node dies mid-batch."""
+
+import json
+import threading
+
+import numpy as np
+import pytest
+from teragram.builder.build import build_from_ids
+from teragram.index.engine import Index
+from teragram.index.errors import ClusterError, QueryError
+
+from tests.conftest import copytree, random_docs
+from tests.oracle import Oracle
+
+ray = pytest.importorskip("ray")
+from teragram.index.cluster import ClusterIndex, Query  # noqa: E402
+
+NODES = 4
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A Ray cluster of NODES nodes of one CPU each, started on this machine."""
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    for _ in range(NODES - 1):
+        c.add_node(num_cpus=1)
+    c.wait_for_nodes()
+    ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def random_index(tmp_path_factory, tokenizer_model):
+    """Random documents over a small alphabet (n-grams repeat a lot) in 6 or more shards."""
+    docs = random_docs(np.random.default_rng(21), 150, 6, 60, 1000)
+    docs += [np.concatenate([docs[3], docs[4]]), docs[9][:40].copy()]  # long repeats, across shards
+    out = tmp_path_factory.mktemp("cluster") / "idx"
+    build_from_ids(docs, out, tokenizer_model, shard_tokens=700)
+    idx = Index(out)
+    assert len(idx.shards) >= 6
+    return idx, Oracle(docs, idx.eos_id)
+
+
+@pytest.fixture(scope="module")
+def held(cluster, random_index):
+    """The random index held by one holder per node, and its local twin."""
+    idx, orc = random_index
+    with ClusterIndex.open(idx.path) as c:
+        yield c, idx, orc
+
+
+def _queries(rng, orc, n: int, vocab: int) -> list[Query]:
+    """Every kind of query on n-grams sampled from the corpus (long contexts included), perturbed
+    ones and absent ones, and on the empty prompt."""
+    out = []
+    for i in range(n):
+        d = orc.docs[rng.integers(len(orc.docs))]
+        m = int(rng.integers(1, 40 if i % 3 == 0 else 8))
+        p = int(rng.integers(0, max(1, len(d) - m + 1)))
+        q = d[p : p + m].copy()
+        if i % 4 == 1 and len(q):
+            q[rng.integers(len(q))] = rng.integers(3, vocab)
+        elif i % 4 == 2:
+            q = rng.integers(3, vocab, size=m)
+        q = [int(x) for x in q] if i < n - 1 else []
+        c = int(rng.integers(3, vocab)) if rng.random() < 0.3 else int(d[min(p + m, len(d) - 1)])
+        out += [Query("count", q), Query("prob", q, c), Query("ntd", q), Query("infgram-prob", q, c), Query("infgram-ntd", q)]
+        if q:
+            out += [Query("longest-match", q), Query("docs", q, max=int(rng.integers(1, 6)), context=int(rng.integers(0, 8)))]
+    return out
+
+
+def _local(idx: Index, q: Query):
+    run = {
+        "count": lambda: idx.count(q.ids),
+        "prob": lambda: idx.prob(q.ids, q.cont),
+        "ntd": lambda: idx.ntd(q.ids),
+        "infgram-prob": lambda: idx.infgram_prob(q.ids, q.cont),
+        "infgram-ntd": lambda: idx.infgram_ntd(q.ids),
+        "longest-match": lambda: idx.longest_match(q.ids),
+        "docs": lambda: idx.docs(q.ids, max=q.max, context=q.context),
+    }
+    return run[q.op]()
+
+
+def _check_exact(c: ClusterIndex, idx: Index, queries: list[Query]) -> None:
+    got = c.batch(queries)
+    for q, r in zip(queries, got):
+        assert r == _local(idx, q), q
+
+
+def test_every_query_equals_the_local_index_and_brute_force(held):
+    c, idx, orc = held
+    assert len(c.groups) == NODES
+    assert len({nodes[0] for _, nodes in c.placement()}) == NODES  # one group per node
+    queries = _queries(np.random.default_rng(3), orc, 120, idx.vocab_size)
+    got = c.batch(queries)
+    for q, r in zip(queries, got):
+        assert r == _local(idx, q), q
+        ids = q.ids
+        if q.op == "count":
+            assert r.count == orc.count(ids)
+        elif q.op == "ntd":
+            assert {t: n for t, (n, _) in r.result_by_token_id.items()} == orc.next_tokens(ids) and r.prompt_cnt == orc.count(ids)
+        elif q.op == "infgram-prob":
+            sl = orc.suffix_len(ids)
+            assert r.suffix_len == sl and (r.prompt_cnt, r.cont_cnt) == orc.prob(ids[len(ids) - sl :], q.cont)[:2]
+        elif q.op == "infgram-ntd":
+            sl = orc.suffix_len(ids)
+            assert r.suffix_len == sl and {t: n for t, (n, _) in r.result_by_token_id.items()} == orc.next_tokens(ids[len(ids) - sl :])
+        elif q.op == "longest-match":
+            L, cont, cnt, _ = orc.feature_at(ids, len(ids) - 1, len(ids), 1)
+            assert (r.length, r.cont, r.count) == (L, cont, cnt)
+        elif q.op == "docs":
+            assert r.count == orc.count(ids)
+            assert [h.doc_id for h in r.docs] == sorted({d for d, _ in orc.occurrences(ids)})[: q.max]
+    # the one-query methods and the intervals
+    q = queries[0].ids
+    assert c.count(q) == idx.count(q) and c.infgram_ntd(q) == idx.infgram_ntd(q) and c.docs(q, max=3) == idx.docs(q, max=3)
+    assert c.count_intervals(np.asarray(q)) == idx.count_intervals(np.asarray(q))
+
+
+def test_uneven_groups_on_real_text(cluster, real_index):
+    """Real text, groups of one and of several shards, one group on two nodes' holders."""
+    idx = Index(real_index)
+    n = len(idx.shards)
+    assert n >= 3
+    docs = []
+    for s in idx.shards:
+        tok, st = np.asarray(s.tok), np.asarray(s.starts)
+        docs += [tok[st[k] : st[k + 1] - 1].astype(np.int64) for k in range(len(st) - 1)]
+    orc = Oracle(docs, idx.eos_id)
+    with ClusterIndex.open(real_index, groups=[[0], list(range(1, n))], replicas=2) as c:
+        _check_exact(c, idx, _queries(np.random.default_rng(5), orc, 40, idx.vocab_size))
+
+
+def test_malformed_queries_fail_as_locally(held):
+    c, idx, _ = held
+    bad = [Query("count", [1, idx.vocab_size]), Query("count", ["a"]), Query("longest-match", []), Query("docs", [])]
+    bad += [Query("prob", [1], "x"), Query("prob", [1]), Query("docs", [5], max=0)]
+    for q in bad:
+        with pytest.raises(QueryError) as local:
+            _local(idx, q)
+        with pytest.raises(QueryError) as remote:
+            c.batch([q])
+        assert str(remote.value) == str(local.value)
+    with pytest.raises(QueryError, match="unknown op 'nope'"):
+        c.batch([Query("nope", [1])])
+    with pytest.raises(QueryError, match="^query 1: token id"):
+        c.batch([Query("count", [5]), Query("count", [-1])])
+
+
+def test_lost_holders(cluster, random_index):
+    """Without replicas, a lost node is a one-line error naming its shards; with two, the answers
+    stay exact, also for a batch in flight when the node dies; with both copies lost, the error."""
+    idx, orc = random_index
+    extra = cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    others = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != extra.node_id]
+    nodes = [extra.node_id] + others[:2]  # group 0 on the node that will die
+    queries = _queries(np.random.default_rng(8), orc, 40, idx.vocab_size)
+    with ClusterIndex.open(idx.path, nodes=nodes) as one, ClusterIndex.open(idx.path, nodes=nodes, replicas=2) as two:
+        _check_exact(one, idx, queries[:20])
+        _check_exact(two, idx, queries[:20])
+        assert [len(hs) for _, hs in two.placement()] == [2, 2, 2]
+        killer = threading.Timer(0.2, cluster.remove_node, (extra,))  # the node dies while the batch runs
+        killer.start()
+        many = queries * 40
+        assert two.batch(many) == [_local(idx, q) for q in many]
+        killer.join()
+        assert len(two._holders[0]) == 1  # the batch saw group 0's first copy die, and asked the second
+        _check_exact(two, idx, queries)
+        assert [len(hs) for _, hs in two.placement()] == [1, 2, 1]  # group 0's first copy and group 2's second were there
+        shards = ", ".join(str(p) for p in one.groups[0])
+        with pytest.raises(ClusterError, match=f"^shards {shards} lost: no live holder of them is left") as e:
+            one.batch(queries[:5])
+        assert "\n" not in str(e.value)
+        ray.kill(two._holders[0][0])  # the last copy of group 0
+        with pytest.raises(ClusterError, match=f"^shards {shards} lost"):
+            two.count([5])
+
+
+def test_query_through_the_cluster(cluster, random_index, tmp_path, capsys):
+    """`teragram query --cluster` (one query, and a batch file with malformed lines) gives the
+    local index's answers."""
+    from teragram.index.cli import _answer
+    from teragram.serve.main import main
+
+    idx, orc = random_index
+    ids = ",".join(str(int(t)) for t in orc.docs[4][:3])
+    for extra in ([], ["--cluster", cluster.address]):
+        assert main(["query", str(idx.path), "infgram-ntd", "--ids", ids, "--json", *extra]) == 0
+    local, remote = capsys.readouterr().out.splitlines()
+    assert remote == local
+    lines = [
+        {"op": "count", "ids": [int(t) for t in orc.docs[2][:2]]},
+        {"op": "prob", "ids": [5]},
+        {"op": "docs", "ids": [int(orc.docs[1][0])]},
+    ]
+    batch = tmp_path / "q.jsonl"
+    batch.write_text("\n".join(map(json.dumps, lines)) + "\nnot json\n")
+    assert main(["query", str(idx.path), "--batch", str(batch), "--cluster", cluster.address, "--replicas", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    # the local answers from the fixture's index: a second Index of the same path in this process
+    # could not open its document metadata (LMDB refuses an environment open twice in a process)
+    assert out[0] == json.dumps(_answer(idx, "count", lines[0]["ids"], None)) and "needs a continuation token" in out[1]
+    assert out[2] == json.dumps(_answer(idx, "docs", lines[2]["ids"], None)) and "malformed JSON" in out[3]
+
+
+def test_a_holder_that_cannot_open_its_shards(cluster, random_index, tmp_path):
+    idx, _ = random_index
+    bad = copytree(idx.path, tmp_path / "idx")
+    tok = bad / "shards" / "000002" / "tokens.bin"
+    tok.write_bytes(tok.read_bytes()[:-2])
+    with pytest.raises(ClusterError, match=r"^a holder of shards 2 could not open them: .*tokens.bin") as e:
+        ClusterIndex.open(bad, groups=[[p] for p in range(len(idx.shards))])
+    assert "\n" not in str(e.value)
