@@ -115,7 +115,7 @@ def continuations(idx, ids: np.ndarray, starts: np.ndarray, caps, *, top_k: int 
     ids = np.ascontiguousarray(ids, dtype=np.int64)
     starts = np.asarray(starts, dtype=np.int64)
     asked = list(dict.fromkeys(caps))
-    caps = sorted({max(int(c), 0) for c in asked}, key=lambda c: c if c > 0 else UNCAPPED)  # as _intervals wants them
+    caps = sorted({max(int(c), 0) for c in asked}, key=lambda c: c if c > 0 else UNCAPPED)  # as match_intervals wants them
     chunk = min(CHUNK, max(4096, SCRATCH // (len(caps) * len(idx.shards))))
     parts: list[dict[int, Features]] = []
     a = 0
@@ -161,7 +161,7 @@ def _doc_parts(starts: np.ndarray, n: int) -> list[np.ndarray]:
     return [starts[a : b + 1] for a, b in zip(edges[:-1], edges[1:])]
 
 
-def _intervals(idx, ids: np.ndarray, starts: np.ndarray, caps: list[int], threads: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def match_intervals(idx, ids: np.ndarray, starts: np.ndarray, caps: list[int], threads: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per cap (caps: positive and increasing, then 0, uncapped) and position: the match length
     and each shard's interval of the match, (C, P) and (C, P, S) twice (index/matching.py)."""
     P, S, C = len(ids), len(idx.shards), len(caps)
@@ -187,7 +187,7 @@ def _chunk(idx, ids: np.ndarray, starts: np.ndarray, caps: list[int], k: int, th
     V = max(idx.vocab_size, idx.eos_id + 1, int(ids.max(initial=0)) + 1)
     target = np.append(ids[1:], 0)
     target[starts[1:] - 1] = idx.eos_id  # a document's last position is followed by its end
-    Lm, lo, hi = _intervals(idx, ids, starts, caps, threads)
+    Lm, lo, hi = match_intervals(idx, ids, starts, caps, threads)
     Lm = Lm.reshape(-1)
     held = (hi > lo).reshape(C * P, S) & (Lm > 0)[:, None]
     lo = np.where(held, lo.reshape(C * P, S), 0)  # rows: (cap, position)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -75,6 +76,19 @@ class ShardHolder:
         kinds, flat, offsets, args = batch
         return [getattr(self, f"part_{k}")(flat[offsets[i] : offsets[i + 1]], *a) for i, (k, a) in enumerate(zip(kinds, args))]
 
+    def unigram(self) -> np.ndarray:
+        return self.idx.unigram
+
+    def bulk_lengths(self, key, ids: np.ndarray, starts: np.ndarray, caps: list[int]) -> np.ndarray:
+        from .cluster_bulk import holder_lengths
+
+        return holder_lengths(self, key, ids, starts, caps)
+
+    def bulk_histograms(self, key, ids: np.ndarray, starts: np.ndarray, caps: list[int], longest: np.ndarray) -> tuple:
+        from .cluster_bulk import holder_histograms
+
+        return holder_histograms(self, key, ids, starts, caps, longest)
+
     def part_count(self, q: np.ndarray) -> int:
         return self.idx.count_intervals(q)[0]
 
@@ -111,10 +125,17 @@ class ShardHolder:
         return sl, int((iv[1] - iv[0]).sum()), self.places[latest], self.idx.latest_cont(segs, sl)
 
     def part_docs(self, q: np.ndarray, n: int, context: int) -> tuple[int, list]:
-        """(count, [(shard place, its first n documents, scan cut short)]) of every shard holding q."""
+        """(count, [(shard place, its first n documents, scan cut short)]) of the shards holding
+        q, in order, until they give n documents: a later shard of this group could not be read
+        by the client, which has n documents from the earlier ones by then."""
         cnt, segs = self.idx.count_intervals(q)
-        held = [(i, a, b) for i, (a, b) in enumerate(segs) if b > a]
-        return cnt, [(self.places[i], *self.idx.shard_docs(i, a, b, len(q), n, context)) for i, a, b in held]
+        out, found = [], 0
+        for i, (a, b) in enumerate(segs):
+            if b > a and found < n:
+                hits, cut = self.idx.shard_docs(i, a, b, len(q), n, context)
+                out.append((self.places[i], hits, cut))
+                found += len(hits)
+        return cnt, out
 
 
 class ClusterIndex:
@@ -132,6 +153,7 @@ class ClusterIndex:
         self.timeout = timeout
         self._holders = holders  # per group, its live holders, the one asked first first
         self._lock = threading.Lock()
+        self._keys = 0
 
     @classmethod
     def open(
@@ -240,23 +262,38 @@ class ClusterIndex:
     # ---- the holders' calls ------------------------------------------------------------------
 
     def _run(self, tasks: dict[int, list], *, every_replica: bool = False) -> dict[int, list]:
-        """Each group's tasks on a live holder of it (every_replica: on each of them), all sent
-        before any answer is awaited; a holder that dies or passes `timeout` is dropped and its
-        group's tasks go to the next replica."""
-        import ray
-        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-
+        """Each group's tasks (query parts) on a live holder of it (every_replica: on each)."""
         sent: dict[int, object] = {}
         for t in tasks.values():  # one packed copy of a list that many groups are sent
             if id(t) not in sent:
                 sent[id(t)] = _pack(t)
+        return self._send(tasks, lambda h, g: h.parts.remote(sent[id(tasks[g])]), every_replica=every_replica)
+
+    def run_all(self, call: tuple) -> dict[int, object]:
+        """call = (a holder method's name, its arguments) on a live holder of every group."""
+        name, *args = call
+        return self._send(dict.fromkeys(range(len(self.groups))), lambda h, g: getattr(h, name).remote(*args))
+
+    def next_key(self) -> int:
+        """A number not given before: the key of a bulk pass's state kept on the holders."""
         with self._lock:
-            asked = {g: list(self._holders[g]) if every_replica else self._holders[g][:1] for g in tasks}
+            self._keys += 1
+            return self._keys
+
+    def _send(self, groups, send, *, every_replica: bool = False) -> dict[int, object]:
+        """send(holder, g) -> the call's ObjectRef, for every group g on a live holder of it
+        (every_replica: on each of them), all sent before any answer is awaited; a holder that
+        dies or passes `timeout` is dropped and its group's call goes to the next replica."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+        with self._lock:
+            asked = {g: list(self._holders[g]) if every_replica else self._holders[g][:1] for g in groups}
         for g, hs in asked.items():
             if not hs:
                 raise self._lost(g, "")
-        pending = [(g, h, h.parts.remote(sent[id(tasks[g])])) for g, hs in asked.items() for h in hs]
-        out: dict[int, list] = {}
+        pending = [(g, h, send(h, g)) for g, hs in asked.items() for h in hs]
+        out: dict[int, object] = {}
         while pending:
             g, h, ref = pending.pop(0)
             try:
@@ -267,7 +304,7 @@ class ClusterIndex:
                     raise ClusterError(f"a holder of shards {self._names(g)} could not open them: {cause}") from None
                 nxt = self._drop(g, h, type(e).__name__)
                 if not every_replica:
-                    pending.append((g, nxt, nxt.parts.remote(sent[id(tasks[g])])))
+                    pending.append((g, nxt, send(nxt, g)))
             except RayTaskError as e:  # the holder raised: a TeragramError is the caller's to see
                 raise (e.cause if isinstance(e.cause, TeragramError) else e) from None
         return out
@@ -394,6 +431,18 @@ class ClusterIndex:
 
     def docs(self, ids, *, max: int = 10, context: int = 20) -> DocsResult:
         return self.batch([Query("docs", ids, max=max, context=context)])[0]
+
+    @cached_property
+    def unigram(self) -> np.ndarray:
+        """Count of every id over all positions, document ends counted as EOS (as Index.unigram)."""
+        return np.sum([u for u in self.run_all(("unigram",)).values()], axis=0)
+
+    def continuations(self, ids: np.ndarray, starts: np.ndarray, caps, *, top_k: int = 1) -> dict:
+        """index/bulk.py's continuations (per-position features of many documents, for each cap),
+        computed by the holders beside their shards (index/cluster_bulk.py)."""
+        from .cluster_bulk import continuations
+
+        return continuations(self, ids, starts, caps, top_k=top_k)
 
     def count_intervals(self, q) -> tuple[int, list[tuple[int, int]]]:
         """As Index.count_intervals: the count and every shard's suffix-array interval, in shard order."""

@@ -222,3 +222,29 @@ def test_a_holder_that_cannot_open_its_shards(cluster, random_index, tmp_path):
     with pytest.raises(ClusterError, match=r"^a holder of shards 2 could not open them: .*tokens.bin") as e:
         ClusterIndex.open(bad, groups=[[p] for p in range(len(idx.shards))])
     assert "\n" not in str(e.value)
+
+
+def test_bulk_features_equal_the_local_ones_and_brute_force(held):
+    """Features of many documents at once through the holders (index/cluster_bulk.py): equal to
+    index/bulk.py's on the local index, field by field and dtype, and to brute force."""
+    from teragram.index.bulk import continuations
+    from teragram.index.features import FIELDS
+
+    from tests.index.test_engine import _check_bulk
+
+    c, idx, orc = held
+    rng = np.random.default_rng(12)
+    d = orc.docs[3][:80].copy()
+    e = d.copy()
+    e[::7] = rng.integers(3, idx.vocab_size, size=len(e[::7]))
+    docs = [d, e, rng.integers(3, idx.vocab_size, size=40), np.zeros(0, np.int64), orc.docs[-1], d[:20].copy()]
+    docs[-1][4] = idx.eos_id  # EOS inside the text: a document's end
+    starts = np.cumsum([0] + [len(x) for x in docs])
+    caps = (0, 1, 3, 16)
+    got = c.continuations(np.concatenate(docs), starts, caps, top_k=3)
+    want = continuations(idx, np.concatenate(docs), starts, caps, top_k=3)
+    for cap in caps:
+        for name in (*FIELDS, "target_cnt"):
+            a, b = getattr(got[cap], name), getattr(want[cap], name)
+            assert a.dtype == b.dtype and np.array_equal(a, b), (cap, name)
+    _check_bulk(got, docs, starts, orc, 3)
