@@ -1,0 +1,191 @@
+"""An index held by Ray actors on a local cluster of several nodes (index/cluster.py): exactness
+against the local index, and the protocol's overhead per query.
+
+    python -m benchmarks.cluster --index IDX [--nodes 4] [--queries 1000] [--replicas 1]
+
+Starts a Ray cluster of --nodes nodes on this machine (ray.cluster_utils.Cluster, one CPU each),
+opens IDX on it (one group of consecutive shards per node) and in this process (Index, one
+thread), then:
+  (a) exactness: --queries random queries of each kind (count, prob, ntd of 1-7-token n-grams
+      sampled from the index, half of them with a token changed; infgram-prob, infgram-ntd and
+      longest-match of 32-token contexts with up to 3 tokens changed at random; docs of 1-4
+      tokens), sent in one batch per kind, each answer compared with the local Index's (the
+      seconds of both: the first pass, on a page cache as the machine has it);
+  (b) overhead: count and infgram-prob, warm (each query set run once first), the local time per
+      query (one call per query, as a local user asks) against the cluster's per query in one
+      batch (the bar: within 3x), and the cluster's latency of one query alone.
+Same machine, so (b) measures the protocol (Ray's calls, serialisation, merging), not a network.
+Writes benchmarks/results/cluster.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import operator
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from teragram.index.engine import Index
+
+from benchmarks.common import SMOKE_HELP, save, smoke_context, smoke_index, table
+
+KINDS = ("count", "prob", "ntd", "infgram-prob", "infgram-ntd", "longest-match", "docs")
+OVERHEAD_BAR = 3.0
+
+
+def _ngram(idx: Index, rng, m: int) -> np.ndarray:
+    """m consecutive tokens of one document of the index, at a random place."""
+    while True:
+        s = idx.shards[int(rng.integers(len(idx.shards)))]
+        p = int(rng.integers(0, len(s.tok) - m))
+        q = np.asarray(s.tok[p : p + m], np.int64)
+        if not (q == idx.sep).any():
+            return q
+
+
+def queries(idx: Index, rng, n: int) -> dict[str, list]:
+    """n queries (Query) of each kind."""
+    from teragram.index.cluster import Query
+
+    def changed(q: np.ndarray, k: int) -> list[int]:
+        q = q.copy()
+        for j in rng.choice(len(q), size=k, replace=False):
+            q[j] = rng.integers(3, idx.vocab_size)
+        return [int(x) for x in q]
+
+    out: dict[str, list] = {k: [] for k in KINDS}
+    for i in range(n):
+        short = changed(_ngram(idx, rng, int(rng.integers(1, 8))), i % 2)
+        ctx = changed(_ngram(idx, rng, 33), int(rng.integers(0, 4)))
+        cont = ctx.pop()
+        out["count"].append(Query("count", short))
+        out["prob"].append(Query("prob", short[:-1], short[-1]))
+        out["ntd"].append(Query("ntd", short))
+        out["infgram-prob"].append(Query("infgram-prob", ctx, cont))
+        out["infgram-ntd"].append(Query("infgram-ntd", ctx))
+        out["longest-match"].append(Query("longest-match", ctx))
+        out["docs"].append(Query("docs", [int(x) for x in _ngram(idx, rng, int(rng.integers(1, 5)))], max=5))
+    return out
+
+
+def local(idx: Index, q):
+    """The local Index's answer to a Query."""
+    if q.op == "docs":
+        return idx.docs(q.ids, max=q.max, context=q.context)
+    fn = getattr(idx, q.op.replace("-", "_"))
+    return fn(q.ids, q.cont) if q.op in ("prob", "infgram-prob") else fn(q.ids)
+
+
+def _per_query_us(fn, items) -> float:
+    fn(items)  # warm
+    t = time.perf_counter()
+    fn(items)
+    return (time.perf_counter() - t) / len(items) * 1e6
+
+
+def start_cluster(nodes: int):
+    import ray
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 1 << 28})
+    for _ in range(nodes - 1):
+        c.add_node(num_cpus=1, object_store_memory=1 << 28)
+    c.wait_for_nodes()
+    ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
+    return c
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--index")
+    ap.add_argument("--nodes", type=int, default=4)
+    ap.add_argument("--queries", type=int, default=1000, help="queries of each kind")
+    ap.add_argument("--replicas", type=int, default=1)
+    ap.add_argument("--name", default="cluster", help="results file name")
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
+    args = ap.parse_args(argv)
+    if args.smoke:
+        with smoke_context(True) as tmp:
+            from teragram.builder.build import build_from_ids
+
+            src = Index(smoke_index(tmp))
+            docs = [np.asarray(s.tok[a : b - 1]) for s in src.shards for a, b in zip(s.starts[:-1], s.starts[1:])]
+            build_from_ids(docs, tmp / "idx", src.path / "tokenizer.model", shard_tokens=src.n_positions // 5 + 1)
+            return main(["--index", str(tmp / "idx"), "--queries", "20", "--name", "cluster_smoke"])
+    if not args.index:
+        ap.error("--index is required")
+    import ray
+    from teragram.index.cluster import ClusterIndex
+
+    idx = Index(args.index)
+    qs = queries(idx, np.random.default_rng(0), args.queries)
+    t0 = time.time()
+    cluster = start_cluster(args.nodes)
+    try:
+        c = ClusterIndex.open(args.index, replicas=args.replicas)
+        print(f"cluster of {args.nodes} nodes and {len(c.groups)} groups up in {time.time() - t0:.1f} s", flush=True)
+        exact = []
+        for kind, items in qs.items():
+            t = time.perf_counter()
+            got = c.batch(items)
+            wall = time.perf_counter() - t
+            t = time.perf_counter()
+            want = [local(idx, q) for q in items]
+            exact.append({"kind": kind, "queries": len(items), "equal": sum(map(operator.eq, got, want)), "cluster_s": wall,
+                          "local_s": time.perf_counter() - t})  # fmt: skip
+            print(exact[-1], flush=True)
+        overhead = []
+        for kind in ("count", "infgram-prob"):
+            items = qs[kind]
+            loc = _per_query_us(lambda xs: [local(idx, q) for q in xs], items)
+            bat = _per_query_us(c.batch, items)
+            one = _per_query_us(lambda xs: [c.batch([q]) for q in xs], items[: max(1, len(items) // 10)])
+            overhead.append({"kind": kind, "local_us": loc, "cluster_batch_us": bat, "ratio": bat / loc, "cluster_one_us": one})
+            print(overhead[-1], flush=True)
+        groups = [[c.shard_ids[p] for p in g] for g in c.groups]
+        c.close()
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    all_equal = all(r["equal"] == r["queries"] for r in exact)
+    within = all(r["ratio"] <= OVERHEAD_BAR for r in overhead)
+    md = (
+        f"{idx.n_tokens:,} tokens in {len(idx.shards)} shards; a local Ray cluster of {args.nodes} nodes (1 CPU each), "
+        f"groups of shards {groups}, {args.replicas} holder(s) per group; {args.queries} queries of each kind.\n\n"
+        f"(a) exactness: every answer equal to the local Index's: **{'yes' if all_equal else 'NO'}**\n\n"
+        + table(exact, ["kind", "queries", "equal", "cluster_s", "local_s"])
+        + f"\n\n(b) overhead per query, warm: local Index (one call per query) against the cluster (one batch); bar <= {OVERHEAD_BAR:g}x: "
+        f"**{'met' if within else 'missed'}**. cluster_one_us: one query alone through the cluster.\n\n"
+        + table(overhead, ["kind", "local_us", "cluster_batch_us", "ratio", "cluster_one_us"])
+    )
+    save(
+        args.name,
+        {"index": str(Path(args.index)), "tokens": idx.n_tokens, "shards": len(idx.shards), "nodes": args.nodes, "replicas": args.replicas,
+         "groups": groups, "exactness": exact, "all_equal": all_equal, "overhead": overhead, "overhead_bar": OVERHEAD_BAR},
+        md,
+        _plot(overhead),
+    )  # fmt: skip
+    return 0 if all_equal else 1
+
+
+def _plot(rows: list[dict]):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    x = np.arange(len(rows))
+    for i, (key, label) in enumerate([("local_us", "local Index, per query"), ("cluster_batch_us", "cluster, batched, per query")]):
+        ax.bar(x + (i - 0.5) * 0.38, [r[key] for r in rows], 0.38, label=label)
+    ax.set_xticks(x, [r["kind"] for r in rows])
+    ax.set_ylabel("microseconds per query")
+    ax.set_title("Queries through a local Ray cluster against one process")
+    ax.legend()
+    return fig
+
+
+if __name__ == "__main__":
+    sys.exit(main())
