@@ -79,15 +79,15 @@ class ShardHolder:
     def unigram(self) -> np.ndarray:
         return self.idx.unigram
 
-    def bulk_lengths(self, key, ids: np.ndarray, starts: np.ndarray, caps: list[int]) -> np.ndarray:
+    def bulk_lengths(self, key, ids: np.ndarray, starts: np.ndarray, caps: list[int]) -> tuple[np.ndarray, np.ndarray]:
         from .cluster_bulk import holder_lengths
 
         return holder_lengths(self, key, ids, starts, caps)
 
-    def bulk_histograms(self, key, ids: np.ndarray, starts: np.ndarray, caps: list[int], longest: np.ndarray) -> tuple:
+    def bulk_histograms(self, key, ids: np.ndarray, starts: np.ndarray, caps: list[int], longest: np.ndarray, skip: np.ndarray, heavy: int):
         from .cluster_bulk import holder_histograms
 
-        return holder_histograms(self, key, ids, starts, caps, longest)
+        return holder_histograms(self, key, ids, starts, caps, longest, skip, heavy)
 
     def part_count(self, q: np.ndarray) -> int:
         return self.idx.count_intervals(q)[0]
@@ -154,6 +154,8 @@ class ClusterIndex:
         self._holders = holders  # per group, its live holders, the one asked first first
         self._lock = threading.Lock()
         self._keys = 0
+        self.summaries: dict[tuple, tuple] = {}  # frequent contexts' merged histograms (cluster_bulk.py)
+        self.summary_elements = 0
 
     @classmethod
     def open(

@@ -23,8 +23,10 @@ import contextlib
 import numba as nb
 import numpy as np
 
+from . import bulk
 from . import kernels as K
 from .bulk import CHUNK, READAHEAD_MIN, UNCAPPED, match_intervals
+from .engine import DIST_CACHE_ELEMENTS
 from .features import FIELDS, SCORE_DTYPES, Features
 from .packed import get
 
@@ -70,20 +72,26 @@ def _context_histograms(
         out_n[u] = nt
 
 
-def holder_lengths(holder, key, ids: np.ndarray, starts: np.ndarray, caps: list[int]) -> np.ndarray:
-    """Round 1 on a holder: its shards' match length per cap and position, (C, P) int64; the
-    intervals are kept under `key` for round 2."""
+def holder_lengths(holder, key, ids: np.ndarray, starts: np.ndarray, caps: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Round 1 on a holder: its shards' match length per cap and position, and the match's place
+    in the first of its shards holding it (shard place << 40 | interval start; -1 without a
+    match), both (C, P) int64; the intervals are kept under `key` for round 2."""
     idx = holder.idx
     with idx.readahead() if len(ids) >= READAHEAD_MIN else contextlib.nullcontext():
         lengths, lo, hi = match_intervals(idx, ids, starts, caps, 1)
     holder.kept = (key, lengths, lo, hi)
-    return lengths
+    held = hi > lo
+    first = held.argmax(2)
+    where = np.asarray(holder.places, np.int64)[first] << 40 | np.take_along_axis(lo, first[..., None], 2)[..., 0]
+    return lengths, np.where((lengths > 0) & held.any(2), where, -1)
 
 
-def holder_histograms(holder, key, ids: np.ndarray, starts: np.ndarray, caps: list[int], longest: np.ndarray) -> tuple:
+def holder_histograms(holder, key, ids, starts, caps: list[int], longest: np.ndarray, skip: np.ndarray, heavy: int) -> tuple:
     """Round 2 on a holder: for the rows (cap * P + position) whose longest match its shards
-    hold, (rows, each row's context, per context: its first shard's place and interval start,
-    the latest shard's place and its continuation, the histograms' offsets, tokens and counts)."""
+    hold, but those in skip (the client has their context), (rows, each row's context, per
+    context: the latest shard's place and its continuation, the histograms' offsets, tokens and
+    counts). A context of at least `heavy` occurrences is read through the index's kept
+    histograms (Index.segs_dist)."""
     if getattr(holder, "kept", (None,))[0] != key:  # a replica that did not run round 1 for it
         holder_lengths(holder, key, ids, starts, caps)
     _, lengths, lo, hi = holder.kept
@@ -91,44 +99,47 @@ def holder_histograms(holder, key, ids: np.ndarray, starts: np.ndarray, caps: li
     idx, places = holder.idx, np.asarray(holder.places, np.int64)
     C, P, S = lo.shape
     L = longest.reshape(-1)
-    rows = np.flatnonzero((lengths.reshape(-1) == L) & (L > 0))
+    rows = np.flatnonzero((lengths.reshape(-1) == L) & (L > 0) & ~skip)
     if len(rows) == 0:
         z = np.zeros(0, np.int64)
-        return rows, z, z, z, z, z, np.zeros(1, np.int64), z, z
+        return rows, z, z, z, np.zeros(1, np.int64), z, z
     lo, hi = lo.reshape(C * P, S)[rows], hi.reshape(C * P, S)[rows]
     held = hi > lo
     lo, hi = np.where(held, lo, 0), np.where(held, hi, 0)
     first = held.argmax(1)
     fl = lo[np.arange(len(rows)), first]
     ctx_key = np.stack([L[rows], first, fl])
-    u_key, u_row, ctx = np.unique(ctx_key, axis=1, return_index=True, return_inverse=True)
+    _, u_row, ctx = np.unique(ctx_key, axis=1, return_index=True, return_inverse=True)
     u_lo, u_hi, u_d = lo[u_row], hi[u_row], L[rows][u_row]
     V = max(idx.vocab_size, idx.eos_id + 1)
-    room = np.minimum((u_hi - u_lo).sum(1), V)
+    occ = (u_hi - u_lo).sum(1)
+    light = np.flatnonzero(occ < heavy)
+    heavy = np.flatnonzero(occ >= heavy)  # the frequent contexts' histograms are kept by the index (Index.segs_dist)
+    kept = {}
+    for u in heavy.tolist():
+        segs = list(zip(u_lo[u].tolist(), u_hi[u].tolist()))
+        kept[u] = (*idx.segs_dist(segs, int(u_d[u])), idx.latest_cont(segs, int(u_d[u])), max(s for s, (a, b) in enumerate(segs) if b > a))
+    room = np.minimum(occ, V)
+    room[heavy] = [len(kept[u][0]) for u in heavy.tolist()]
     off = np.concatenate([[0], np.cumsum(room)])
     tok, cnt = np.zeros(int(off[-1]), np.int64), np.zeros(int(off[-1]), np.int64)
     n, latest, cont = np.zeros(len(u_row), np.int64), np.zeros(len(u_row), np.int64), np.zeros(len(u_row), np.int64)
+    for u, (t, c, cu, lu) in kept.items():
+        tok[off[u] : off[u] + len(t)], cnt[off[u] : off[u] + len(t)] = t, c
+        n[u], cont[u], latest[u] = len(t), cu, lu
     sh = idx.shards
+    ln, llatest, lcont = np.zeros(len(light), np.int64), np.zeros(len(light), np.int64), np.zeros(len(light), np.int64)
     _context_histograms(
         nb.typed.List([np.asarray(s.tok) for s in sh]),
         nb.typed.List([np.asarray(s.sa.words) for s in sh]),
         np.array([s.sa.width for s in sh], np.int64),
         nb.typed.List([np.asarray(s.samax) for s in sh]),
         np.array([[s.off2, s.off3] for s in sh], np.int64).reshape(len(sh), 2),
-        idx.sep, idx.eos_id, u_lo, u_hi, u_d, off, tok, cnt, n, latest, cont, np.zeros(V, np.int64), np.zeros(V, np.int64),
+        idx.sep, idx.eos_id, u_lo[light], u_hi[light], u_d[light], off[light], tok, cnt, ln, llatest, lcont, np.zeros(V, np.int64), np.zeros(V, np.int64),
     )  # fmt: skip
+    n[light], latest[light], cont[light] = ln, llatest, lcont
     keep = np.arange(len(tok)) - np.repeat(off[:-1], room) < np.repeat(n, room)
-    return (
-        rows,
-        ctx.reshape(-1),
-        places[u_key[1]],
-        u_key[2],
-        places[latest],
-        cont,
-        np.concatenate([[0], np.cumsum(n)]),
-        tok[keep],
-        cnt[keep],
-    )
+    return rows, ctx.reshape(-1), places[latest], cont, np.concatenate([[0], np.cumsum(n)]), tok[keep], cnt[keep]
 
 
 def continuations(cidx, ids: np.ndarray, starts: np.ndarray, caps, *, top_k: int = 1) -> dict[int, Features]:
@@ -158,60 +169,81 @@ def _chunk(cidx, ids: np.ndarray, starts: np.ndarray, caps: list[int], k: int) -
     """One chunk's features per cap: the two rounds, then the merge."""
     G, C, P = len(cidx.groups), len(caps), len(ids)
     key = cidx.next_key()
-    lengths = cidx.run_all(("bulk_lengths", key, ids, starts, caps))
-    L = np.max(np.stack([lengths[g] for g in range(G)]), axis=0)  # (C, P)
-    got = cidx.run_all(("bulk_histograms", key, ids, starts, caps, L))
-    target = np.append(ids[1:], 0)
-    target[starts[1:] - 1] = cidx.eos_id  # a document's last position is followed by its end
-    tgt = np.tile(target, C)
-    f = _empty(C * P, k)
-    f.length[:] = L.reshape(-1)
-    # a context's global key: its length and its interval start in the first shard holding it
-    rows = np.concatenate([got[g][0] for g in range(G)])
-    fp = np.concatenate([got[g][2][got[g][1]] for g in range(G)])
-    flo = np.concatenate([got[g][3][got[g][1]] for g in range(G)])
-    order = np.lexsort((flo, fp, rows))
-    firsts = order[np.diff(rows[order], prepend=-1) != 0]
-    row_key = np.full((C * P, 2), -1, np.int64)
-    row_key[rows[firsts], 0], row_key[rows[firsts], 1] = fp[firsts], flo[firsts]
-    hit = np.flatnonzero(row_key[:, 0] >= 0)
+    first = cidx.run_all(("bulk_lengths", key, ids, starts, caps))
+    lengths = np.stack([first[g][0].reshape(-1) for g in range(G)])  # (G, C * P)
+    L = lengths.max(0)
+    # a context is known by its length and its place in the first shard holding it
+    row_key = np.where((lengths == L) & (L > 0), np.stack([first[g][1].reshape(-1) for g in range(G)]), np.iinfo(np.int64).max).min(0)
+    hit = np.flatnonzero(L > 0)
     ctx_of_row = np.full(C * P, -1, np.int64)
+    ctx_key = np.zeros((2, 0), np.int64)
     if len(hit):
-        _, row_ctx = np.unique(np.stack([f.length[hit], row_key[hit, 0], row_key[hit, 1]]), axis=1, return_inverse=True)
-        ctx_of_row[hit] = row_ctx.reshape(-1)
-    n_ctx = int(ctx_of_row.max(initial=-1)) + 1
-    # every group's histograms, each under its context's global id
-    hist_ctx, hist_tok, hist_cnt, best_place, best_cont = [], [], [], np.full(n_ctx, -1, np.int64), np.full(n_ctx, -1, np.int64)
+        ctx_key, inv = np.unique(np.stack([L[hit], row_key[hit]]), axis=1, return_inverse=True)
+        ctx_of_row[hit] = inv.reshape(-1)
+    n_ctx = ctx_key.shape[1]
+    summaries = [cidx.summaries.get((int(a), int(b))) for a, b in ctx_key.T.tolist()]
+    known = np.array([x is not None for x in summaries], bool)
+    skip = np.zeros(C * P, bool)
+    skip[hit] = known[ctx_of_row[hit]]
+    got = cidx.run_all(("bulk_histograms", key, ids, starts, caps, L, skip, bulk.HEAVY))  # bulk.py's threshold, as this process has it
+    # the groups' histograms of the contexts not known, added, each under its context's id
+    hist_ctx, hist_tok, hist_cnt, best_place, cont = [], [], [], np.full(n_ctx, -1, np.int64), np.full(n_ctx, -1, np.int64)
     for g in range(G):
-        g_rows, g_ctx, _, _, g_latest, g_cont, g_off, g_tok, g_cnt = got[g]
+        g_rows, g_ctx, g_latest, g_cont, g_off, g_tok, g_cnt = got[g]
         _, one = np.unique(g_ctx, return_index=True)
-        gid = ctx_of_row[g_rows[one]]  # the global id of each of the group's contexts
+        gid = ctx_of_row[g_rows[one]]  # the id of each of the group's contexts
         hist_ctx.append(np.repeat(gid, np.diff(g_off)))
         hist_tok.append(g_tok)
         hist_cnt.append(g_cnt)
         later = g_latest > best_place[gid]
-        best_place[gid[later]], best_cont[gid[later]] = g_latest[later], g_cont[later]
-    hc, ht, hn = np.concatenate(hist_ctx), np.concatenate(hist_tok), np.concatenate(hist_cnt)
+        best_place[gid[later]], cont[gid[later]] = g_latest[later], g_cont[later]
     V = max(cidx.vocab_size, cidx.eos_id + 1, int(ids.max(initial=0)) + 1)
-    u, inv = np.unique(hc * V + ht, return_inverse=True)
+    u, inv = np.unique(np.concatenate(hist_ctx) * V + np.concatenate(hist_tok), return_inverse=True)
     sums = np.zeros(len(u), np.int64)
-    np.add.at(sums, inv, hn)
+    np.add.at(sums, inv, np.concatenate(hist_cnt))
     uc, ut = u // V, u % V
-    # per context: the count, the top k (count desc, id asc), the continuation; per row: the target's count
     total = np.zeros(n_ctx, np.int64)
     np.add.at(total, uc, sums)
     top, topc = np.full((n_ctx, k), -1, np.int64), np.zeros((n_ctx, k), np.int64)
-    o = np.lexsort((ut, -sums, uc))
+    o = np.lexsort((ut, -sums, uc))  # per context: count desc, id asc
     rank = np.arange(len(o)) - np.searchsorted(uc[o], uc[o], side="left")
     sel = o[rank < k]
     top[uc[sel], rank[rank < k]], topc[uc[sel], rank[rank < k]] = ut[sel], sums[sel]
-    f.count[hit] = total[ctx_of_row[hit]]
-    f.cont[hit] = best_cont[ctx_of_row[hit]]
+    # the known contexts from the client's summaries; the new frequent ones kept for the next chunk
+    bounds = np.searchsorted(uc, np.arange(n_ctx + 1))
+    for c in np.flatnonzero(known).tolist():
+        total[c], top[c], topc[c], cont[c] = summaries[c][2:]
+    for c in np.flatnonzero(~known & (total >= bulk.HEAVY)).tolist():
+        _keep(
+            cidx,
+            (int(ctx_key[0, c]), int(ctx_key[1, c])),
+            (
+                ut[bounds[c] : bounds[c + 1]].copy(),
+                sums[bounds[c] : bounds[c + 1]].copy(),
+                total[c],
+                top[c].copy(),
+                topc[c].copy(),
+                cont[c],
+            ),
+        )
+    known_c = np.flatnonzero(known)
+    kt = [summaries[c][0] for c in known_c.tolist()]
+    ku = np.concatenate(
+        [np.zeros(0, np.int64)] + [c * V + t for c, t in zip(known_c.tolist(), kt)]
+    )  # sorted: contexts ascending, tokens sorted
+    ks = np.concatenate([np.zeros(0, np.int64)] + [summaries[c][1] for c in known_c.tolist()])
+    target = np.append(ids[1:], 0)
+    target[starts[1:] - 1] = cidx.eos_id  # a document's last position is followed by its end
+    tgt = np.tile(target, C)
+    f = _empty(C * P, k)
+    f.length[:] = L
+    f.count[hit], f.cont[hit] = total[ctx_of_row[hit]], cont[ctx_of_row[hit]]
     f.topk_ids[hit], f.topk_cnt[hit] = top[ctx_of_row[hit]], topc[ctx_of_row[hit]]
-    if len(hit):
-        want = ctx_of_row[hit] * V + tgt[hit]
-        j = np.minimum(np.searchsorted(u, want), len(u) - 1)
-        f.target_cnt[hit] = np.where(u[j] == want, sums[j], 0)
+    for keys, counts in ((u, sums), (ku, ks)):
+        if len(keys):
+            want = ctx_of_row[hit] * V + tgt[hit]
+            j = np.minimum(np.searchsorted(keys, want), len(keys) - 1)
+            f.target_cnt[hit] += np.where(keys[j] == want, counts[j], 0)
     none = f.length == 0  # no suffix occurs: the unigram distribution
     uni = cidx.unigram
     f.count[none] = cidx.n_positions
@@ -221,3 +253,13 @@ def _chunk(cidx, ids: np.ndarray, starts: np.ndarray, caps: list[int], k: int) -
     f.topk_ids[none, : len(best)] = best
     f.topk_cnt[none, : len(best)] = uni[best]
     return {cap: Features(*(getattr(f, n)[ci * P : (ci + 1) * P] for n in (*FIELDS, "target_cnt"))) for ci, cap in enumerate(caps)}
+
+
+def _keep(cidx, key: tuple, summary: tuple) -> None:
+    """Keep a frequent context's merged histogram and summary on the client; all are dropped
+    when they would pass the index's bound (engine.DIST_CACHE_ELEMENTS entries)."""
+    if cidx.summary_elements + len(summary[0]) > DIST_CACHE_ELEMENTS:
+        cidx.summaries.clear()
+        cidx.summary_elements = 0
+    cidx.summaries[key] = summary
+    cidx.summary_elements += len(summary[0])

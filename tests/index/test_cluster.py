@@ -224,13 +224,18 @@ def test_a_holder_that_cannot_open_its_shards(cluster, random_index, tmp_path):
     assert "\n" not in str(e.value)
 
 
-def test_bulk_features_equal_the_local_ones_and_brute_force(held):
+@pytest.mark.parametrize("heavy", [1 << 12, 40])
+def test_bulk_features_equal_the_local_ones_and_brute_force(held, heavy, monkeypatch):
     """Features of many documents at once through the holders (index/cluster_bulk.py): equal to
-    index/bulk.py's on the local index, field by field and dtype, and to brute force."""
+    index/bulk.py's on the local index, field by field and dtype, and to brute force; with the
+    frequent contexts (>= heavy occurrences) read through the indexes' kept summaries or not."""
+    from teragram.index import bulk
     from teragram.index.bulk import continuations
     from teragram.index.features import FIELDS
 
     from tests.index.test_engine import _check_bulk
+
+    monkeypatch.setattr(bulk, "HEAVY", heavy)
 
     c, idx, orc = held
     rng = np.random.default_rng(12)
@@ -241,10 +246,12 @@ def test_bulk_features_equal_the_local_ones_and_brute_force(held):
     docs[-1][4] = idx.eos_id  # EOS inside the text: a document's end
     starts = np.cumsum([0] + [len(x) for x in docs])
     caps = (0, 1, 3, 16)
-    got = c.continuations(np.concatenate(docs), starts, caps, top_k=3)
     want = continuations(idx, np.concatenate(docs), starts, caps, top_k=3)
-    for cap in caps:
-        for name in (*FIELDS, "target_cnt"):
-            a, b = getattr(got[cap], name), getattr(want[cap], name)
-            assert a.dtype == b.dtype and np.array_equal(a, b), (cap, name)
+    for _ in range(2):  # the second time with the frequent contexts the client kept
+        got = c.continuations(np.concatenate(docs), starts, caps, top_k=3)
+        for cap in caps:
+            for name in (*FIELDS, "target_cnt"):
+                a, b = getattr(got[cap], name), getattr(want[cap], name)
+                assert a.dtype == b.dtype and np.array_equal(a, b), (cap, name)
+    assert c.summaries or heavy > 100  # the frequent contexts were kept, and read the second time
     _check_bulk(got, docs, starts, orc, 3)
