@@ -14,6 +14,12 @@ thread), then:
   (b) overhead: count and infgram-prob, warm (each query set run once first), the local time per
       query (one call per query, as a local user asks) against the cluster's per query in one
       batch (the bar: within 3x), and the cluster's latency of one query alone.
+  (c) with --heldout FILE.jsonl.zst: bulk features of --bulk-tokens tokens of its documents
+      (the gates' caps: the ∞-gram and contexts of 1, 2, 4, 8, 16 tokens; top 4), after a pass
+      over half as many tokens of other documents of the file, through the holders
+      (ClusterIndex.continuations) and locally (index/bulk.py, one thread): every field equal,
+      and tokens per CPU-second (the cluster's: the client's and every holder's process CPU
+      time; bar: >= 0.5x the local rate).
 Same machine, so (b) measures the protocol (Ray's calls, serialisation, merging), not a network.
 Writes benchmarks/results/cluster.{json,md,png}.
 """
@@ -29,10 +35,52 @@ from pathlib import Path
 import numpy as np
 from teragram.index.engine import Index
 
-from benchmarks.common import SMOKE_HELP, save, smoke_context, smoke_index, table
+from benchmarks.common import SMOKE_HELP, save, smoke_context, smoke_index, smoke_jsonl, table
 
 KINDS = ("count", "prob", "ntd", "infgram-prob", "infgram-ntd", "longest-match", "docs")
 OVERHEAD_BAR = 3.0
+BULK_BAR = 0.5
+BULK_CAPS = (0, 1, 2, 4, 8, 16)  # the gates' estimates (model.mixture.estimates.INDEX)
+
+
+def heldout_docs(idx: Index, path: str, tokens: int) -> tuple[list, list]:
+    """Documents of a held-out file, tokenized: about `tokens` tokens to warm up on, then as many to measure."""
+    from benchmarks.common import read_jsonl
+
+    warm, measured, n = [], [], 0
+    for r in read_jsonl(Path(path)):
+        d = np.asarray(idx.tokenize(r["text"]), np.int64)
+        (warm if n < tokens // 2 else measured).append(d)
+        n += len(d)
+        if n >= tokens // 2 + tokens:
+            break
+    return warm, measured
+
+
+def bulk(idx: Index, c, warm: list, docs: list) -> dict:
+    """Bulk features of docs locally and through the cluster, after a pass over warm on each."""
+    import ray
+    from teragram.index.bulk import continuations
+    from teragram.index.features import FIELDS
+
+    def flat(ds):
+        return np.concatenate(ds), np.cumsum([0] + [len(d) for d in ds])
+
+    (wi, ws), (ids, starts) = flat(warm), flat(docs)
+    continuations(idx, wi, ws, BULK_CAPS, top_k=4)
+    c.continuations(wi, ws, BULK_CAPS, top_k=4)
+    t = time.process_time()
+    want = continuations(idx, ids, starts, BULK_CAPS, top_k=4)
+    local_cpu = time.process_time() - t
+    before, t, wall = ray.get([h.cpu_seconds.remote() for hs in c._holders for h in hs]), time.process_time(), time.perf_counter()
+    got = c.continuations(ids, starts, BULK_CAPS, top_k=4)
+    client_cpu, wall = time.process_time() - t, time.perf_counter() - wall
+    holders_cpu = sum(ray.get([h.cpu_seconds.remote() for hs in c._holders for h in hs])) - sum(before)
+    equal = all(np.array_equal(getattr(got[k], f), getattr(want[k], f)) for k in BULK_CAPS for f in (*FIELDS, "target_cnt"))
+    n = len(ids)
+    return {"tokens": n, "equal": equal, "local_cpu_s": local_cpu, "local_per_cpu_s": n / local_cpu, "cluster_wall_s": wall,
+            "client_cpu_s": client_cpu, "holders_cpu_s": holders_cpu, "cluster_per_cpu_s": n / (client_cpu + holders_cpu),
+            "ratio": local_cpu / (client_cpu + holders_cpu)}  # fmt: skip
 
 
 def _ngram(idx: Index, rng, m: int) -> np.ndarray:
@@ -103,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--queries", type=int, default=1000, help="queries of each kind")
     ap.add_argument("--replicas", type=int, default=1)
+    ap.add_argument("--heldout", help="JSON-lines file of held-out documents: (c) bulk features")
+    ap.add_argument("--bulk-tokens", type=int, default=20000, help="held-out tokens of (c)")
     ap.add_argument("--name", default="cluster", help="results file name")
     ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = ap.parse_args(argv)
@@ -113,7 +163,10 @@ def main(argv: list[str] | None = None) -> int:
             src = Index(smoke_index(tmp))
             docs = [np.asarray(s.tok[a : b - 1]) for s in src.shards for a, b in zip(s.starts[:-1], s.starts[1:])]
             build_from_ids(docs, tmp / "idx", src.path / "tokenizer.model", shard_tokens=src.n_positions // 5 + 1)
-            return main(["--index", str(tmp / "idx"), "--queries", "20", "--name", "cluster_smoke"])
+            held = str(smoke_jsonl(tmp, heldout=True))
+            return main(
+                ["--index", str(tmp / "idx"), "--queries", "20", "--heldout", held, "--bulk-tokens", "3000", "--name", "cluster_smoke"]
+            )
     if not args.index:
         ap.error("--index is required")
     import ray
@@ -144,12 +197,16 @@ def main(argv: list[str] | None = None) -> int:
             one = _per_query_us(lambda xs: [c.batch([q]) for q in xs], items[: max(1, len(items) // 10)])
             overhead.append({"kind": kind, "local_us": loc, "cluster_batch_us": bat, "ratio": bat / loc, "cluster_one_us": one})
             print(overhead[-1], flush=True)
+        bulk_row = None
+        if args.heldout:
+            bulk_row = bulk(idx, c, *heldout_docs(idx, args.heldout, args.bulk_tokens))
+            print(bulk_row, flush=True)
         groups = [[c.shard_ids[p] for p in g] for g in c.groups]
         c.close()
     finally:
         ray.shutdown()
         cluster.shutdown()
-    all_equal = all(r["equal"] == r["queries"] for r in exact)
+    all_equal = all(r["equal"] == r["queries"] for r in exact) and (bulk_row is None or bulk_row["equal"])
     within = all(r["ratio"] <= OVERHEAD_BAR for r in overhead)
     md = (
         f"{idx.n_tokens:,} tokens in {len(idx.shards)} shards; a local Ray cluster of {args.nodes} nodes (1 CPU each), "
@@ -160,10 +217,31 @@ def main(argv: list[str] | None = None) -> int:
         f"**{'met' if within else 'missed'}**. cluster_one_us: one query alone through the cluster.\n\n"
         + table(overhead, ["kind", "local_us", "cluster_batch_us", "ratio", "cluster_one_us"])
     )
+    if bulk_row:
+        met = bulk_row["ratio"] >= BULK_BAR
+        md += (
+            f"\n\n(c) bulk features of {bulk_row['tokens']:,} held-out tokens ({args.heldout}; caps {BULK_CAPS}, top 4) after a warm-up pass: "
+            f"every field equal: **{'yes' if bulk_row['equal'] else 'NO'}**; tokens per CPU-second, cluster (client + holders) "
+            f"against local; bar >= {BULK_BAR:g}x: **{'met' if met else 'missed'}**\n\n"
+            + table(
+                [bulk_row],
+                [
+                    "tokens",
+                    "local_cpu_s",
+                    "local_per_cpu_s",
+                    "cluster_wall_s",
+                    "client_cpu_s",
+                    "holders_cpu_s",
+                    "cluster_per_cpu_s",
+                    "ratio",
+                ],
+            )
+        )
     save(
         args.name,
         {"index": str(Path(args.index)), "tokens": idx.n_tokens, "shards": len(idx.shards), "nodes": args.nodes, "replicas": args.replicas,
-         "groups": groups, "exactness": exact, "all_equal": all_equal, "overhead": overhead, "overhead_bar": OVERHEAD_BAR},
+         "groups": groups, "exactness": exact, "all_equal": all_equal, "overhead": overhead, "overhead_bar": OVERHEAD_BAR,
+         "bulk": bulk_row, "bulk_bar": BULK_BAR},
         md,
         _plot(overhead),
     )  # fmt: skip

@@ -111,7 +111,10 @@ def _histograms(
 
 def continuations(idx, ids: np.ndarray, starts: np.ndarray, caps, *, top_k: int = 1, threads: int = 1) -> dict[int, Features]:
     """Features (with target_cnt) of every position of the documents ids[starts[k]:starts[k+1]],
-    for each cap in caps (<= 0: uncapped, the ∞-gram's longest match)."""
+    for each cap in caps (<= 0: uncapped, the ∞-gram's longest match). An index held by a Ray
+    cluster's actors (index/cluster.py) has its holders compute them (index/cluster_bulk.py)."""
+    if hasattr(idx, "run_all"):
+        return idx.continuations(ids, starts, caps, top_k=top_k)
     ids = np.ascontiguousarray(ids, dtype=np.int64)
     starts = np.asarray(starts, dtype=np.int64)
     asked = list(dict.fromkeys(caps))

@@ -79,6 +79,12 @@ class ShardHolder:
     def unigram(self) -> np.ndarray:
         return self.idx.unigram
 
+    def cpu_seconds(self) -> float:
+        """CPU seconds this holder's process has used (for measurements)."""
+        import time
+
+        return time.process_time()
+
     def bulk_lengths(self, key, ids: np.ndarray, starts: np.ndarray, caps: list[int]) -> tuple[np.ndarray, np.ndarray]:
         from .cluster_bulk import holder_lengths
 

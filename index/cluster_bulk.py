@@ -181,7 +181,7 @@ def _chunk(cidx, ids: np.ndarray, starts: np.ndarray, caps: list[int], k: int) -
         ctx_key, inv = np.unique(np.stack([L[hit], row_key[hit]]), axis=1, return_inverse=True)
         ctx_of_row[hit] = inv.reshape(-1)
     n_ctx = ctx_key.shape[1]
-    summaries = [cidx.summaries.get((int(a), int(b))) for a, b in ctx_key.T.tolist()]
+    summaries = [cidx.summaries.get((int(a), int(b), k)) for a, b in ctx_key.T.tolist()]  # kept with their top k
     known = np.array([x is not None for x in summaries], bool)
     skip = np.zeros(C * P, bool)
     skip[hit] = known[ctx_of_row[hit]]
@@ -216,7 +216,7 @@ def _chunk(cidx, ids: np.ndarray, starts: np.ndarray, caps: list[int], k: int) -
     for c in np.flatnonzero(~known & (total >= bulk.HEAVY)).tolist():
         _keep(
             cidx,
-            (int(ctx_key[0, c]), int(ctx_key[1, c])),
+            (int(ctx_key[0, c]), int(ctx_key[1, c]), k),
             (
                 ut[bounds[c] : bounds[c + 1]].copy(),
                 sums[bounds[c] : bounds[c + 1]].copy(),

@@ -255,3 +255,17 @@ def test_bulk_features_equal_the_local_ones_and_brute_force(held, heavy, monkeyp
                 assert a.dtype == b.dtype and np.array_equal(a, b), (cap, name)
     assert c.summaries or heavy > 100  # the frequent contexts were kept, and read the second time
     _check_bulk(got, docs, starts, orc, 3)
+
+
+def test_heldout_estimates_through_the_cluster(held):
+    """The gates' held-out index estimates (model.mixture.estimates.index_estimates_docs, which
+    read index/bulk.py) of a ClusterIndex equal those of the local index."""
+    from teragram.model.mixture.estimates import index_estimates_docs
+
+    c, idx, orc = held
+    rng = np.random.default_rng(4)
+    docs = [orc.docs[7][:50], rng.integers(3, idx.vocab_size, size=30), orc.docs[11]]
+    got, want = index_estimates_docs(c, docs), index_estimates_docs(idx, docs)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert got[name].dtype == want[name].dtype and np.array_equal(got[name], want[name]), name
