@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from teragram.index.engine import Index, with_tokens
-from teragram.index.errors import QueryError, TeragramError
+from teragram.index.errors import ClusterError, QueryError, TeragramError
 from teragram.model.generation.draft import MAX_DRAFT, DraftStats
 
 
@@ -44,6 +44,8 @@ class ServeConfig:
     max_tokens: int = 512  # cap on generated tokens per request
     max_body_bytes: int = 1 << 20
     max_query_tokens: int = 4096  # cap on tokens of a query / scored text
+    cluster: str | None = None  # a Ray cluster's address: the shards held by its actors (index/cluster.py), index queries only
+    replicas: int = 1  # with cluster: holders of each group of shards
 
 
 class _Strict(BaseModel):
@@ -117,7 +119,7 @@ class Served:
     of its requests (the model's lock, what drafting has learnt, the endpoints' statistics)."""
 
     cfg: ServeConfig
-    idx: Index
+    idx: Index  # or a ClusterIndex (--cluster: index queries only)
     model: object = None
     model_meta: dict = field(default_factory=dict)
     gate: object = None
@@ -130,7 +132,14 @@ class Served:
 def load(cfg: ServeConfig) -> Served:
     """Open the index and load the model, its gate or kNN store, refusing with one line what
     cannot serve together (another vocabulary or tokenizer, a gate of another model or index)."""
-    idx = Index(cfg.index)
+    if cfg.cluster:
+        from teragram.index.cluster import ClusterIndex
+
+        if cfg.checkpoint:
+            raise TeragramError("--cluster serves index queries only: the model's live index features need the shards in this process")
+        idx = ClusterIndex.open(cfg.index, address=cfg.cluster, replicas=cfg.replicas)
+    else:
+        idx = Index(cfg.index)
     model = None
     model_meta: dict = {}
     if cfg.checkpoint:
@@ -228,7 +237,7 @@ def _add_guards(app: FastAPI, s: Served) -> None:
 
     @app.exception_handler(TeragramError)
     async def _teragram(request: Request, exc: TeragramError):
-        return _err(400, str(exc))
+        return _err(503 if isinstance(exc, ClusterError) else 400, str(exc))  # 503: shards without a live holder
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
@@ -258,7 +267,7 @@ def _add_index_routes(app: FastAPI, s: Served) -> None:
                 "path": cfg.index,
                 "tokens": idx.n_tokens,
                 "documents": idx.n_docs,
-                "shards": len(idx.shards),
+                "shards": len(idx.manifest["shards"]),
                 "vocab_size": idx.vocab_size,
             },
             "model": m,

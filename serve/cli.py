@@ -19,6 +19,8 @@ def cmd_serve(args) -> int:
             port=args.port,
             api_key=args.api_key,
             device=args.device,
+            cluster=args.cluster,
+            replicas=args.replicas,
         )
     )
     return 0
@@ -39,4 +41,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     se.add_argument("--port", type=int, default=8080)
     se.add_argument("--api-key", help="require Authorization: Bearer KEY on every request")
     se.add_argument("--device", default="cpu")
+    se.add_argument("--cluster", metavar="ADDRESS", help="the index's shards held by actors on this Ray cluster (index queries only)")
+    se.add_argument("--replicas", type=int, default=1, help="with --cluster: holders of each group of shards, each on another node")
     se.set_defaults(run=cmd_serve)

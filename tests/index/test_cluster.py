@@ -269,3 +269,21 @@ def test_heldout_estimates_through_the_cluster(held):
     assert got.keys() == want.keys()
     for name in want:
         assert got[name].dtype == want[name].dtype and np.array_equal(got[name], want[name]), name
+
+
+def test_serve_through_the_cluster(cluster, random_index):
+    """`teragram serve --cluster` answers infini-gram's API as the local server does; a model
+    is refused in one line."""
+    from fastapi.testclient import TestClient
+    from teragram.index.errors import TeragramError
+    from teragram.serve.app import ServeConfig, create_app
+
+    idx, orc = random_index
+    body = {"query_type": "infgram_prob", "query_ids": [int(t) for t in orc.docs[6][:4]]}
+    answers = [
+        TestClient(create_app(ServeConfig(index=str(idx.path), **kw))).post("/", json=body).json()
+        for kw in ({}, {"cluster": cluster.address})
+    ]
+    assert {k: v for k, v in answers[0].items() if k != "latency"} == {k: v for k, v in answers[1].items() if k != "latency"}
+    with pytest.raises(TeragramError, match="--cluster serves index queries only"):
+        create_app(ServeConfig(index=str(idx.path), cluster=cluster.address, checkpoint="run"))
