@@ -427,7 +427,7 @@ def report(res: dict, results_name: str = "index_size") -> None:
     save(results_name, res, "\n\n".join(md) + "\n\n" + "\n".join(lines), fig)
 
 
-def product_check(outputs: Path, index: Path, res: dict, workers: int, max_targets: int | None = None) -> dict:
+def product_check(outputs: Path, index: Path, res: dict, workers: int, max_targets: int | None = None, sets=None) -> dict:
     """The product commands alone on each set's saved outputs against INDEX (`teragram eval
     --outputs VALID --fit-gate G`, then `--outputs TEST --gate G`), against this benchmark's
     "choice" figure for that index: the bar is agreement within 0.5%."""
@@ -436,6 +436,8 @@ def product_check(outputs: Path, index: Path, res: dict, workers: int, max_targe
     row = next(r for r in res["indexes"] if r["index"] == index.name)
     check = {"index": index.name, "sets": {}}
     for name, s in row["sets"].items():
+        if sets and name not in sets:
+            continue
         half = {h: outputs / "unpacked" / (f"first{max_targets}" if max_targets else "") / f"{name}-{h}" for h in HALVES}
         gate = outputs / "product" / f"{index.name}-{name}.json"
         gate.parent.mkdir(exist_ok=True)
@@ -510,6 +512,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale", choices=["gpu", "cpu"], default="gpu", help="gpu: the 125M model; cpu: the tiny one")
     ap.add_argument("--name", default="index_size", help="eval: the results' name (benchmarks/results/NAME.md)")
     ap.add_argument("--product-check", type=Path, help="eval: also run the product commands alone with this index (one of --index)")
+    ap.add_argument("--product-check-sets", help="eval: only these sets (comma-separated) in the product check")
     a = ap.parse_args(argv)
     if a.stage == "prepare":
         stage_prepare(a.data, a.carry, a.max_mb)
@@ -519,7 +522,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         res = stage_eval(a.outputs, a.index, a.workers, a.max_targets)
         if a.product_check:
-            res["product_check"] = product_check(a.outputs, a.product_check, res, a.workers, a.max_targets)
+            sets = a.product_check_sets.split(",") if a.product_check_sets else None
+            res["product_check"] = product_check(a.outputs, a.product_check, res, a.workers, a.max_targets, sets)
         report(res, a.name)
     return 0
 
