@@ -132,8 +132,15 @@ def select_from_apt() -> list[dict]:
 
 def deb_path(pkg: dict) -> Path | None:
     """The pool package's .deb in the corpus cache, at the version and of the size the pool records
-    (a download cut short is not taken)."""
-    for deb in (corpora.cache_dir() / "debs").glob(f"{pkg['name']}_*.deb"):
+    (a download cut short is not taken). apt-get download names it NAME_VERSION_ARCH.deb with the
+    epoch's colon as %3a; a record without its architecture is looked for by name."""
+    debs = corpora.cache_dir() / "debs"
+    if "architecture" in pkg:
+        named = debs / f"{pkg['name']}_{pkg['version'].replace(':', '%3a')}_{pkg['architecture']}.deb"
+        found = [named] if named.exists() else []
+    else:
+        found = list(debs.glob(f"{pkg['name']}_*.deb"))
+    for deb in found:
         if unquote(deb.name[len(pkg["name"]) + 1 :].rsplit("_", 1)[0]) == pkg["version"]:
             if pkg.get("deb_bytes", deb.stat().st_size) == deb.stat().st_size:
                 return deb
