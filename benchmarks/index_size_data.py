@@ -11,6 +11,8 @@ Everything goes under DATA (large; outside the repository). One command per step
     python -m benchmarks.index_size_data index   --data DATA --name idx-200m --tokens 200e6
     python -m benchmarks.index_size_data index   --data DATA --name idx-1b --tokens 1e9
     python -m benchmarks.index_size_data index   --data DATA --name idx-2b --all
+    python -m benchmarks.index_size_data export  --data DATA --pool    # DATA/extra2/GROUP/bNN.jsonl.zst
+    python -m benchmarks.index_size_data index   --data DATA --name idx-5b --tokens 5e9 --pool --part-buckets 32
 
 The extra corpus is every train-split document (corpora.split_of) of linux-source-6.1 and the
 English packages that the 125M model's training text does not already hold, plus the
@@ -24,7 +26,11 @@ time-shifted and prose sets come from evaluation-only corpora (corpora.EVAL_ONLY
 accepts, and the packages set is code of whole packages held out of every index (the package pool
 of tools/package_pool.py, split by a hash of the package name before any export; `heldout --sets
 packages` makes it alone, selecting the pool and downloading its held-out packages if needed).
-Each step appends what it made to DATA/READY.md.
+The next doubling nests on the whole extra corpus the same way: the indexable packages of the
+pool, exported into 100 buckets by path hash (DATA/extra2/), are a second stage (STAGES) whose
+buckets < k are indexed in parts under DATA/parts2/ and composed with idx-050m and every part of
+the extra corpus. Each step appends what it made to DATA/READY.md; an index step that stops
+resumes when run again (build-index resumes a part after its last completed shard).
 """
 
 from __future__ import annotations
