@@ -304,10 +304,9 @@ def smoke_features(tmp: Path) -> Path:
 
 
 def smoke_short_fits(steps: int = 15) -> None:
-    """For a smoke run: every gate fit (model/mixture/gate: Gate.fit, fit_weights; a joint
-    model's gate refit, model/mixture/refit.refit_gate) takes `steps` L-BFGS iterations by
-    default, not 300 (a refit's 100: the same code path; on tiny data the fits are the slow part)."""
-    from teragram.model.mixture import gate, refit
+    """For a smoke run: every gate fit (model/mixture/gate: Gate.fit, fit_weights) takes `steps`
+    L-BFGS iterations by default, not 300 (the same code path; on tiny data the fits are the slow part)."""
+    from teragram.model.mixture import gate
 
-    for f in (gate.fit_weights, gate.Gate.fit.__func__, refit.refit_gate):
+    for f in (gate.fit_weights, gate.Gate.fit.__func__):
         f.__kwdefaults__["steps"] = steps

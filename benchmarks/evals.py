@@ -3,14 +3,13 @@ task's whole validation set, with the share of examples found in the index (any 
 context + answer) and the accuracy on the rest.
 
     python -m benchmarks.evals --checkpoint RUN --index IDX [--gate GATE.json] [--tasks all] [--name evals]
-    python -m benchmarks.evals --results EVALS.json --model-name ... --name evals_joint
+    python -m benchmarks.evals --results EVALS.json --model-name ... --name evals
     python -m benchmarks.evals --curve RUN/log.jsonl --model-name ... --name evals_curve
 
-A jointly trained checkpoint (train --gate=joint) is scored alone and through its own gate in the
-same pass. --results renders a run of `teragram evals --out EVALS.json` made elsewhere (a joint
-model's mixture reads the index as it runs, so on the GPU machine with its own copy of the index;
-the index named here is the same build, for its token count). --curve renders the accuracy
-logged during training (train --evals=TASKS --evals_limit=N --eval_every=K) against the step.
+--results renders a run of `teragram evals --out EVALS.json` made elsewhere (e.g. on the GPU
+machine with its own copy of the index; the index named here is the same build, for its token
+count). --curve renders the accuracy logged during training (train --evals=TASKS
+--evals_limit=N --eval_every=K) against the step.
 
 Published references for the same tasks (acc_norm where the source gives it): GPT-2 124M,
 HellaSwag 0.294 (llm.c's evaluation, 10,042 examples); TScale's 125M, HellaSwag 0.327 without
@@ -80,7 +79,7 @@ def main() -> None:
     tasks = list(TASKS) if a.tasks == "all" else a.tasks.split(",")
     if a.results:
         saved = json.loads(Path(a.results).read_text())
-        raw, a.gate, a.index = saved["tasks"], saved.get("gate") or saved.get("joint_gate"), saved["index"]
+        raw, a.gate, a.index = saved["tasks"], saved.get("gate"), saved["index"]
         where = f"index {a.index} (on the machine that scored it)"
     else:
         if not a.index:
@@ -95,7 +94,7 @@ def main() -> None:
             kw = dict(gate=gate, limit=a.limit, device=a.device, batch=a.batch, threads=a.workers, outputs_dir=a.outputs)
             raw.append(run_task(model, idx, name, **kw) | {"seconds": time.time() - t})
             print(raw[-1], flush=True)
-    mix = next((k for k in ("gated", "joint") if k in raw[0]), None)  # the post-hoc gate's mixture, or a joint model's own
+    mix = "gated" if "gated" in raw[0] else None  # the gate's mixture
     rows = []
     for r in raw:
         row = {"task": r["task"], "examples": r["examples"], "acc": r["model"]["acc"], "acc_norm": r["model"]["acc_norm"]}
@@ -107,11 +106,11 @@ def main() -> None:
         rows.append(row)
     cols = list(rows[0])
     md = (
-        f"Model {a.model_name or a.checkpoint or a.outputs or a.results}, {where}, gate {a.gate or ('its own (trained jointly)' if mix == 'joint' else None)}"
+        f"Model {a.model_name or a.checkpoint or a.outputs or a.results}, {where}, gate {a.gate}"
         + (f", scored elsewhere: {a.results}" if a.results else "")
         + ". acc: the candidate with the highest summed log-probability; acc_norm: "
         "per character of the completion; gated: the same through the gated mixture of the model and the index's and "
-        "document cache's estimates (joint: a jointly trained model's own gate over them); in_index: share of examples with a 13-gram of context + answer in the index; clean_*: "
+        "document cache's estimates; in_index: share of examples with a 13-gram of context + answer in the index; clean_*: "
         "accuracy on the others. Chance: 0.25 for 4 candidates (HellaSwag, ARC, SciQ, OpenBookQA), 0.5 for 2 (PIQA, "
         "Winogrande, BoolQ), 0.33 for Social IQa. References: GPT-2 124M HellaSwag acc_norm 0.294 (llm.c); TScale 125M "
         "0.327 without its index, 0.360 with.\n\n"

@@ -7,8 +7,8 @@ train-everyday / heldout-everyday (issue 18): everyday English for the multiple-
 (corpora.EVERYDAY: WordNet's glosses and example sentences, GNOME's and LibreOffice's help, the
 Debian Administrator's Handbook, Crawl's descriptions) and the English packages the gpu scale's
 train-english leaves out (the Jargon File, fortunes, the King James Bible). The 125M headline of
-the evals trains on all three files; the perplexity, index-size and joint benchmarks keep the
-first two (their held-out sets are heldout-code and heldout-english), so their results stand.
+the evals trains on all three files; the perplexity and index-size benchmarks (and the retired
+joint one) keep the first two (their held-out sets are heldout-code and heldout-english), so their results stand.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 from teragram.index import format as fmt
+from teragram.index.errors import TeragramError
 from teragram.model.config import ConfigError
 from teragram.model.gpt import GPT, GPTConfig
 
@@ -58,8 +59,7 @@ def save_checkpoint(
 # what a run learns, beyond its model's shape (a checkpoint of another shape fails to load) and
 # its paths (an index may move): a resume must keep them; world size, zero1, offload and
 # max_steps may change
-RESUME_SAME = ("seed", "batch_size", "grad_accum", "lr", "min_lr", "warmup", "weight_decay", "optimizer", "gate", "use_index")
-RESUME_SAME += ("joint_components", "joint_top_k", "joint_hidden", "joint_detach", "joint_lm_weight")
+RESUME_SAME = ("seed", "batch_size", "grad_accum", "lr", "min_lr", "warmup", "weight_decay", "optimizer", "use_index")
 
 
 def check_resume(cfg, out: Path) -> None:
@@ -77,16 +77,28 @@ def check_resume(cfg, out: Path) -> None:
         )
 
 
+# the last commit with the joint recipe (train --gate=joint, its kNN store and gate refit), retired
+# since: docs/research/2026-12-04-joint-gate.md says why
+JOINT_RETIRED_AT = "66eafbe"
+# GPTConfig fields of the joint recipe that checkpoints written before its retirement hold
+JOINT_FIELDS = ("joint", "joint_top_k", "joint_hidden", "joint_detach", "joint_tokenizer", "joint_lm_weight", "joint_knn")
+
+
 def load_model(checkpoint: str | Path, device: str = "cpu") -> tuple[GPT, dict]:
-    """A model from a checkpoint directory (or a run directory: its latest checkpoint)."""
+    """A model from a checkpoint directory (or a run directory: its latest checkpoint). A model
+    trained with the retired joint gate is refused with one line."""
     p = Path(checkpoint)
     if (p / "latest.json").exists():
         p = p / fmt.read_json(p / "latest.json")["checkpoint"]
     meta = json.loads((p / "config.json").read_text())
     mc = meta["model"]
+    if mc.get("joint"):
+        raise TeragramError(
+            f"{checkpoint}: a model trained with the joint gate (train --gate=joint), retired after commit {JOINT_RETIRED_AT}:"
+            f" check that commit out to use it"
+        )
+    mc = {k: v for k, v in mc.items() if k not in JOINT_FIELDS}  # a plain model saved before the retirement
     mc["index_inputs"] = tuple(mc["index_inputs"])
-    mc["joint"] = tuple(mc.get("joint", ()))
-    mc["joint_knn"] = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in mc.get("joint_knn", ()))  # JSON lists back to tuples
     model = GPT(GPTConfig(**mc))
     sd = load_file(str(p / "model.safetensors"))
     sd.setdefault("lm_head.weight", sd["transformer.wte.weight"])  # tied (gpt2 arch)
@@ -95,11 +107,10 @@ def load_model(checkpoint: str | Path, device: str = "cpu") -> tuple[GPT, dict]:
 
 
 def weights_digest(model: GPT) -> str:
-    """blake2b of every parameter but a joint gate's: what a gate fit on a model's outputs belongs
-    to (a post-hoc gate, a refit joint gate), and is refused by any other model."""
+    """blake2b of every parameter: what a gate fit on a model's outputs belongs to, and is refused
+    by any other model."""
     h = hashlib.blake2b(digest_size=16)
     for name, p in model.named_parameters():
-        if not name.startswith("joint_gate."):
-            h.update(name.encode())
-            h.update(np.ascontiguousarray(p.detach().float().cpu().numpy()))
+        h.update(name.encode())
+        h.update(np.ascontiguousarray(p.detach().float().cpu().numpy()))
     return h.hexdigest()

@@ -52,8 +52,6 @@ def cmd_eval(args) -> int:
         baselines.save_params(args.fit_lambdas, args.baseline, fitted)
     if args.gate or args.fit_gate:
         r["gate"] = args.gate or args.fit_gate
-    if args.joint_gate or args.refit_gate:
-        r["joint_gate"] = args.joint_gate or args.refit_gate
     if args.baseline:
         r["baseline"] = args.baseline
     _print_eval(args, r)
@@ -70,12 +68,6 @@ def _check_eval_args(args) -> None:
         raise TeragramError("--fit-lambdas / --lambdas go with --baseline infini-gram|infini-gram+cache|knn")
     if args.baseline and (args.gate or args.fit_gate):
         raise TeragramError("give either the index gate (--gate / --fit-gate) or --baseline, not both")
-    if args.refit_gate and (args.gate or args.fit_gate or args.baseline or args.joint_gate or args.save_outputs):
-        raise TeragramError(
-            "--refit-gate refits the joint model's own gate: give it without --gate, --fit-gate, --baseline, --joint-gate, --save-outputs"
-        )
-    if args.refit_hidden and not args.refit_gate:
-        raise TeragramError("--refit-hidden goes with --refit-gate")
     if args.no_cont_cache and not args.fit_gate:
         raise TeragramError("--no-cont-cache goes with --fit-gate (a fitted gate says itself whether it reads the continuous cache)")
     if args.cont_cache_from and not args.save_outputs:
@@ -86,8 +78,8 @@ def _eval_outputs(args, opts):
     """(report, fitted, the model's digest) of saved outputs mixed with the index."""
     from teragram.index.errors import TeragramError
 
-    if args.checkpoint or args.corpus or args.save_outputs or args.refit_gate or args.joint_gate:
-        raise TeragramError("--outputs replaces --checkpoint and --corpus (the model already ran; --refit-gate and --joint-gate need it)")
+    if args.checkpoint or args.corpus or args.save_outputs:
+        raise TeragramError("--outputs replaces --checkpoint and --corpus (the model already ran)")
     from teragram.model.evaluation.outputs import load_outputs, outputs_report
 
     outputs = load_outputs(args.outputs)
@@ -100,7 +92,6 @@ def _eval_outputs(args, opts):
 
 def _eval_checkpoint(args, opts):
     """(report, fitted, the model's digest) of a checkpoint run over held-out text."""
-    import dataclasses
     import tempfile
 
     from teragram.index.engine import Index
@@ -119,21 +110,6 @@ def _eval_checkpoint(args, opts):
     idx = Index(args.index)
     if model.cfg.vocab_size != idx.vocab_size:
         raise TokenizerMismatch(f"checkpoint vocabulary {model.cfg.vocab_size} != index vocabulary {idx.vocab_size}")
-    if model.cfg.joint:
-        from teragram.model.mixture.joint import check_index
-
-        check_index(model.cfg, idx)  # before any work: its gate reads this index's estimates
-    elif args.refit_gate or args.joint_gate:
-        raise TeragramError(
-            f"{args.checkpoint}: --refit-gate / --joint-gate are for a jointly trained model; fit a post-hoc gate with --fit-gate"
-        )
-    if args.joint_gate:
-        from teragram.model.mixture.refit import use_gate_file
-
-        use_gate_file(model, args.joint_gate)
-    from teragram.model.mixture.knn import source_for
-
-    opts = dataclasses.replace(opts, knn=source_for(model, args.knn_keys, args.index, args.device))
     with tempfile.TemporaryDirectory() as tmp:
         feats = args.features_out or tmp
         cfg = FeatureConfig("held-out", model.cfg.max_match, max(model.cfg.top_k, 1))
@@ -155,12 +131,6 @@ def _eval_checkpoint(args, opts):
                 cont_cache=cont_cache_spec(args.cont_cache_from) if args.cont_cache_from else None,
             )
             r, fitted = mix_report(res, per_doc, args.index, feats, opts)
-        elif args.refit_gate:
-            from teragram.model.mixture.refit import refit_report, save_gate
-
-            r, gate, fit = refit_report(model, args.index, feats, args.device, opts, hidden=args.refit_hidden)
-            save_gate(args.refit_gate, model, gate, fit | {"checkpoint": str(args.checkpoint), "corpus": [str(c) for c in args.corpus]})
-            fitted = None
         else:
             r, fitted = heldout_report(model, args.index, feats, args.device, opts)
     return r, fitted, model_id
@@ -178,10 +148,6 @@ def _print_eval(args, r: dict) -> None:
                 ch = r["gate_choice"]
                 scores = ", ".join(f"{k} {v:.3f}" for k, v in ch["held_out_half_perplexity"].items())
                 msg += f" ({ch['chosen']}, chosen on half the documents fit on the other half: {scores})"
-        if "refit" in r:
-            msg += f" with its joint gate refit here ({args.refit_gate}; the trained gate: {r['refit']['perplexity_trained_gate']:.3f})"
-        elif args.joint_gate:
-            msg += f" with the refit joint gate {args.joint_gate}"
         if "baseline" in r:
             msg += f" with the {r['baseline']} interpolation ({args.lambdas or args.fit_lambdas})"
         if "model" in r:
@@ -211,17 +177,12 @@ def cmd_sample(args) -> int:
     from teragram.model.generation.draft import Drafter
     from teragram.model.generation.sample import generate
     from teragram.model.mixture.gate import Gate
-    from teragram.model.mixture.knn import source_for
 
     model, _ = load_model(args.checkpoint, args.device)
     idx = Index(args.index)
     gate = Gate.load(args.gate) if args.gate else None
     if gate is not None:
         gate.check(model=weights_digest(model), index_dir=args.index, name=args.gate)
-    if args.joint_gate:
-        from teragram.model.mixture.refit import use_gate_file
-
-        use_gate_file(model, args.joint_gate)
     g = generate(
         model,
         idx,
@@ -234,7 +195,6 @@ def cmd_sample(args) -> int:
         gate=gate,
         draft=Drafter(max_tokens=args.draft),
         provenance=args.provenance,
-        knn=source_for(model, args.knn_keys, args.index, args.device),
     )
     print(idx.decode(g.ids))
     if args.provenance:
@@ -284,7 +244,7 @@ def cmd_evals(args) -> int:
     from teragram.index.engine import Index
     from teragram.index.errors import TeragramError
     from teragram.model.checkpoint import load_model, weights_digest
-    from teragram.model.evaluation.tasks import TASKS, check_run, run_task
+    from teragram.model.evaluation.tasks import TASKS, run_task
     from teragram.model.mixture.gate import Gate
     from tqdm import tqdm
 
@@ -296,25 +256,10 @@ def cmd_evals(args) -> int:
     gate = Gate.load(args.gate) if args.gate else None
     if gate is not None:
         gate.check(model=weights_digest(model) if model is not None else None, index_dir=args.index, name=args.gate)
-    check_run(model, idx, gate=gate, save_dir=args.save_outputs, knn=args.knn_keys, index_side=not args.model_only)
-    is_joint = model is not None and bool(model.cfg.joint)
-    knn = None
-    if args.knn_keys:
-        if model is None:
-            raise TeragramError("--knn-keys goes with the --checkpoint of a jointly trained model that reads dense_knn")
-        from teragram.model.mixture.knn import source_for
-
-        knn = source_for(model, args.knn_keys, args.index, args.device)
-    if args.joint_gate:
-        if model is None:
-            raise TeragramError("--joint-gate goes with the --checkpoint of a jointly trained model")
-        from teragram.model.mixture.refit import use_gate_file
-
-        use_gate_file(model, args.joint_gate)
     rows = []
     for name in tqdm(tasks, desc="tasks", disable=args.quiet):
         kw = dict(gate=gate, limit=args.limit, device=args.device, batch=args.batch, threads=args.workers)
-        kw |= dict(save_dir=args.save_outputs, outputs_dir=args.outputs, index_side=not args.model_only, knn=knn)
+        kw |= dict(save_dir=args.save_outputs, outputs_dir=args.outputs, index_side=not args.model_only)
         rows.append(run_task(model, idx, name, **kw))
     if args.model_only:
         for r in rows:
@@ -322,15 +267,12 @@ def cmd_evals(args) -> int:
         return 0
     if args.out:
         Path(args.out).write_text(
-            json.dumps(
-                {"checkpoint": args.checkpoint, "index": args.index, "gate": args.gate, "joint_gate": args.joint_gate, "tasks": rows},
-                indent=1,
-            )
+            json.dumps({"checkpoint": args.checkpoint, "index": args.index, "gate": args.gate, "tasks": rows}, indent=1)
         )
     if args.json:
         print_json(rows)
         return 0
-    cols = ["model"] + (["gated"] if gate is not None else []) + (["joint"] if is_joint else [])
+    cols = ["model"] + (["gated"] if gate is not None else [])
     print(
         "| task | examples | "
         + " | ".join(f"{c} acc | {c} acc_norm" for c in cols)
@@ -397,20 +339,6 @@ def _register_eval(sub) -> None:
         " (default: fit on this text, which should then be validation text)",
     )
     ev.add_argument(
-        "--refit-gate",
-        metavar="OUT",
-        help="a jointly trained model: refit its gate on this (validation) text, the LM frozen, and save it (model/mixture/refit.py)",
-    )
-    ev.add_argument("--refit-hidden", action="store_true", help="with --refit-gate: refit the gate's hidden-state projection too")
-    ev.add_argument(
-        "--joint-gate", metavar="FILE", help="a jointly trained model: mix with this refit gate (--refit-gate) instead of its own"
-    )
-    ev.add_argument(
-        "--knn-keys",
-        metavar="RUN",
-        help="a joint model whose gate reads dense_knn: the run whose hidden states key its kNN store (rebuilt here, on the device)",
-    )
-    ev.add_argument(
         "--baseline",
         choices=["infini-gram", "infini-gram+cache", "knn"],
         help="a peer's interpolation instead of the gate: infini-gram's 2 λ; those plus the document cache's longest match"
@@ -437,21 +365,13 @@ def _register_evals(sub) -> None:
     es.add_argument(
         "--index",
         required=True,
-        help="its tokenizer reads the tasks; its estimates feed --gate or a joint model's own gate; contamination is checked against it",
+        help="its tokenizer reads the tasks; its estimates feed --gate; contamination is checked against it",
     )
-    es.add_argument("--gate", help="also score through the gated mixture (eval --fit-gate); not for a jointly trained model")
-    es.add_argument(
-        "--joint-gate", metavar="FILE", help="a jointly trained model: mix with this refit gate (eval --refit-gate) instead of its own"
-    )
+    es.add_argument("--gate", help="also score through the gated mixture (eval --fit-gate)")
     es.add_argument(
         "--tasks",
         default="hellaswag",
         help="comma-separated, or all: " + "hellaswag, arc_easy, arc_challenge, piqa, winogrande, sciq, openbookqa, boolq, social_iqa",
-    )
-    es.add_argument(
-        "--knn-keys",
-        metavar="RUN",
-        help="a joint model whose gate reads dense_knn: the run whose hidden states key its kNN store (rebuilt at start)",
     )
     es.add_argument("--limit", type=int, help="the first N examples of each task")
     es.add_argument("--device", default="cpu")
@@ -475,12 +395,6 @@ def _register_sample(sub) -> None:
     sa.add_argument("--seed", type=int, default=0)
     sa.add_argument("--device", default="cpu")
     sa.add_argument("--gate", help="mix in the index's and the document cache's estimates with this gate (eval --fit-gate)")
-    sa.add_argument("--joint-gate", metavar="FILE", help="a jointly trained model: this refit gate (eval --refit-gate) instead of its own")
-    sa.add_argument(
-        "--knn-keys",
-        metavar="RUN",
-        help="a joint model whose gate reads dense_knn: the run whose hidden states key its kNN store (rebuilt here, on the device)",
-    )
     sa.add_argument(
         "--draft", type=draft_length, default=0, metavar="N", help="draft up to N tokens from exact matches, verified in one forward pass"
     )

@@ -23,7 +23,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from teragram.index.features import Features
-from teragram.model.mixture.joint import Est, JointGate, mixture_nll, mixture_probs
 from torch.utils.checkpoint import checkpoint
 
 N_CNT_BUCKETS = 33  # floor(log2(count + 1)) for counts below 2^32
@@ -51,13 +50,6 @@ class GPTConfig:
     max_match: int = 64
     arch: str = "gpt2"  # "gpt2" | "modern" (rotary, RMSNorm, QK-norm, ReLU^2 MLP, untied head)
     tie_head: bool | None = None  # the head shares the token embedding; None: the arch's (gpt2 tied, modern untied)
-    joint: tuple[str, ...] = ()  # estimates mixed in by a gate trained with the LM (model/mixture/joint.py); () none
-    joint_top_k: int = 4  # continuations kept per index estimate
-    joint_hidden: bool = True  # the joint gate reads the final hidden state
-    joint_detach: bool = False  # ... without its gradient: the gate's loss does not shape the trunk
-    joint_tokenizer: str = ""  # blake2b of the tokenizer its estimates were made with (an index must have it)
-    joint_lm_weight: float = 0.0  # training adds this times the model's own nll to the mixture's (keeps the LM a whole LM)
-    joint_knn: tuple = ()  # (name, value) pairs of dense_knn's store (model/mixture/knn.SETTINGS): KnnSource rebuilds it
 
     @classmethod
     def preset(cls, name: str, **kw) -> GPTConfig:
@@ -194,11 +186,10 @@ class _TargetLogp(torch.autograd.Function):
     log-sum-exp. Backward's gradient of the logits is g (onehot(y) - softmax), as autograd's
     through log_softmax and gather, in fewer passes over (n, V) than checkpointing that graph
     (which runs its whole forward a second time). weight is the head's parameter (for its
-    gradient), weight_lp the same in the product's dtype (autocast's). With top_too, also (no
-    gradient) the largest log-probability and its token, for the joint gate; else None, None."""
+    gradient), weight_lp the same in the product's dtype (autocast's)."""
 
     @staticmethod
-    def forward(ctx, h, weight, weight_lp, targets, top_too: bool):
+    def forward(ctx, h, weight, weight_lp, targets):
         logits = _logits(h, weight_lp).float()  # (n, V) float32
         logp = F.log_softmax(logits, dim=-1)
         lp_y = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
@@ -206,14 +197,10 @@ class _TargetLogp(torch.autograd.Function):
         del logits
         ctx.save_for_backward(h, weight_lp, targets, lse)
         ctx.weight_dtype = weight.dtype
-        if not top_too:
-            return lp_y, None, None
-        maxlp, top = logp.max(-1)
-        ctx.mark_non_differentiable(maxlp, top)
-        return lp_y, maxlp, top
+        return lp_y
 
     @staticmethod
-    def backward(ctx, g, *_):
+    def backward(ctx, g):
         h, weight_lp, targets, lse = ctx.saved_tensors
         p = torch.sub(_logits(h, weight_lp), lse.unsqueeze(-1))  # (n, V) float32: the log-softmax again
         p.exp_().scatter_add_(-1, targets.unsqueeze(-1), p.new_full((len(p), 1), -1.0))  # softmax - onehot(y)
@@ -222,7 +209,7 @@ class _TargetLogp(torch.autograd.Function):
         del p
         dh = (d @ weight_lp).to(h.dtype) if ctx.needs_input_grad[0] else None
         dw = (d.T @ h.to(d.dtype)).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
-        return dh, dw, None, None, None
+        return dh, dw, None, None
 
 
 class GPT(nn.Module):
@@ -250,8 +237,6 @@ class GPT(nn.Module):
                 self.gate = nn.Linear(cfg.n_embd, 1)
                 self.gate_len = nn.Embedding(cfg.max_match + 1, 1)
                 self.gate_cnt = nn.Embedding(N_CNT_BUCKETS, 1)
-        if cfg.joint:
-            self.joint_gate = JointGate(cfg.n_embd, len(cfg.joint), cfg.joint_hidden, detach=cfg.joint_detach)
         self.recompute = "none"
         self.recompute_blocks = cfg.n_layer
         self.apply(self._init_weights)
@@ -266,8 +251,6 @@ class GPT(nn.Module):
                 torch.nn.init.constant_(self.gate.bias, -2.0)  # start mostly on the model
                 torch.nn.init.zeros_(self.gate_len.weight)
                 torch.nn.init.zeros_(self.gate_cnt.weight)
-        if cfg.joint:
-            self.joint_gate.reset()
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:
@@ -348,55 +331,34 @@ class GPT(nn.Module):
         q = (f.topk_cnt.float() * (f.topk_ids >= 0)) / f.count.float().clamp_min(1.0).unsqueeze(-1)
         return g, q
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, f: Features | None = None, e: Est | None = None):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, f: Features | None = None):
         """logits (B, T, V) when targets is None; else (per-token loss (B, T), None)."""
         h, _ = self.hidden(idx, f)
         if targets is None:
             return self.lm_head(h)
-        lp_y, maxlp, top = self._model_logp(h, targets)
-        loss = self._final_nll(h, targets, lp_y, maxlp, top, f, e)
-        if self.cfg.joint and self.cfg.joint_lm_weight and self.training:
-            loss = loss - self.cfg.joint_lm_weight * lp_y
-        return loss, None
+        return self._final_nll(h, targets, self._model_logp(h, targets), f), None
 
-    def head_losses(self, h: torch.Tensor, targets: torch.Tensor, f: Features | None = None, e: Est | None = None):
+    def head_losses(self, h: torch.Tensor, targets: torch.Tensor, f: Features | None = None):
         """From final hidden states: the per-token loss (B, T) under the final distribution (the
         mixture when the model has one) and the model's own log-softmax (B, T, V), float32."""
         logp = F.log_softmax(self.lm_head(h).float(), dim=-1)
-        return self._final_nll(h, targets, *self._target_logp(logp, targets), f, e), logp
+        return self._final_nll(h, targets, logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), f), logp
 
-    def _target_logp(self, logp: torch.Tensor, targets: torch.Tensor):
-        """From the model's log-softmax (..., V): its log-probability of the targets (...) and,
-        for the joint gate, its largest log-probability and that token (no gradient; both None
-        without the gate)."""
-        lp_y = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        if not self.cfg.joint:
-            return lp_y, None, None
-        with torch.no_grad():
-            maxlp, top = logp.max(-1)
-        return lp_y, maxlp, top
-
-    def _model_logp(self, h: torch.Tensor, targets: torch.Tensor):
-        """_target_logp of final hidden states (B, T, C). Under recompute = "block" in training,
-        in chunks of rows (HEAD_CHUNK_BYTES, _TargetLogp): only one chunk's logits exist at a
-        time, in forward and again (recomputed) in backward."""
+    def _model_logp(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The model's log-probability of the targets (B, T) from final hidden states (B, T, C).
+        Under recompute = "block" in training, in chunks of rows (HEAD_CHUNK_BYTES, _TargetLogp):
+        only one chunk's logits exist at a time, in forward and again (recomputed) in backward."""
         if not (self.recompute == "block" and torch.is_grad_enabled()):
-            return self._target_logp(F.log_softmax(self.lm_head(h).float(), dim=-1), targets)
+            return F.log_softmax(self.lm_head(h).float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         w, dev = self.lm_head.weight, h.device.type
         w_lp = w.detach().to(torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else w.detach()
         rows = max(1, HEAD_CHUNK_BYTES // (4 * self.cfg.vocab_size))
         chunks = zip(h.reshape(-1, h.shape[-1]).split(rows), targets.reshape(-1).split(rows))
-        parts = [_TargetLogp.apply(hc, w, w_lp, yc, bool(self.cfg.joint)) for hc, yc in chunks]
-        return tuple(None if p[0] is None else torch.cat(p).view(targets.shape) for p in zip(*parts))
+        return torch.cat([_TargetLogp.apply(hc, w, w_lp, yc) for hc, yc in chunks]).view(targets.shape)
 
-    def _final_nll(self, h, targets, lp_y, maxlp, top, f: Features | None, e: Est | None) -> torch.Tensor:
+    def _final_nll(self, h, targets, lp_y, f: Features | None) -> torch.Tensor:
         """The per-token loss (B, T) under the final distribution from the model's
-        log-probability of the targets lp_y (B, T) (and, for the joint gate, its largest
-        log-probability and that token, maxlp and top)."""
-        if self.cfg.joint:
-            if e is None:
-                raise ValueError("a jointly trained model needs its estimates (model/mixture/joint.py) with every batch")
-            return mixture_nll(self.joint_gate(h.float(), e, maxlp.exp(), top), lp_y, e)
+        log-probability of the targets lp_y (B, T)."""
         if not (self.cfg.use_index and self.cfg.mixture):
             return -lp_y
         g, q = self._gate_and_index(h.float(), f)
@@ -407,13 +369,8 @@ class GPT(nn.Module):
         return -torch.logaddexp(a, b)
 
     @torch.no_grad()
-    def next_distribution(self, h_last: torch.Tensor, f_last: Features | None, e_last: Est | None = None, dense=None) -> torch.Tensor:
-        """Probabilities (B, V) of the next token from the last hidden state (mixture applied;
-        a joint model's from its estimates e_last (B rows) and their distributions dense (B, M, V))."""
-        if self.cfg.joint:
-            logp = F.log_softmax(self.lm_head(h_last).float(), dim=-1)
-            maxlp, top = logp.max(-1)
-            return mixture_probs(self.joint_gate(h_last.float(), e_last, maxlp.exp(), top), logp.exp(), e_last, dense)
+    def next_distribution(self, h_last: torch.Tensor, f_last: Features | None) -> torch.Tensor:
+        """Probabilities (B, V) of the next token from the last hidden state (mixture applied)."""
         p = F.softmax(self.lm_head(h_last).float(), dim=-1)
         if not (self.cfg.use_index and self.cfg.mixture):
             return p

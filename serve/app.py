@@ -35,8 +35,6 @@ class ServeConfig:
     index: str
     checkpoint: str | None = None
     gate: str | None = None  # index gate (model/mixture/gate.py) mixed into completions and scores
-    joint_gate: str | None = None  # a jointly trained model: a refit gate (eval --refit-gate) instead of its own
-    knn_keys: str | None = None  # a joint model whose gate reads dense_knn: the run whose hidden states key its kNN store
     host: str = "127.0.0.1"
     port: int = 8080
     api_key: str | None = None
@@ -123,14 +121,13 @@ class Served:
     model: object = None
     model_meta: dict = field(default_factory=dict)
     gate: object = None
-    knn_src: object = None
     model_lock: threading.Lock = field(default_factory=threading.Lock)
     draft_stats: DraftStats = field(default_factory=DraftStats)  # acceptance by match length, across requests
     stats: object = field(default_factory=lambda: _Stats())
 
 
 def load(cfg: ServeConfig) -> Served:
-    """Open the index and load the model, its gate or kNN store, refusing with one line what
+    """Open the index and load the model and its gate, refusing with one line what
     cannot serve together (another vocabulary or tokenizer, a gate of another model or index)."""
     if cfg.cluster:
         from teragram.index.cluster import ClusterIndex
@@ -148,39 +145,17 @@ def load(cfg: ServeConfig) -> Served:
         model, model_meta = load_model(cfg.checkpoint, cfg.device)
         if model.cfg.vocab_size != idx.vocab_size:
             raise TeragramError(f"checkpoint vocabulary {model.cfg.vocab_size} != index vocabulary {idx.vocab_size}")
-        if model.cfg.joint:  # its gate reads this index's estimates: the same tokenizer, or a one-line refusal at start
-            from teragram.model.mixture.joint import check_index
-
-            check_index(model.cfg, idx)
-    if cfg.joint_gate:
-        if model is None:
-            raise TeragramError("--joint-gate needs --checkpoint")
-        from teragram.model.mixture.refit import use_gate_file
-
-        use_gate_file(model, cfg.joint_gate)
-    from teragram.model.mixture.knn import require_store, source_for
-
-    require_store(model, cfg.knn_keys)
-    knn_src = None
-    if cfg.knn_keys:
-        if model is None:
-            raise TeragramError("--knn-keys needs --checkpoint")
-        knn_src = source_for(model, cfg.knn_keys, cfg.index, cfg.device)  # the store rebuilt at start, in device memory
     gate = None
     if cfg.gate:
         from teragram.model.mixture.gate import Gate
 
         if model is None:
             raise TeragramError("--gate needs --checkpoint")
-        if model.cfg.joint:
-            raise TeragramError(
-                "a jointly trained model mixes the index through its own gate: no post-hoc --gate (--joint-gate: a refit one)"
-            )
         gate = Gate.load(cfg.gate)
         from teragram.model.checkpoint import weights_digest
 
         gate.check(model=weights_digest(model), index_dir=cfg.index, name=cfg.gate)
-    return Served(cfg, idx, model, model_meta, gate, knn_src)
+    return Served(cfg, idx, model, model_meta, gate)
 
 
 def create_app(cfg: ServeConfig) -> FastAPI:
@@ -300,7 +275,7 @@ def _add_index_routes(app: FastAPI, s: Served) -> None:
 
 def _add_completions(app: FastAPI, s: Served) -> None:
     """/v1/completions: generation with live index lookups, drafts and provenance, streamed or not."""
-    cfg, idx, model, gate, knn_src, model_lock = s.cfg, s.idx, s.model, s.gate, s.knn_src, s.model_lock
+    cfg, idx, model, gate, model_lock = s.cfg, s.idx, s.model, s.gate, s.model_lock
     draft_stats = s.draft_stats
 
     def _prompt_ids(prompt: str) -> list[int]:
@@ -334,7 +309,6 @@ def _add_completions(app: FastAPI, s: Served) -> None:
             gate=gate,
             draft=drafter,
             provenance=req.provenance,
-            knn=knn_src,
         )
         created = int(time.time())
         name = req.model or "teragram"
@@ -390,7 +364,7 @@ def _add_completions(app: FastAPI, s: Served) -> None:
 
 def _add_score(app: FastAPI, s: Served) -> None:
     """/v1/score: per-token log-probabilities with and without the index, and through the gate."""
-    cfg, idx, model, gate, knn_src, model_lock = s.cfg, s.idx, s.model, s.gate, s.knn_src, s.model_lock
+    cfg, idx, model, gate, model_lock = s.cfg, s.idx, s.model, s.gate, s.model_lock
 
     @app.post("/v1/score")
     def score(req: ScoreRequest):
@@ -414,25 +388,17 @@ def _add_score(app: FastAPI, s: Served) -> None:
 
         f = to_torch(fx.map(lambda a: a[None]), cfg.device) if model.cfg.use_index else None
         X, Y = t(x), t(ids)
-        e = None
-        if model.cfg.joint:  # its own gate's estimates of this text, read as one held-out document (token_eval's)
-            from teragram.model.mixture.joint import heldout_est
-            from teragram.model.mixture.joint import to_torch as est_torch
-
-            e = heldout_est(idx, [np.asarray(ids)], model.cfg.joint, model.cfg.joint_top_k, knn=knn_src).rows(0, len(ids))
-            e = est_torch(e.map(lambda a: a[None]), cfg.device)
         reads_cc = gate is not None and gate.cont_cache is not None
         with model_lock, torch.no_grad():
             if reads_cc:  # the continuous cache compares the model's key states of the text's positions
-                from teragram.model.mixture.knn import key_states
+                from teragram.model.mixture.cont_cache import key_states
 
                 with key_states(model, gate.cont_cache.key) as got:
                     h = model.hidden(X, f)[0]
                 keys = got[-1][0].double().cpu().numpy()
             else:
                 h = model.hidden(X, f)[0]
-            mixed, logp = model.head_losses(h, Y, f, e)  # the final distribution's nll: the model's own, or its mixture's
-            with_idx = -logp.gather(-1, Y.unsqueeze(-1)).squeeze(-1) if e is not None else mixed  # the LM's own
+            with_idx, logp = model.head_losses(h, Y, f)  # the final distribution's nll (the index inputs' mixture, if any)
             without = model(X, Y, blinded(f))[0] if f is not None else with_idx  # a model without index inputs: the same
         out = {
             "tokens": [idx.tokenizer.id_to_piece(int(i)) for i in ids],
@@ -443,8 +409,6 @@ def _add_score(app: FastAPI, s: Served) -> None:
                 {"match_length": int(fx.length[i]), "continuation": int(fx.cont[i]), "count": int(fx.count[i])} for i in range(len(ids))
             ],
         }
-        if e is not None:  # a jointly trained model: its own gate's mixture with the index's and the cache's estimates
-            out["logprobs_with_gate"] = (-mixed[0]).tolist()
         if gate is not None:  # the model's distribution mixed with the index's and the cache's estimates
             from teragram.model.mixture import cont_cache as cc
             from teragram.model.mixture.estimates import estimates

@@ -13,8 +13,6 @@ def cmd_serve(args) -> int:
             index=args.index,
             checkpoint=args.checkpoint,
             gate=args.gate,
-            joint_gate=args.joint_gate,
-            knn_keys=args.knn_keys,
             host=args.host,
             port=args.port,
             api_key=args.api_key,
@@ -31,12 +29,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     se.add_argument("--index", required=True)
     se.add_argument("--checkpoint", help="model run or checkpoint (without: index queries only)")
     se.add_argument("--gate", help="index gate (teragram eval --fit-gate) mixed into completions and /v1/score")
-    se.add_argument("--joint-gate", metavar="FILE", help="a jointly trained model: this refit gate (eval --refit-gate) instead of its own")
-    se.add_argument(
-        "--knn-keys",
-        metavar="RUN",
-        help="a joint model whose gate reads dense_knn: the run whose hidden states key its kNN store (rebuilt at start)",
-    )
     se.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     se.add_argument("--port", type=int, default=8080)
     se.add_argument("--api-key", help="require Authorization: Bearer KEY on every request")

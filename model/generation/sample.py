@@ -16,16 +16,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from teragram.index.engine import Index, Provenance
 from teragram.index.features import Features
 from teragram.model.generation.draft import Draft, Drafter, DraftStats
 from teragram.model.gpt import GPT, to_torch
-from teragram.model.mixture import joint
-from teragram.model.mixture.cont_cache import LiveCache
+from teragram.model.mixture.cont_cache import LiveCache, key_states
 from teragram.model.mixture.gate import index_lengths, next_distribution
-from teragram.model.mixture.knn import key_states
 
 PROVENANCE_MIN = 8  # a token's provenance is reported when its context matches this many tokens
 
@@ -113,22 +110,18 @@ def stream(
     gate=None,
     draft: int | Drafter = 0,
     provenance: bool = False,
-    knn=None,
 ):
     """Yield a Token per generated token.
     `state` (a dict, optional) receives "features" (all positions so far), "stopped" and
     "stats" (DraftStats of this call). With `gate` (model.gate.Gate) the model's distribution
     is mixed with the index's ∞-gram and fixed-order estimates, and the document cache's, for
     the document so far. `draft`: the longest draft (0: none), or a Drafter to use (and to
-    keep learning in). `provenance`: give each token the document of its longest index match.
-    `knn` (model/mixture/knn.KnnSource): the dense_knn estimates of a joint gate that reads them."""
+    keep learning in). `provenance`: give each token the document of its longest index match."""
     if not prompt:
         prompt = [idx.eos_id]  # an empty prompt starts a document
     drafter = draft if isinstance(draft, Drafter) else Drafter(max_tokens=int(draft))
     state = {} if state is None else state
     device = next(model.parameters()).device
-    if model.cfg.joint:
-        joint.check_index(model.cfg, idx)
     was = model.training
     model.eval()
     use_index = model.cfg.use_index
@@ -149,7 +142,7 @@ def stream(
     occ = sc.occurrence() if want_occ else None
     # a gate reading the continuous cache: the key states of every position so far, with the token after each
     cache = LiveCache(gate.cont_cache, model.cfg.vocab_size) if gate is not None and gate.cont_cache is not None else None
-    mix = dict(temperature=temperature, gate=gate, knn=knn, cache=cache, ests=None)  # what the next-token distributions read
+    mix = dict(temperature=temperature, gate=gate, cache=cache, ests=None)  # what the next-token distributions read
 
     try:
         while made < max_new_tokens:
@@ -216,7 +209,6 @@ def _distributions(
     *,
     temperature: float,
     gate,
-    knn,
     cache,
     cache_states,
     ests,
@@ -228,23 +220,9 @@ def _distributions(
     incremental scorer's, None: looked up from scratch)."""
     device = h.device
     use_index = model.cfg.use_index
-    if temperature <= 0 and gate is None and not (use_index and model.cfg.mixture) and not model.cfg.joint:
+    if temperature <= 0 and gate is None and not (use_index and model.cfg.mixture):
         return model.lm_head(h)  # greedy from the model alone: its logits have the same argmax
     f = to_torch(Features.combine(rows).map(lambda a: a[:, None]), device) if use_index else None
-    if model.cfg.joint:  # the model's own gate, with live estimates of the document so far
-        lv = [
-            joint.live(
-                idx,
-                _doc(toks, len(toks) - len(h) + 1 + j, idx.eos_id),
-                model.cfg.vocab_size,
-                model.cfg.joint,
-                model.cfg.joint_top_k,
-                knn=knn,
-            )
-            for j in range(len(h))
-        ]
-        e = joint.to_torch(joint.Est.combine([r for r, _ in lv]), device)
-        return model.next_distribution(h, None, e, torch.from_numpy(np.stack([d for _, d in lv])).float().to(device))
     p = model.next_distribution(h, f)
     if gate is None:
         return p

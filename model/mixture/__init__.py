@@ -1,2 +1,2 @@
-"""The mixture: exact-match estimates, the post-hoc gate, the joint gate and its refit, the kNN
-store, and the peers' interpolations."""
+"""The mixture: exact-match estimates, the continuous cache, the post-hoc gate over them, and the
+peers' interpolations."""

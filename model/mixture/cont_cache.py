@@ -3,8 +3,8 @@ earlier hidden states. At a position i, each earlier position j < i of the same 
 last WINDOW of them, as Grave et al.'s cache holds the last few thousand) votes
 for the token that followed it, with weight softmax_j(-||h_i - h_j||^2 / T); p(y) is the summed
 weight of the votes for y. It needs no store and no second model: only the states the served
-model computes anyway (`KEY`: the input of the last block's feed-forward, as
-model/mixture/knn.key_states names it).
+model computes anyway (`KEY`: the input of the last block's feed-forward; `key_states` reads
+them, and the final states the kNN-LM baseline's queries are, during any forward pass).
 
 The post-hoc gate (model/mixture/gate.py) reads it at several temperatures as more estimates,
 (t+cc). The temperatures are FACTORS x a scale that is a property of the model: the median
@@ -18,11 +18,14 @@ same numbers on the same states.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
+from teragram.index.errors import TeragramError
 
-KEY = "ffn_in"  # the key states (model/mixture/knn.KEY_STATES) the cache compares
+KEY_STATES = ("final", "ffn_in")  # ln_f's output (GPT.hidden's); the last block's ln_2 output (its feed-forward's input)
+KEY = "ffn_in"  # the key states the cache compares
 FACTORS = (0.05, 0.1, 0.2, 0.5, 1.0)  # temperatures, x the model's scale: the gate weighs them on validation
 WINDOW = 4096  # the earlier positions a position sees: cost and memory stay linear in a document's length
 BLOCK = 2048  # query rows per distance block in bulk
@@ -57,6 +60,22 @@ class ContCache:
     @classmethod
     def from_json(cls, d: dict) -> ContCache:
         return cls(float(d["scale"]), tuple(float(f) for f in d["factors"]), str(d["key"]), int(d["window"]))
+
+
+@contextmanager
+def key_states(model, key: str):
+    """Within it, a list that receives the `key` states (B, T, C) of each forward of `model`
+    (KEY_STATES: "final", the output of ln_f, as GPT.hidden returns it; "ffn_in", the output of
+    the last block's ln_2, its feed-forward's input)."""
+    if key not in KEY_STATES:
+        raise TeragramError(f"key states {key!r}: one of {', '.join(KEY_STATES)}")
+    mod = model.transformer.ln_f if key == "final" else model.transformer.h[-1].ln_2
+    got: list = []
+    hook = mod.register_forward_hook(lambda m, i, o: got.append(o))
+    try:
+        yield got
+    finally:
+        hook.remove()
 
 
 def runs(doc: np.ndarray) -> list[tuple[int, int]]:

@@ -35,7 +35,7 @@ def collect(
     step = 0
     cuda = str(device).startswith("cuda")
     while n < n_positions:
-        x, y, f, _ = data.batch(step, batch, seed=seed)
+        x, y, f = data.batch(step, batch, seed=seed)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
             h, _ = model.hidden(x.to(device), None if f is None else to_device(f, device))
         keys.append(h.float().reshape(-1, h.shape[-1]).cpu().numpy())

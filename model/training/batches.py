@@ -10,25 +10,23 @@ from collections.abc import Iterator
 import torch
 from teragram.index.features import Features
 from teragram.model.gpt import blinded, to_device
-from teragram.model.mixture import joint
 from teragram.model.training.config import TrainConfig
 from teragram.model.training.data import TrainData
 
 
 def prefetch(data: TrainData, cfg: TrainConfig, rank: int, start: int, pin: bool) -> Iterator[tuple]:
-    """Batches (x, y, features, estimates) for steps start.. in order, one per micro-step,
+    """Batches (x, y, features) for steps start.. in order, one per micro-step,
     prepared by a background thread (a few ahead)."""
     q: queue.Queue = queue.Queue(maxsize=4)
 
     def work():
         for step in range(start, cfg.max_steps):
             for micro in range(cfg.grad_accum):
-                x, y, f, e = data.batch(step * cfg.grad_accum + micro, cfg.batch_size, seed=cfg.seed, rank=rank)
+                x, y, f = data.batch(step * cfg.grad_accum + micro, cfg.batch_size, seed=cfg.seed, rank=rank)
                 if pin:
                     x, y = x.pin_memory(), y.pin_memory()
                     f = None if f is None else f.map(lambda t: t.pin_memory())
-                    e = None if e is None else e.map(lambda t: t.pin_memory())
-                q.put((x, y, f, e))
+                q.put((x, y, f))
 
     threading.Thread(target=work, daemon=True).start()
     while True:
@@ -45,9 +43,9 @@ def blind(f: Features, p: float, gen: torch.Generator) -> Features:
 
 
 def on_device(x, device):
-    """A tensor or a (torch) Features or Est record to the device (None stays None)."""
+    """A tensor or a (torch) Features record to the device (None stays None)."""
     if x is None:
         return None
-    if isinstance(x, torch.Tensor | joint.Est):
-        return x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x.map(lambda t: t.to(device, non_blocking=True))
+    if isinstance(x, torch.Tensor):
+        return x.to(device, non_blocking=True)
     return to_device(x, device, non_blocking=True)

@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 from teragram.model.config import ConfigError
 from teragram.model.gpt import GPTConfig
-from teragram.model.mixture import joint
 from teragram.model.training import lowp
 
 
@@ -70,14 +69,6 @@ class TrainConfig:
     outer_dtype: str = "fp32"  # local: the deltas' precision on the wire ("bf16": half the bytes)
     outer_lr_end: float = 0.0  # local: > 0, the outer lr ramps linearly from outer_lr (first round) to this (last)
     link_gbps: float = 0.0  # > 0: simulate a link of this bandwidth (a sleep per byte sent)
-    gate: str = "none"  # "joint": the index gate's mixture in the loss, trained with the LM (model/mixture/joint.py)
-    joint_features: tuple[str, ...] = ()  # exclude-doc feature directories, one per --max-len (gate = joint)
-    joint_estimates: str = ""  # where the training positions' estimates are written once ("": FEATURES[0]/../joint)
-    joint_components: tuple[str, ...] = ()  # the estimates mixed in (model/mixture/estimates.py names); (): every one available
-    joint_top_k: int = 4  # continuations kept per index estimate (the features' --top-k)
-    joint_hidden: bool = True  # the gate reads the final hidden state (false: the ablation without it)
-    joint_detach: bool = False  # ... without its gradient (the gate's loss does not shape the trunk)
-    joint_lm_weight: float = 0.0  # the loss adds this times the LM's own nll (0: the mixture's alone)
 
 
 CHOICES = {
@@ -90,7 +81,6 @@ CHOICES = {
     "sync": ("every-step", "local"),
     "straggler": ("deadline", "wait"),
     "outer_dtype": ("fp32", "bf16"),
-    "gate": ("none", "joint"),
 }
 
 
@@ -117,26 +107,8 @@ def check(cfg: TrainConfig) -> None:
         if unknown:
             raise ConfigError(f"unknown evals task(s) {', '.join(unknown)}; known: {', '.join(evals.TASKS)}")
         if cfg.use_index and cfg.features is not None:
-            raise ConfigError("evals during training score models without index inputs (features unset; a joint gate is scored)")
+            raise ConfigError("evals during training score models without index inputs (leave features unset)")
         evals.data_root()  # the evaluation sets are installed, or one line saying how
-    if cfg.gate == "joint":
-        if not cfg.joint_features:
-            raise ConfigError("gate = joint needs joint_features: exclude-doc feature directories (teragram features --mode exclude-doc)")
-        if cfg.use_index and cfg.features is not None:
-            raise ConfigError("gate = joint trains a model without index inputs: leave features unset or use_index = false")
-        if cfg.joint_components:
-            joint.check_components(cfg.joint_components)
-        if cfg.evals and any(c in joint.DENSE for c in cfg.joint_components):
-            raise ConfigError(
-                "evals during training mix each candidate's estimates, and training has no kNN store for dense_knn's:"
-                " score the checkpoint with `teragram evals --knn-keys RUN`"
-            )
-    if cfg.joint_detach and (cfg.gate != "joint" or not cfg.joint_hidden):
-        raise ConfigError(
-            f"joint_detach goes with gate = joint and joint_hidden = true (got gate = {cfg.gate}, joint_hidden = {cfg.joint_hidden})"
-        )
-    if cfg.joint_lm_weight < 0 or (cfg.joint_lm_weight and cfg.gate != "joint"):
-        raise ConfigError(f"joint_lm_weight must be >= 0 and goes with gate = joint (got {cfg.joint_lm_weight}, gate = {cfg.gate})")
     if cfg.recompute_blocks < 0 or (cfg.recompute_blocks and cfg.recompute != "block"):
         raise ConfigError(
             f"recompute_blocks must be >= 0 and goes with recompute = block (got {cfg.recompute_blocks}, recompute = {cfg.recompute})"

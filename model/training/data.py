@@ -17,24 +17,18 @@ from teragram.index import format as fmt
 from teragram.index.errors import TeragramError
 from teragram.index.features import Features, open_features
 from teragram.model.gpt import to_torch
-from teragram.model.mixture.joint import Est
-from teragram.model.mixture.joint import to_torch as est_to_torch
 
 
 @dataclass
 class _Shard:
     tokens: np.ndarray
     feats: Features | None  # as stored
-    est: Est | None = None  # joint training's estimates (model/mixture/joint.py), memmapped
 
 
 class TrainData:
-    """Windows of block_size + 1 tokens from an index's shards (+ features, + joint training's
-    estimates (per shard, and the columns the model reads) when given)."""
+    """Windows of block_size + 1 tokens from an index's shards (+ features, when given)."""
 
-    def __init__(
-        self, index_dir: str | Path, features_dir: str | Path | None, block_size: int, estimates: tuple[list[Est], list[int]] | None = None
-    ):
+    def __init__(self, index_dir: str | Path, features_dir: str | Path | None, block_size: int):
         self.index_dir = Path(index_dir)
         m = fmt.read_json(self.index_dir / "manifest.json")
         self.sep = m["separator"]
@@ -48,15 +42,11 @@ class TrainData:
                 raise TeragramError(f"{features_dir}: features of another index")
             self.k = fm["top_k"]
         self.shards = []
-        self.cols = estimates[1] if estimates is not None else None
-        for i, s in enumerate(m["shards"]):
+        for s in m["shards"]:
             tok = fmt.open_array(fmt.shard_dir(self.index_dir, s["shard"], s.get("dir")) / "tokens.bin", "tokens")
             feats = open_features(Path(features_dir) / f"{s['shard']:06d}", self.k) if features_dir is not None else None
-            est = estimates[0][i] if estimates is not None else None
-            if est is not None and len(est) != len(tok):
-                raise TeragramError(f"joint estimates of shard {s['shard']} hold {len(est)} positions, its tokens {len(tok)}")
             if len(tok) > block_size + 1:
-                self.shards.append(_Shard(tok, feats, est))
+                self.shards.append(_Shard(tok, feats))
         if not self.shards:
             raise TeragramError(f"no shard of {index_dir} holds more than block_size + 1 = {block_size + 1} tokens")
         sizes = np.array([len(s.tokens) - block_size - 1 for s in self.shards], dtype=np.float64)
@@ -66,12 +56,10 @@ class TrainData:
     def n_tokens(self) -> int:
         return sum(len(s.tokens) for s in self.shards)
 
-    def batch(
-        self, step: int, batch_size: int, *, seed: int = 0, rank: int = 0
-    ) -> tuple[torch.Tensor, torch.Tensor, Features | None, Est | None]:
+    def batch(self, step: int, batch_size: int, *, seed: int = 0, rank: int = 0) -> tuple[torch.Tensor, torch.Tensor, Features | None]:
         rng = np.random.default_rng([seed, step, rank])
         which = rng.choice(len(self.shards), size=batch_size, p=self.weights)
-        xs, ys, fs, es = [], [], [], []
+        xs, ys, fs = [], [], []
         T = self.block_size
         for j in range(batch_size):
             sh = self.shards[which[j]]
@@ -82,12 +70,10 @@ class TrainData:
             ys.append(w[1:])
             if sh.feats is not None:
                 fs.append(_slice_features(sh.feats, a, a + T, self.sep))
-            if sh.est is not None:
-                es.append(sh.est.rows(a, a + T, self.cols))
         x = torch.from_numpy(np.stack(xs))
         y = torch.from_numpy(np.stack(ys))
         f = to_torch(Features.combine(fs, np.stack)) if fs else None
-        return x, y, f, (est_to_torch(Est.combine(es, np.stack)) if es else None)
+        return x, y, f
 
 
 def _slice_features(f: Features, a: int, b: int, sep: int) -> Features:

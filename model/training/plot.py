@@ -31,8 +31,6 @@ def plot_log(out: Path) -> None:
         bx = axes[0, 1]
         for t in ds[-1]["evals"]:
             bx.plot([r["step"] for r in ds], [r["evals"][t]["acc_norm"] for r in ds], "o-", label=f"{t} ({ds[-1]['evals'][t]['n']})")
-            if "joint" in ds[-1]["evals"][t]:
-                bx.plot([r["step"] for r in ds], [r["evals"][t]["joint"]["acc_norm"] for r in ds], "s--", label=f"{t}, its gate")
         bx.set_xlabel("step")
         bx.set_ylabel("acc_norm")
         bx.legend()

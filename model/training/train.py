@@ -35,21 +35,17 @@ log's figure in plot.py.
 from __future__ import annotations
 
 import json
-import os
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 from teragram.index import format as fmt
-from teragram.index import tokenizer
 from teragram.model.checkpoint import check_resume, commit, save_checkpoint
-from teragram.model.config import ConfigError
 from teragram.model.evaluation.perplexity import evaluate
 from teragram.model.gpt import GPT, GPTConfig
-from teragram.model.mixture import joint, knn
 from teragram.model.training import lowp, optim, ranks
 from teragram.model.training.batches import blind, on_device, prefetch
 from teragram.model.training.config import CHOICES, TrainConfig, agree, check, lr_at, model_config
@@ -78,7 +74,7 @@ def train(cfg: TrainConfig) -> dict:
     last = {"step": start}
     batches = prefetch(run.data, cfg, rank, start, pin=run.cuda)
     if run.master and cfg.evals:
-        run.tasks = _tasks(cfg, run.model)
+        run.tasks = _tasks(cfg)
     for step in range(start, cfg.max_steps):
         lr = lr_at(cfg, step)
         loss_sum, skip = _step(run, step, lr, batches)
@@ -136,8 +132,8 @@ def _start(cfg: TrainConfig, rank: int, world: int, device: str) -> _Run:
     when there is one; rank 0 writes OUT/config.json and opens the log. (The tasks come later:
     their preparation counts in the run's elapsed time.)"""
     master = rank == 0
-    mcfg, est = _model_config(cfg, world, master)
-    data = TrainData(cfg.index, cfg.features if cfg.use_index and cfg.features is not None else None, mcfg.block_size, est)
+    mcfg = _model_config(cfg)
+    data = TrainData(cfg.index, cfg.features if cfg.use_index and cfg.features is not None else None, mcfg.block_size)
     out = Path(cfg.out)
     model = GPT(mcfg).to(device)
     model.set_recompute(cfg.recompute, cfg.recompute_blocks)
@@ -159,39 +155,12 @@ def _start(cfg: TrainConfig, rank: int, world: int, device: str) -> _Run:
     return _Run(cfg, rank, world, device, out, model, data, opt, wrapped, start, bar, log)
 
 
-def _model_config(cfg: TrainConfig, world: int, master: bool) -> tuple[GPTConfig, tuple | None]:
-    """The model's configuration, and under gate = joint the training positions' estimates
-    (written once, by rank 0) with the gate's settings in the configuration."""
+def _model_config(cfg: TrainConfig) -> GPTConfig:
+    """The model's configuration (its vocabulary the index's, its top-k the features')."""
     use_index = cfg.use_index and cfg.features is not None
     vocab = fmt.read_json(Path(cfg.index) / "manifest.json")["tokenizer"]["vocab_size"]
     top_k = fmt.read_json(Path(cfg.features) / "manifest.json")["top_k"] if use_index else 0
-    mcfg = model_config(cfg, vocab, top_k)
-    if cfg.gate != "joint":
-        return mcfg, None
-    est_dir = Path(cfg.joint_estimates or Path(cfg.joint_features[0]).parent / "joint")
-    if master:
-        joint.write_train_estimates(cfg.index, cfg.joint_features, est_dir, cfg.joint_top_k, os.cpu_count() or 1, cfg.progress)
-    if world > 1:
-        dist.barrier()
-    comps = cfg.joint_components or tuple(fmt.read_json(est_dir / "manifest.json")["components"])
-    if any(c in joint.DENSE for c in comps) and (cfg.heldout or cfg.evals):
-        raise ConfigError(
-            f"the gate reads {', '.join(c for c in comps if c in joint.DENSE)}, which evaluation during training has no"
-            " source for: leave heldout and evals unset and score with the dense estimates given in bulk"
-        )
-    est = joint.open_train_estimates(est_dir, cfg.index, comps, cfg.joint_top_k)
-    store = fmt.read_json(est_dir / "manifest.json").get("dense_knn", {}) if any(c in joint.DENSE for c in comps) else {}
-    mcfg = replace(
-        mcfg,
-        joint=comps,
-        joint_knn=knn.kept(store),
-        joint_top_k=cfg.joint_top_k,
-        joint_hidden=cfg.joint_hidden,
-        joint_detach=cfg.joint_detach,
-        joint_lm_weight=cfg.joint_lm_weight,
-        joint_tokenizer=tokenizer.digest(Path(cfg.index) / "tokenizer.model"),
-    )
-    return mcfg, est
+    return model_config(cfg, vocab, top_k)
 
 
 def _resume_state(cfg: TrainConfig, out: Path, model: GPT, device: str) -> dict | None:
@@ -226,19 +195,12 @@ def _optimizer(cfg: TrainConfig, model: GPT, world: int, cuda: bool):
     return opt
 
 
-def _tasks(cfg: TrainConfig, model: GPT) -> dict:
-    """The downstream tasks, prepared once (rank 0): under gate = joint with the candidates'
-    estimates, so that its own mixture is scored beside the model."""
+def _tasks(cfg: TrainConfig) -> dict:
+    """The downstream tasks, prepared once (rank 0)."""
     from teragram.index.engine import Index
     from teragram.model.evaluation.tasks import prepare
 
-    idx = Index(cfg.index)
-    est_of = None
-    if cfg.gate == "joint":
-        from teragram.model.evaluation.tasks import joint_estimates
-
-        est_of = lambda docs: joint_estimates(model, idx, docs, os.cpu_count() or 1)  # noqa: E731
-    return prepare(cfg.evals, cfg.evals_limit, idx.tokenize, est_of)
+    return prepare(cfg.evals, cfg.evals_limit, Index(cfg.index).tokenize)
 
 
 def _step(run: _Run, step: int, lr: float, batches) -> tuple[float, bool]:
@@ -253,16 +215,16 @@ def _step(run: _Run, step: int, lr: float, batches) -> tuple[float, bool]:
     if c.onebit is not None and step >= cfg.compress_after and not c.onebit.active:
         c.onebit.start(run.model, opt)  # AdamW: momenta from now on; its own step leaves v to the hook
     for micro in range(cfg.grad_accum):
-        x, y, f, e = next(batches)
+        x, y, f = next(batches)
         if skip:
             continue
         if f is not None and cfg.index_dropout > 0:
             f = blind(f, cfg.index_dropout, torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 64 + micro * 8 + run.rank))
-        x, y, f, e = (on_device(v, run.device) for v in (x, y, f, e))
+        x, y, f = (on_device(v, run.device) for v in (x, y, f))
         sync = c.ddp is None or micro == cfg.grad_accum - 1
         ctx = c.ddp.no_sync() if (c.ddp is not None and not sync) else _null()
         with ctx, torch.autocast("cuda", dtype=torch.bfloat16, enabled=run.cuda):
-            loss, _ = c.fwd(x, y, f, e)
+            loss, _ = c.fwd(x, y, f)
             loss = loss.mean() / cfg.grad_accum
         loss.backward()
         loss_sum += loss.item() if not run.cuda or (step + 1) % cfg.log_every == 0 else 0.0
@@ -333,7 +295,7 @@ def _evaluate(run: _Run, step: int) -> dict:
     cfg, data = run.cfg, run.data
     row: dict = {"step": step}
     if cfg.heldout:
-        row["eval"] = evaluate(run.model, cfg.heldout, data.eos, data.sep, run.device, index=cfg.index if cfg.gate == "joint" else None)
+        row["eval"] = evaluate(run.model, cfg.heldout, data.eos, data.sep, run.device)
     if run.tasks:
         from teragram.model.evaluation.tasks import downstream
 

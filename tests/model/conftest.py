@@ -1,23 +1,20 @@
-"""Fixtures shared by the joint-training tests (test_joint.py, test_refit.py): one small index
-with its exclude-doc features and training estimates, built once per session (it is the slow part);
-and the corpora that the training tests run on (dup_setup, data_root: built once per test module)."""
+"""Fixtures shared by the tests of the gates (test_cont_cache.py): one small index with held-out
+near-copies of its documents, built once per session; and the corpora that the training tests run
+on (dup_setup, data_root: built once per test module)."""
 
 from __future__ import annotations
 
 import pytest
 from teragram.builder.features import compute_features
 from teragram.index.features import FeatureConfig
-from teragram.model.mixture import joint
 from teragram.model.training.train import TrainConfig, train
 
-CAPS = (1, 2, 4, 8, 16, joint.INFGRAM_CAP)
 TINY = dict(preset="tiny", block_size=64, batch_size=8, log_every=5, progress=False, warmup=5, lr=3e-3, min_lr=3e-4, seed=3)
 
 
-def make_joint_root(root, tokenizer_model, n_docs: int = 30, max_chars: int = 5000, n_held: int = 6, shard_tokens: int = 40000):
-    """Real text with duplicated documents in several shards, held-out near-copies (held-text/,
-    their features in held/), exclude-doc features at every cap, and the joint estimates of the
-    training positions, under root."""
+def make_held_root(root, tokenizer_model, n_docs: int = 30, max_chars: int = 5000, n_held: int = 6, shard_tokens: int = 40000):
+    """Real text with duplicated documents in several shards and held-out near-copies (held-text/,
+    their held-out features in held/), under root."""
     from teragram.builder.build import BuildConfig, build
 
     from tests.conftest import write_dup_corpus
@@ -30,45 +27,20 @@ def make_joint_root(root, tokenizer_model, n_docs: int = 30, max_chars: int = 50
             inputs=(str(tr),), out=str(root / "idx"), tokenizer=str(tokenizer_model), shard_tokens=shard_tokens, workers=1, progress=False
         )
     )
-    for c in CAPS:
-        compute_features(root / "idx", root / f"len-{c}", FeatureConfig("exclude-doc", c, 4), progress=False)
     compute_features(root / "idx", root / "held", FeatureConfig("held-out", 64, 1), corpus=[str(held)], progress=False)
-    joint.write_train_estimates(root / "idx", [root / f"len-{c}" for c in CAPS], root / "est", 4, workers=2, progress=False)
     return root
 
 
 @pytest.fixture(scope="session")
-def joint_root(tmp_path_factory, tokenizer_model):
-    """make_joint_root's, built once per session."""
-    return make_joint_root(tmp_path_factory.mktemp("joint"), tokenizer_model)
+def held_root(tmp_path_factory, tokenizer_model):
+    """make_held_root's, built once per session."""
+    return make_held_root(tmp_path_factory.mktemp("held"), tokenizer_model)
 
 
 def train_tiny(root, name, **kw) -> dict:
-    """Train the tiny model on the joint root's index into ROOT/NAME (kw: TrainConfig fields)."""
+    """Train the tiny plain model on the root's index into ROOT/NAME (kw: TrainConfig fields)."""
     base = TINY | {"index": str(root / "idx"), "heldout": str(root / "held"), "out": str(root / name)}
     return train(TrainConfig(**(base | kw)))
-
-
-def joint_kw(root, **kw) -> dict:
-    """TrainConfig fields of a jointly trained model over the joint root's estimates."""
-    return dict(gate="joint", joint_features=tuple(str(root / f"len-{c}") for c in CAPS), joint_estimates=str(root / "est")) | kw
-
-
-def other_tokenizer_checkpoint(run, tmp_path):
-    """A copy of RUN's checkpoint (its files linked) whose joint gate claims estimates of
-    another tokenizer: what a refusal is tested with."""
-    import json
-
-    ck = next((run / "checkpoints").iterdir())
-    bad = tmp_path / "other-tokenizer" / ck.name
-    bad.mkdir(parents=True)
-    for f in ck.iterdir():
-        if f.name != "config.json":
-            (bad / f.name).symlink_to(f)
-    meta = json.loads((ck / "config.json").read_text())
-    meta["model"]["joint_tokenizer"] = "0" * 32
-    (bad / "config.json").write_text(json.dumps(meta))
-    return bad
 
 
 @pytest.fixture(scope="module")

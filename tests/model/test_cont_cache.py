@@ -15,7 +15,7 @@ from teragram.model.checkpoint import load_model
 from teragram.model.mixture import cont_cache as cc
 from teragram.model.mixture import estimates
 from teragram.model.mixture import gate as gate_mod
-from teragram.model.mixture.knn import key_states
+from teragram.model.mixture.cont_cache import key_states
 
 from tests.model.conftest import train_tiny
 
@@ -113,20 +113,42 @@ def short_gate_fits(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def plain(joint_root):
-    train_tiny(joint_root, "cc-plain", max_steps=40)
-    return load_model(joint_root / "cc-plain")[0]
+def plain(held_root):
+    train_tiny(held_root, "cc-plain", max_steps=40)
+    return load_model(held_root / "cc-plain")[0]
 
 
-def test_fit_gate_compares_the_candidates_and_live_equals_bulk(joint_root, plain):
+def test_key_states_are_the_final_states_or_the_last_feed_forwards_input(held_root, plain):
+    """key_states: "final" is GPT.hidden's output, "ffn_in" the last block's ln_2 output computed
+    by hand; any other name is refused."""
+    idx = Index(held_root / "idx")
+    x = torch.from_numpy(np.asarray(idx.shards[0].tok[:64], np.int64)[None])
+    x[x == idx.sep] = idx.eos_id
+    with torch.no_grad():
+        with key_states(plain, "final") as final, key_states(plain, "ffn_in") as ffn_in:
+            h, _ = plain.hidden(x)
+        y = plain.transformer.drop(plain.transformer.wte(x) + plain.transformer.wpe(torch.arange(64)))
+        for b in plain.transformer.h[:-1]:  # by hand: every block but the last, then the last one's attention and its ln_2
+            y = b(y)[0]
+        last = plain.transformer.h[-1]
+        y = y + last.attn(last.ln_1(y))[0]
+        want = last.ln_2(y)
+    assert torch.equal(final[-1], h)
+    torch.testing.assert_close(ffn_in[-1], want)
+    assert not torch.allclose(want, h)
+    with pytest.raises(TeragramError, match="one of final, ffn_in"), key_states(plain, "attn"):
+        pass
+
+
+def test_fit_gate_compares_the_candidates_and_live_equals_bulk(held_root, plain):
     from teragram.model.evaluation.perplexity import EvalOptions, cont_cache_of, gated, token_eval
 
-    idx = Index(joint_root / "idx")
-    r = token_eval(plain, joint_root / "held", idx.eos_id, idx.sep, hidden=cc.KEY)
+    idx = Index(held_root / "idx")
+    r = token_eval(plain, held_root / "held", idx.eos_id, idx.sep, hidden=cc.KEY)
     r["cont_cache"] = cont_cache_of(r, None)
     spec, q = r["cont_cache"]
     assert spec.scale == pytest.approx(cc.fit_scale(r["hidden"], r["doc"]))
-    est = estimates.heldout_estimates(joint_root / "idx", joint_root / "held")
+    est = estimates.heldout_estimates(held_root / "idx", held_root / "held")
     keep = np.ones(len(r["nll"]), bool)
     mixed, gate, info = gated(r, est, keep, EvalOptions(fit_gate=True))
     ch = info["gate_choice"]
@@ -140,7 +162,7 @@ def test_fit_gate_compares_the_candidates_and_live_equals_bulk(joint_root, plain
     )
     bulk, _, _ = gated(r, est, keep, EvalOptions(gate=g))
     # ... equals generation's live distribution at the actual next token, document by document
-    docs = estimates.heldout_docs(joint_root / "held")
+    docs = estimates.heldout_docs(held_root / "held")
     for k, doc in enumerate(docs[:2]):
         doc = doc.tolist()[: plain.cfg.block_size - 1]
         x = torch.tensor([[idx.eos_id, *doc]])
@@ -157,57 +179,57 @@ def test_fit_gate_compares_the_candidates_and_live_equals_bulk(joint_root, plain
             live.add(t, keys[t], tgt)
 
 
-def test_generation_with_a_cont_cache_gate_drafts_the_same_text(joint_root, plain, tmp_path):
+def test_generation_with_a_cont_cache_gate_drafts_the_same_text(held_root, plain, tmp_path):
     """Greedy generation through a (t+cc) gate: with drafts (the cache keeps only accepted
     positions) the same tokens as without."""
     from teragram.model.evaluation.perplexity import token_eval
     from teragram.model.generation.sample import generate
 
-    idx = Index(joint_root / "idx")
-    r = token_eval(plain, joint_root / "held", idx.eos_id, idx.sep, hidden=cc.KEY)
+    idx = Index(held_root / "idx")
+    r = token_eval(plain, held_root / "held", idx.eos_id, idx.sep, hidden=cc.KEY)
     spec = cc.ContCache(cc.fit_scale(r["hidden"], r["doc"]), window=16)  # a window shorter than the text: it slides
-    n_features = gate_mod.gate_inputs(estimates.heldout_estimates(joint_root / "idx", joint_root / "held"), r["maxp"], r["top"]).shape[1]
+    n_features = gate_mod.gate_inputs(estimates.heldout_estimates(held_root / "idx", held_root / "held"), r["maxp"], r["top"]).shape[1]
     W = np.random.default_rng(0).normal(size=(n_features, len(estimates.COMPONENTS) + len(spec.names)))
     g = gate_mod.Gate(W, estimates.COMPONENTS + spec.names, spec)  # every component weighs in
-    prompt = [idx.eos_id, *estimates.heldout_docs(joint_root / "held")[0][:12].tolist()]
+    prompt = [idx.eos_id, *estimates.heldout_docs(held_root / "held")[0][:12].tolist()]
     plain_text = generate(plain, idx, prompt, max_new_tokens=30, temperature=0, gate=g).ids
     drafted = generate(plain, idx, prompt, max_new_tokens=30, temperature=0, gate=g, draft=4)
     assert drafted.ids == plain_text
     assert drafted.stats.proposed.sum() > 0  # drafts were made, and the cache dropped the rejected ones
 
 
-def test_saved_outputs_keep_the_cache_and_give_the_same_figures(joint_root, plain, tmp_path):
+def test_saved_outputs_keep_the_cache_and_give_the_same_figures(held_root, plain, tmp_path):
     from teragram.model.evaluation.outputs import load_outputs, outputs_report, save_model_outputs, truncate_outputs
     from teragram.model.evaluation.perplexity import EvalOptions, heldout_report
 
-    idx = Index(joint_root / "idx")
-    r, _ = save_model_outputs(tmp_path / "out", plain, joint_root / "held", idx, meta={"step": 1}, source="x")
+    idx = Index(held_root / "idx")
+    r, _ = save_model_outputs(tmp_path / "out", plain, held_root / "held", idx, meta={"step": 1}, source="x")
     o = load_outputs(tmp_path / "out")
     assert o.cont_cache[0] == r["cont_cache"][0] and "hidden" not in r
     np.testing.assert_array_equal(o.cont_cache[1], r["cont_cache"][1])
-    direct, gate = heldout_report(plain, joint_root / "idx", joint_root / "held", opts=EvalOptions(fit_gate=True))
-    split, gate2 = outputs_report(o, joint_root / "idx", EvalOptions(fit_gate=True))
+    direct, gate = heldout_report(plain, held_root / "idx", held_root / "held", opts=EvalOptions(fit_gate=True))
+    split, gate2 = outputs_report(o, held_root / "idx", EvalOptions(fit_gate=True))
     assert split["perplexity"] == pytest.approx(direct["perplexity"], rel=1e-9)
     assert split["gate_choice"] == direct["gate_choice"]
     # a gate of another scale is refused for these outputs
     if gate.cont_cache is not None:
         other = gate_mod.Gate(gate.W, gate.components, cc.ContCache(gate.cont_cache.scale * 2))
         with pytest.raises(TeragramError, match="scale"):
-            outputs_report(o, joint_root / "idx", EvalOptions(gate=other))
+            outputs_report(o, held_root / "idx", EvalOptions(gate=other))
     t = truncate_outputs(o, tmp_path / "short", 50)
     np.testing.assert_array_equal(t.cont_cache[1], o.cont_cache[1][: len(t.nll)])
 
 
-def test_a_gate_is_refused_by_another_model_or_index(joint_root, real_index, plain, tmp_path):
+def test_a_gate_is_refused_by_another_model_or_index(held_root, real_index, plain, tmp_path):
     from teragram.model.checkpoint import weights_digest
 
     g = gate_mod.Gate(np.zeros((10, len(estimates.COMPONENTS))))
     g.check(model="anything", index_dir=real_index)  # a gate saved without its identity: taken as it is
-    g.fit_for = {"model": weights_digest(plain), "index": gate_mod.index_digest(joint_root / "idx")}
+    g.fit_for = {"model": weights_digest(plain), "index": gate_mod.index_digest(held_root / "idx")}
     g.save(tmp_path / "g.json")
     back = gate_mod.Gate.load(tmp_path / "g.json")
-    back.check(model=weights_digest(plain), index_dir=joint_root / "idx")
+    back.check(model=weights_digest(plain), index_dir=held_root / "idx")
     with pytest.raises(TeragramError, match="another index: refit it"):
         back.check(model=weights_digest(plain), index_dir=real_index)
     with pytest.raises(TeragramError, match="another model"):
-        back.check(model="0" * 32, index_dir=joint_root / "idx")
+        back.check(model="0" * 32, index_dir=held_root / "idx")

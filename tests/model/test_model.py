@@ -60,6 +60,33 @@ def test_kv_cache_matches_full_forward(arch):
         assert torch.allclose(torch.cat(steps, 1), full, atol=1e-5), chunk
 
 
+def test_checkpoints_saved_before_the_joint_recipe_was_retired(tmp_path, capsys):
+    """A plain model's checkpoint that holds the retired joint recipe's GPTConfig fields loads
+    as before (the same weights, the same digest a gate was fit for); one trained with the joint
+    gate is refused in one line naming the last commit that has the recipe."""
+    from teragram.index.errors import TeragramError
+    from teragram.model.checkpoint import JOINT_RETIRED_AT, save_checkpoint, weights_digest
+    from teragram.model.training.train import TrainConfig
+    from teragram.serve.main import main
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny", vocab_size=50, block_size=16, use_index=False))
+    ck = save_checkpoint(tmp_path / "run", model, {}, 1, TrainConfig())
+    meta = json.loads((ck / "config.json").read_text())
+    meta["model"] |= {"joint": [], "joint_top_k": 4, "joint_hidden": True, "joint_detach": False, "joint_tokenizer": ""}
+    meta["model"] |= {"joint_lm_weight": 0.0, "joint_knn": []}  # as a plain model's config.json held them
+    (ck / "config.json").write_text(json.dumps(meta))
+    back, _ = load_model(tmp_path / "run")
+    assert weights_digest(back) == weights_digest(model) and back.cfg == model.cfg
+    meta["model"] |= {"joint": ["index_infgram", "cache_longest"], "joint_lm_weight": 1.0}
+    (ck / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(TeragramError, match=f"joint gate.*retired after commit {JOINT_RETIRED_AT}"):
+        load_model(tmp_path / "run")
+    assert main(["eval", "--checkpoint", str(tmp_path / "run"), "--index", str(tmp_path), "--corpus", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and JOINT_RETIRED_AT in err, err
+
+
 def test_index_model_beats_baseline_on_duplicated_text(dup_setup):
     base = train(dup_config(dup_setup, "base", features=None, max_steps=150))
     idx = train(dup_config(dup_setup, "idxm", max_steps=150))
@@ -102,7 +129,7 @@ data = TrainData({str(dup_setup / "idx")!r}, {str(dup_setup / "feats")!r}, 32)
 torch.manual_seed(0)
 m = GPT(GPTConfig.preset("tiny", vocab_size=data.vocab_size, block_size=32))
 ddp = torch.nn.parallel.DistributedDataParallel(m)
-x, y, f, _ = data.batch(0, 4, seed=3, rank=rank)
+x, y, f = data.batch(0, 4, seed=3, rank=rank)
 loss, _ = ddp(x, y, f)
 loss.mean().backward()
 if rank == 0:
@@ -265,9 +292,9 @@ def test_heldout_estimates_follow_the_index_asked_for(dup_setup, real_index):
     assert not np.array_equal(got[str(dup_setup / "idx")], got[str(real_index)])
 
 
-def test_split_evaluation_equals_joint(dup_setup, tmp_path):
-    """The model's saved per-token outputs, mixed with the index later, give exactly the joint
-    gated evaluation; outputs are refused with an index of another tokenizer or when their
+def test_split_evaluation_equals_the_whole(dup_setup, tmp_path):
+    """The model's saved per-token outputs, mixed with the index later, give exactly the gated
+    evaluation in one go; outputs are refused with an index of another tokenizer or when their
     targets are not their documents' tokens."""
     import shutil
 
@@ -280,7 +307,7 @@ def test_split_evaluation_equals_joint(dup_setup, tmp_path):
     model, meta = load_model(dup_setup / "gbase")
     held, root = dup_setup / "held", dup_setup / "idx"
     idx = Index(root)
-    gate, nll_model, nll_joint = gated_eval(model, root, held, cont_cache=False)  # outputs saved below hold no cache
+    gate, nll_model, nll_whole = gated_eval(model, root, held, cont_cache=False)  # outputs saved below hold no cache
 
     r = token_eval(model, held, idx.eos_id, idx.sep)
     ev = EvalData(held, model.cfg.block_size, idx.eos_id, idx.sep)
@@ -290,8 +317,8 @@ def test_split_evaluation_equals_joint(dup_setup, tmp_path):
     est = outputs_estimates(out, root)
     fitted, nll_split = gated_outputs(out, est)
     np.testing.assert_array_equal(fitted.W, gate.W)
-    np.testing.assert_array_equal(nll_split, nll_joint)
-    np.testing.assert_array_equal(gated_outputs(out, est, gate)[1], nll_joint)
+    np.testing.assert_array_equal(nll_split, nll_whole)
+    np.testing.assert_array_equal(gated_outputs(out, est, gate)[1], nll_whole)
 
     other = tmp_path / "other-index"
     other.mkdir()

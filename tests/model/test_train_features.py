@@ -58,27 +58,9 @@ def test_recompute_gives_the_same_losses_and_gradients(mode):
             torch.testing.assert_close(a[n], b[n], rtol=1e-5, atol=atol, msg=n)
 
 
-def _rand_est(B, T, V, M, g):
-    """Random joint estimates, torch, (B, T, M) per component: masses, buckets and top ids."""
-    from teragram.model.mixture import joint
-
-    q = torch.rand(B, T, M, generator=g) * 0.5
-    return joint.Est(
-        q,
-        (1 - q) * torch.rand(B, T, M, generator=g),
-        torch.randint(0, joint.N_COUNT, (B, T, M), generator=g),
-        torch.randint(0, joint.NS, (B, T, M), generator=g),
-        torch.randint(-1, V, (B, T, M), generator=g),
-        torch.randint(0, joint.NL, (B, T), generator=g),
-        torch.randint(0, 2, (B, T), generator=g),
-        torch.randint(0, joint.NL, (B, T), generator=g),
-    )
-
-
 HEADS = {
     "plain": dict(use_index=False, mixture=False),
     "index mixture": {},
-    "joint gate": dict(use_index=False, mixture=False, joint=("index_infgram", "index_3gram", "cache_longest"), joint_lm_weight=1.0),
 }
 
 
@@ -96,20 +78,15 @@ def test_recompute_block_computes_the_head_in_chunks_with_the_same_losses_and_gr
     g = torch.Generator().manual_seed(1)
     x, y = torch.randint(0, V, (2, B, T), generator=g)
     f = rand_feats(B, T, V, 4, g) if cfg.use_index else None
-    e = _rand_est(B, T, V, len(cfg.joint), g) if cfg.joint else None
     runs, logits = {}, gpt._logits
     for mode in ("none", "block"):
         torch.manual_seed(0)
         model = GPT(cfg)
-        if cfg.joint:  # a gate that reads every statistic, the model's top token and probability too
-            with torch.no_grad():
-                for p in model.joint_gate.parameters():
-                    p.add_(torch.randn_like(p) * 0.5)
         model.set_recompute(mode)
         calls = []  # the rows of each chunk's logits
         monkeypatch.setattr(gpt, "_logits", lambda h, w, calls=calls: calls.append(len(h)) or logits(h, w))
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss, _ = model(x, y, f, e)
+            loss, _ = model(x, y, f)
         loss.mean().backward()
         runs[mode] = loss.detach(), {n: p.grad for n, p in model.named_parameters()}, calls
     assert runs["none"][2] == []  # the whole head at once, through lm_head
