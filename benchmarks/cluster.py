@@ -137,7 +137,7 @@ def start_cluster(nodes: int):
     import ray
     from ray.cluster_utils import Cluster
 
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 1 << 28})
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 1 << 28, "include_dashboard": False})
     for _ in range(nodes - 1):
         c.add_node(num_cpus=1, object_store_memory=1 << 28)
     c.wait_for_nodes()

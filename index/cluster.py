@@ -19,8 +19,9 @@ exactly the answers of one process holding every shard:
     round. longest-match's continuation is the one after the latest shard's most recent match.
   * infgram-ntd: the same lengths, then a second round asks only the groups that hold the longest
     suffix for its histogram (a histogram of a group's shorter suffix would be wasted work).
-  * docs: each group lists the first `max` documents of each of its shards holding the match;
-    the client takes them in shard order, as Index.docs does.
+  * docs: the first round gives every shard's interval; then the shards are read in order as
+    Index.docs reads them, each round asking the next shards whose occurrences could hold the
+    documents still missing (a shard holds at most as many documents as occurrences).
 
 A holder that dies (its node lost) or does not answer within `timeout` seconds is dropped, and
 its group's part of the batch goes to the group's next replica; with none left the query raises
@@ -33,6 +34,7 @@ The client opens the index directory itself for its manifest, tokenizer and docu
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -40,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import cluster_bulk
 from .engine import OPS, Index
 from .errors import ClusterError, QueryError, TeragramError
 from .results import CountResult, DocsResult, InfgramNtdResult, InfgramProbResult, LongestMatch, NtdResult, ProbResult
@@ -79,21 +82,11 @@ class ShardHolder:
     def unigram(self) -> np.ndarray:
         return self.idx.unigram
 
-    def cpu_seconds(self) -> float:
-        """CPU seconds this holder's process has used (for measurements)."""
-        import time
-
+    def cpu_seconds(self) -> float:  # this holder's process's, for measurements
         return time.process_time()
 
-    def bulk_lengths(self, key, ids: np.ndarray, starts: np.ndarray, caps: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        from .cluster_bulk import holder_lengths
-
-        return holder_lengths(self, key, ids, starts, caps)
-
-    def bulk_histograms(self, key, ids: np.ndarray, starts: np.ndarray, caps: list[int], longest: np.ndarray, skip: np.ndarray, heavy: int):
-        from .cluster_bulk import holder_histograms
-
-        return holder_histograms(self, key, ids, starts, caps, longest, skip, heavy)
+    bulk_lengths = cluster_bulk.holder_lengths  # a bulk pass's two rounds (cluster_bulk.py)
+    bulk_histograms = cluster_bulk.holder_histograms
 
     def part_count(self, q: np.ndarray) -> int:
         return self.idx.count_intervals(q)[0]
@@ -130,18 +123,9 @@ class ShardHolder:
         latest = max(i for i, (a, b) in enumerate(segs) if b > a)
         return sl, int((iv[1] - iv[0]).sum()), self.places[latest], self.idx.latest_cont(segs, sl)
 
-    def part_docs(self, q: np.ndarray, n: int, context: int) -> tuple[int, list]:
-        """(count, [(shard place, its first n documents, scan cut short)]) of the shards holding
-        q, in order, until they give n documents: a later shard of this group could not be read
-        by the client, which has n documents from the earlier ones by then."""
-        cnt, segs = self.idx.count_intervals(q)
-        out, found = [], 0
-        for i, (a, b) in enumerate(segs):
-            if b > a and found < n:
-                hits, cut = self.idx.shard_docs(i, a, b, len(q), n, context)
-                out.append((self.places[i], hits, cut))
-                found += len(hits)
-        return cnt, out
+    def part_docs(self, q: np.ndarray, place: int, a: int, b: int, n: int, context: int) -> tuple[list, bool]:
+        """Index.shard_docs of the shard at `place` (in the whole index) and its interval [a, b) of q."""
+        return self.idx.shard_docs(self.places.index(place), a, b, len(q), n, context)
 
 
 class ClusterIndex:
@@ -358,8 +342,8 @@ class ClusterIndex:
 
     def batch(self, queries: Iterable[Query | tuple]) -> list:
         """The answers to many queries, in order (Index's result types), from one call to a
-        holder of every group (and a second for infgram-ntd queries). A malformed query raises
-        QueryError ("query i: ...") before any is sent."""
+        holder of every group (then a second for infgram-ntd queries, and rounds of shard reads
+        for docs queries). A malformed query raises QueryError ("query i: ...") before any is sent."""
         queries = [q if isinstance(q, Query) else Query(*q) for q in queries]
         checked = []
         for i, query in enumerate(queries):
@@ -386,6 +370,9 @@ class ClusterIndex:
                 per_query[i] = [sl, [more[g][at[g]] for g in gs]]
                 for g in gs:
                     at[g] += 1
+        docs = [i for i, (op, _, _) in enumerate(checked) if op == "docs"]
+        for i, r in zip(docs, self._docs([(checked[i][1], queries[i], self._segs(per_query[i])) for i in docs])):
+            per_query[i] = r
         return [self._merge(op, c, query, per_query[i]) for i, ((op, q, c), query) in enumerate(zip(checked, queries))]
 
     def _merge(self, op: str, cont: int, query: Query, parts: list):
@@ -411,13 +398,43 @@ class ClusterIndex:
                 return LongestMatch(0, -1, self.n_positions)
             at = [p for p in parts if p[0] == sl]
             return LongestMatch(sl, max(at, key=lambda p: p[2])[3], sum(p[1] for p in at))
-        hits: list = []
-        approx = False
-        for _, found, cut in sorted((x for p in parts for x in p[1]), key=lambda x: x[0]):
-            if len(hits) < query.max:
-                hits += found[: query.max - len(hits)]
-                approx |= cut
-        return DocsResult(sum(p[0] for p in parts), hits, approx)
+        return parts  # docs: answered by _docs
+
+    def _segs(self, parts: list) -> list[tuple[int, int]]:
+        """Every shard's interval, in shard order, from the groups' parts ("intervals")."""
+        segs: list = [None] * len(self.shard_ids)
+        for places, ivs in zip(self.groups, parts):
+            for p, iv in zip(places, ivs):
+                segs[p] = iv
+        return segs
+
+    def _docs(self, asked: list[tuple[np.ndarray, Query, list]]) -> list[DocsResult]:
+        """Each docs query's documents (q, the query, every shard's interval of q): its shards read
+        in order, each round asking the next shards whose occurrences could hold the documents
+        still missing, until it has `max` documents or no shard is left (Index.docs's answer)."""
+        group_of = {p: g for g, places in enumerate(self.groups) for p in places}
+        hits: list[list] = [[] for _ in asked]
+        approx, at = [False] * len(asked), [0] * len(asked)
+        while True:
+            tasks: dict[int, list] = {}
+            sent: dict[int, list] = {}  # per group: (query, shard place) of each task
+            for i, (q, query, segs) in enumerate(asked):
+                need, occ = query.max - len(hits[i]), 0
+                while need > 0 and occ < need and at[i] < len(segs):
+                    p, (a, b) = at[i], segs[at[i]]
+                    at[i] += 1
+                    if b > a:
+                        tasks.setdefault(group_of[p], []).append(("docs", q, p, a, b, need, query.context))
+                        sent.setdefault(group_of[p], []).append((i, p))
+                        occ += b - a
+            if not tasks:
+                break
+            got = self._run(tasks)
+            for (i, _), (found, cut) in sorted(((x, r) for g in got for x, r in zip(sent[g], got[g])), key=lambda t: t[0]):
+                if len(hits[i]) < asked[i][1].max:
+                    hits[i] += found[: asked[i][1].max - len(hits[i])]
+                    approx[i] |= cut
+        return [DocsResult(sum(b - a for a, b in segs), hits[i], approx[i]) for i, (_, _, segs) in enumerate(asked)]
 
     def count(self, ids) -> CountResult:
         return self.batch([Query("count", ids)])[0]
@@ -448,18 +465,13 @@ class ClusterIndex:
     def continuations(self, ids: np.ndarray, starts: np.ndarray, caps, *, top_k: int = 1) -> dict:
         """index/bulk.py's continuations (per-position features of many documents, for each cap),
         computed by the holders beside their shards (index/cluster_bulk.py)."""
-        from .cluster_bulk import continuations
-
-        return continuations(self, ids, starts, caps, top_k=top_k)
+        return cluster_bulk.continuations(self, ids, starts, caps, top_k=top_k)
 
     def count_intervals(self, q) -> tuple[int, list[tuple[int, int]]]:
         """As Index.count_intervals: the count and every shard's suffix-array interval, in shard order."""
         q = self.head.check_ids(q, allow_empty=True)
         parts = self._run({g: [("intervals", q)] for g in range(len(self.groups))})
-        segs: list = [None] * len(self.shard_ids)
-        for g, places in enumerate(self.groups):
-            for p, iv in zip(places, parts[g][0]):
-                segs[p] = iv
+        segs = self._segs([parts[g][0] for g in range(len(self.groups))])
         return (self.n_positions if len(q) == 0 else sum(b - a for a, b in segs)), segs
 
 
@@ -482,7 +494,7 @@ def _first_part(op: str, q: np.ndarray, cont: int, query: Query) -> tuple:
         return ("suffix", q, -1)
     if op == "longest-match":
         return ("match", q)
-    return ("docs", q, query.max, query.context)
+    return ("intervals", q)  # docs: the shards are then read in order (ClusterIndex._docs)
 
 
 def _ntd(parts: list[tuple[int, np.ndarray, np.ndarray]]) -> NtdResult:

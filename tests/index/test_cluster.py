@@ -26,7 +26,7 @@ def cluster():
     """A Ray cluster of NODES nodes of one CPU each, started on this machine."""
     from ray.cluster_utils import Cluster
 
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     for _ in range(NODES - 1):
         c.add_node(num_cpus=1)
     c.wait_for_nodes()
