@@ -318,7 +318,48 @@ def ensure_pool(path: Path) -> list[dict]:
     return read_pool(path)
 
 
+def smoke() -> int:
+    """select, export and the held-out code set on local fixtures, nothing downloaded: apt-cache
+    show stanzas of four made-up packages (one Rust crate held out by its split key, one -doc
+    package over the size cap), their .debs built with dpkg-deb in a temporary cache."""
+    import tempfile
+
+    held = next(f"rust-smoke{i}" for i in range(10_000) if corpora.heldout_package(f"rust-smoke{i}"))
+    kept = next(f"rust-smoke{i}" for i in range(10_000) if not corpora.heldout_package(f"rust-smoke{i}"))
+    files = {"src/lib.rs": "pub fn add(a: u32, b: u32) -> u32 { a + b }\n", "README.md": "# a crate\n"}
+    debs = {f"librust-{held}-dev": (held, files), f"librust-{kept}-dev": (kept, files)}
+    debs["smoke-doc"] = ("smoke-doc", {"usr/share/doc/smoke-doc/guide.txt": "A guide to nothing.\n" * 20})
+    stanzas = [f"Package: {n}\nSource: {src}\nVersion: 1.0-1\nArchitecture: all\nInstalled-Size: 4\n" for n, (src, _) in debs.items()]
+    stanzas.append("Package: big-doc\nVersion: 1\nArchitecture: all\nInstalled-Size: 999999\n")
+    with tempfile.TemporaryDirectory(prefix="teragram-smoke-") as tmp:
+        os.environ["TERAGRAM_CACHE"] = str(Path(tmp) / "corpora")
+        (corpora.cache_dir() / "debs").mkdir(parents=True)
+        sizes = {}
+        for name, (_, tree) in debs.items():
+            root = Path(tmp) / "build" / name
+            for rel, text in tree.items():
+                f = root / (rel if rel.startswith("usr/") else f"usr/share/{name}/{rel}")
+                f.parent.mkdir(parents=True, exist_ok=True)
+                f.write_text(text)
+            (root / "DEBIAN").mkdir()
+            (root / "DEBIAN/control").write_text(f"Package: {name}\nVersion: 1.0-1\nArchitecture: all\nMaintainer: smoke <s@example.org>\nDescription: smoke\n")
+            deb = corpora.cache_dir() / "debs" / f"{name}_1.0-1_all.deb"
+            subprocess.run(["dpkg-deb", "--root-owner-group", "--build", str(root), str(deb)], check=True, capture_output=True)
+            sizes[name] = deb.stat().st_size
+        stanzas = [s + f"Size: {sizes.get(s.split()[1], 0)}\n" for s in stanzas]
+        pool = select("\n".join(stanzas))
+        print(json.dumps({p["name"]: (p["group"], p["split"]) for p in pool}))
+        assert {p["name"] for p in pool} == set(debs), pool
+        for g in ("pool-rust", "pool-doc"):
+            m = export_group(pool, g, Path(tmp) / "extra", buckets=4)
+            print(f"{g}: {sum(m['docs'])} docs from {len(m['packages'])} packages")
+        print(json.dumps([r["path"] for r in heldout_code(pool, max_doc=1 << 20)]))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    if "--smoke" in (argv if argv is not None else sys.argv[1:]):
+        return smoke()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("select")

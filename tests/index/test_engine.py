@@ -314,15 +314,20 @@ def test_draft_continuations_against_brute_force(which, request):
         assert list(sc.top_continuation(6)) == want
 
 
-def _vmflags(path) -> set[str]:
-    """The VmFlags of this process's mapping of path (/proc/self/smaps)."""
+def _vmflags(arr) -> set[str]:
+    """The VmFlags of the mapping that holds this memory-mapped array's data (/proc/self/smaps; by
+    address, not by file name: another Index of the same files may still be mapped)."""
+    addr = arr.__array_interface__["data"][0]
     lines = open("/proc/self/smaps").read().splitlines()
     for i, line in enumerate(lines):
-        if line.endswith(str(path)):
-            for rest in lines[i + 1 :]:
-                if rest.startswith("VmFlags:"):
-                    return set(rest.split()[1:])
-    raise AssertionError(f"{path} is not mapped")
+        span = line.split(" ", 1)[0]
+        if "-" in span and all(c in "0123456789abcdef-" for c in span):
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= addr < hi:
+                for rest in lines[i + 1 :]:
+                    if rest.startswith("VmFlags:"):
+                        return set(rest.split()[1:])
+    raise AssertionError(f"no mapping holds {addr:#x}")
 
 
 def test_searched_arrays_are_advised_random_unless_scanned(real_index):
@@ -333,7 +338,7 @@ def test_searched_arrays_are_advised_random_unless_scanned(real_index):
     rnd, nrm = Index(real_index), Index(real_index, access="normal")
     q = [int(t) for t in rnd.shards[0].tok[:2]]  # the first document's first two tokens
     assert rnd.count(q).count == nrm.count(q).count > 0
-    sa, tok = rnd.shards[0].sa.words.filename, rnd.shards[0].tok.filename
+    sa, tok = rnd.shards[0].sa.words, rnd.shards[0].tok
     del nrm
     import gc
 
@@ -342,11 +347,11 @@ def test_searched_arrays_are_advised_random_unless_scanned(real_index):
     with rnd.readahead():  # bulk work: read-ahead on for its duration
         assert "rr" not in _vmflags(sa)
     assert "rr" in _vmflags(sa)
-    del rnd
+    del rnd, sa, tok
     gc.collect()
     nrm = Index(real_index, access="normal")
     nrm.count(q)
-    assert "rr" not in _vmflags(sa)
+    assert "rr" not in _vmflags(nrm.shards[0].sa.words) and "rr" not in _vmflags(nrm.shards[0].tok)
 
 
 def test_stored_top_samples_are_used_checked_and_optional(tmp_path, tokenizer_model, monkeypatch):
