@@ -8,8 +8,9 @@ Each corpus yields documents, one per source file (a file of the kernel tarball,
 a book of the bible, a fortune file); the few single-file corpora (the Jargon File, GCIDE)
 are cut into chunks at entry boundaries so that a train/held-out split by path has
 something to split. `split_of(path)` puts a document in train or held-out by a hash of its
-path, never by position inside a document. Cached under $TERAGRAM_CACHE
-(default ~/.cache/teragram/corpora).
+path, never by position inside a document. The packages are fetched, unpacked and cached under
+$TERAGRAM_CACHE (default ~/.cache/teragram/corpora) by tools/debian/archive.py; the files of the
+larger corpora are read as documents by tools/debian/documents.py.
 
 The large corpus (EXTRA_CODE, EXTRA_ENGLISH: > 2B tokens with linux-source-6.1 and ENGLISH),
 its held-out sets (EVAL_ONLY corpora: never exported into train) and the nested indexes over it
@@ -33,13 +34,15 @@ import hashlib
 import io
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path
+
+from tools.debian.archive import cache_dir, copyright_file, fetch, version_mismatch, versions
+from tools.debian.documents import EXTRA_SOURCES, chunks, everyday_documents, extra_documents, read_file, tar_files
 
 CODE = ("linux-source-6.1",)
 ENGLISH = ("linux-doc-6.1", "dict-gcide", "manpages", "manpages-dev", "jargon-text", "fortunes", "bible-kjv-text")
@@ -112,7 +115,7 @@ EXTRA_ENGLISH = (
     *("erlang-doc", "libstdc++-12-doc", "libboost1.74-doc", "llvm-15-doc"),
 )
 # Everyday English for the multiple-choice evals (issue 18): how-to pages, definitions with
-# example sentences, narrative descriptions; markup stripped (_markup_text). Licenses, as the
+# example sentences, narrative descriptions; markup stripped (tools/debian/documents.py). Licenses, as the
 # packages' Debian copyright files state them:
 #   wordnet-base            WordNet 3.0 (Princeton's permissive license): every synset's words,
 #                           gloss and example sentences ("breathe: draw air into ...; "I can
@@ -130,220 +133,9 @@ EVERYDAY = ("wordnet-base", "gnome-user-docs", "libreoffice-help-en-us", "debian
 #   python3.11-doc         the reStructuredText sources of Python's documentation (PSF-2.0)
 EVAL_ONLY = ("linux-source-6.12-new", "python3.11-doc")
 # Debian package of a corpus whose name is not a package name
-_PACKAGE = {"linux-source-6.12-new": "linux-source-6.12"}
-# extra packages a corpus needs unpacked beside it
-_NEEDS = {"bible-kjv-text": ("bible-kjv",)}
-# packages of a Debian suite that a stock bookworm machine's apt sources do not list: fetched
-# through an apt state of the cache's own (its sources list, package lists and archive cache)
-_SUITE = {"linux-source-6.12": "bookworm-backports"}
-_MIRROR = "http://deb.debian.org/debian"
-_KEYRING = "/usr/share/keyrings/debian-archive-keyring.gpg"
-_CHUNK = 32 << 10  # target size of chunks cut from single-file corpora
 _SOURCE_EXT = (".c", ".h", ".S", ".rs", ".py", ".sh", ".pl", ".rst", ".txt", ".yaml", "Kconfig", "Makefile")
 
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("TERAGRAM_CACHE", Path.home() / ".cache" / "teragram" / "corpora"))
-
-
-def _apt_download(pkg: str, dst: Path) -> None:
-    """`apt-get download pkg` into dst; a package of another suite (_SUITE) goes through an apt
-    state under the cache that lists only that suite, updated once."""
-    opts: list[str] = []
-    suite = _SUITE.get(pkg)
-    if suite:
-        state = cache_dir() / "apt" / suite
-        for d in ("lists/partial", "cache/archives/partial"):
-            (state / d).mkdir(parents=True, exist_ok=True)
-        (state / "sources.list").write_text(f"deb [signed-by={_KEYRING}] {_MIRROR} {suite} main\n")
-        opts = [
-            *("-o", f"Dir::Etc::SourceList={state / 'sources.list'}", "-o", "Dir::Etc::SourceParts=/dev/null"),
-            *("-o", f"Dir::State::Lists={state / 'lists'}", "-o", f"Dir::Cache={state / 'cache'}"),
-        ]
-        if not any((state / "lists").glob("*Packages*")):
-            subprocess.run(["apt-get", *opts, "update"], check=True, capture_output=True)
-    r = subprocess.run(["apt-get", *opts, "download", pkg], cwd=dst, capture_output=True, text=True)
-    if r.returncode:
-        raise SystemExit(f"apt-get download {pkg} failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
-
-
-def fetch(name: str) -> Path:
-    """Download and unpack a package (and what it needs); returns its unpacked root."""
-    name = _PACKAGE.get(name, name)
-    root = cache_dir() / "root" / name
-    if (root / ".done").exists():
-        return root
-    debs = cache_dir() / "debs"
-    debs.mkdir(parents=True, exist_ok=True)
-    root.mkdir(parents=True, exist_ok=True)
-    for pkg in (name, *_NEEDS.get(name, ())):
-        have = list(debs.glob(f"{pkg}_*.deb"))
-        if not have:
-            _apt_download(pkg, debs)
-            have = list(debs.glob(f"{pkg}_*.deb"))
-        subprocess.run(["dpkg", "-x", str(have[0]), str(root)], check=True)
-    (root / ".done").touch()
-    return root
-
-
-def versions(names) -> dict[str, str]:
-    """The Debian version of each package the named corpora are unpacked from (the .deb that
-    fetch keeps): the archive moves on (point releases replace a version), so a corpus is
-    reproducible only at the versions it records."""
-    from urllib.parse import unquote
-
-    out = {}
-    for n in names:
-        n = _PACKAGE.get(n, n)
-        for pkg in (n, *_NEEDS.get(n, ())):
-            for deb in sorted((cache_dir() / "debs").glob(f"{pkg}_*.deb")):
-                out[pkg] = unquote(deb.name[len(pkg) + 1 :].rsplit("_", 1)[0])
-    return out
-
-
-def version_mismatch(recorded: dict[str, str], names) -> str | None:
-    """One line saying which packages the cache now holds at versions other than an export
-    recorded (`recorded`: its "packages"), or None when every recorded one is the same."""
-    now = versions(names)
-    diff = [f"{p} {v} -> {now[p]}" for p, v in sorted(recorded.items()) if p in now and now[p] != v]
-    if not diff:
-        return None
-    return (
-        f"note: packages differ from the export's ({'; '.join(diff)}): a new export of {', '.join(names)} would not give the same documents"
-    )
-
-
-def _chunks(text: str, base: str, sep: str = "\n\n") -> Iterator[tuple[str, str]]:
-    """Cut a long text into ~_CHUNK pieces at `sep` boundaries: (base#k, piece)."""
-    k, start = 0, 0
-    while start < len(text):
-        end = text.find(sep, start + _CHUNK)
-        end = len(text) if end < 0 else end + len(sep)
-        yield f"{base}#{k}", text[start:end]
-        k, start = k + 1, end
-
-
-def _read(path: Path) -> str | None:
-    raw = gzip.open(path).read() if path.suffix == ".gz" else path.read_bytes()
-    if b"\0" in raw[:8192]:
-        return None
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return None
-
-
-# Files of the extra corpora kept as documents (one per file), by extension or by name; files
-# over _MAX_DOC (4 MiB) are generated data (tables, test vectors, intrinsics listings) and skipped.
-_EXTRA_EXT = (
-    *(".c", ".cc", ".cpp", ".cxx", ".h", ".hh", ".hpp", ".hxx", ".ipp", ".tcc", ".inc", ".def", ".md", ".S", ".s"),
-    *(".f", ".f90", ".F90", ".ads", ".adb", ".d", ".go", ".rs", ".java", ".py", ".sh", ".pl", ".pm", ".pod", ".m4"),
-    *(".ac", ".am", ".texi", ".txt", ".rst", ".el", ".erl", ".hrl", ".ml", ".mli", ".scm", ".awk", ".y", ".yrl"),
-    *(".l", ".tcl", ".exp", ".js", ".toml", ".cmake", ".m", ".mm", ".lisp", ".asm", ".yaml", ".pp", ".pas", ".lpr"),
-    *(".vim", ".texinfo", ".gperf", ".C", ".ada", ".html", ".htm", ".php", ".rkt", ".scrbl", ".gi", ".gd", ".g"),
-    *(".sty", ".cls", ".dtx", ".tex", ".hs", ".tikz"),
-)
-_EXTRA_NAMES = ("ChangeLog", "README", "NEWS", "Makefile", "Kconfig", "TODO")
-_MAX_DOC = 4 << 20
-# where each extra corpus's files are: ("tar" | "zip" | "dir", glob under the unpacked package)
-_EXTRA_SOURCES = {
-    "gcc-12-source": ("tar", "usr/src/gcc-12/gcc-12*.tar.xz"),
-    "gcc-11-source": ("tar", "usr/src/gcc-11/gcc-11*.tar.xz"),
-    "openjdk-17-source": ("zip", "usr/lib/jvm/openjdk-17/lib/src.zip"),
-    "glibc-source": ("tar", "usr/src/glibc/glibc-*.tar.xz"),
-    "binutils-source": ("tar", "usr/src/binutils/binutils-*.tar.xz"),
-    "gdb-source": ("tar", "usr/src/gdb.tar.xz"),
-    "golang-1.19-src": ("dir", "usr/share/go-1.19"),
-    "rust-src": ("dir", "usr/src/rustc-1.63.0"),
-    "libboost1.74-dev": ("dir", "usr/include/boost"),
-    "erlang-src": ("dir", "usr/lib/erlang/lib"),
-    "emacs-el": ("dir", "usr/share/emacs/28.2/lisp"),
-    "emscripten": ("dir", "usr/share/emscripten"),
-    "fpc-source-3.2.2": ("dir", "usr/share/fpcsrc/3.2.2"),
-    "lazarus-src-2.2": ("dir", "usr/lib/lazarus/2.2.6"),
-    "gnulib": ("dir", "usr/share/gnulib"),
-    "vim-runtime": ("dir", "usr/share/vim/vim90"),
-    "sbcl-source": ("dir", "usr/share/sbcl-source"),
-    "golang-github-aws-aws-sdk-go-dev": ("dir", "usr/share/gocode/src"),
-    "golang-github-azure-azure-sdk-for-go-dev": ("dir", "usr/share/gocode/src"),
-    "golang-google-api-dev": ("dir", "usr/share/gocode/src"),
-    "libboost1.81-dev": ("dir", "usr/include/boost"),
-    "mediawiki": ("dir", "usr/share/mediawiki"),
-    "wordpress": ("dir", "usr/share/wordpress"),
-    "racket-common": ("dir", "usr/share/racket"),
-    "gap-libs": ("dir", "usr/share/gap"),
-    "texlive-latex-extra": ("dir", "usr/share/texlive/texmf-dist/tex"),
-    "rust-doc": ("dir", "usr/share/doc/rust-doc/html"),
-    "openjdk-17-doc": ("dir", "usr/share/doc/openjdk-17-jre-headless"),
-    "ghc-doc": ("dir", "usr/share/doc/ghc-doc/html"),
-    "qtbase5-doc-html": ("dir", "usr/share/qt5/doc"),
-    "texlive-pictures": ("dir", "usr/share/texlive/texmf-dist/tex"),
-    "libcgal-dev": ("dir", "usr/include/CGAL"),
-    "erlang-doc": ("dir", "usr/share/doc/erlang-doc"),
-    "libstdc++-12-doc": ("dir", "usr/share/doc/gcc-12-base/libstdc++"),
-    "libboost1.74-doc": ("dir", "usr/share/doc/libboost1.74-doc"),
-    "llvm-15-doc": ("dir", "usr/share/doc/llvm-15-doc/html"),
-    "perl-doc": ("dir", "usr/share/perl/5.36.0/pod"),
-    "git-doc": ("dir", "usr/share/doc/git-doc"),
-}
-# directories of a dir corpus left out: emscripten's cache holds copies of its own system/ headers
-_SKIP_DIRS = {"emscripten": ("cache",)}
 _TIMESHIFT_EXT = (".c", ".h", ".rst")
-
-
-def _is_source(path: str) -> bool:
-    base = path.rsplit("/", 1)[-1].removesuffix(".gz")
-    return base.endswith(_EXTRA_EXT) or base.startswith(_EXTRA_NAMES)
-
-
-def _text(raw: bytes) -> str | None:
-    if b"\0" in raw[:8192]:
-        return None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return None
-    return text if text.strip() else None
-
-
-def _tar_files(tarball: Path, keep) -> Iterator[tuple[str, str]]:
-    """(member name, text) of the regular files of a tarball that keep(name) accepts, streamed."""
-    with tarfile.open(tarball, "r|*") as tar:
-        for m in tar:
-            if m.isfile() and m.size <= _MAX_DOC and keep(m.name):
-                f = tar.extractfile(m)
-                text = _text(f.read()) if f else None
-                if text:
-                    yield m.name, text
-
-
-def _extra_documents(name: str, root: Path) -> Iterator[tuple[str, str]]:
-    kind, pattern = _EXTRA_SOURCES[name]
-    found = sorted(root.glob(pattern))
-    if not found:
-        raise FileNotFoundError(f"{name}: nothing matches {pattern} under {root}")
-    src = found[0]
-    if kind == "tar":
-        yield from _tar_files(src, _is_source)
-    elif kind == "zip":
-        import zipfile
-
-        with zipfile.ZipFile(src) as z:
-            for info in z.infolist():
-                if not info.is_dir() and info.file_size <= _MAX_DOC and _is_source(info.filename):
-                    text = _text(z.read(info))
-                    if text:
-                        yield f"openjdk-17/{info.filename}", text
-    else:
-        skip = _SKIP_DIRS.get(name, ())
-        for p in sorted(src.rglob("*")):
-            if skip and any(part in skip for part in p.relative_to(src).parts):
-                continue
-            if p.is_file() and not p.is_symlink() and _is_source(p.name) and p.stat().st_size <= _MAX_DOC:
-                raw = gzip.open(p).read() if p.suffix == ".gz" else p.read_bytes()
-                text = _text(raw) if len(raw) <= _MAX_DOC else None
-                if text:
-                    yield f"{name}/{p.relative_to(root)}", text  # unique across packages (boost 1.74 and 1.81)
 
 
 def _strip_top(path: str) -> str:
@@ -372,8 +164,8 @@ def tar_paths(name: str) -> set[str]:
 def documents(name: str) -> Iterator[tuple[str, str]]:
     """(path, text) of each document of a corpus, in a fixed order."""
     root = fetch(name)
-    if name in _EXTRA_SOURCES:
-        yield from _extra_documents(name, root)
+    if name in EXTRA_SOURCES:
+        yield from extra_documents(name, root)
     elif name == "linux-source-6.12-new":
         # new: neither the path nor its last two components (a file moved to another directory,
         # e.g. Documentation/arm/x.rst -> Documentation/arch/arm/x.rst) exist in 6.1
@@ -384,11 +176,11 @@ def documents(name: str) -> Iterator[tuple[str, str]]:
         def new(path: str) -> bool:
             return path.endswith(_TIMESHIFT_EXT) and _strip_top(path) not in old and _tail(path) not in old_tails
 
-        yield from _tar_files(tarball, new)
+        yield from tar_files(tarball, new)
     elif name == "python3.11-doc":
         base = root / "usr/share/doc/python3.11/html/_sources"
         for p in sorted(base.rglob("*.rst.txt")):
-            text = _read(p) if p.is_file() else None
+            text = read_file(p) if p.is_file() else None
             if text and text.strip():
                 yield str(p.relative_to(root)), text
     elif name == "linux-source-6.1":
@@ -406,28 +198,28 @@ def documents(name: str) -> Iterator[tuple[str, str]]:
         base = root / "usr/share/doc/linux-doc-6.1/Documentation"
         for p in sorted(base.rglob("*")):
             if p.is_file() and "translations" not in p.parts and p.name.endswith((".rst.gz", ".txt.gz", ".rst", ".txt")):
-                text = _read(p)
+                text = read_file(p)
                 if text and text.strip():
                     yield str(p.relative_to(root)), text
     elif name in ("manpages", "manpages-dev"):
         for p in sorted((root / "usr/share/man").rglob("*.gz")):
-            text = _read(p)
+            text = read_file(p)
             if text and text.strip():
                 yield str(p.relative_to(root)), text
     elif name == "jargon-text":
         p = root / "usr/share/doc/jargon-text/jargon.txt.gz"
-        yield from _chunks(_read(p) or "", str(p.relative_to(root)), sep="\n\n:")
+        yield from chunks(read_file(p) or "", str(p.relative_to(root)), sep="\n\n:")
     elif name == "dict-gcide":
         p = root / "usr/share/dictd/gcide.dict.dz"  # dictzip is gzip-compatible
-        yield from _chunks(gzip.open(p).read().decode("utf-8", errors="replace"), str(p.relative_to(root)))
+        yield from chunks(gzip.open(p).read().decode("utf-8", errors="replace"), str(p.relative_to(root)))
     elif name == "fortunes":
         for p in sorted((root / "usr/share/games/fortunes").glob("*")):
             if p.is_file() and not p.name.endswith(".dat") and not p.is_symlink():
-                text = _read(p)
+                text = read_file(p)
                 if text and text.strip():
                     yield str(p.relative_to(root)), text
     elif name in EVERYDAY:
-        yield from _everyday_documents(name, root)
+        yield from everyday_documents(name, root)
     elif name == "bible-kjv-text":
         for book in _BOOKS:
             out = subprocess.run(
@@ -439,101 +231,6 @@ def documents(name: str) -> Iterator[tuple[str, str]]:
             yield f"bible-kjv/{book}", out
     else:
         raise SystemExit(f"unknown corpus {name!r}; known: {', '.join(CODE + ENGLISH + EVERYDAY + EXTRA_CODE + EXTRA_ENGLISH + EVAL_ONLY)}")
-
-
-# markup whose contents are not prose: page furniture, scripts, Mallard's <info> (credits,
-# links, revisions); any element with a `hidden` attribute (LibreOffice's per-platform variants)
-_NOT_PROSE = frozenset(("head", "script", "style", "header", "aside", "nav", "footer", "noscript", "info"))
-_BLOCK = frozenset("p div br li item tr title h1 h2 h3 h4 h5 h6 pre code-block screen dt dd table section steps list terms note".split())
-_VOID = frozenset(("img", "br", "meta", "link", "input", "hr", "base", "col", "area", "wbr", "source"))
-
-
-def _markup_text(markup: str) -> str:
-    """The prose of an HTML or Mallard (XML) page: the text outside _NOT_PROSE elements, each
-    block element's text on its own paragraph, whitespace collapsed as a browser does (but
-    inside <pre>, whose lines stay lines)."""
-    from html.parser import HTMLParser
-
-    brk = "\0"  # a block boundary (markup text holds no NUL: _read refuses binary files)
-    out: list[str] = []
-    stack: list[tuple[str, bool]] = []  # (tag, skipped) of the open elements
-
-    class P(HTMLParser):
-        def handle_starttag(self, tag, attrs):
-            if tag in _BLOCK:
-                out.append(brk)
-            if tag in _VOID:
-                return
-            skip = (stack[-1][1] if stack else False) or tag in _NOT_PROSE or any(k == "hidden" for k, _ in attrs)
-            stack.append((tag, skip))
-
-        def handle_startendtag(self, tag, attrs):
-            if tag in _BLOCK:
-                out.append(brk)
-
-        def handle_endtag(self, tag):
-            if tag in _BLOCK:
-                out.append(brk)
-            for i in range(len(stack) - 1, -1, -1):  # close it and whatever was left open inside it
-                if stack[i][0] == tag:
-                    del stack[i:]
-                    break
-
-        def handle_data(self, data):
-            if not (stack and stack[-1][1]):
-                out.append(data.replace("\n", brk) if any(t == "pre" for t, _ in stack) else data)
-
-    p = P(convert_charrefs=True)
-    p.feed(markup)
-    p.close()
-    blocks = (" ".join(b.split()) for b in "".join(out).split(brk))
-    return "\n\n".join(b for b in blocks if b)
-
-
-_WORDNET_POS = ("noun", "verb", "adj", "adv")  # data.POS, one file each
-
-
-def _wordnet_documents(root: Path) -> Iterator[tuple[str, str]]:
-    """One line per synset, "word, other word: gloss; "example"", grouped by WordNet's
-    lexicographer file (noun.food, verb.motion, ...: its field 2) and cut into chunks."""
-    for pos in _WORDNET_POS:
-        groups: dict[int, list[str]] = {}
-        for line in (root / f"usr/share/wordnet/data.{pos}").read_text(encoding="utf-8", errors="replace").splitlines():
-            if line.startswith("  ") or " | " not in line:  # the license header
-                continue
-            head, gloss = line.split(" | ", 1)
-            f = head.split()
-            n = int(f[3], 16)
-            words = [w.replace("_", " ") for w in f[4 : 4 + 2 * n : 2]]
-            words = [re.sub(r"\((a|p|ip)\)$", "", w) for w in words]  # adjective markers
-            groups.setdefault(int(f[1]), []).append(f"{', '.join(words)}: {gloss.strip()}")
-        for lex, lines in sorted(groups.items()):
-            yield from _chunks("\n".join(lines) + "\n", f"wordnet/{pos}/{lex:02d}", sep="\n")
-
-
-def _everyday_documents(name: str, root: Path) -> Iterator[tuple[str, str]]:
-    if name == "wordnet-base":
-        yield from _wordnet_documents(root)
-        return
-    if name == "crawl-common":  # entries between %%%% lines; # lines are comments
-        base = root / "usr/share/crawl/dat"
-        for p in [*sorted((base / "descript").glob("*.txt")), base / "database/FAQ.txt"]:
-            raw = _read(p) or ""
-            text = "\n".join(line for line in raw.splitlines() if not line.startswith("#"))
-            text = re.sub(r"\n{3,}", "\n\n", text.replace("%%%%", "\n")).strip()
-            if text:
-                yield from _chunks(text + "\n", str(p.relative_to(root)))
-        return
-    pattern = {
-        "gnome-user-docs": "usr/share/help/C/*/*.page",
-        "libreoffice-help-en-us": "usr/share/libreoffice/help/en-US/**/*.html",
-        "debian-handbook": "usr/share/doc/debian-handbook/html/en-US/*.html",
-    }[name]
-    for p in sorted(root.glob(pattern)):
-        raw = _read(p) if p.is_file() and not p.is_symlink() else None
-        text = _markup_text(raw) if raw else ""
-        if len(text) >= 200:  # index pages, redirects, empty stubs
-            yield str(p.relative_to(root)), text + "\n"
 
 
 _BOOKS = (
@@ -590,21 +287,6 @@ def refuse_heldout_packages(keys: dict[str, str], split: str | None) -> None:
     held = [n for n, k in keys.items() if heldout_package(k)]
     if held and split != "heldout":
         raise EvalOnlyError(f"{', '.join(held)} is a held-out package (corpora.heldout_package): never exported into train")
-
-
-def copyright_file(name: str) -> Path:
-    """The Debian copyright file of a corpus's package (or of the package it shares its docs with)."""
-    doc = fetch(name) / "usr/share/doc"
-    own = doc / _PACKAGE.get(name, name)
-    for _ in range(4):  # e.g. manpages-dev -> manpages: another package's docs (followed package by package)
-        if not own.is_symlink() or (own / "copyright").is_file():
-            break
-        other = os.readlink(own)
-        own = fetch(other) / "usr/share/doc" / other
-    found = [own / "copyright"] if (own / "copyright").is_file() else sorted(doc.glob("*/copyright"))
-    if not found:
-        raise FileNotFoundError(f"{name}: no copyright file under {doc}")
-    return found[0]
 
 
 def sample_bucket(path: str, buckets: int = 100, salt: str = "teragram-sample-v1") -> int:

@@ -42,6 +42,7 @@ from pathlib import Path
 from urllib.parse import unquote
 
 from tools import corpora
+from tools.debian import archive, documents
 
 # group -> package-name pattern; a package belongs to the first group that matches
 GROUPS = {
@@ -63,7 +64,7 @@ DOC_MAX_INSTALLED_KB = 20_000
 _EVAL_SOURCES = ("linux", "python3.11")
 # text files of a package kept as documents: the extra corpora's source and text files and more
 # languages; Debian's packaging files and directories of generated or other-purpose text left out
-POOL_EXT = (*corpora._EXTRA_EXT, ".rb", ".ts", ".mjs", ".cjs", ".jsx", ".tsx", ".pyi", ".lua", ".proto", ".sql", ".t", ".xs")
+POOL_EXT = (*documents.EXTRA_EXT, ".rb", ".ts", ".mjs", ".cjs", ".jsx", ".tsx", ".pyi", ".lua", ".proto", ".sql", ".t", ".xs")
 _DEBIAN_FILES = ("changelog", "copyright", "NEWS.Debian", "README.Debian", "README.source")
 _GENERATED = (".min.js", ".min.css", ".min.mjs")  # minified bundles
 _SKIP_PREFIXES = ("usr/share/man/", "usr/share/lintian/", "usr/share/bug/", "usr/lib/emacsen-common/", "usr/share/doc-base/")
@@ -100,7 +101,7 @@ def group_of(name: str) -> str | None:
 def select(apt_show: str) -> list[dict]:
     """The pool from apt-cache show's stanzas of candidate packages: one record per package
     (name, group, version, architecture, source, installed_kb, deb_bytes, split_key, split), by name."""
-    named = {corpora._PACKAGE.get(n, n) for n in corpora.NAMED} | {p for ps in corpora._NEEDS.values() for p in ps}
+    named = {archive.PACKAGE.get(n, n) for n in corpora.NAMED} | {p for ps in archive.NEEDS.values() for p in ps}
     out = {}
     for st in _stanzas(apt_show):
         name = st["Package"]
@@ -134,7 +135,7 @@ def deb_path(pkg: dict) -> Path | None:
     """The pool package's .deb in the corpus cache, at the version and of the size the pool records
     (a download cut short is not taken). apt-get download names it NAME_VERSION_ARCH.deb with the
     epoch's colon as %3a; a record without its architecture is looked for by name."""
-    debs = corpora.cache_dir() / "debs"
+    debs = archive.cache_dir() / "debs"
     if "architecture" in pkg:
         named = debs / f"{pkg['name']}_{pkg['version'].replace(':', '%3a')}_{pkg['architecture']}.deb"
         found = [named] if named.exists() else []
@@ -150,7 +151,7 @@ def deb_path(pkg: dict) -> Path | None:
 def download(pool: list[dict], *, batch: int = 200) -> list[str]:
     """`apt-get download` the pool packages missing from the cache, many to a call (a batch that
     fails is retried one package at a time); returns the names that could not be downloaded."""
-    debs = corpora.cache_dir() / "debs"
+    debs = archive.cache_dir() / "debs"
     debs.mkdir(parents=True, exist_ok=True)
     todo = [p for p in pool if deb_path(p) is None]
     failed = []
@@ -189,7 +190,7 @@ def _kept(path: str) -> bool:
     base = path.rsplit("/", 1)[-1].removesuffix(".gz")
     if path.startswith(_SKIP_PREFIXES) or base.startswith(_DEBIAN_FILES) or base.endswith(_GENERATED):
         return False
-    return base.endswith(POOL_EXT) or base.startswith(corpora._EXTRA_NAMES)
+    return base.endswith(POOL_EXT) or base.startswith(documents.EXTRA_NAMES)
 
 
 def is_code(path: str) -> bool:
@@ -205,16 +206,16 @@ def package_documents(deb: Path, name: str) -> Iterator[tuple[str, str]]:
         if path == f"usr/share/doc/{name}/copyright":
             yield "", raw.decode("utf-8", errors="replace")
             continue
-        if not _kept(path) or len(raw) > corpora._MAX_DOC:
+        if not _kept(path) or len(raw) > documents.MAX_DOC:
             continue
         if path.endswith(".gz"):
             try:
                 raw = gzip.decompress(raw)
             except (OSError, EOFError):
                 continue
-            if len(raw) > corpora._MAX_DOC:
+            if len(raw) > documents.MAX_DOC:
                 continue
-        text = corpora._text(raw)
+        text = documents.decode_text(raw)
         if text:
             yield f"{name}/{path}", text
 
@@ -333,7 +334,7 @@ def smoke() -> int:
     stanzas.append("Package: big-doc\nVersion: 1\nArchitecture: all\nInstalled-Size: 999999\n")
     with tempfile.TemporaryDirectory(prefix="teragram-smoke-") as tmp:
         os.environ["TERAGRAM_CACHE"] = str(Path(tmp) / "corpora")
-        (corpora.cache_dir() / "debs").mkdir(parents=True)
+        (archive.cache_dir() / "debs").mkdir(parents=True)
         sizes = {}
         for name, (_, tree) in debs.items():
             root = Path(tmp) / "build" / name
@@ -342,8 +343,10 @@ def smoke() -> int:
                 f.parent.mkdir(parents=True, exist_ok=True)
                 f.write_text(text)
             (root / "DEBIAN").mkdir()
-            (root / "DEBIAN/control").write_text(f"Package: {name}\nVersion: 1.0-1\nArchitecture: all\nMaintainer: smoke <s@example.org>\nDescription: smoke\n")
-            deb = corpora.cache_dir() / "debs" / f"{name}_1.0-1_all.deb"
+            (root / "DEBIAN/control").write_text(
+                f"Package: {name}\nVersion: 1.0-1\nArchitecture: all\nMaintainer: smoke <s@example.org>\nDescription: smoke\n"
+            )
+            deb = archive.cache_dir() / "debs" / f"{name}_1.0-1_all.deb"
             subprocess.run(["dpkg-deb", "--root-owner-group", "--build", str(root), str(deb)], check=True, capture_output=True)
             sizes[name] = deb.stat().st_size
         stanzas = [s + f"Size: {sizes.get(s.split()[1], 0)}\n" for s in stanzas]

@@ -10,6 +10,7 @@ import pytest
 import zstandard
 
 from tools import corpora
+from tools.debian import archive, documents
 
 
 def _fake_corpus(monkeypatch, tmp_path, n: int = 400):
@@ -18,7 +19,7 @@ def _fake_corpus(monkeypatch, tmp_path, n: int = 400):
     (root / "usr/share/doc/fake-src").mkdir(parents=True)
     (root / "usr/share/doc/fake-src/copyright").write_text("License: MIT\n")
     monkeypatch.setattr(corpora, "documents", lambda name: iter(docs))
-    monkeypatch.setattr(corpora, "fetch", lambda name: root)
+    monkeypatch.setattr(archive, "fetch", lambda name: root)  # the copyright file's package
     return docs
 
 
@@ -68,7 +69,7 @@ def test_tar_files_skips_binary_invalid_large_and_unwanted(tmp_path):
         "top/a.c": b"int a;\n",
         "top/b.c": b"\x00\x01binary",
         "top/c.c": b"\xff\xfe not utf-8",
-        "top/d.c": b"x" * (corpora._MAX_DOC + 1),
+        "top/d.c": b"x" * (documents.MAX_DOC + 1),
         "top/e.bin": b"text but unwanted",
         "top/f.h": b"   \n",
         "top/g.h": b"#define G 1\n",
@@ -79,7 +80,7 @@ def test_tar_files_skips_binary_invalid_large_and_unwanted(tmp_path):
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
-    got = list(corpora._tar_files(tb, corpora._is_source))
+    got = list(documents.tar_files(tb, documents.is_source))
     assert got == [("top/a.c", "int a;\n"), ("top/g.h", "#define G 1\n")]
 
 
@@ -90,13 +91,13 @@ def test_markup_text_keeps_prose_only():
         '<span hidden="true"><span>Command</span></span><span>Ctrl</span><img src="a.svg" alt="icon">'
         "<aside>Contents</aside><p>Last<br>line</p></body></html>"
     )
-    assert corpora._markup_text(html) == "Find Bar\n\nThe Find toolbar & its options.\n\nCtrl\n\nLast\n\nline"
+    assert documents._markup_text(html) == "Find Bar\n\nThe Find toolbar & its options.\n\nCtrl\n\nLast\n\nline"
     page = (
         '<page xmlns="http://projectmallard.org/1.0/" id="x"><info><link type="guide" xref="a11y"/>'
         "<credit><name>Shaun</name></credit><desc>Short.</desc></info><title>Turn on slow keys</title>"
         "<steps><item><p>Open the <gui>Activities</gui> overview.</p></item></steps></page>"
     )
-    assert corpora._markup_text(page) == "Turn on slow keys\n\nOpen the Activities overview."
+    assert documents._markup_text(page) == "Turn on slow keys\n\nOpen the Activities overview."
 
 
 def test_wordnet_documents_group_synsets_by_lexicographer_file(tmp_path):
@@ -114,7 +115,7 @@ def test_wordnet_documents_group_synsets_by_lexicographer_file(tmp_path):
     }
     for pos, ls in lines.items():
         (d / f"data.{pos}").write_text(header + "".join(x + "\n" for x in ls))
-    docs = dict(corpora._wordnet_documents(tmp_path))
+    docs = dict(documents._wordnet_documents(tmp_path))
     assert docs == {
         "wordnet/noun/03#0": "entity: that which is perceived\n",
         "wordnet/noun/13#0": 'food, solid food: any solid substance; "food and drink"\n',
@@ -129,7 +130,7 @@ def test_everyday_documents_skip_stubs_and_comments(tmp_path):
     (root / "usr/share/crawl/dat/database").mkdir(parents=True)
     (root / "usr/share/crawl/dat/descript/monsters.txt").write_text("%%%%\n# Uniques\nAgnes\n\nThis spriggan is aged.\n%%%%\n")
     (root / "usr/share/crawl/dat/database/FAQ.txt").write_text("Q: What?\nA: That.\n")
-    assert list(corpora._everyday_documents("crawl-common", root)) == [
+    assert list(documents.everyday_documents("crawl-common", root)) == [
         ("usr/share/crawl/dat/descript/monsters.txt#0", "Agnes\n\nThis spriggan is aged.\n"),
         ("usr/share/crawl/dat/database/FAQ.txt#0", "Q: What?\nA: That.\n"),
     ]
@@ -137,7 +138,7 @@ def test_everyday_documents_skip_stubs_and_comments(tmp_path):
     (root / "usr/share/doc/debian-handbook/html/en-US").mkdir(parents=True)
     (root / "usr/share/doc/debian-handbook/html/en-US/index.html").write_text("<p>Next</p>")
     (root / "usr/share/doc/debian-handbook/html/en-US/apt.html").write_text("<p>" + "APT installs packages. " * 20 + "</p>")
-    assert [p for p, _ in corpora._everyday_documents("debian-handbook", root)] == ["usr/share/doc/debian-handbook/html/en-US/apt.html"]
+    assert [p for p, _ in documents.everyday_documents("debian-handbook", root)] == ["usr/share/doc/debian-handbook/html/en-US/apt.html"]
 
 
 def test_versions_of_the_packages_a_corpus_is_unpacked_from(monkeypatch, tmp_path):
