@@ -96,8 +96,9 @@ def _checked(op: str, cont) -> str:
 
 
 def _answer(idx, op: str, ids, cont) -> dict:
-    """The answer to one query, with each token id's text beside it (engine.with_tokens)."""
-    from .engine import OPS, with_tokens
+    """The answer to one query, with each token id's text beside it (results.with_tokens)."""
+    from .engine import OPS
+    from .results import with_tokens
 
     op = _checked(op, cont)
     run = {
@@ -137,7 +138,7 @@ def _answer_lines(idx, lines: list[tuple[int, str]]) -> list[dict]:
     """The answers to numbered batch lines, in order: a local index answers them one by one, a
     cluster's holders (index/cluster.py) the well-formed ones in one batch."""
     from .cluster import ClusterIndex, Query
-    from .engine import with_tokens
+    from .results import with_tokens
 
     out: list = [_parse(idx, n, line) for n, line in lines]
     if not isinstance(idx, ClusterIndex):

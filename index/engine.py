@@ -25,8 +25,10 @@ of a prompt are sorted by the token that follows, so each distinct next token is
 contiguous block whose end a galloping search finds; ntd costs O(k log count) for k distinct
 next tokens, never O(count). ``approx`` is therefore always False.
 
-This module holds the Index; its answers are in results.py, one shard's arrays in shard.py,
-the shards' interleaved searches in fanout.py and the incremental scorer in scorer.py.
+This module holds the Index; its answers (and their JSON, token texts beside the ids) are in
+results.py, one shard's arrays (opened from its manifest entry) in shard.py, the manifest's
+checks in format.py, the shards' interleaved searches in fanout.py and the incremental scorer
+in scorer.py.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ import numpy as np
 
 from . import format as fmt
 from .bulk import continuations
-from .errors import IndexFormatError, QueryError
+from .errors import QueryError
 from .fanout import ShardSet
 from .features import Features
 from .results import (
@@ -58,31 +60,17 @@ from .results import (
     Occurrence,
     ProbResult,
     Provenance,
+    with_tokens,
 )
 from .scorer import Scorer
 from .shard import Shard, advise
 
-# The answer types (results.py), the shard (shard.py) and the incremental scorer (scorer.py) are
-# importable from here, as they were before they had modules of their own.
+# The answer types and their JSON (results.py), the shard (shard.py) and the incremental scorer
+# (scorer.py) are importable from here, as they were before they had modules of their own.
 __all__ = ["DOCS_SCAN", "OPS", "CountResult", "DocHit", "DocsResult", "Index", "InfgramNtdResult", "InfgramProbResult", "LongestMatch"]
 __all__ += ["NtdResult", "Occurrence", "ProbResult", "Provenance", "Scorer", "Shard", "advise", "with_tokens"]
 
 T = TypeVar("T")
-
-
-def with_tokens(idx: Index, answer: dict, ids, cont: int | None = None) -> dict:
-    """A query's JSON answer with each token id's text beside it, as infini-gram's API gives
-    them: the query's `token_ids` and `tokens`, a `token` in each next-token entry, and
-    `cont_token` beside a continuation id (the query's `cont`, or longest-match's). The existing
-    fields stay as they are."""
-    out = dict(answer)
-    if isinstance(cont, int):
-        out["cont_token"] = idx.piece(cont)
-    if "result_by_token_id" in out:
-        out["result_by_token_id"] = {k: v | {"token": idx.piece(int(k))} for k, v in out["result_by_token_id"].items()}
-    elif isinstance(out.get("cont"), int):
-        out["cont_token"] = idx.piece(out["cont"])
-    return out | {"token_ids": [int(i) for i in ids], "tokens": [idx.piece(int(i)) for i in ids]}
 
 
 OPS = ("count", "prob", "ntd", "infgram-prob", "infgram-ntd", "longest-match", "docs")
@@ -114,11 +102,7 @@ class Index:
         if access not in ("random", "normal"):
             raise ValueError(f"access must be 'random' or 'normal', not {access!r}")
         self.path = Path(path)
-        if not (self.path / "manifest.json").exists():
-            raise IndexFormatError(f"{self.path}: not a teragram index (no manifest.json)")
-        self.manifest = fmt.read_json(self.path / "manifest.json")
-        if self.manifest.get("format_version") != fmt.FORMAT_VERSION:
-            raise IndexFormatError(f"{self.path}: format version {self.manifest.get('format_version')}, expected {fmt.FORMAT_VERSION}")
+        self.manifest = fmt.read_manifest(self.path)
         tk = self.manifest["tokenizer"]
         self.vocab_size: int = tk["vocab_size"]
         self.eos_id: int = tk["eos_id"]
@@ -131,7 +115,7 @@ class Index:
         self.n_tokens: int = sum(s["n_tokens"] for s in held)
         self.n_docs: int = sum(s["n_docs"] for s in held)
         self.n_positions: int = sum(s["n_positions"] for s in held)
-        self.shards = [self._open_shard(s) for s in held]
+        self.shards = [Shard.open(self.path, s, self.manifest["token_dtype"]) for s in held]
         if access == "random":
             for sh in self.shards:
                 sh.random = True
@@ -160,22 +144,6 @@ class Index:
         finally:
             for s in advised:
                 advise(s.searched, mmap.MADV_RANDOM)
-
-    def _open_shard(self, s: dict) -> Shard:
-        d = fmt.shard_dir(self.path, s["shard"], s.get("dir"))
-        tok = fmt.open_array(d / "tokens.bin", "tokens")
-        if tok.dtype.name != self.manifest["token_dtype"] or len(tok) != s["n_positions"]:
-            raise IndexFormatError(f"{d / 'tokens.bin'}: does not match the manifest")
-        return Shard(
-            s["shard"],
-            s["first_doc"],
-            tok,
-            fmt.open_array(d / "docs.bin", "docs"),
-            fmt.open_packed(d / "sa.bin", "sa"),
-            fmt.open_array(d / "samax.bin", "samax"),
-            fmt.open_array(d / "unigram.bin", "unigram"),
-            dir=d,
-        )
 
     # ---- tokenizer ---------------------------------------------------------------------------
 

@@ -297,6 +297,16 @@ def read_json(path: Path) -> Any:
         raise IndexFormatError(f"{path}: corrupt JSON ({e})") from None
 
 
+def read_manifest(root: Path) -> dict:
+    """An index's manifest.json, of the format version this code reads (else IndexFormatError)."""
+    if not (root / "manifest.json").exists():
+        raise IndexFormatError(f"{root}: not a teragram index (no manifest.json)")
+    manifest = read_json(root / "manifest.json")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise IndexFormatError(f"{root}: format version {manifest.get('format_version')}, expected {FORMAT_VERSION}")
+    return manifest
+
+
 # ---- layout -------------------------------------------------------------------------------
 
 

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .engine import Index
 
 
 @dataclass(frozen=True)
@@ -115,3 +119,18 @@ class DocsResult:
 
     def to_json(self) -> dict:
         return {"cnt": self.count, "approx": self.approx, "documents": [d.to_json() for d in self.docs]}
+
+
+def with_tokens(idx: Index, answer: dict, ids, cont: int | None = None) -> dict:
+    """A query's JSON answer with each token id's text beside it, as infini-gram's API gives
+    them: the query's `token_ids` and `tokens`, a `token` in each next-token entry, and
+    `cont_token` beside a continuation id (the query's `cont`, or longest-match's). The existing
+    fields stay as they are."""
+    out = dict(answer)
+    if isinstance(cont, int):
+        out["cont_token"] = idx.piece(cont)
+    if "result_by_token_id" in out:
+        out["result_by_token_id"] = {k: v | {"token": idx.piece(int(k))} for k, v in out["result_by_token_id"].items()}
+    elif isinstance(out.get("cont"), int):
+        out["cont_token"] = idx.piece(out["cont"])
+    return out | {"token_ids": [int(i) for i in ids], "tokens": [idx.piece(int(i)) for i in ids]}

@@ -13,6 +13,7 @@ import numpy as np
 from . import format as fmt
 from . import kernels as K
 from . import top_cache
+from .errors import IndexFormatError
 
 
 @dataclass
@@ -33,6 +34,25 @@ class Shard:
         n = self.sa.count
         self.off2 = -(-n // fmt.SAMAX_BLOCKS[0])
         self.off3 = self.off2 + -(-n // fmt.SAMAX_BLOCKS[1])
+
+    @classmethod
+    def open(cls, root: Path, entry: dict, token_dtype: str) -> Shard:
+        """The shard of the index at root that a manifest entry describes, its arrays memory-mapped
+        (each file's header checked); IndexFormatError if its tokens are not the manifest's."""
+        d = fmt.shard_dir(root, entry["shard"], entry.get("dir"))
+        tok = fmt.open_array(d / "tokens.bin", "tokens")
+        if tok.dtype.name != token_dtype or len(tok) != entry["n_positions"]:
+            raise IndexFormatError(f"{d / 'tokens.bin'}: does not match the manifest")
+        return cls(
+            entry["shard"],
+            entry["first_doc"],
+            tok,
+            fmt.open_array(d / "docs.bin", "docs"),
+            fmt.open_packed(d / "sa.bin", "sa"),
+            fmt.open_array(d / "samax.bin", "samax"),
+            fmt.open_array(d / "unigram.bin", "unigram"),
+            dir=d,
+        )
 
     @property
     def n(self) -> int:
