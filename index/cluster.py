@@ -6,10 +6,10 @@
                                               -> [CountResult, InfgramProbResult]
 
 The shards are split into groups of consecutive shards; each group is held by `replicas` holders
-(Ray actors; replica r of group g on node (g + r) mod the nodes), each an Index of its group's
-shards alone (Index(path, shards=...)), memory-mapped on its node. A batch goes to one live
-holder of every group, one actor call each, and the client merges the groups' parts into
-exactly the answers of one process holding every shard:
+(Ray actors, cluster_holder.py; replica r of group g on node (g + r) mod the nodes), each an
+Index of its group's shards alone (Index(path, shards=...)), memory-mapped on its node. A batch
+goes to one live holder of every group, one actor call each, and the client merges the groups'
+parts into exactly the answers of one process holding every shard:
 
   * count, prob: the groups' counts add (the empty prompt's: their positions add).
   * ntd: the groups' next-token histograms add (ntd([]): their unigram counts and document ends).
@@ -34,7 +34,6 @@ The client opens the index directory itself for its manifest, tokenizer and docu
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -43,6 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from . import cluster_bulk
+from .cluster_holder import ShardHolder, pack
 from .engine import OPS, Index
 from .errors import ClusterError, QueryError, TeragramError
 from .results import CountResult, DocsResult, InfgramNtdResult, InfgramProbResult, LongestMatch, NtdResult, ProbResult
@@ -58,74 +58,6 @@ class Query:
     cont: int | None = None
     max: int = 10
     context: int = 20
-
-
-class ShardHolder:
-    """A Ray actor's shards: an Index of them alone. `parts` answers a batch of parts of queries
-    (below: one method per kind), each for these shards only."""
-
-    def __init__(self, path: str, places: list[int]):
-        self.idx = Index(path, shards=places)
-        self.places = places
-
-    def node(self) -> str:
-        """The id of the Ray node this holder runs on."""
-        import ray
-
-        return ray.get_runtime_context().get_node_id()
-
-    def parts(self, batch: tuple) -> list:
-        """The parts asked by a packed batch (_pack), in order."""
-        kinds, flat, offsets, args = batch
-        return [getattr(self, f"part_{k}")(flat[offsets[i] : offsets[i + 1]], *a) for i, (k, a) in enumerate(zip(kinds, args))]
-
-    def unigram(self) -> np.ndarray:
-        return self.idx.unigram
-
-    def cpu_seconds(self) -> float:  # this holder's process's, for measurements
-        return time.process_time()
-
-    bulk_lengths = cluster_bulk.holder_lengths  # a bulk pass's two rounds (cluster_bulk.py)
-    bulk_histograms = cluster_bulk.holder_histograms
-
-    def part_count(self, q: np.ndarray) -> int:
-        return self.idx.count_intervals(q)[0]
-
-    def part_intervals(self, q: np.ndarray) -> list[tuple[int, int]]:
-        return self.idx.count_intervals(q)[1]
-
-    def part_prob(self, q: np.ndarray, cont: int) -> tuple[int, int]:
-        r = self.idx.prob(q, cont)
-        return r.prompt_cnt, r.cont_cnt
-
-    def part_ntd(self, q: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
-        """(count, next tokens, their counts): ntd([]) reads the unigram counts, as Index does."""
-        n, segs = self.idx.count_intervals(q)
-        if len(q) == 0:
-            toks = np.flatnonzero(self.idx.unigram)
-            return n, toks, self.idx.unigram[toks]
-        if n == 0:
-            return 0, np.zeros(0, np.int64), np.zeros(0, np.int64)
-        return (n, *self.idx.segs_dist(segs, len(q)))
-
-    def part_suffix(self, q: np.ndarray, cont: int) -> tuple[int, int, int]:
-        """(l, count, count with cont): this group's longest suffix of q and its counts."""
-        sl, iv = self.idx.suffix_intervals(q, cont)
-        n = self.idx.n_positions if sl == 0 else int((iv[1] - iv[0]).sum())
-        return sl, n, int((iv[3] - iv[2]).sum())
-
-    def part_match(self, q: np.ndarray) -> tuple[int, int, int, int]:
-        """(l, count, latest shard's place, its continuation): this group's longest suffix of q."""
-        sl, iv = self.idx.suffix_intervals(q)
-        if sl == 0:
-            return 0, self.idx.n_positions, -1, -1
-        segs = list(zip(iv[0].tolist(), iv[1].tolist()))
-        latest = max(i for i, (a, b) in enumerate(segs) if b > a)
-        return sl, int((iv[1] - iv[0]).sum()), self.places[latest], self.idx.latest_cont(segs, sl)
-
-    def part_docs(self, q: np.ndarray, place: int, a: int, b: int, n: int, context: int) -> tuple[list, bool]:
-        """Index.shard_docs of the shard at `place` (in the whole index) and its interval [a, b) of q."""
-        return self.idx.shard_docs(self.places.index(place), a, b, len(q), n, context)
 
 
 class ClusterIndex:
@@ -258,7 +190,7 @@ class ClusterIndex:
         sent: dict[int, object] = {}
         for t in tasks.values():  # one packed copy of a list that many groups are sent
             if id(t) not in sent:
-                sent[id(t)] = _pack(t)
+                sent[id(t)] = pack(t)
         return self._send(tasks, lambda h, g: h.parts.remote(sent[id(tasks[g])]), every_replica=every_replica)
 
     def run_all(self, call: tuple) -> dict[int, object]:
@@ -473,15 +405,6 @@ class ClusterIndex:
         parts = self._run({g: [("intervals", q)] for g in range(len(self.groups))})
         segs = self._segs([parts[g][0] for g in range(len(self.groups))])
         return (self.n_positions if len(q) == 0 else sum(b - a for a, b in segs)), segs
-
-
-def _pack(tasks: list[tuple]) -> tuple:
-    """Tasks (kind, ids, *ints) as (kinds, every task's ids in one int64 array, where each
-    task's start, the ints): a few arrays pickle in microseconds, a thousand small ones do not."""
-    qs = [t[1] for t in tasks]
-    offsets = np.cumsum([0] + [len(q) for q in qs])
-    flat = np.concatenate(qs).astype(np.int64) if qs else np.zeros(0, np.int64)
-    return [t[0] for t in tasks], flat, offsets, [t[2:] for t in tasks]
 
 
 def _first_part(op: str, q: np.ndarray, cont: int, query: Query) -> tuple:
