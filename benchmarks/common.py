@@ -83,6 +83,26 @@ def read_jsonl(path: Path):
             yield json.loads(line)
 
 
+def write_jsonl(path: Path, records: list[dict]) -> dict:
+    """Write records (text, path, corpus) as zstd JSON lines, by a temporary name; their count and sizes."""
+    import zstandard
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with zstandard.open(tmp, "wt", encoding="utf-8", cctx=zstandard.ZstdCompressor(level=19)) as f:
+        for r in records:
+            f.write(json.dumps({"text": r["text"], "path": r["path"], "corpus": r["corpus"]}) + "\n")
+    tmp.replace(path)
+    return {"docs": len(records), "bytes": sum(len(r["text"].encode()) for r in records), "file_bytes": path.stat().st_size}
+
+
+def note_ready(data: Path, line: str) -> None:
+    """Append a dated line to DATA/READY.md (the index-size data's record of what each step made), and print it."""
+    with open(data / "READY.md", "a") as f:
+        f.write(f"- {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} {line}\n")
+    print(line, flush=True)
+
+
 def run_measured(cmd: list[str], **kw) -> dict:
     """Run a command; its wall time and peak RSS (MiB: ru_maxrss is KiB; the child and its waited-for children)."""
     t = time.time()

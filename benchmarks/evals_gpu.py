@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import read_jsonl, sh, smoke_context, smoke_data, smoke_imports
+from benchmarks.common import read_jsonl, sh, smoke_context, smoke_data, smoke_imports, write_jsonl
 
 EVALS = ["--evals=hellaswag,piqa,arc_easy", "--evals_limit=5000", "--eval_every=250"]
 TRAIN = ("train-code.jsonl.zst", "train-english.jsonl.zst")
@@ -43,7 +43,7 @@ TRAIN = ("train-code.jsonl.zst", "train-english.jsonl.zst")
 
 def prepare(data: Path, carry: Path) -> dict:
     """CARRY/train-everyday.jsonl.zst and CARRY/everyday/{valid,test}.jsonl.zst from DATA/ppl."""
-    from benchmarks.index_size_data import split_halves, write_jsonl
+    from benchmarks.lib.heldout_sets import split_halves
     from tools import corpora
 
     ppl = data / "ppl"

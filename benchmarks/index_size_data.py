@@ -25,7 +25,8 @@ perplexity benchmark's held-out documents (split_of == heldout, which the export
 time-shifted and prose sets come from evaluation-only corpora (corpora.EVAL_ONLY) that no export
 accepts, and the packages set is code of whole packages held out of every index (the package pool
 of tools/package_pool.py, split by a hash of the package name before any export; `heldout --sets
-packages` makes it alone, selecting the pool and downloading its held-out packages if needed).
+packages` makes it alone, selecting the pool and downloading its held-out packages if needed). The
+held-out sets are made by benchmarks/lib/heldout_sets.py.
 The next doubling nests on the whole extra corpus the same way: the indexable packages of the
 pool, exported into 100 buckets by path hash (DATA/extra2/), are a second stage (STAGES) whose
 buckets < k are indexed in parts under DATA/parts2/ and composed with idx-050m and every part of
@@ -46,13 +47,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.common import SMOKE_HELP, read_jsonl, smoke_context, smoke_data
+from benchmarks.common import SMOKE_HELP, note_ready, read_jsonl, smoke_context, smoke_data, write_jsonl
+from benchmarks.lib.heldout_sets import HELDOUT_SETS, heldout
 from tools import corpora, package_pool
 
 EXTRA = (*corpora.CODE, *corpora.ENGLISH, *corpora.EXTRA_CODE, *corpora.EXTRA_ENGLISH)
 TRAIN = ("train-code.jsonl.zst", "train-english.jsonl.zst")
-HELDOUT_HALF_BYTES = 2_500_000  # target size of each valid/test half of the timeshift and prose sets
-HELDOUT_MAX_DOC = 200_000  # one document must not dominate a held-out half
 POOL_DIR = "extra2"  # the package pool (tools.package_pool) and its export: DATA/extra2/
 
 
@@ -69,25 +69,6 @@ class Stage:
 STAGES = (Stage("extra", EXTRA, "parts"), Stage(POOL_DIR, tuple(package_pool.GROUPS), "parts2"))
 
 
-def _ready(data: Path, line: str) -> None:
-    with open(data / "READY.md", "a") as f:
-        f.write(f"- {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} {line}\n")
-    print(line, flush=True)
-
-
-def write_jsonl(path: Path, records: list[dict]) -> dict:
-    """Write records (text, path, corpus) as zstd JSON lines, by a temporary name; their count and sizes."""
-    import zstandard
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with zstandard.open(tmp, "wt", encoding="utf-8", cctx=zstandard.ZstdCompressor(level=19)) as f:
-        for r in records:
-            f.write(json.dumps({"text": r["text"], "path": r["path"], "corpus": r["corpus"]}) + "\n")
-    tmp.replace(path)
-    return {"docs": len(records), "bytes": sum(len(r["text"].encode()) for r in records), "file_bytes": path.stat().st_size}
-
-
 # ---- export ----------------------------------------------------------------------------------
 
 
@@ -98,7 +79,7 @@ def export_all(data: Path) -> dict:
     for name in EXTRA:
         t0 = time.time()
         m = corpora.export_buckets(name, data / "extra", exclude=frozenset(have))
-        _ready(
+        note_ready(
             data,
             f"extra/{name}: {sum(m['docs']):,} docs, {sum(m['bytes']) / 1e6:,.1f} MB of text, skipped {m['skipped']} ({time.time() - t0:.0f} s)",
         )
@@ -116,142 +97,13 @@ def export_pool(data: Path) -> dict:
     for group in package_pool.GROUPS:
         t0 = time.time()
         m = package_pool.export_group(pool, group, data / POOL_DIR)
-        _ready(
+        note_ready(
             data,
             f"{POOL_DIR}/{group}: {len(m['packages']):,} packages, {sum(m['docs']):,} docs, "
             f"{sum(m['bytes']) / 1e6:,.1f} MB of text, skipped {m['skipped']} ({time.time() - t0:.0f} s)",
         )
         out[group] = m
     return out
-
-
-# ---- held-out sets ---------------------------------------------------------------------------
-
-
-def _hash(salt: str, path: str) -> int:
-    return int.from_bytes(hashlib.blake2b(f"{salt}:{path}".encode(), digest_size=8).digest(), "big")
-
-
-def split_halves(records: list[dict]) -> dict[str, list[dict]]:
-    """valid/test by the perplexity benchmark's rule (a second hash of the path)."""
-    from benchmarks.perplexity import in_valid_half
-
-    out: dict[str, list[dict]] = {"valid": [], "test": []}
-    for r in records:
-        out["valid" if in_valid_half(r["path"]) else "test"].append(r)
-    return out
-
-
-def _sample(records: list[dict], budget: int) -> list[dict]:
-    """Documents in the order of a hash of their path until `budget` bytes, then back in input order."""
-    keep, used = [], 0
-    for r in sorted(records, key=lambda r: _hash("teragram-heldout-order", r["path"])):
-        if used >= budget:
-            break
-        keep.append(r)
-        used += len(r["text"].encode())
-    order = {r["path"]: i for i, r in enumerate(records)}
-    return sorted(keep, key=lambda r: order[r["path"]])
-
-
-HELDOUT_SETS = ("indist", "timeshift", "prose", "packages")
-
-
-def heldout(data: Path, sets: tuple[str, ...] = HELDOUT_SETS) -> dict:
-    """The held-out sets named in `sets` under DATA/heldout/SET/{valid,test}.jsonl.zst; each
-    set's numbers in DATA/heldout/SET/info.json (and all of them in heldout.json when every set
-    is made)."""
-    info: dict = {}
-    sets_made: dict[str, dict[str, list[dict]]] = {}
-    if "indist" in sets:
-        ppl = [r for name in ("heldout-code.jsonl.zst", "heldout-english.jsonl.zst") for r in read_jsonl(data / "ppl" / name)]
-        if any(corpora.split_of(r["path"]) != "heldout" for r in ppl):
-            raise SystemExit("ppl held-out files hold a train-split document")
-        sets_made["indist"] = split_halves(ppl)
-    for set_name, corpus in (("timeshift", "linux-source-6.12-new"), ("prose", "python3.11-doc")):
-        if set_name not in sets:
-            continue
-        docs = [
-            {"text": t, "path": p, "corpus": corpus}
-            for p, t in corpora.documents(corpus)
-            if len(t.encode()) <= HELDOUT_MAX_DOC and corpora.corpus_split(corpus, p) == "heldout"
-        ]
-        sets_made[set_name] = {k: _sample(v, HELDOUT_HALF_BYTES) for k, v in split_halves(docs).items()}
-        info[f"{set_name}_available"] = {"docs": len(docs), "bytes": sum(len(r["text"].encode()) for r in docs)}
-    if "packages" in sets:
-        sets_made["packages"], info["packages_available"] = heldout_packages(data)
-    for set_name, halves in sets_made.items():
-        mine = {k: v for k, v in info.items() if k == f"{set_name}_available"}
-        for half, recs in halves.items():
-            st = write_jsonl(data / "heldout" / set_name / f"{half}.jsonl.zst", recs)
-            if set_name == "packages":
-                st["packages"] = len({r["path"].split("/", 1)[0] for r in recs})
-            info[f"{set_name}/{half}"] = mine[half] = st
-            _ready(data, f"heldout/{set_name}/{half}.jsonl.zst: {st['docs']:,} docs, {st['bytes'] / 1e6:.2f} MB of text")
-        (data / "heldout" / set_name / "info.json").write_text(json.dumps(mine, indent=1))
-    for pkg, set_name in (("linux-source-6.12", "timeshift"), ("python3.11-doc", "prose")):
-        if set_name in sets:
-            src = corpora.fetch(pkg) / "usr/share/doc" / pkg / "copyright"
-            (data / "heldout" / f"{pkg}.copyright").write_bytes(src.read_bytes())
-    if set(sets) == set(HELDOUT_SETS):
-        (data / "heldout" / "heldout.json").write_text(json.dumps(info, indent=1))
-    return info
-
-
-# The fourth set: code of whole packages held out of every index (corpora.heldout_package, chosen
-# by a hash of the package name before any export), split into valid/test by a hash of the package
-# name, so that no package is in both halves; by path (split_halves) if there are fewer than
-# MIN_PACKAGES_PER_HALF packages per half. A package gives a half at most HELDOUT_PACKAGE_BYTES.
-HELDOUT_PACKAGE_BYTES = HELDOUT_HALF_BYTES // 20
-MIN_PACKAGES_PER_HALF = 20
-
-
-def package_halves(records: list[dict]) -> dict[str, list[dict]]:
-    """valid/test by a hash of each record's package (the first component of its path)."""
-    pkgs = sorted({r["path"].split("/", 1)[0] for r in records})
-    valid = {p for p in pkgs if _hash("teragram-package-half-v1", p) % 2 == 0}
-    if min(len(valid), len(pkgs) - len(valid)) < MIN_PACKAGES_PER_HALF:
-        return split_halves(records)
-    out: dict[str, list[dict]] = {"valid": [], "test": []}
-    for r in records:
-        out["valid" if r["path"].split("/", 1)[0] in valid else "test"].append(r)
-    return out
-
-
-def _sample_capped(records: list[dict], budget: int, per_package: int) -> list[dict]:
-    """_sample, with at most per_package bytes of any one package (a document that would pass it is skipped)."""
-    keep, used, mine = [], 0, {}
-    for r in sorted(records, key=lambda r: _hash("teragram-heldout-order", r["path"])):
-        if used >= budget:
-            break
-        pkg, size = r["path"].split("/", 1)[0], len(r["text"].encode())
-        if mine.get(pkg, 0) + size > per_package:
-            continue
-        keep.append(r)
-        used, mine[pkg] = used + size, mine.get(pkg, 0) + size
-    order = {r["path"]: i for i, r in enumerate(records)}
-    return sorted(keep, key=lambda r: order[r["path"]])
-
-
-def heldout_packages(data: Path) -> tuple[dict[str, list[dict]], dict]:
-    """The packages set's halves from the held-out code packages of the pool (DATA/extra2/pool.json,
-    selected and their .debs downloaded if missing), with their copyright files kept beside it."""
-    pool = package_pool.ensure_pool(data / POOL_DIR / "pool.json")
-    held = [p for p in pool if p["split"] == "heldout" and p["group"] in package_pool.CODE_GROUPS]
-    if failed := package_pool.download(held):
-        raise SystemExit(f"held-out packages not downloaded: {', '.join(failed)}")
-    recs = [{k: r[k] for k in ("text", "path", "corpus")} for r in package_pool.heldout_code(pool, max_doc=HELDOUT_MAX_DOC)]
-    halves = {k: _sample_capped(v, HELDOUT_HALF_BYTES, HELDOUT_PACKAGE_BYTES) for k, v in package_halves(recs).items()}
-    lic = data / "heldout" / "packages" / "copyright"
-    lic.mkdir(parents=True, exist_ok=True)
-    for name in sorted({r["path"].split("/", 1)[0] for v in halves.values() for r in v}):
-        (lic / name).write_text(package_pool.copyright_text(next(p for p in pool if p["name"] == name)))
-    avail = {
-        "packages": len({r["path"].split("/", 1)[0] for r in recs}),
-        "docs": len(recs),
-        "bytes": sum(len(r["text"].encode()) for r in recs),
-    }
-    return halves, avail
 
 
 # ---- nested indexes --------------------------------------------------------------------------
@@ -357,7 +209,7 @@ def build_part(data: Path, lo: int, hi: int, shard_tokens: int, workers: int, st
     run = _run_build(data, files, out, shard_tokens, workers)
     counts = json.loads((out / "manifest.json").read_text())["counts"]
     (out / "part.json").write_text(json.dumps({"buckets": [lo, hi], "corpora": list(stage.names), "counts": counts} | run, indent=1))
-    _ready(
+    note_ready(
         data,
         f"{stage.parts}/{out.name} ({stage.exports} buckets {lo}..{hi - 1}): {counts['tokens']:,} tokens, {counts['docs']:,} docs, "
         f"{counts['shards']} shards; build {run['wall_s'] / 60:.1f} min, peak RSS {run['peak_rss_tree_mb'] / 1024:.1f} GiB (process tree)",
@@ -455,7 +307,7 @@ def build(
     sel |= {"shard_bytes": disk} | ({"on": "all of the extra corpus (idx-2b's parts)", "stage": stage.exports} if pool else {})
     (data / name / "selection.json").write_text(json.dumps(sel, indent=1))
     what = f"extra-corpus buckets < {nb}/{nb} + {stage.exports} buckets < {k}/100" if pool else f"extra-corpus buckets < {k}/100"
-    _ready(
+    note_ready(
         data,
         f"{name}: {counts['tokens']:,} tokens, {counts['docs']:,} docs, {counts['shards']} shards, {disk / 1e9:.2f} GB; "
         f"idx-050m + {what} (parts {', '.join(sel['parts'])}); "
@@ -543,12 +395,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "export":
         export_pool(data) if args.pool else export_all(data)
     elif args.cmd == "heldout":
-        print(json.dumps(heldout(data, tuple(args.sets)), indent=1))
+        print(json.dumps(heldout(data, tuple(args.sets), pool=data / POOL_DIR / "pool.json"), indent=1))
     elif args.cmd == "overlap":
         res = overlap(Path(args.index), data)
         print(json.dumps(res, indent=1))
         for k, v in res.items():
-            _ready(
+            note_ready(
                 data,
                 f"13-gram overlap of heldout/{k} with {Path(args.index).name}: mean {v['mean_share']:.1%} of a document's 13-grams, {v['docs_ge_80pct']} of {v['docs']} docs >= 80%",
             )

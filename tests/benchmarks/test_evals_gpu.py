@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks import evals_gpu
-from benchmarks.common import read_jsonl
-from benchmarks.index_size_data import write_jsonl
+from benchmarks.common import read_jsonl, write_jsonl
 from benchmarks.perplexity import in_valid_half
 from tools import corpora
 

@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import zstandard
 
-from benchmarks import index_size_data
+from benchmarks.lib import heldout_sets
 from tools import corpora
 from tools import package_pool as pp
 
@@ -159,13 +159,13 @@ def test_export_group_buckets_indexable_packages_and_refuses_heldout(tmp_path, m
 
 def test_package_halves_keep_each_package_in_one_half():
     recs = [{"path": f"pkg{p}/src/f{i}.py", "text": "x = 1\n" * (i + 1), "corpus": "pool-python"} for p in range(100) for i in range(5)]
-    halves = index_size_data.package_halves(recs)
+    halves = heldout_sets.package_halves(recs)
     pk = {h: {r["path"].split("/", 1)[0] for r in v} for h, v in halves.items()}
     assert not pk["valid"] & pk["test"] and len(pk["valid"]) >= 20 and len(pk["test"]) >= 20
     assert sorted(map(id, halves["valid"] + halves["test"])) == sorted(map(id, recs))
     few = recs[:15]  # 3 packages: not enough, split by path
-    assert index_size_data.package_halves(few) == index_size_data.split_halves(few)
-    sample = index_size_data._sample_capped(recs, budget=300, per_package=20)
+    assert heldout_sets.package_halves(few) == heldout_sets.split_halves(few)
+    sample = heldout_sets._sample_capped(recs, budget=300, per_package=20)
     per = {}
     for r in sample:
         per[r["path"].split("/", 1)[0]] = per.get(r["path"].split("/", 1)[0], 0) + len(r["text"])
