@@ -29,7 +29,8 @@ continuous cache, and the product's choice (what `eval --fit-gate` keeps: (t) or
 on half the validation documents, fit on all; `--product-check IDX` runs those commands alone
 and compares). Also reported: the share of targets whose context has a match of >= 8 /
 16 / 32 tokens, the ∞-gram's argmax accuracy by match length, and decontaminated test
-perplexity (documents with >= 80% of their 13-grams in that index removed).
+perplexity (documents with >= 80% of their 13-grams in that index removed). The variants are
+fit in benchmarks/lib/index_size_variants.py.
 """
 
 from __future__ import annotations
@@ -45,24 +46,10 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import save, sh, smoke_context, smoke_data, smoke_index, smoke_model, smoke_short_fits, table
+from benchmarks.lib.index_size_variants import CC_NAMES, HALVES, NAMES, clean_documents, variants
 
 SETS = ("indist", "timeshift", "prose")
 PACKAGES = "packages"  # the fourth set, when DATA/heldout/packages exists: code of whole packages no index holds
-HALVES = ("valid", "test")
-NAMES = {
-    "a": "(a) no index",
-    "c": "(c) infini-gram interpolation",
-    "c+c": "(c+cache) infini-gram interpolation + document cache",
-    "t-c": "(t-c) index gate, index estimates only",
-    "a+c": "(a+c) cache gate, no index",
-    "t": "(t) index + cache gate",
-}
-# with outputs saved with the continuous cache (the gpu stage's since issue 46)
-CC_NAMES = {
-    "t+cc": "(t+cc) index + cache gate + continuous cache",
-    "choice": "product: eval --fit-gate's choice",
-}
-FIT_ROWS = 100_000  # each gate is fit on this many validation targets (a fixed random sample)
 LENGTH_BUCKETS = (0, 1, 4, 8, 16, 32)  # ∞-gram accuracy by match length: [0], [1, 4), ...
 
 
@@ -204,72 +191,6 @@ def save_outputs_a(work: Path, out: Path, held: dict, batch: int, device: str, r
 # ---- eval (here, where the indexes live) ------------------------------------------------------
 
 
-def contamination_share(est: dict, starts: np.ndarray) -> np.ndarray:
-    """Per document, the share of its 13-grams found in the index (index.heldout.ngram_share, the
-    rule `teragram eval --decontaminate` applies): the ∞-gram match of the context before
-    target j + 1 is the longest match ending at the document's position j."""
-    from teragram.index.heldout import ngram_share
-
-    # the targets of document k sit at starts[k] .. starts[k + 1] - 1 (its ids, then EOS)
-    return np.array([ngram_share(est["index_length"][int(starts[k]) + 1 : int(starts[k + 1])]) for k in range(len(starts) - 1)])
-
-
-def clean_documents(o, est: dict) -> np.ndarray:
-    """Per document of saved outputs `o` (model/evaluation/outputs.py), whether it is decontaminated: fewer
-    than 80% of its 13-grams in the index (infini-gram's criterion). A target's: [o.doc]."""
-    from teragram.index import format as fmt
-    from teragram.index.heldout import DECONTAMINATION_SHARE
-
-    starts = np.asarray(fmt.open_array(o.path / "000000" / "docs.bin", "docs")).astype(np.int64)
-    return contamination_share(est, starts) < DECONTAMINATION_SHARE
-
-
-def _variants(o: dict, est: dict, cache_only: dict | None) -> tuple[dict[str, dict[str, np.ndarray]], dict]:
-    """Per-target nll of each variant on valid and test, and the peers' fitted weights; λ, weights
-    and gates fit on valid. The cache-only gate reads no index: it is fit once per set
-    (cache_only, when given, is that result)."""
-    from teragram.model.evaluation.outputs import gated_outputs
-    from teragram.model.mixture import baselines, estimates
-
-    nll = {"a": {h: o[h].nll.astype(np.float64) for h in HALVES}}
-    groups = {h: est[h]["sparse"].astype(int) for h in HALVES}
-    lam = baselines.fit_lambdas(nll["a"]["valid"], est["valid"]["p_index_infgram"], groups["valid"])
-    nll["c"] = {h: baselines.apply_lambdas(nll["a"][h], est[h]["p_index_infgram"], lam, groups[h]) for h in HALVES}
-    mix = {h: baselines.infgram_cache_inputs(est[h]) for h in HALVES}  # (p_inf, p_cache, groups)
-    cw = baselines.fit_cache_weights(nll["a"]["valid"], *mix["valid"])
-    nll["c+c"] = {h: baselines.apply_cache_weights(nll["a"][h], *mix[h][:2], cw, mix[h][2]) for h in HALVES}
-    for v, comps in (("t-c", estimates.INDEX), ("a+c", estimates.CACHE), ("t", estimates.COMPONENTS)):
-        if v == "a+c" and cache_only is not None:
-            nll[v] = cache_only
-            continue
-        gate, nll_valid = gated_outputs(o["valid"], est["valid"], components=comps, fit_rows=FIT_ROWS)
-        nll[v] = {"valid": nll_valid, "test": gated_outputs(o["test"], est["test"], gate)[1]}
-    weights = {
-        "c": {"non-sparse": lam.get(0, 0.0), "sparse": lam.get(1, 0.0)},
-        "c+c": {baselines.CACHE_GROUPS[g]: dict(zip(baselines.CACHE_WEIGHTS, wg, strict=True)) for g, wg in cw.items()},
-    }
-    if o["valid"].cont_cache is not None:
-        gate, nll_valid = gated_outputs(o["valid"], est["valid"], cont_cache=True, fit_rows=FIT_ROWS)
-        nll["t+cc"] = {"valid": nll_valid, "test": gated_outputs(o["test"], est["test"], gate)[1]}
-        nll["choice"], weights["choice"] = product_choice(o, est)
-    return nll, weights
-
-
-def product_choice(o: dict, est: dict) -> tuple[dict[str, np.ndarray], dict]:
-    """What `teragram eval --outputs VALID --fit-gate G` then `--outputs TEST --gate G` give: the
-    product's gate, chosen and fit on every validation target (model/evaluation/perplexity.gated,
-    the code eval runs), and applied to the test half. Returns (per-target nll, its choice)."""
-    from teragram.model.evaluation.outputs import gated_outputs
-    from teragram.model.evaluation.perplexity import EvalOptions, gated
-
-    v = o["valid"]
-    r = {"nll": v.nll, "maxp": v.maxp, "top": v.top.astype(np.int64), "target": v.target, "doc": v.doc, "cont_cache": v.cont_cache}
-    nll_valid, gate, info = gated(r, est["valid"], np.ones(len(v.nll), bool), EvalOptions(fit_gate=True))
-    return {"valid": nll_valid, "test": gated_outputs(o["test"], est["test"], gate)[1]}, info.get(
-        "gate_choice", {"chosen": "gate+cont_cache" if gate.cont_cache is not None else "gate", "held_out_half_perplexity": {}}
-    )  # one validation document: nothing to choose on
-
-
 def _ppl(nll: np.ndarray) -> float:
     return float(np.exp(nll.mean())) if len(nll) else float("nan")
 
@@ -318,7 +239,7 @@ def stage_eval(outputs: Path, indexes: list[Path], workers: int, max_targets: in
             o = outs[name]
             est = {h: outputs_estimates(o[h], root, workers=workers) for h in HALVES}
             est_s = time.time() - t
-            nll, weights = _variants(o, est, cache_only.get(name))
+            nll, weights = variants(o, est, cache_only.get(name))
             cache_only[name] = nll["a+c"]
             test = o["test"]
             clean_docs = clean_documents(test, est["test"])
