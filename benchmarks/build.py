@@ -58,7 +58,7 @@ print("INDEX_S", time.time() - t)
 """
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=float, default=127, help="MB of linux-source-6.1 text, train split (about 50M tokens at 127)")
     ap.add_argument("--workers", type=int, default=2)
@@ -66,17 +66,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--corpus", help="use this corpus file instead of exporting linux-source")
     ap.add_argument("--vocab-size", type=int, default=32000)
     ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
-    args = ap.parse_args(argv)
-    if args.smoke:
-        with smoke_context(True) as tmp:
-            return main(["--corpus", str(smoke_jsonl(tmp)), "--workdir", str(tmp / "w"), "--workers", "1", "--vocab-size", "512"])
-    repo = str(Path(__file__).resolve().parents[1])
-    w = Path(args.workdir)
-    w.mkdir(parents=True, exist_ok=True)
-    corpus = Path(args.corpus) if args.corpus else linux_corpus(w, args.mb, "train")
-    rows, data = [], {}
+    return ap.parse_args(argv)
 
-    # 1. teragram end to end (the index later benchmarks use: WORKDIR/tg)
+
+def build_end_to_end(corpus: Path, w: Path, repo: str, workers: int, vocab_size: int) -> tuple[dict, dict, dict]:
+    """1. build-index on the corpus, end to end, into WORKDIR/tg (the index later benchmarks use):
+    (its table row, its results, its manifest)."""
     tg = w / "tg"
     run_measured(["rm", "-rf", str(tg), str(w / "tg1"), str(w / "tg2"), str(w / "ig")])
     m = run_measured(
@@ -88,9 +83,9 @@ def main(argv: list[str] | None = None) -> int:
             "--out",
             str(tg),
             "--workers",
-            str(args.workers),
+            str(workers),
             "--vocab-size",
-            str(args.vocab_size),
+            str(vocab_size),
             "--quiet",
         ],
         cwd=repo,
@@ -103,27 +98,29 @@ def main(argv: list[str] | None = None) -> int:
         for f in s["files"]:
             sizes[Path(f["path"]).name] = sizes.get(Path(f["path"]).name, 0) + f["size"]
     lmdb = sum(p.stat().st_size for p in (tg / "meta.lmdb").glob("*"))
-    data["corpus"] = {"file": str(corpus), "bytes": corpus.stat().st_size, "tokens": n, "docs": man["counts"]["docs"]}
+    data = {"corpus": {"file": str(corpus), "bytes": corpus.stat().st_size, "tokens": n, "docs": man["counts"]["docs"]}}
     data["teragram_build"] = m | {"timings": rep["timings"], "bytes": sizes | {"meta.lmdb": lmdb}}
-    tg_bpt = (sizes["tokens.bin"] + sizes["sa.bin"]) / n
-    rows.append(
-        {
-            "run": "teragram build-index (end to end)",
-            "wall s": m["wall_s"],
-            "index s": rep["timings"]["index_task_s"],
-            "tokenize s": rep["timings"]["tokenize_index_s"],
-            "peak RSS MiB": m["peak_rss_mb"],
-            "B/token (tokens+SA)": tg_bpt,
-            "B/token (other)": (sum(sizes.values()) - sizes["tokens.bin"] - sizes["sa.bin"] + lmdb) / n,
-        }
-    )
+    row = {
+        "run": "teragram build-index (end to end)",
+        "wall s": m["wall_s"],
+        "index s": rep["timings"]["index_task_s"],
+        "tokenize s": rep["timings"]["tokenize_index_s"],
+        "peak RSS MiB": m["peak_rss_mb"],
+        "B/token (tokens+SA)": (sizes["tokens.bin"] + sizes["sa.bin"]) / n,
+        "B/token (other)": (sum(sizes.values()) - sizes["tokens.bin"] - sizes["sa.bin"] + lmdb) / n,
+    }
+    return row, data, man
 
-    # 2. the same ids: teragram index only (1 shard; 2 shards in parallel), infini-gram's indexer
-    for label, shard, workers, out in (
+
+def index_same_ids(w: Path, repo: str, man: dict, workers: int) -> tuple[list[dict], dict]:
+    """2. teragram's index alone on the same ids (one shard; two shards in parallel): (rows, results)."""
+    n = man["counts"]["tokens"]
+    rows, data = [], {}
+    for label, shard, nw, out in (
         ("1 shard", 1 << 30, 1, w / "tg1"),
-        (f"2 shards, {args.workers} workers", n // 2 + 2 * man["counts"]["docs"], args.workers, w / "tg2"),
+        (f"2 shards, {workers} workers", n // 2 + 2 * man["counts"]["docs"], workers, w / "tg2"),
     ):
-        code = _FROM_IDS.format(repo=repo, src=str(tg), out=str(out), shard=shard, workers=workers)
+        code = _FROM_IDS.format(repo=repo, src=str(w / "tg"), out=str(out), shard=shard, workers=nw)
         mm = run_measured([sys.executable, "-c", code], cwd=repo, stdout=open(w / "from_ids.log", "w"))
         index_s = float(open(w / "from_ids.log").read().split("INDEX_S")[1])
         mo = json.loads((out / "manifest.json").read_text())
@@ -137,10 +134,13 @@ def main(argv: list[str] | None = None) -> int:
                 "B/token (tokens+SA)": b / n,
             }
         )
+    return rows, data
 
-    docs = doc_ids(tg)
+
+def index_infinigram(w: Path, n: int, workers: int) -> tuple[dict, dict]:
+    """2. infini-gram's indexer on the same ids, in its own layout under WORKDIR/ig: (row, results)."""
     ig = w / "ig"
-    write_infinigram(docs, ig)
+    write_infinigram(doc_ids(w / "tg"), ig)
     (w / "ig_data").mkdir(exist_ok=True)
     mi = run_measured(
         [
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             "--token_dtype",
             "u16",
             "--cpus",
-            str(args.workers),
+            str(workers),
             "--mem",
             "4",
             "--ulimit",
@@ -164,27 +164,32 @@ def main(argv: list[str] | None = None) -> int:
         stderr=open(w / "ig.err", "w"),
     )
     ig_bytes = (ig / "tokenized.0").stat().st_size + (ig / "table.0").stat().st_size
-    data["infinigram_index"] = mi | {
+    result = mi | {
         "bytes": {
             "tokenized.0": (ig / "tokenized.0").stat().st_size,
             "table.0": (ig / "table.0").stat().st_size,
             "offset.0": (ig / "offset.0").stat().st_size,
         }
     }
-    rows.append(
-        {
-            "run": f"infini-gram indexer, same ids (--cpus {args.workers})",
-            "index s": mi["wall_s"],
-            "peak RSS MiB": mi["peak_rss_mb"],
-            "B/token (tokens+SA)": ig_bytes / n,
-        }
-    )
+    row = {
+        "run": f"infini-gram indexer, same ids (--cpus {workers})",
+        "index s": mi["wall_s"],
+        "peak RSS MiB": mi["peak_rss_mb"],
+        "B/token (tokens+SA)": ig_bytes / n,
+    }
+    return row, result
 
+
+def report(rows: list[dict], data: dict, man: dict) -> None:
+    """The ratios against infini-gram's indexer, the table and the plot: benchmarks/results/build.*"""
+    n = man["counts"]["tokens"]
+    tg_bpt, ig_bpt = rows[0]["B/token (tokens+SA)"], rows[-1]["B/token (tokens+SA)"]
+    ig_s = data["infinigram_index"]["wall_s"]
     best = min(data[k]["index_s"] for k in data if k.startswith("teragram_index_"))
     data["ratios"] = {
         "bytes_per_token": tg_bpt,
-        "index_time_ratio_best": best / mi["wall_s"],
-        "index_time_ratio_1shard": data["teragram_index_1 shard"]["index_s"] / mi["wall_s"],
+        "index_time_ratio_best": best / ig_s,
+        "index_time_ratio_1shard": data["teragram_index_1 shard"]["index_s"] / ig_s,
     }
     import matplotlib
 
@@ -202,11 +207,26 @@ def main(argv: list[str] | None = None) -> int:
     fig.suptitle(f"{n / 1e6:.1f}M tokens of linux-source-6.1")
     md = table(rows, ["run", "wall s", "tokenize s", "index s", "peak RSS MiB", "B/token (tokens+SA)", "B/token (other)"])
     md += (
-        f"\n\n{n:,} tokens, {man['counts']['docs']:,} documents. Tokens+SA {tg_bpt:.3f} B/token (infini-gram {ig_bytes / n:.3f}); "
-        f"index time {best:.1f}s = {data['ratios']['index_time_ratio_best']:.2f}x infini-gram's {mi['wall_s']:.1f}s (one shard: "
+        f"\n\n{n:,} tokens, {man['counts']['docs']:,} documents. Tokens+SA {tg_bpt:.3f} B/token (infini-gram {ig_bpt:.3f}); "
+        f"index time {best:.1f}s = {data['ratios']['index_time_ratio_best']:.2f}x infini-gram's {ig_s:.1f}s (one shard: "
         f"{data['ratios']['index_time_ratio_1shard']:.2f}x)."
     )
     save("build", data, md, fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.smoke:
+        with smoke_context(True) as tmp:
+            return main(["--corpus", str(smoke_jsonl(tmp)), "--workdir", str(tmp / "w"), "--workers", "1", "--vocab-size", "512"])
+    repo = str(Path(__file__).resolve().parents[1])
+    w = Path(args.workdir)
+    w.mkdir(parents=True, exist_ok=True)
+    corpus = Path(args.corpus) if args.corpus else linux_corpus(w, args.mb, "train")
+    row, data, man = build_end_to_end(corpus, w, repo, args.workers, args.vocab_size)
+    same_rows, same_data = index_same_ids(w, repo, man, args.workers)
+    ig_row, ig_data = index_infinigram(w, man["counts"]["tokens"], args.workers)
+    report([row, *same_rows, ig_row], data | same_data | {"infinigram_index": ig_data}, man)
     return 0
 
 
