@@ -145,7 +145,7 @@ def start_cluster(nodes: int):
     return c
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--index")
     ap.add_argument("--nodes", type=int, default=4)
@@ -156,56 +156,53 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", default="cluster", help="results file name")
     ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = ap.parse_args(argv)
-    if args.smoke:
-        with smoke_context(True) as tmp:
-            from teragram.builder.build import build_from_ids
-
-            src = Index(smoke_index(tmp))
-            docs = [np.asarray(s.tok[a : b - 1]) for s in src.shards for a, b in zip(s.starts[:-1], s.starts[1:])]
-            build_from_ids(docs, tmp / "idx", src.path / "tokenizer.model", shard_tokens=src.n_positions // 5 + 1)
-            held = str(smoke_jsonl(tmp, heldout=True))
-            return main(
-                ["--index", str(tmp / "idx"), "--queries", "20", "--heldout", held, "--bulk-tokens", "3000", "--name", "cluster_smoke"]
-            )
-    if not args.index:
+    if not args.smoke and not args.index:
         ap.error("--index is required")
-    import ray
-    from teragram.index.cluster import ClusterIndex
+    return args
 
-    idx = Index(args.index)
-    qs = queries(idx, np.random.default_rng(0), args.queries)
-    t0 = time.time()
-    cluster = start_cluster(args.nodes)
-    try:
-        c = ClusterIndex.open(args.index, replicas=args.replicas)
-        print(f"cluster of {args.nodes} nodes and {len(c.groups)} groups up in {time.time() - t0:.1f} s", flush=True)
-        exact = []
-        for kind, items in qs.items():
-            t = time.perf_counter()
-            got = c.batch(items)
-            wall = time.perf_counter() - t
-            t = time.perf_counter()
-            want = [local(idx, q) for q in items]
-            exact.append({"kind": kind, "queries": len(items), "equal": sum(map(operator.eq, got, want)), "cluster_s": wall,
-                          "local_s": time.perf_counter() - t})  # fmt: skip
-            print(exact[-1], flush=True)
-        overhead = []
-        for kind in ("count", "infgram-prob"):
-            items = qs[kind]
-            loc = _per_query_us(lambda xs: [local(idx, q) for q in xs], items)
-            bat = _per_query_us(c.batch, items)
-            one = _per_query_us(lambda xs: [c.batch([q]) for q in xs], items[: max(1, len(items) // 10)])
-            overhead.append({"kind": kind, "local_us": loc, "cluster_batch_us": bat, "ratio": bat / loc, "cluster_one_us": one})
-            print(overhead[-1], flush=True)
-        bulk_row = None
-        if args.heldout:
-            bulk_row = bulk(idx, c, *heldout_docs(idx, args.heldout, args.bulk_tokens))
-            print(bulk_row, flush=True)
-        groups = [[c.shard_ids[p] for p in g] for g in c.groups]
-        c.close()
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+
+def smoke() -> int:
+    """The benchmark on the smoke index rebuilt in 6 shards, 20 queries of each kind and 3,000 held-out tokens."""
+    with smoke_context(True) as tmp:
+        from teragram.builder.build import build_from_ids
+
+        src = Index(smoke_index(tmp))
+        docs = [np.asarray(s.tok[a : b - 1]) for s in src.shards for a, b in zip(s.starts[:-1], s.starts[1:])]
+        build_from_ids(docs, tmp / "idx", src.path / "tokenizer.model", shard_tokens=src.n_positions // 5 + 1)
+        held = str(smoke_jsonl(tmp, heldout=True))
+        return main(["--index", str(tmp / "idx"), "--queries", "20", "--heldout", held, "--bulk-tokens", "3000", "--name", "cluster_smoke"])
+
+
+def exactness(c, idx: Index, qs: dict[str, list]) -> list[dict]:
+    """(a) every kind's queries through the cluster (one batch) and the local Index: how many answers are equal."""
+    exact = []
+    for kind, items in qs.items():
+        t = time.perf_counter()
+        got = c.batch(items)
+        wall = time.perf_counter() - t
+        t = time.perf_counter()
+        want = [local(idx, q) for q in items]
+        exact.append({"kind": kind, "queries": len(items), "equal": sum(map(operator.eq, got, want)), "cluster_s": wall,
+                      "local_s": time.perf_counter() - t})  # fmt: skip
+        print(exact[-1], flush=True)
+    return exact
+
+
+def overheads(c, idx: Index, qs: dict[str, list]) -> list[dict]:
+    """(b) time per query, warm: the local Index (one call per query), the cluster (one batch) and one query alone."""
+    overhead = []
+    for kind in ("count", "infgram-prob"):
+        items = qs[kind]
+        loc = _per_query_us(lambda xs: [local(idx, q) for q in xs], items)
+        bat = _per_query_us(c.batch, items)
+        one = _per_query_us(lambda xs: [c.batch([q]) for q in xs], items[: max(1, len(items) // 10)])
+        overhead.append({"kind": kind, "local_us": loc, "cluster_batch_us": bat, "ratio": bat / loc, "cluster_one_us": one})
+        print(overhead[-1], flush=True)
+    return overhead
+
+
+def report(args: argparse.Namespace, idx: Index, groups: list, exact: list[dict], overhead: list[dict], bulk_row: dict | None) -> bool:
+    """The table and the plot (benchmarks/results/NAME.*); whether every answer was equal."""
     all_equal = all(r["equal"] == r["queries"] for r in exact) and (bulk_row is None or bulk_row["equal"])
     within = all(r["ratio"] <= OVERHEAD_BAR for r in overhead)
     md = (
@@ -245,7 +242,35 @@ def main(argv: list[str] | None = None) -> int:
         md,
         _plot(overhead),
     )  # fmt: skip
-    return 0 if all_equal else 1
+    return all_equal
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.smoke:
+        return smoke()
+    import ray
+    from teragram.index.cluster import ClusterIndex
+
+    idx = Index(args.index)
+    qs = queries(idx, np.random.default_rng(0), args.queries)
+    t0 = time.time()
+    cluster = start_cluster(args.nodes)
+    try:
+        c = ClusterIndex.open(args.index, replicas=args.replicas)
+        print(f"cluster of {args.nodes} nodes and {len(c.groups)} groups up in {time.time() - t0:.1f} s", flush=True)
+        exact = exactness(c, idx, qs)
+        overhead = overheads(c, idx, qs)
+        bulk_row = None
+        if args.heldout:
+            bulk_row = bulk(idx, c, *heldout_docs(idx, args.heldout, args.bulk_tokens))
+            print(bulk_row, flush=True)
+        groups = [[c.shard_ids[p] for p in g] for g in c.groups]
+        c.close()
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    return 0 if report(args, idx, groups, exact, overhead, bulk_row) else 1
 
 
 def _plot(rows: list[dict]):
