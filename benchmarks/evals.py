@@ -27,28 +27,31 @@ from pathlib import Path
 from benchmarks.common import save, smoke_context, smoke_index, smoke_model, table
 
 
-def main() -> None:
-    if "--smoke" in sys.argv[1:]:  # the tiny model and index, two tasks' first examples, then --results of that run
-        with smoke_context(True) as tmp:
-            run, idx = smoke_model(tmp), smoke_index(tmp)
-            sys.argv = [
-                sys.argv[0],
-                "--checkpoint",
-                str(run),
-                "--index",
-                str(idx),
-                "--tasks",
-                "hellaswag,piqa",
-                "--limit",
-                "3",
-                "--batch",
-                "4",
-            ]
-            main()
-            raw = json.loads((tmp / "results" / "evals.json").read_text())["raw"]
-            (tmp / "run.json").write_text(json.dumps({"tasks": raw, "index": str(idx)}))
-            sys.argv = [sys.argv[0], "--results", str(tmp / "run.json"), "--model-name", "tiny", "--name", "evals_results"]
-            return main()
+def smoke() -> None:
+    """The tiny model and index, two tasks' first examples, then --results of that run."""
+    with smoke_context(True) as tmp:
+        run, idx = smoke_model(tmp), smoke_index(tmp)
+        sys.argv = [
+            sys.argv[0],
+            "--checkpoint",
+            str(run),
+            "--index",
+            str(idx),
+            "--tasks",
+            "hellaswag,piqa",
+            "--limit",
+            "3",
+            "--batch",
+            "4",
+        ]
+        main()
+        raw = json.loads((tmp / "results" / "evals.json").read_text())["raw"]
+        (tmp / "run.json").write_text(json.dumps({"tasks": raw, "index": str(idx)}))
+        sys.argv = [sys.argv[0], "--results", str(tmp / "run.json"), "--model-name", "tiny", "--name", "evals_results"]
+        return main()
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", help="the model, or --outputs")
     ap.add_argument("--outputs", help="the model's outputs (teragram evals --save-outputs)")
@@ -64,36 +67,41 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--name", default="evals")
     a = ap.parse_args()
+    if not (a.curve or a.results or a.index):
+        ap.error("--index is required unless --results is given")
+    return a
 
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def score(a: argparse.Namespace) -> tuple[list[dict], str]:
+    """Every task run here (model/evaluation/tasks.run_task): (their results, the index's description)."""
     from teragram.index.engine import Index
     from teragram.model.checkpoint import load_model
     from teragram.model.evaluation.tasks import TASKS, run_task
     from teragram.model.mixture.gate import Gate
 
-    if a.curve:
-        return curve(a, plt)
     tasks = list(TASKS) if a.tasks == "all" else a.tasks.split(",")
-    if a.results:
-        saved = json.loads(Path(a.results).read_text())
-        raw, a.gate, a.index = saved["tasks"], saved.get("gate"), saved["index"]
-        where = f"index {a.index} (on the machine that scored it)"
-    else:
-        if not a.index:
-            ap.error("--index is required unless --results is given")
-        idx = Index(a.index)
-        where = f"index {a.index} ({idx.n_tokens:,} tokens)"
-        model = load_model(a.checkpoint, a.device)[0] if a.checkpoint else None
-        gate = Gate.load(a.gate) if a.gate else None
-        raw = []
-        for name in tasks:
-            t = time.time()
-            kw = dict(gate=gate, limit=a.limit, device=a.device, batch=a.batch, threads=a.workers, outputs_dir=a.outputs)
-            raw.append(run_task(model, idx, name, **kw) | {"seconds": time.time() - t})
-            print(raw[-1], flush=True)
+    idx = Index(a.index)
+    where = f"index {a.index} ({idx.n_tokens:,} tokens)"
+    model = load_model(a.checkpoint, a.device)[0] if a.checkpoint else None
+    gate = Gate.load(a.gate) if a.gate else None
+    raw = []
+    for name in tasks:
+        t = time.time()
+        kw = dict(gate=gate, limit=a.limit, device=a.device, batch=a.batch, threads=a.workers, outputs_dir=a.outputs)
+        raw.append(run_task(model, idx, name, **kw) | {"seconds": time.time() - t})
+        print(raw[-1], flush=True)
+    return raw, where
+
+
+def saved_run(a: argparse.Namespace) -> tuple[list[dict], str]:
+    """The tasks' results of a run scored elsewhere (--results); its gate and index become a's."""
+    saved = json.loads(Path(a.results).read_text())
+    raw, a.gate, a.index = saved["tasks"], saved.get("gate"), saved["index"]
+    return raw, f"index {a.index} (on the machine that scored it)"
+
+
+def task_rows(raw: list[dict]) -> tuple[list[dict], str | None]:
+    """One table row per task, and the gated mixture's name when the run has one."""
     mix = "gated" if "gated" in raw[0] else None  # the gate's mixture
     rows = []
     for r in raw:
@@ -104,6 +112,12 @@ def main() -> None:
         if mix:
             row[f"clean_{mix}_acc_norm"] = r[f"{mix}_clean"]["acc_norm"]
         rows.append(row)
+    return rows, mix
+
+
+def report(a: argparse.Namespace, raw: list[dict], where: str, plt) -> None:
+    """The table and the plot: benchmarks/results/NAME.*"""
+    rows, mix = task_rows(raw)
     cols = list(rows[0])
     md = (
         f"Model {a.model_name or a.checkpoint or a.outputs or a.results}, {where}, gate {a.gate}"
@@ -139,6 +153,21 @@ def main() -> None:
         fig,
     )
     print(md + table(rows, cols))
+
+
+def main() -> None:
+    if "--smoke" in sys.argv[1:]:
+        return smoke()
+    a = parse_args()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if a.curve:
+        return curve(a, plt)
+    raw, where = saved_run(a) if a.results else score(a)
+    report(a, raw, where, plt)
 
 
 def curve(a, plt) -> None:
