@@ -46,48 +46,30 @@ def l_stats(tokens: np.ndarray, starts: np.ndarray, length: np.ndarray, cont: np
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workdir", default=str(default_workdir()))
     ap.add_argument("--heldout-mb", type=float, default=4)
     ap.add_argument("--heldout", type=Path, help="held-out corpus file (default: the first --heldout-mb of linux-source's held-out split)")
     ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
-    args = ap.parse_args(argv)
-    if args.smoke:  # WORKDIR/tg: a tiny index
-        with smoke_context(True) as tmp:
-            shutil.copytree(smoke_index(tmp), tmp / "w" / "tg")
-            return main(["--workdir", str(tmp / "w"), "--heldout", str(smoke_jsonl(tmp, heldout=True))])
-    repo = str(Path(__file__).resolve().parents[1])
-    w = Path(args.workdir)
-    idx_dir = w / "tg"
-    if not (idx_dir / "manifest.json").exists():
-        run_measured([sys.executable, "-m", "benchmarks.build", "--workdir", str(w)], cwd=repo)
-    man = json.loads((idx_dir / "manifest.json").read_text())
-    n_pos = man["counts"]["positions"]
-    rows, data = [], {"index": {"dir": str(idx_dir), "tokens": man["counts"]["tokens"], "shards": man["counts"]["shards"]}}
+    return ap.parse_args(argv)
+
+
+def _features(repo: str, idx_dir: Path, out: Path, *opts: str) -> dict:
+    """`teragram features IDX --out OUT OPTS --workers 1 --quiet`, measured, into a fresh OUT."""
+    run_measured(["rm", "-rf", str(out)])
+    cmd = [sys.executable, "-m", "teragram.serve.main", "features", str(idx_dir), "--out", str(out), *opts, "--workers", "1", "--quiet"]
+    return run_measured(cmd, cwd=repo)
+
+
+def index_features(repo: str, w: Path, n_pos: int) -> tuple[list[dict], dict]:
+    """The index's own features, causal and exclude-doc, with and without the top-4 distribution:
+    (table rows, results)."""
+    rows, data = [], {}
     for mode in ("causal", "exclude-doc"):
         for k in (0, 4):
             out = w / f"feat-{mode}-k{k}"
-            run_measured(["rm", "-rf", str(out)])
-            m = run_measured(
-                [
-                    sys.executable,
-                    "-m",
-                    "teragram.serve.main",
-                    "features",
-                    str(idx_dir),
-                    "--out",
-                    str(out),
-                    "--mode",
-                    mode,
-                    "--top-k",
-                    str(k),
-                    "--workers",
-                    "1",
-                    "--quiet",
-                ],
-                cwd=repo,
-            )
+            m = _features(repo, w / "tg", out, "--mode", mode, "--top-k", str(k))
             rep = json.loads((out / "features-report.json").read_text())
             secs = sum(s["total_s"] for s in rep["shards"])
             what = "length + continuation" if k == 0 else "all, top-4"
@@ -95,42 +77,29 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(
                 {"features": what, "mode": mode, "compute s": secs, "M tokens/s/core": n_pos / secs / 1e6, "peak RSS MiB": m["peak_rss_mb"]}
             )
-    held = args.heldout or linux_corpus(w, args.heldout_mb, "heldout")
-    out = w / "feat-heldout"
-    run_measured(["rm", "-rf", str(out)])
-    m = run_measured(
-        [
-            sys.executable,
-            "-m",
-            "teragram.serve.main",
-            "features",
-            str(idx_dir),
-            "--out",
-            str(out),
-            "--corpus",
-            str(held),
-            "--workers",
-            "1",
-            "--quiet",
-        ],
-        cwd=repo,
-    )
-    rep = json.loads((out / "features-report.json").read_text())
-    data["heldout"] = m | rep
-    rows.append(
-        {
-            "features": "all, top-4",
-            "mode": "held-out (bulk, one thread)",
-            "compute s": rep["features_s"],
-            "M tokens/s/core": rep["positions"] / rep["features_s"] / 1e6,
-            "peak RSS MiB": m["peak_rss_mb"],
-        }
-    )
+    return rows, data
 
+
+def heldout_features(repo: str, w: Path, held: Path) -> tuple[dict, dict]:
+    """Held-out text's features against the whole index, into WORKDIR/feat-heldout: (table row, results)."""
+    out = w / "feat-heldout"
+    m = _features(repo, w / "tg", out, "--corpus", str(held))
+    rep = json.loads((out / "features-report.json").read_text())
+    row = {
+        "features": "all, top-4",
+        "mode": "held-out (bulk, one thread)",
+        "compute s": rep["features_s"],
+        "M tokens/s/core": rep["positions"] / rep["features_s"] / 1e6,
+        "peak RSS MiB": m["peak_rss_mb"],
+    }
+    return row, m | rep
+
+
+def match_stats(w: Path, sep: int) -> dict:
+    """l_stats of the held-out features and of the index's own (causal, exclude-doc; length + continuation)."""
     from teragram.index import format as fmt
 
-    sep = man["separator"]
-    d = out / "000000"
+    idx_dir, d = w / "tg", w / "feat-heldout" / "000000"
     tok = np.asarray(fmt.open_array(d / "tokens.bin", "tokens"))
     st = np.asarray(fmt.open_array(d / "docs.bin", "docs"))
     stats = {
@@ -153,8 +122,11 @@ def main(argv: list[str] | None = None) -> int:
             np.asarray(fmt.open_array(fd / "cont.bin", "feat.cont")),
             sep,
         )
-    data["match_stats"] = stats
+    return stats
 
+
+def report(rows: list[dict], data: dict, stats: dict) -> None:
+    """The tables and the plot: benchmarks/results/features.*"""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -191,6 +163,25 @@ def main(argv: list[str] | None = None) -> int:
         ["L"] + [f"{n} share" for n in stats] + [f"{n} cont acc" for n in stats],
     )
     save("features", data, md, fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.smoke:  # WORKDIR/tg: a tiny index
+        with smoke_context(True) as tmp:
+            shutil.copytree(smoke_index(tmp), tmp / "w" / "tg")
+            return main(["--workdir", str(tmp / "w"), "--heldout", str(smoke_jsonl(tmp, heldout=True))])
+    repo = str(Path(__file__).resolve().parents[1])
+    w = Path(args.workdir)
+    idx_dir = w / "tg"
+    if not (idx_dir / "manifest.json").exists():
+        run_measured([sys.executable, "-m", "benchmarks.build", "--workdir", str(w)], cwd=repo)
+    man = json.loads((idx_dir / "manifest.json").read_text())
+    rows, own = index_features(repo, w, man["counts"]["positions"])
+    held_row, held = heldout_features(repo, w, args.heldout or linux_corpus(w, args.heldout_mb, "heldout"))
+    stats = match_stats(w, man["separator"])
+    data = {"index": {"dir": str(idx_dir), "tokens": man["counts"]["tokens"], "shards": man["counts"]["shards"]}}
+    report([*rows, held_row], data | own | {"heldout": held, "match_stats": stats}, stats)
     return 0
 
 
