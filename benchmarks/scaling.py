@@ -90,7 +90,7 @@ print("INDEX_S", time.time() - t)
 """
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="10,30,100,300", help="index sizes in millions of tokens")
     ap.add_argument("--workdir", default=str(default_workdir() / "scaling"))
@@ -98,112 +98,122 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--corpus", nargs="+", help="files to tokenize instead of linux-source-6.1 and this machine's Python sources")
     ap.add_argument("--vocab-size", type=int, default=32000)
     ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
-    args = ap.parse_args(argv)
-    if args.smoke:
-        with smoke_context(True) as tmp:
-            c = str(smoke_jsonl(tmp))
-            return main(["--sizes", "0.02,0.04", "--workdir", str(tmp / "w"), "--queries", "10", "--corpus", c, "--vocab-size", "512"])
-    w = Path(args.workdir)
-    w.mkdir(parents=True, exist_ok=True)
-    sizes = [int(float(x) * 1e6) for x in args.sizes.split(",")]
-    py = sys.executable
-    # 1. one tokenization of enough text for the largest size
-    ids_path, starts_path = w / "ids.npy", w / "starts.npy"
-    if not ids_path.exists():
-        corpus = args.corpus or [linux_corpus(default_workdir(), 1100, "train"), python_sources(w / "python.jsonl.zst")]
-        run_measured(
-            [
-                py,
-                "-m",
-                "teragram.builder.cli",
-                *map(str, corpus),
-                "--out",
-                str(w / "all"),
-                "--workers",
-                "2",
-                "--vocab-size",
-                str(args.vocab_size),
-                "--quiet",
-                "--shard-tokens",
-                str(1 << 30),
-            ],
-            cwd=REPO,
-        )
-        from teragram.index.engine import Index
+    return ap.parse_args(argv)
 
-        idx = Index(w / "all")
-        parts, starts = [], [0]
-        for s in idx.shards:
-            tok, st = np.asarray(s.tok), np.asarray(s.starts).astype(np.int64)
-            for k in range(len(st) - 1):
-                parts.append(tok[st[k] : st[k + 1] - 1])
-                starts.append(starts[-1] + len(parts[-1]))
-        np.save(ids_path, np.concatenate(parts))
-        np.save(starts_path, np.asarray(starts))
-    ids = np.load(ids_path, mmap_mode="r")
-    sizes = [n for n in sizes if n <= len(ids)]
-    tok_model = str(w / "all" / "tokenizer.model")
-    rows, data = [], {"points": []}
+
+def tokenize_once(w: Path, corpus: list[str] | None, vocab_size: int) -> tuple[Path, Path]:
+    """1. One tokenization of enough text for the largest size (an index of it, WORKDIR/all), its
+    documents' ids saved as WORKDIR/ids.npy and their starts as starts.npy (once): their paths."""
+    ids_path, starts_path = w / "ids.npy", w / "starts.npy"
+    if ids_path.exists():
+        return ids_path, starts_path
+    corpus = corpus or [linux_corpus(default_workdir(), 1100, "train"), python_sources(w / "python.jsonl.zst")]
+    run_measured(
+        [
+            sys.executable,
+            "-m",
+            "teragram.builder.cli",
+            *map(str, corpus),
+            "--out",
+            str(w / "all"),
+            "--workers",
+            "2",
+            "--vocab-size",
+            str(vocab_size),
+            "--quiet",
+            "--shard-tokens",
+            str(1 << 30),
+        ],
+        cwd=REPO,
+    )
     from teragram.index.engine import Index
 
-    for n in sizes:
-        for shards in (1, 4):
-            out = w / f"idx-{n // 10**6}m-{shards}"
-            run_measured(["rm", "-rf", str(out)])
-            shard = (n + 2 * n // 1000) // shards + 1 if shards > 1 else 1 << 31
-            code = _BUILD.format(
-                repo=str(REPO), ids=str(ids_path), starts=str(starts_path), n=n, out=str(out), tok=tok_model, shard=shard, workers=1
-            )
-            log = w / "build.log"
-            m = run_measured([py, "-c", code], cwd=REPO, stdout=open(log, "w"))
-            index_s = float(log.read_text().split("INDEX_S")[1])
-            man = json.loads((out / "manifest.json").read_text())
-            b = {}
-            for s in man["shards"]:
-                for f in s["files"]:
-                    b[Path(f["path"]).name] = b.get(Path(f["path"]).name, 0) + f["size"]
-            ntok = man["counts"]["tokens"]
-            point = {
-                "tokens": ntok,
-                "shards": man["counts"]["shards"],
-                "index_s": index_s,
-                "build_peak_rss_mb": m["peak_rss_mb"],
-                "bytes_per_token": (b["tokens.bin"] + b["sa.bin"]) / ntok,
-                "bytes_per_token_all": sum(b.values()) / ntok,
-            }
-            idx = Index(out)
-            point |= measure_queries(idx, ids, args.queries)
-            if shards == 1 and n <= 120e6:  # the feature pass holds ~60 bytes per position in RAM
-                from teragram.builder.features import shard_features
-                from teragram.index.features import FeatureConfig
+    idx = Index(w / "all")
+    parts, starts = [], [0]
+    for s in idx.shards:
+        tok, st = np.asarray(s.tok), np.asarray(s.starts).astype(np.int64)
+        for k in range(len(st) - 1):
+            parts.append(tok[st[k] : st[k + 1] - 1])
+            starts.append(starts[-1] + len(parts[-1]))
+    np.save(ids_path, np.concatenate(parts))
+    np.save(starts_path, np.asarray(starts))
+    return ids_path, starts_path
 
-                t0 = time.perf_counter()
-                shard_features(idx, 0, FeatureConfig("exclude-doc", 64, 0))
-                point["features_Mtok_s"] = ntok / (time.perf_counter() - t0) / 1e6
-            data["points"].append(point)
-            rows.append(
-                {
-                    "tokens (M)": ntok / 1e6,
-                    "shards": point["shards"],
-                    "index s": index_s,
-                    "peak RSS MiB": m["peak_rss_mb"],
-                    "B/token": point["bytes_per_token"],
-                    "count ms": point["count_ms"],
-                    "infgram_prob ms": point["infgram_prob_ms"],
-                    "score us/token": point["score_us_per_token"],
-                    "features M tok/s": point.get("features_Mtok_s", ""),
-                }
-            )
-            print(rows[-1], flush=True)
-    # fits on the one-shard points: y = a * N^b
-    one = [p for p in data["points"] if p["shards"] == 1]
+
+def measure_point(w: Path, ids: np.ndarray, n: int, shards: int, queries: int) -> tuple[dict, dict]:
+    """An index of the first n tokens in `shards` shards, built in a measured subprocess, then its
+    bytes per token, query latencies and (one shard, up to 120M tokens) feature throughput:
+    (the point's results, its table row)."""
+    from teragram.index.engine import Index
+
+    out = w / f"idx-{n // 10**6}m-{shards}"
+    run_measured(["rm", "-rf", str(out)])
+    shard = (n + 2 * n // 1000) // shards + 1 if shards > 1 else 1 << 31
+    code = _BUILD.format(
+        repo=str(REPO),
+        ids=str(w / "ids.npy"),
+        starts=str(w / "starts.npy"),
+        n=n,
+        out=str(out),
+        tok=str(w / "all" / "tokenizer.model"),
+        shard=shard,
+        workers=1,
+    )
+    log = w / "build.log"
+    m = run_measured([sys.executable, "-c", code], cwd=REPO, stdout=open(log, "w"))
+    index_s = float(log.read_text().split("INDEX_S")[1])
+    man = json.loads((out / "manifest.json").read_text())
+    b = {}
+    for s in man["shards"]:
+        for f in s["files"]:
+            b[Path(f["path"]).name] = b.get(Path(f["path"]).name, 0) + f["size"]
+    ntok = man["counts"]["tokens"]
+    point = {
+        "tokens": ntok,
+        "shards": man["counts"]["shards"],
+        "index_s": index_s,
+        "build_peak_rss_mb": m["peak_rss_mb"],
+        "bytes_per_token": (b["tokens.bin"] + b["sa.bin"]) / ntok,
+        "bytes_per_token_all": sum(b.values()) / ntok,
+    }
+    idx = Index(out)
+    point |= measure_queries(idx, ids, queries)
+    if shards == 1 and n <= 120e6:  # the feature pass holds ~60 bytes per position in RAM
+        from teragram.builder.features import shard_features
+        from teragram.index.features import FeatureConfig
+
+        t0 = time.perf_counter()
+        shard_features(idx, 0, FeatureConfig("exclude-doc", 64, 0))
+        point["features_Mtok_s"] = ntok / (time.perf_counter() - t0) / 1e6
+    row = {
+        "tokens (M)": ntok / 1e6,
+        "shards": point["shards"],
+        "index s": index_s,
+        "peak RSS MiB": m["peak_rss_mb"],
+        "B/token": point["bytes_per_token"],
+        "count ms": point["count_ms"],
+        "infgram_prob ms": point["infgram_prob_ms"],
+        "score us/token": point["score_us_per_token"],
+        "features M tok/s": point.get("features_Mtok_s", ""),
+    }
+    return point, row
+
+
+def power_fits(points: list[dict]) -> dict:
+    """Fits on the one-shard points, y = a * N^b: each measure's exponent and its value at 1T tokens."""
+    one = [p for p in points if p["shards"] == 1]
     N = np.array([p["tokens"] for p in one], float)
     fits = {}
     for key in ("index_s", "build_peak_rss_mb", "count_ms", "infgram_prob_ms", "score_us_per_token"):
         y = np.array([p[key] for p in one], float)
         b, loga = np.polyfit(np.log(N), np.log(y), 1)
         fits[key] = {"exponent": float(b), "at_1T": float(np.exp(loga) * 1e12**b)}
-    data["fits"] = fits
+    return fits
+
+
+def report(rows: list[dict], data: dict) -> None:
+    """The points and fits (RESULTS/scaling_points.json), the table and the plot (scaling_measured.*)."""
+    fits = data["fits"]
     results_dir().mkdir(parents=True, exist_ok=True)
     (results_dir() / "scaling_points.json").write_text(json.dumps(data, indent=1))
     md = table(
@@ -229,6 +239,28 @@ def main(argv: list[str] | None = None) -> int:
         a.set_title(t)
         a.legend(fontsize=7)
     save("scaling_measured", data, md, fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.smoke:
+        with smoke_context(True) as tmp:
+            c = str(smoke_jsonl(tmp))
+            return main(["--sizes", "0.02,0.04", "--workdir", str(tmp / "w"), "--queries", "10", "--corpus", c, "--vocab-size", "512"])
+    w = Path(args.workdir)
+    w.mkdir(parents=True, exist_ok=True)
+    sizes = [int(float(x) * 1e6) for x in args.sizes.split(",")]
+    ids_path, _ = tokenize_once(w, args.corpus, args.vocab_size)
+    ids = np.load(ids_path, mmap_mode="r")
+    rows, data = [], {"points": []}
+    for n in [n for n in sizes if n <= len(ids)]:
+        for shards in (1, 4):
+            point, row = measure_point(w, ids, n, shards, args.queries)
+            data["points"].append(point)
+            rows.append(row)
+            print(rows[-1], flush=True)
+    data["fits"] = power_fits(data["points"])
+    report(rows, data)
     return 0
 
 
