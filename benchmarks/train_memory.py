@@ -205,11 +205,15 @@ def cap_worker(offload: bool, cap_gib: float, B: int, T: int, steps: int) -> Non
     print(json.dumps(r), flush=True)
 
 
-def main() -> int:
-    if "--smoke" in sys.argv[1:]:  # the tiny model on CPU, every setting a CPU has (zero1 and cap need GPUs)
-        with smoke_context(True):
-            sys.argv = [sys.argv[0], "--tiny", "--steps", "2", "--settings", "none,offload,block1"]
-            return main()
+def smoke() -> int:
+    """The tiny model on CPU, every setting a CPU has (zero1 and cap need GPUs)."""
+    with smoke_context(True):
+        sys.argv = [sys.argv[0], "--tiny", "--steps", "2", "--settings", "none,offload,block1"]
+        return main()
+
+
+def parse_args() -> tuple[argparse.Namespace, list[str]]:
+    """The arguments and the parts to measure (a blockN part registered as a setting)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="125m")
     ap.add_argument("--batch-size", type=int, default=16)
@@ -227,31 +231,24 @@ def main() -> int:
             SETTINGS[p] = (f"recompute block, first {p[5:]} blocks", {"recompute": "block", "recompute_blocks": int(p[5:])})
     if unknown := set(parts) - set(PARTS) - set(SETTINGS):
         ap.error(f"unknown settings {', '.join(sorted(unknown))}; known: {', '.join(PARTS)}, blockN")
-    import torch
-    from teragram.model.gpt import GPTConfig
+    return args, parts
 
-    p = GPTConfig.preset("tiny" if args.tiny else args.shape)
-    shape = dict(n_layer=p.n_layer, n_head=p.n_head, n_embd=p.n_embd)
-    B, T = (4, 64) if args.tiny else (args.batch_size, args.block_size)
-    if args.zero1_worker:
-        zero1_worker(args.zero1_worker, shape, B, T, args.steps)
-        return 0
-    if args.cap_worker:
-        cap_worker(args.cap_worker == "offload", args.cap_gib, 2, T, 3)
-        return 0
-    cuda = torch.cuda.is_available() and not args.tiny
-    device = "cuda" if cuda else "cpu"
-    data: dict = {"shape": args.shape if not args.tiny else "tiny", "batch_size": B, "block_size": T, "settings": {}}
+
+def measure_settings(parts: list[str], shape: dict, B: int, T: int, device: str, steps: int) -> tuple[dict, list[dict]]:
+    """1. Each setting named in parts (measure_setting); one that fails is recorded and the others
+    go on: (results by setting, table rows)."""
+    cuda = device.startswith("cuda")
+    settings: dict = {}
     rows = []
     for name, kw in (SETTINGS[k] for k in parts if k in SETTINGS):
         try:
-            r = measure_setting(shape, B, T, device, args.steps, **kw)
+            r = measure_setting(shape, B, T, device, steps, **kw)
         except (RuntimeError, TypeError, ValueError) as e:  # recorded; the other settings go on
-            data["settings"][name] = {"error": str(e).splitlines()[0][:160]}
-            rows.append({"setting": name, "note": data["settings"][name]["error"]})
+            settings[name] = {"error": str(e).splitlines()[0][:160]}
+            rows.append({"setting": name, "note": settings[name]["error"]})
             continue
-        data["settings"][name] = r
-        base = data["settings"].get("none", {})
+        settings[name] = r
+        base = settings.get("none", {})
         if "step_s" not in base:
             base = r
         row = {"setting": name, "tokens/s": r["tokens_per_s"], "step vs none": r["step_s"] / base["step_s"]}
@@ -265,6 +262,10 @@ def main() -> int:
             }
         rows.append(row)
         print(name, r, flush=True)
+    return settings, rows
+
+
+def settings_md(rows: list[dict], shape: str, B: int, T: int) -> str:
     md = table(
         rows,
         [
@@ -278,14 +279,17 @@ def main() -> int:
             "step vs none",
         ],
     )
-    md += (
-        f"\n\n{data['shape']} shape, {B} sequences of {T} tokens, bf16 autocast, eager; activations = peak of one forward + backward "
+    return md + (
+        f"\n\n{shape} shape, {B} sequences of {T} tokens, bf16 autocast, eager; activations = peak of one forward + backward "
         "above the resident weights and optimizer state, less the gradients. Bar (recompute block): activations <= 0.4x, step <= 1.35x."
     )
-    repo = str(Path(__file__).resolve().parents[1])
-    ngpu = torch.cuda.device_count() if cuda else 0
-    z = None
-    if "zero1" in parts and (ngpu >= 2 or args.tiny):
+
+
+def zero1_part(args: argparse.Namespace, B: int, T: int, ngpu: int, repo: str) -> tuple[dict | None, str]:
+    """2. ZeRO-1 against DDP, 2 ranks under torchrun (two GPUs, or --tiny on CPU): (its results,
+    None when it could not run; its markdown)."""
+    z = entry = None
+    if ngpu >= 2 or args.tiny:
         out = Path("/tmp") / f"tg-zero1-{os.getpid()}.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "benchmarks.train_memory"]
         cmd += ["--zero1-worker", str(out), "--steps", str(args.steps), "--batch-size", str(B), "--block-size", str(T)]
@@ -293,57 +297,55 @@ def main() -> int:
             cmd + (["--tiny"] if args.tiny else ["--shape", args.shape]), cwd=repo, env=dict(os.environ, OMP_NUM_THREADS="1")
         )
         z = json.loads(out.read_text()) if r.returncode == 0 and out.exists() else None
-        data["zero1_2ranks"] = z or {"error": f"the 2-rank run exited with {r.returncode}"}
-    if z:
-        ratio = max(z["zero1"]["optimizer_gib_per_rank"]) / max(max(z["ddp"]["optimizer_gib_per_rank"]), 1e-12)
-        speed = z["zero1"]["tokens_per_s"] / z["ddp"]["tokens_per_s"]
-        md += "\n\n" + table(
-            [
-                {"2 ranks": k, "optimizer GiB per rank": max(v["optimizer_gib_per_rank"]), "tokens/s": v["tokens_per_s"]}
-                for k, v in z.items()
-            ],
-            ["2 ranks", "optimizer GiB per rank", "tokens/s"],
+        entry = z or {"error": f"the 2-rank run exited with {r.returncode}"}
+    if not z:
+        return entry, "\n\nZeRO-1: not measured (" + (entry["error"] if entry else "one GPU; the 2-rank measurement needs two") + ")."
+    ratio = max(z["zero1"]["optimizer_gib_per_rank"]) / max(max(z["ddp"]["optimizer_gib_per_rank"]), 1e-12)
+    speed = z["zero1"]["tokens_per_s"] / z["ddp"]["tokens_per_s"]
+    md = "\n\n" + table(
+        [{"2 ranks": k, "optimizer GiB per rank": max(v["optimizer_gib_per_rank"]), "tokens/s": v["tokens_per_s"]} for k, v in z.items()],
+        ["2 ranks", "optimizer GiB per rank", "tokens/s"],
+    )
+    md += f"\n\nZeRO-1 vs DDP on 2 GPUs: optimizer memory per rank {ratio:.2f}x (bar <= 0.55x), tokens/s {speed:.2f}x (bar >= 0.95x)."
+    return entry, md
+
+
+def cap_part(cap_gib: float, repo: str) -> tuple[list[dict], str]:
+    """3. The cap model without and with offload, each in a process of its own: (results, markdown)."""
+    caps = []
+    for mode in ("none", "offload"):
+        r = subprocess.run(
+            [sys.executable, "-m", "benchmarks.train_memory", "--cap-worker", mode, "--cap-gib", str(cap_gib)],
+            cwd=repo,
+            capture_output=True,
+            text=True,
         )
-        md += f"\n\nZeRO-1 vs DDP on 2 GPUs: optimizer memory per rank {ratio:.2f}x (bar <= 0.55x), tokens/s {speed:.2f}x (bar >= 0.95x)."
-    elif "zero1" in parts:
-        md += (
-            "\n\nZeRO-1: not measured ("
-            + (data["zero1_2ranks"]["error"] if "zero1_2ranks" in data else "one GPU; the 2-rank measurement needs two")
-            + ")."
-        )
-    if cuda and "cap" in parts:
-        caps = []
-        for mode in ("none", "offload"):
-            r = subprocess.run(
-                [sys.executable, "-m", "benchmarks.train_memory", "--cap-worker", mode, "--cap-gib", str(args.cap_gib)],
-                cwd=repo,
-                capture_output=True,
-                text=True,
-            )
-            line = [x for x in r.stdout.splitlines() if x.startswith("{")]
-            caps.append(
-                json.loads(line[-1]) if line else {"offload": mode == "offload", "trained": False, "error": r.stderr.strip()[-200:]}
-            )
-        data["cap"] = caps
-        md += "\n\n" + table(
-            [
-                {
-                    "offload": c["offload"],
-                    "trained": c["trained"],
-                    "tokens/s": c.get("tokens_per_s", ""),
-                    "peak GiB": c.get("peak_gib", ""),
-                    "error": c.get("error", ""),
-                }
-                for c in caps
-            ],
-            ["offload", "trained", "tokens/s", "peak GiB", "error"],
-        )
-        n = next((c["params"] for c in caps if "params" in c), 0)
-        md += (
-            f"\n\nUnder a {args.cap_gib:g} GiB cap (set_per_process_memory_fraction): a {n / 1e6:.0f}M-parameter model (24 layers, 1536 dims, "
-            "recompute block, 2 x 1024 tokens per step) whose fp32 weights + gradients + Adam moments need "
-            f"{16 * n / 2**30:.1f} GiB."
-        )
+        line = [x for x in r.stdout.splitlines() if x.startswith("{")]
+        caps.append(json.loads(line[-1]) if line else {"offload": mode == "offload", "trained": False, "error": r.stderr.strip()[-200:]})
+    md = "\n\n" + table(
+        [
+            {
+                "offload": c["offload"],
+                "trained": c["trained"],
+                "tokens/s": c.get("tokens_per_s", ""),
+                "peak GiB": c.get("peak_gib", ""),
+                "error": c.get("error", ""),
+            }
+            for c in caps
+        ],
+        ["offload", "trained", "tokens/s", "peak GiB", "error"],
+    )
+    n = next((c["params"] for c in caps if "params" in c), 0)
+    md += (
+        f"\n\nUnder a {cap_gib:g} GiB cap (set_per_process_memory_fraction): a {n / 1e6:.0f}M-parameter model (24 layers, 1536 dims, "
+        "recompute block, 2 x 1024 tokens per step) whose fp32 weights + gradients + Adam moments need "
+        f"{16 * n / 2**30:.1f} GiB."
+    )
+    return caps, md
+
+
+def report(data: dict, md: str, parts: list[str], cuda: bool) -> None:
+    """The plot, and benchmarks/results/train_memory.* (train_memory-PARTS.* for some parts only)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -356,6 +358,38 @@ def main() -> int:
     ax.invert_yaxis()
     ax.set_xlabel("activation peak (GiB)" if cuda else "step (s)")
     save("train_memory" if set(parts) == set(PARTS) else "-".join(["train_memory", *parts]), data, md, fig)
+
+
+def main() -> int:
+    if "--smoke" in sys.argv[1:]:
+        return smoke()
+    args, parts = parse_args()
+    import torch
+    from teragram.model.gpt import GPTConfig
+
+    p = GPTConfig.preset("tiny" if args.tiny else args.shape)
+    shape = dict(n_layer=p.n_layer, n_head=p.n_head, n_embd=p.n_embd)
+    B, T = (4, 64) if args.tiny else (args.batch_size, args.block_size)
+    if args.zero1_worker:
+        zero1_worker(args.zero1_worker, shape, B, T, args.steps)
+        return 0
+    if args.cap_worker:
+        cap_worker(args.cap_worker == "offload", args.cap_gib, 2, T, 3)
+        return 0
+    cuda = torch.cuda.is_available() and not args.tiny
+    data: dict = {"shape": args.shape if not args.tiny else "tiny", "batch_size": B, "block_size": T}
+    data["settings"], rows = measure_settings(parts, shape, B, T, "cuda" if cuda else "cpu", args.steps)
+    md = settings_md(rows, data["shape"], B, T)
+    repo = str(Path(__file__).resolve().parents[1])
+    if "zero1" in parts:
+        z, zero1_md = zero1_part(args, B, T, torch.cuda.device_count() if cuda else 0, repo)
+        if z is not None:
+            data["zero1_2ranks"] = z
+        md += zero1_md
+    if cuda and "cap" in parts:
+        data["cap"], cap_md = cap_part(args.cap_gib, repo)
+        md += cap_md
+    report(data, md, parts, cuda)
     return 0
 
 
