@@ -255,14 +255,17 @@ def _report_features(args, rows: list[dict], data: dict, warm: int) -> None:
     plt.close(fig)
 
 
-def main() -> int:
-    if "--smoke" in sys.argv[1:]:  # the features suite, tiny shape on CPU, on the smoke index (the index suite is 125M on GPUs)
-        with smoke_context(True) as tmp:
-            idx, feats = smoke_index(tmp), smoke_features(tmp)
-            sys.argv = [sys.argv[0], "--suite", "features", "--shapes", "tiny", "--settings", "bf16;recompute attn;modern block, Muon"]
-            sys.argv += ["--steps", "3", "--warmup-steps", "1", "--batch-size", "2", "--block-size", "32", "--work", str(tmp / "w")]
-            sys.argv += ["--index", str(idx), "--features", str(feats)]
-            return main()
+def smoke() -> int:
+    """The features suite, tiny shape on CPU, on the smoke index (the index suite is 125M on GPUs)."""
+    with smoke_context(True) as tmp:
+        idx, feats = smoke_index(tmp), smoke_features(tmp)
+        sys.argv = [sys.argv[0], "--suite", "features", "--shapes", "tiny", "--settings", "bf16;recompute attn;modern block, Muon"]
+        sys.argv += ["--steps", "3", "--warmup-steps", "1", "--batch-size", "2", "--block-size", "32", "--work", str(tmp / "w")]
+        sys.argv += ["--index", str(idx), "--features", str(feats)]
+        return main()
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--warmup-steps", type=int, default=20)
@@ -278,11 +281,11 @@ def main() -> int:
     ap.add_argument("--compile", action="store_true", help="features suite: torch.compile each run")
     ap.add_argument("--index", help="an existing index (with --features) instead of building one in --work")
     ap.add_argument("--features", help="its exclude-doc features")
-    args = ap.parse_args()
-    w = Path(args.work)
-    prepare(w, args.index, args.features)
-    if args.suite == "features":
-        return features_suite(args, w)
+    return ap.parse_args()
+
+
+def index_suite(args: argparse.Namespace, w: Path) -> int:
+    """The 125M model with and without index inputs on one GPU, and with them on two under DDP when there are two."""
     import torch
 
     repo = str(Path(__file__).resolve().parents[1])
@@ -356,6 +359,17 @@ def main() -> int:
     ax.set_xlabel("thousand tokens/s")
     save("train_speed", data, md, fig)
     return 0
+
+
+def main() -> int:
+    if "--smoke" in sys.argv[1:]:
+        return smoke()
+    args = parse_args()
+    w = Path(args.work)
+    prepare(w, args.index, args.features)
+    if args.suite == "features":
+        return features_suite(args, w)
+    return index_suite(args, w)
 
 
 if __name__ == "__main__":
