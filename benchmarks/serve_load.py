@@ -58,6 +58,7 @@ def ensure_demo(run: Path) -> None:
                 "model/configs/demo.toml",
                 f"--index={run / 'idx'}",
                 f"--features={run / 'feats'}",
+                "--use_index=true",
                 "--heldout=",
                 f"--out={run / 'index-model'}",
                 "--max_steps=100",
@@ -134,37 +135,43 @@ def lookup_share(index_dir: Path, steps: int = 256) -> dict:
     }
 
 
-def main() -> int:
-    if "--smoke" in sys.argv[1:]:  # the tiny index and model served, 4 clients for 2 s (no lookup share: no large index)
-        with smoke_context(True) as tmp:
-            run = tmp / "run"
-            run.mkdir()
-            for name, src in (("idx", smoke_index(tmp)), ("index-model", smoke_model(tmp))):
-                (run / name).symlink_to(src.resolve())
-            (run / "feats").mkdir()
-            (run / "feats" / "manifest.json").touch()  # ensure_demo: the served model reads no training features
-            sys.argv = [sys.argv[0], "--run", str(run), "--seconds", "2", "--clients", "4"]
-            return main()
+def smoke() -> int:
+    """The tiny index and model served, 4 clients for 2 s (no lookup share: no large index)."""
+    with smoke_context(True) as tmp:
+        run = tmp / "run"
+        run.mkdir()
+        for name, src in (("idx", smoke_index(tmp)), ("index-model", smoke_model(tmp))):
+            (run / name).symlink_to(src.resolve())
+        (run / "feats").mkdir()
+        (run / "feats" / "manifest.json").touch()  # ensure_demo: the served model reads no training features
+        sys.argv = [sys.argv[0], "--run", str(run), "--seconds", "2", "--clients", "4"]
+        return main()
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=int, default=60)
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--run", default=str(REPO / "runs" / "default"))
     ap.add_argument("--name", default="serve_load", help="the result files' name")
     ap.add_argument("--share-only", action="store_true", help="only the decode-step lookup share (updates serve_load.json)")
-    args = ap.parse_args()
-    run = Path(args.run)
-    if args.share_only:
-        from benchmarks.common import results_dir
+    return ap.parse_args()
 
-        data = json.loads((results_dir() / "serve_load.json").read_text())
-        data["decode_lookup_share"] = share = lookup_share(default_workdir() / "tg")
-        (results_dir() / "serve_load.json").write_text(json.dumps(data, indent=1))
-        print(json.dumps(share))
-        return 0
-    ensure_demo(run)
-    from teragram.index.engine import Index
 
-    idx = Index(run / "idx")
+def share_only() -> int:
+    """The decode-step lookup share alone, written into the saved serve_load.json."""
+    from benchmarks.common import results_dir
+
+    data = json.loads((results_dir() / "serve_load.json").read_text())
+    data["decode_lookup_share"] = share = lookup_share(default_workdir() / "tg")
+    (results_dir() / "serve_load.json").write_text(json.dumps(data, indent=1))
+    print(json.dumps(share))
+    return 0
+
+
+def request_mix(idx) -> tuple[list[dict], list[str]]:
+    """The clients' requests, drawn from the index's first shard (seed 0): 2,000 infini-gram-style
+    queries (every query type in turn, 1-7 tokens) and 200 texts of 12 tokens for completions and scoring."""
     rng = np.random.default_rng(0)
     tok = np.asarray(idx.shards[0].tok)
     queries = []
@@ -175,6 +182,12 @@ def main() -> int:
         qt = ["count", "prob", "ntd", "infgram_prob", "infgram_ntd", "search_docs"][i % 6]
         queries.append({"query_type": qt, "query_ids": ids + ([int(tok[p + m])] if qt.endswith("prob") and tok[p + m] != idx.sep else [])})
     texts = [idx.decode(tok[p : p + 12]) for p in rng.integers(0, len(tok) - 12, 200)]
+    return queries, texts
+
+
+def serve_and_load(run: Path, queries: list[dict], texts: list[str], seconds: int, clients: int) -> tuple[dict, float, dict]:
+    """`teragram serve` of RUN/idx and RUN/index-model on a free port, kept busy by the clients:
+    (latencies and success per endpoint, wall seconds, the server's /stats)."""
     port = _free_port()
     srv = subprocess.Popen(
         [
@@ -202,41 +215,46 @@ def main() -> int:
             time.sleep(0.1)
     try:
         t = time.time()
-        stats = asyncio.run(load(url, queries, texts, args.seconds, args.clients))
+        stats = asyncio.run(load(url, queries, texts, seconds, clients))
         wall = time.time() - t
         server_stats = httpx.get(url + "/stats").json()
     finally:
         srv.terminate()
         srv.wait(10)
-    rows, data = [], {"clients": args.clients, "seconds": wall, "endpoints": {}}
+    return stats, wall, server_stats
+
+
+def endpoint_rows(stats: dict, wall: float) -> tuple[list[dict], dict]:
+    """One table row per endpoint (requests, failures, requests/s, p50 and p99 latency), and the totals."""
+    rows = []
     total = failed = 0
     for k in sorted(stats):
         lat = np.array([x for x, _ in stats[k]])
         fails = sum(not ok for _, ok in stats[k])
         total += len(lat)
         failed += fails
-        row = {
-            "endpoint": k,
-            "requests": len(lat),
-            "failed": fails,
-            "req/s": len(lat) / wall,
-            "p50 ms": float(np.percentile(lat, 50)),
-            "p99 ms": float(np.percentile(lat, 99)),
-        }
-        rows.append(row)
-        data["endpoints"][k] = row
-    data["total"] = {"requests": total, "failed": failed, "req_per_s": total / wall}
-    data["server_stats"] = server_stats
-    share = None
-    big = default_workdir() / "tg"
-    if (big / "manifest.json").exists():
-        share = lookup_share(big)
-        data["decode_lookup_share"] = share
+        rows.append(
+            {
+                "endpoint": k,
+                "requests": len(lat),
+                "failed": fails,
+                "req/s": len(lat) / wall,
+                "p50 ms": float(np.percentile(lat, 50)),
+                "p99 ms": float(np.percentile(lat, 99)),
+            }
+        )
+    return rows, {"requests": total, "failed": failed, "req_per_s": total / wall}
+
+
+def report(args: argparse.Namespace, idx, rows: list[dict], data: dict) -> None:
+    """The table and the plot: benchmarks/results/NAME.*"""
+    run, wall, total, share = Path(args.run), data["seconds"], data["total"], data.get("decode_lookup_share")
     md = table(rows, ["endpoint", "requests", "failed", "req/s", "p50 ms", "p99 ms"])
     n_tok = idx.manifest["counts"]["tokens"]
     md += (
         f"\n\n{args.clients} concurrent clients for {wall:.0f} s on loopback against {run / 'idx'} ({n_tok / 1e6:,.0f}M tokens, "
-        f"{len(idx.shards)} shards) and the tiny model {run / 'index-model'} on CPU: {total:,} requests, {failed} failed, {total / wall:,.1f} requests/s."
+        f"{len(idx.shards)} shards) and the tiny model {run / 'index-model'} on CPU: {total['requests']:,} requests, {total['failed']} failed, "
+        f"{total['req_per_s']:,.1f} requests/s."
     )
     if share:
         md += (
@@ -257,6 +275,28 @@ def main() -> int:
     ax.set_xlabel("latency (ms)")
     ax.legend()
     save(args.name, data, md, fig)
+
+
+def main() -> int:
+    if "--smoke" in sys.argv[1:]:
+        return smoke()
+    args = parse_args()
+    if args.share_only:
+        return share_only()
+    run = Path(args.run)
+    ensure_demo(run)
+    from teragram.index.engine import Index
+
+    idx = Index(run / "idx")
+    queries, texts = request_mix(idx)
+    stats, wall, server_stats = serve_and_load(run, queries, texts, args.seconds, args.clients)
+    rows, total = endpoint_rows(stats, wall)
+    data = {"clients": args.clients, "seconds": wall, "endpoints": {r["endpoint"]: r for r in rows}}
+    data |= {"total": total, "server_stats": server_stats}
+    big = default_workdir() / "tg"
+    if (big / "manifest.json").exists():
+        data["decode_lookup_share"] = lookup_share(big)
+    report(args, idx, rows, data)
     print(json.dumps(data["total"]))
     return 0
 
