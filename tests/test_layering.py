@@ -85,3 +85,85 @@ def test_the_library_never_names_benchmarks_experiments_or_tools():
                 if re.search(r"\b(benchmarks|experiments|tools)[/.][a-z_]", line):
                     bad.append(f"{path.relative_to(REPO)}:{n}: {line.strip()}")
     assert bad == []
+
+
+def module_graph(root: Path = REPO) -> dict[str, set[str]]:
+    """teragram module -> the teragram modules it imports, at any depth (imports under `if
+    TYPE_CHECKING:` left out: they never run)."""
+    mods = {}
+    for pkg in PACKAGES:
+        for p in (root / pkg).rglob("*.py"):
+            parts = list(p.relative_to(root).with_suffix("").parts)
+            mods[".".join(["teragram", *(parts[:-1] if parts[-1] == "__init__" else parts)])] = p
+
+    def known(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for m, p in mods.items():
+        tree = ast.parse(p.read_text(), str(p))
+        typing_only = {
+            id(n)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for n in ast.walk(node)
+        }
+        here = m if p.name == "__init__.py" else m.rpartition(".")[0]
+        deps = set()
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = here
+                for _ in range(max(node.level - 1, 0)):
+                    base = base.rpartition(".")[0]
+                mod = (f"{base}.{node.module}" if node.module else base) if node.level else node.module or ""
+                names = [mod, *(f"{mod}.{a.name}" for a in node.names)]
+            else:
+                continue
+            deps |= {d for n in names if (d := known(n)) and d != m and not m.startswith(d + ".")}
+        graph[m] = deps
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    order, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        order[v] = low[v] = len(order)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in order:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], order[w])
+        if low[v] == order[v]:
+            comp = []
+            while not comp or comp[-1] != v:
+                comp.append(stack.pop())
+                on.discard(comp[-1])
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in order:
+            visit(v)
+    return out
+
+
+def test_no_import_circle_in_the_package():
+    """No two modules of the installed package import each other, directly or through others,
+    even inside functions (issue 47: train, knn, evals, evaluate and outputs once did)."""
+    graph = module_graph()
+    assert len(graph) > 50 and circles(graph) == []
+
+
+def test_the_circle_check_sees_a_circle():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
