@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import QueryError, TeragramError
@@ -164,26 +165,35 @@ def _answer_lines(idx, lines: list[tuple[int, str]]) -> list[dict]:
     return out
 
 
-def _open(args):
-    """The index to query: local, or held by a Ray cluster's actors (--cluster)."""
-    if args.cluster:
-        from .cluster import ClusterIndex
+@contextmanager
+def opened_index(args):
+    """The index of a verb's --index (query's IDX): local, or held by a Ray cluster's actors
+    (--cluster, --replicas: add_cluster_args), whose holders end with the block."""
+    if not getattr(args, "cluster", None):
+        from .engine import Index
 
-        return ClusterIndex.open(args.index, address=args.cluster, replicas=args.replicas)
-    from .engine import Index
+        yield Index(args.index)
+        return
+    from .cluster import ClusterIndex
 
-    return Index(args.index)
+    with ClusterIndex.open(args.index, address=args.cluster, replicas=args.replicas) as idx:
+        yield idx
+
+
+def add_cluster_args(p: argparse.ArgumentParser) -> None:
+    """--cluster and --replicas: the index's shards held by a Ray cluster's actors (opened_index)."""
+    p.add_argument(
+        "--cluster",
+        metavar="ADDRESS",
+        help="the index's shards held by actors on this Ray cluster (host:port, ray://..., auto), each holder opening"
+        " the same index path on its node",
+    )
+    p.add_argument("--replicas", type=int, default=1, help="with --cluster: holders of each group of shards, each on another node")
 
 
 def cmd_query(args) -> int:
-    from .cluster import ClusterIndex
-
-    idx = _open(args)
-    try:
+    with opened_index(args) as idx:
         return _query(idx, args)
-    finally:
-        if isinstance(idx, ClusterIndex):
-            idx.close()
 
 
 def _query(idx, args) -> int:
@@ -261,6 +271,5 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--cont", type=int, help="continuation token id for prob / infgram-prob")
     q.add_argument("--json", action="store_true", help="infini-gram's field names, as JSON")
     q.add_argument("--batch", help="JSONL file of queries {op, ids, cont}; one JSON answer per line")
-    q.add_argument("--cluster", metavar="ADDRESS", help="the shards held by actors on this Ray cluster (host:port, ray://..., auto)")
-    q.add_argument("--replicas", type=int, default=1, help="with --cluster: holders of each group of shards, each on another node")
+    add_cluster_args(q)
     q.set_defaults(run=cmd_query)

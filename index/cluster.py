@@ -33,6 +33,7 @@ The client opens the index directory itself for its manifest, tokenizer and docu
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ from . import cluster_bulk
 from .cluster_holder import ShardHolder, pack
 from .engine import OPS, Index
 from .errors import ClusterError, QueryError, TeragramError
+from .features import Features
 from .results import CountResult, DocsResult, InfgramNtdResult, InfgramProbResult, LongestMatch, NtdResult, ProbResult
 
 
@@ -398,6 +400,12 @@ class ClusterIndex:
         """index/bulk.py's continuations (per-position features of many documents, for each cap),
         computed by the holders beside their shards (index/cluster_bulk.py)."""
         return cluster_bulk.continuations(self, ids, starts, caps, top_k=top_k)
+
+    def score(self, ids, *, top_k: int = 4, max_len: int = 64, targets: bool = False) -> Features:
+        """As Index.score: the features of every position of one document (the holders' bulk pass)."""
+        q = self.head.check_ids(ids, allow_empty=True)
+        f = self.continuations(q, np.array([0, len(q)]), [max_len], top_k=top_k)[max_len]
+        return f if targets else dataclasses.replace(f, target_cnt=None)
 
     def count_intervals(self, q) -> tuple[int, list[tuple[int, int]]]:
         """As Index.count_intervals: the count and every shard's suffix-array interval, in shard order."""

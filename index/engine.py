@@ -68,7 +68,7 @@ from .shard import Shard, advise
 # The answer types and their JSON (results.py), the shard (shard.py) and the incremental scorer
 # (scorer.py) are importable from here, as they were before they had modules of their own.
 __all__ = ["DOCS_SCAN", "OPS", "CountResult", "DocHit", "DocsResult", "Index", "InfgramNtdResult", "InfgramProbResult", "LongestMatch"]
-__all__ += ["NtdResult", "Occurrence", "ProbResult", "Provenance", "Scorer", "Shard", "advise", "with_tokens"]
+__all__ += ["NtdResult", "Occurrence", "ProbResult", "Provenance", "Scorer", "Shard", "advise", "as_index", "with_tokens"]
 
 T = TypeVar("T")
 
@@ -458,6 +458,12 @@ class Index:
         """An incremental scorer: append tokens one at a time (generation), get each new
         position's features; they equal score() of the whole sequence, position by position."""
         return Scorer(self, top_k, max_len)
+
+
+def as_index(index) -> Index:
+    """An opened index as it is (an Index, or a ClusterIndex: index/cluster.py), or the index
+    directory at this path opened: what the library's passes over an index take."""
+    return Index(index) if isinstance(index, (str, Path)) else index
 
 
 def _joined(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:

@@ -20,7 +20,7 @@ from . import features as ff
 from . import format as fmt
 from . import readers
 from .bulk import continuations
-from .engine import Index
+from .engine import Index, as_index
 from .errors import BuildError
 
 
@@ -76,9 +76,10 @@ def write_held_out(idx: Index, out: Path, cfg: ff.FeatureConfig, docs: list[np.n
     return {"docs": len(docs), "positions": int(len(stream)), "features_s": dt}
 
 
-def compute_held_out(index_dir: str | Path, out: str | Path, cfg: ff.FeatureConfig, corpus: list[str], *, workers: int = 1) -> dict:
-    """Held-out features of the corpus's text into `out` (a features directory); returns a report."""
-    idx = Index(index_dir)
+def compute_held_out(index, out: str | Path, cfg: ff.FeatureConfig, corpus: list[str], *, workers: int = 1) -> dict:
+    """Held-out features of the corpus's text into `out` (a features directory); returns a report.
+    index: its directory, or an opened Index or ClusterIndex (index/cluster.py)."""
+    idx = as_index(index)
     out = Path(out)
     if cfg.mode != "held-out":
         cfg = ff.FeatureConfig("held-out", cfg.max_len, cfg.top_k)
@@ -106,10 +107,10 @@ def ngram_share(lengths: np.ndarray, n: int = DECONTAMINATION_N) -> float:
     return float((ll >= n).mean()) if len(ll) else 0.0
 
 
-def contamination(heldout: str | Path, index_dir: str | Path | None = None, n: int = DECONTAMINATION_N) -> np.ndarray:
+def contamination(heldout: str | Path, index=None, n: int = DECONTAMINATION_N) -> np.ndarray:
     """Per document of a held-out features directory, the share of its n-grams in the index:
     read off the stored match lengths when they were capped at >= n, else scored against the
-    index (index_dir)."""
+    index (its directory, or an opened Index or ClusterIndex)."""
     heldout = Path(heldout)
     m = fmt.read_json(heldout / "manifest.json")
     d = heldout / "000000"
@@ -117,9 +118,9 @@ def contamination(heldout: str | Path, index_dir: str | Path | None = None, n: i
     if m.get("max_len", 0) >= n:  # saved model outputs (model/evaluation/outputs.py) store no match lengths
         L = np.asarray(fmt.open_array(d / "length.bin", "feat.length"))
         return np.array([ngram_share(L[starts[k] : starts[k + 1] - 1], n) for k in range(len(starts) - 1)])
-    if index_dir is None:
+    if index is None:
         raise BuildError(f"{heldout}: match lengths capped at {m['max_len']} < {n}; give the index to score against")
-    idx = Index(index_dir)
+    idx = as_index(index)
     tok = np.asarray(fmt.open_array(d / "tokens.bin", "tokens")).astype(np.int64)
     return np.array(
         [ngram_share(idx.score(tok[starts[k] : starts[k + 1] - 1], top_k=0, max_len=n).length, n) for k in range(len(starts) - 1)]

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from teragram.index.cli import print_json
+from teragram.index.cli import add_cluster_args, opened_index, print_json
 
 
 def cmd_train(args) -> int:
@@ -42,7 +42,8 @@ def cmd_eval(args) -> int:
         dense=args.dense,
         workers=args.workers,
     )
-    r, fitted, model_id = _eval_outputs(args, opts) if args.outputs else _eval_checkpoint(args, opts)
+    with opened_index(args) as idx:  # a cluster's holders compute the estimates (index/cluster_bulk.py)
+        r, fitted, model_id = _eval_outputs(args, opts, idx) if args.outputs else _eval_checkpoint(args, opts, idx)
     if args.fit_gate:
         from teragram.model.mixture.gate import index_digest
 
@@ -72,48 +73,45 @@ def _check_eval_args(args) -> None:
         raise TeragramError("--no-cont-cache goes with --fit-gate (a fitted gate says itself whether it reads the continuous cache)")
     if args.cont_cache_from and not args.save_outputs:
         raise TeragramError("--cont-cache-from goes with --save-outputs")
-
-
-def _eval_outputs(args, opts):
-    """(report, fitted, the model's digest) of saved outputs mixed with the index."""
-    from teragram.index.errors import TeragramError
-
-    if args.checkpoint or args.corpus or args.save_outputs:
+    if args.outputs and (args.checkpoint or args.corpus or args.save_outputs):
         raise TeragramError("--outputs replaces --checkpoint and --corpus (the model already ran)")
+    if not args.outputs and not (args.checkpoint and args.corpus):
+        raise TeragramError("give --checkpoint and --corpus (or --outputs from an earlier --save-outputs)")
+
+
+def _eval_outputs(args, opts, idx):
+    """(report, fitted, the model's digest) of saved outputs mixed with the index idx."""
     from teragram.model.evaluation.outputs import load_outputs, outputs_report
 
     outputs = load_outputs(args.outputs)
     model_id = outputs.manifest.get("model")  # outputs saved before it was recorded: not checked
     if opts.gate is not None:
         opts.gate.check(model=model_id, index_dir=args.index, name=args.gate)
-    r, fitted = outputs_report(outputs, args.index, opts)
+    r, fitted = outputs_report(outputs, idx, opts)
     return r, fitted, model_id
 
 
-def _eval_checkpoint(args, opts):
-    """(report, fitted, the model's digest) of a checkpoint run over held-out text."""
+def _eval_checkpoint(args, opts, idx):
+    """(report, fitted, the model's digest) of a checkpoint run over held-out text, against the
+    index idx (an Index, or a ClusterIndex)."""
     import tempfile
 
-    from teragram.index.engine import Index
-    from teragram.index.errors import TeragramError, TokenizerMismatch
+    from teragram.index.errors import TokenizerMismatch
     from teragram.index.features import FeatureConfig
     from teragram.index.heldout import compute_held_out
     from teragram.model.checkpoint import load_model, weights_digest
     from teragram.model.evaluation.perplexity import heldout_report
 
-    if not (args.checkpoint and args.corpus):
-        raise TeragramError("give --checkpoint and --corpus (or --outputs from an earlier --save-outputs)")
     model, meta = load_model(args.checkpoint, args.device)
     model_id = weights_digest(model)
     if opts.gate is not None:
         opts.gate.check(model=model_id, index_dir=args.index, name=args.gate)
-    idx = Index(args.index)
     if model.cfg.vocab_size != idx.vocab_size:
         raise TokenizerMismatch(f"checkpoint vocabulary {model.cfg.vocab_size} != index vocabulary {idx.vocab_size}")
     with tempfile.TemporaryDirectory() as tmp:
         feats = args.features_out or tmp
         cfg = FeatureConfig("held-out", model.cfg.max_match, max(model.cfg.top_k, 1))
-        compute_held_out(args.index, feats, cfg, args.corpus)
+        compute_held_out(idx, feats, cfg, args.corpus)
         if args.save_outputs:  # the model runs once: its outputs are saved, then mixed as asked
             from teragram.model.evaluation.outputs import save_model_outputs
             from teragram.model.evaluation.perplexity import mix_report
@@ -130,9 +128,9 @@ def _eval_checkpoint(args, opts):
                 hidden=hidden,
                 cont_cache=cont_cache_spec(args.cont_cache_from) if args.cont_cache_from else None,
             )
-            r, fitted = mix_report(res, per_doc, args.index, feats, opts)
+            r, fitted = mix_report(res, per_doc, idx, feats, opts)
         else:
-            r, fitted = heldout_report(model, args.index, feats, args.device, opts)
+            r, fitted = heldout_report(model, idx, feats, args.device, opts)
     return r, fitted, model_id
 
 
@@ -351,6 +349,7 @@ def _register_eval(sub) -> None:
     ev.add_argument("--dense", help="the kNN baseline's dense store (default IDX/dense, from teragram dense)")
     ev.add_argument("--decontaminate", action="store_true", help="drop documents with >= 80%% of their 13-grams in the index")
     ev.add_argument("--workers", type=int, default=1, help="processes for the index estimates")
+    add_cluster_args(ev)
     ev.add_argument("--json", action="store_true")
     ev.add_argument("--quiet", action="store_true")
     ev.set_defaults(run=cmd_eval)

@@ -116,16 +116,18 @@ def save_model_outputs(
     return r, per_doc
 
 
-def outputs_report(outputs: ModelOutputs, index_dir, opts):
+def outputs_report(outputs: ModelOutputs, index, opts):
     """`teragram eval --outputs`: model.evaluate.mix_report of saved outputs and an index of
-    the same tokenizer."""
+    the same tokenizer (its directory, or an opened Index or ClusterIndex)."""
+    from teragram.index.engine import as_index
     from teragram.model.evaluation.perplexity import mix_report
 
-    check_tokenizer(outputs, index_dir)
+    idx = as_index(index)
+    check_tokenizer(outputs, idx.path)
     r = {"nll": outputs.nll, "maxp": outputs.maxp, "top": outputs.top.astype(np.int64), "target": outputs.target, "doc": outputs.doc}
     if outputs.cont_cache is not None and opts.cont_cache:
         r["cont_cache"] = outputs.cont_cache
-    return mix_report(r, outputs.doc_bytes, index_dir, outputs.path, opts)
+    return mix_report(r, outputs.doc_bytes, idx, outputs.path, opts)
 
 
 def load_outputs(path: str | Path) -> ModelOutputs:

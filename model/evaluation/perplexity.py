@@ -121,20 +121,20 @@ def evaluate(model: GPT, heldout: str | Path, eos: int, sep: int, device: str = 
 
 
 def gated_eval(
-    model, index_dir, heldout, device: str = "cpu", *, gate: Gate | None = None, cont_cache: bool = True, workers: int = 1, batch: int = 16
+    model, index, heldout, device: str = "cpu", *, gate: Gate | None = None, cont_cache: bool = True, workers: int = 1, batch: int = 16
 ):
     """(gate, per-token nll of the model, per-token nll of the gated mixture) on the held-out
-    features' text. With gate=None a gate is fit on this text (the better of (t) and, with
-    cont_cache, (t+cc): `gated`), which should then be validation text, never the text it will be
-    reported on."""
-    from teragram.index.engine import Index
+    features' text (index: its directory, or an opened Index or ClusterIndex). With gate=None a
+    gate is fit on this text (the better of (t) and, with cont_cache, (t+cc): `gated`), which
+    should then be validation text, never the text it will be reported on."""
+    from teragram.index.engine import as_index
 
-    idx = Index(index_dir)
+    idx = as_index(index)
     opts = EvalOptions(gate=gate, fit_gate=gate is None, cont_cache=cont_cache, workers=workers)
     r = token_eval(model, heldout, idx.eos_id, idx.sep, device, batch=batch, hidden=needs_states(opts) and cc.KEY)
     if needs_states(opts):
         r["cont_cache"] = cont_cache_of(r, gate.cont_cache if gate is not None else None, device)
-    est = heldout_estimates(index_dir, heldout, workers)
+    est = heldout_estimates(idx, heldout, workers)
     mixed, fitted, _ = gated(r, est, np.ones(len(r["nll"]), bool), opts)
     return fitted if fitted is not None else gate, r["nll"], mixed
 
@@ -153,16 +153,17 @@ class EvalOptions:
     workers: int = 1  # processes for the index estimates
 
 
-def heldout_report(model: GPT, index_dir, heldout, device: str = "cpu", opts: EvalOptions = EvalOptions(), *, batch: int = 16):
+def heldout_report(model: GPT, index, heldout, device: str = "cpu", opts: EvalOptions = EvalOptions(), *, batch: int = 16):
     """(report, fitted) of held-out features' text: perplexity and bits per byte of the model,
     or of its mixture with the index gate or a peer's interpolation (with the model alone under
     "model"); fitted is what was fit here (a Gate, or the baseline's parameters), else None.
     With decontaminate, documents with >= 80% of their 13-grams in the index are left out of
-    everything, fitting included, and the report says how many."""
-    from teragram.index.engine import Index
+    everything, fitting included, and the report says how many. index: its directory, or an
+    opened Index or ClusterIndex (index/cluster.py: the estimates computed by its holders)."""
+    from teragram.index.engine import as_index
     from teragram.index.tokenizer import load
 
-    idx = Index(index_dir)
+    idx = as_index(index)
     r = token_eval(
         model,
         heldout,
@@ -177,7 +178,7 @@ def heldout_report(model: GPT, index_dir, heldout, device: str = "cpu", opts: Ev
     if needs_states(opts):
         spec = opts.gate.cont_cache if opts.gate is not None else None
         r["cont_cache"] = cont_cache_of(r, spec, device)
-    return mix_report(r, per_doc, index_dir, heldout, opts)
+    return mix_report(r, per_doc, idx, heldout, opts)
 
 
 def needs_states(opts: EvalOptions) -> bool:
@@ -197,12 +198,16 @@ def cont_cache_of(r: dict, spec: cc.ContCache | None, device: str = "cpu") -> tu
     return spec, q.astype(np.float32).astype(np.float64)  # as saved outputs keep it: both paths give the same figures
 
 
-def mix_report(r: dict, per_doc: np.ndarray, index_dir, heldout, opts: EvalOptions = EvalOptions()):
+def mix_report(r: dict, per_doc: np.ndarray, index, heldout, opts: EvalOptions = EvalOptions()):
     """heldout_report's mixing half, from a model's per-token outputs r (token_eval's fields:
     nll, maxp, top, target, doc, and hidden for the kNN baseline) on the documents of `heldout`
-    (held-out features, or saved outputs: model/evaluation/outputs.py), per_doc their UTF-8 bytes."""
+    (held-out features, or saved outputs: model/evaluation/outputs.py), per_doc their UTF-8 bytes;
+    index: its directory, or an opened Index or ClusterIndex."""
+    from teragram.index.engine import as_index
     from teragram.index.heldout import DECONTAMINATION_SHARE, contamination
     from teragram.model.mixture import baselines
+
+    idx = as_index(index)
 
     if opts.baseline is not None and opts.baseline not in baselines.BASELINES:
         raise TeragramError(f"unknown baseline {opts.baseline!r}; expected {' or '.join(baselines.BASELINES)}")
@@ -213,25 +218,25 @@ def mix_report(r: dict, per_doc: np.ndarray, index_dir, heldout, opts: EvalOptio
     keep_docs = np.ones(len(per_doc), bool)
     extra = {}
     if opts.decontaminate:
-        keep_docs = contamination(heldout, index_dir) < DECONTAMINATION_SHARE
+        keep_docs = contamination(heldout, idx) < DECONTAMINATION_SHARE
         extra["decontaminated"] = {"dropped_docs": int((~keep_docs).sum()), "docs": len(keep_docs)}
     keep = keep_docs[r["doc"].astype(int)]
     nbytes = int(per_doc[keep_docs].sum())
     alone = summarize(r["nll"][keep], nbytes)
     fitted = None
     if opts.gate is not None or opts.fit_gate:
-        est = heldout_estimates(index_dir, heldout, opts.workers)
+        est = heldout_estimates(idx, heldout, opts.workers)
         mixed, fitted, info = gated(r, est, keep, opts)
         extra |= info
     elif opts.baseline == "infini-gram":
-        est = heldout_estimates(index_dir, heldout, opts.workers)
+        est = heldout_estimates(idx, heldout, opts.workers)
         p_inf, groups = est["p_index_infgram"], est["sparse"].astype(int)
         params = opts.params if opts.params is not None else baselines.fit_lambdas(r["nll"][keep], p_inf[keep], groups[keep])
         fitted = None if opts.params is not None else params
         mixed = baselines.apply_lambdas(r["nll"], p_inf, params, groups)
         extra["lambdas"] = {"non_sparse": params.get(0, 0.0), "sparse": params.get(1, 0.0)}
     elif opts.baseline == "infini-gram+cache":
-        est = heldout_estimates(index_dir, heldout, opts.workers)
+        est = heldout_estimates(idx, heldout, opts.workers)
         p_inf, p_cache, groups = baselines.infgram_cache_inputs(est)
         params = (
             opts.params
@@ -245,7 +250,7 @@ def mix_report(r: dict, per_doc: np.ndarray, index_dir, heldout, opts: EvalOptio
     elif opts.baseline == "knn":
         from teragram.index.dense import DenseStore
 
-        dist, vals = DenseStore(opts.dense or Path(index_dir) / "dense").search(r["hidden"], baselines.KNN_NEIGHBOURS)
+        dist, vals = DenseStore(opts.dense or Path(idx.path) / "dense").search(r["hidden"], baselines.KNN_NEIGHBOURS)
         y = r["target"].astype(np.int64)
         params = opts.params if opts.params is not None else baselines.fit_knn(r["nll"][keep], dist[keep], vals[keep], y[keep])
         fitted = None if opts.params is not None else params

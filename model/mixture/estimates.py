@@ -191,12 +191,13 @@ def heldout_docs(heldout) -> list[np.ndarray]:
     return [tok[st[k] : st[k + 1] - 1] for k in range(len(st) - 1)]
 
 
-def heldout_estimates(index_dir, heldout, workers: int = 1) -> dict[str, np.ndarray]:
+def heldout_estimates(index, heldout, workers: int = 1) -> dict[str, np.ndarray]:
     """estimates (index and document cache) of every document of a held-out feature directory,
-    concatenated in model.evaluate.token_eval's order; the index's on `workers` threads."""
-    from teragram.index.engine import Index
+    concatenated in model.evaluate.token_eval's order; the index's on `workers` threads (index:
+    its directory, or an opened Index or ClusterIndex, whose holders compute them)."""
+    from teragram.index.engine import as_index
 
-    idx = Index(index_dir)
+    idx = as_index(index)
     docs = heldout_docs(heldout)
     est = index_estimates_docs(idx, docs, threads=workers)
     parts = [cache_estimates(ids, idx.eos_id) for ids in docs]

@@ -287,3 +287,67 @@ def test_serve_through_the_cluster(cluster, random_index):
     assert {k: v for k, v in answers[0].items() if k != "latency"} == {k: v for k, v in answers[1].items() if k != "latency"}
     with pytest.raises(TeragramError, match="--cluster serves index queries only"):
         create_app(ServeConfig(index=str(idx.path), cluster=cluster.address, checkpoint="run"))
+
+
+# ---- the model's verbs with the index held by the cluster -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_run(tmp_path_factory, random_index):
+    """A tiny model with index inputs and a mixture head (random weights: exactness is what is
+    checked, not quality) saved as a run, and held-out text: near-copies of indexed documents."""
+    import torch
+    from teragram.model.checkpoint import save_checkpoint
+    from teragram.model.gpt import GPT, GPTConfig
+    from teragram.model.training.config import TrainConfig
+
+    idx, orc = random_index
+    root = tmp_path_factory.mktemp("cluster-model")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny", vocab_size=idx.vocab_size, block_size=64, max_match=24))
+    save_checkpoint(root / "run", model, {}, 0, TrainConfig(index=str(idx.path), out=str(root / "run")))
+    (root / "held").mkdir()
+    for i in range(0, 60, 6):
+        words = idx.decode(np.concatenate([orc.docs[i], orc.docs[i + 1]])).split(" ")
+        (root / "held" / f"{i}.txt").write_text(" ".join(w.upper() if j % 7 == 3 else w for j, w in enumerate(words)))
+    return root / "run", root / "held"
+
+
+@pytest.fixture
+def quick_gate_fit(monkeypatch):
+    """Gates fit in 20 L-BFGS steps: the tests compare fits, not their quality."""
+    from teragram.model.mixture import gate as gate_mod
+
+    fit = gate_mod.fit_weights
+    monkeypatch.setattr(gate_mod, "fit_weights", lambda X, logp, *, steps, l2: fit(X, logp, steps=20, l2=l2))
+
+
+def test_eval_through_the_cluster(cluster, held, model_run, quick_gate_fit, tmp_path, capsys):
+    """`teragram eval --cluster`: the held-out features and estimates computed by the holders;
+    --fit-gate prints the local index's line and saves the same gate (its fit_for the same index
+    digest); the report with that gate and --decontaminate is the local one."""
+    from teragram.index.features import FeatureConfig
+    from teragram.index.heldout import compute_held_out
+    from teragram.model.checkpoint import load_model
+    from teragram.model.evaluation.perplexity import EvalOptions, heldout_report
+    from teragram.model.mixture.gate import Gate
+    from teragram.serve.main import main
+
+    c, idx, _ = held
+    run, text = model_run
+    gate = tmp_path / "gate.json"
+    base = ["eval", "--checkpoint", str(run), "--index", str(idx.path), "--corpus", str(text), "--quiet", "--fit-gate", str(gate)]
+    out, saved = [], []
+    for extra in ([], ["--cluster", cluster.address]):
+        assert main([*base, "--no-cont-cache", *extra]) == 0
+        out.append(capsys.readouterr().out.splitlines())
+        saved.append(gate.read_bytes())
+    assert out[1] == out[0] and len(out[0]) == 1 and "with the index gate" in out[0][0], out
+    assert saved[1] == saved[0]
+    model, _ = load_model(run)
+    opts = EvalOptions(gate=Gate.load(gate), decontaminate=True)
+    reports = []
+    for i, index in enumerate((idx, c)):  # the same features written through either; then the report
+        compute_held_out(index, tmp_path / f"feats{i}", FeatureConfig("held-out", 12, 4), [str(text)])
+        reports.append(heldout_report(model, index, tmp_path / f"feats{i}", opts=opts)[0])
+    assert reports[1] == reports[0] and reports[0]["decontaminated"]["docs"] == 10
