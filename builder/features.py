@@ -175,8 +175,9 @@ def merged_exclude_doc_features(
     return out
 
 
-def _unigram_features(idx: Index, shard: int, cfg: FeatureConfig, f: Features) -> None:
-    """Fill the L = 0 positions: the empty suffix's allowed occurrences are allowed positions."""
+def _unigram_features(idx: Index, shard: int, cfg: FeatureConfig, f: Features, whole: tuple[np.ndarray, int]) -> None:
+    """Fill the L = 0 positions: the empty suffix's allowed occurrences are allowed positions.
+    whole: the whole index's unigram counts and positions (exclude-doc)."""
     s = idx.shards[shard]
     T = np.asarray(s.tok).astype(np.int64)
     starts = np.asarray(s.starts).astype(np.int64)
@@ -187,7 +188,7 @@ def _unigram_features(idx: Index, shard: int, cfg: FeatureConfig, f: Features) -
         return
     V = max(idx.vocab_size, idx.eos_id + 1)
     if cfg.mode == "exclude-doc":
-        total = idx.unigram.copy()
+        total = whole[0].copy()
         docs = np.searchsorted(starts, zero, side="right") - 1
         for d in np.unique(docs):
             ds, de = starts[d], starts[d + 1]
@@ -196,7 +197,7 @@ def _unigram_features(idx: Index, shard: int, cfg: FeatureConfig, f: Features) -
             nz = np.nonzero(rest)[0]
             ids, cs = _topk(nz, rest[nz], k)
             sel = zero[docs == d]
-            f.count[sel] = idx.n_positions - (de - ds)
+            f.count[sel] = whole[1] - (de - ds)
             f.topk_ids[sel] = ids
             f.topk_cnt[sel] = np.minimum(cs, np.iinfo(np.int32).max)
     else:  # causal: positions <= t of this shard, and all of the earlier shards
@@ -226,41 +227,63 @@ def shard_features(idx: Index, shard: int, cfg: FeatureConfig, *, pairwise: bool
     others = [j for j in range(len(idx.shards)) if (j < shard if cfg.mode == "causal" else j != shard)]
     if others:
         t1 = time.time()
-        _merge_others(idx, shard, cfg, f, aux, others, with_topk)
+        matches = {j: cross_shard.other_shard_matches(idx, shard, j, cfg.max_len) for j in others}
+        merge_matches(idx, shard, f, aux, matches, with_topk)
         stats["others_s"] = time.time() - t1
-    if with_topk:
-        _unigram_features(idx, shard, cfg, f)
+    finish_shard_features(idx, shard, cfg, f)
+    stats["total_s"] = time.time() - t0
+    return f, stats
+
+
+def finish_shard_features(idx: Index, shard: int, cfg: FeatureConfig, f: Features, whole: tuple[np.ndarray, int] | None = None) -> None:
+    """The merged features' last steps: the unmatched positions read the allowed unigram counts
+    (with top-k), the separators' rows are empty. whole: the whole index's unigram counts and
+    positions (default idx's; a cluster's holder has only its group's)."""
+    if cfg.top_k > 0:
+        _unigram_features(idx, shard, cfg, f, whole or (idx.unigram, idx.n_positions))
     sep_pos = np.asarray(idx.shards[shard].tok) == idx.sep
     f.length[sep_pos] = 0
     f.cont[sep_pos] = -1
     f.count[sep_pos] = 0
     f.topk_ids[sep_pos] = -1
     f.topk_cnt[sep_pos] = 0
-    stats["total_s"] = time.time() - t0
-    return f, stats
 
 
-def _merge_others(idx: Index, shard: int, cfg: FeatureConfig, f: Features, aux: dict, others: list[int], with_topk: bool) -> None:
+Remote = tuple[np.ndarray, dict[int, list[tuple]]]
+
+
+def merge_matches(
+    idx: Index, shard: int, f: Features, aux: dict, matches: dict, with_topk: bool, *, remote: Remote | None = None, places=None
+) -> None:
+    """Merge into f (a shard's own features, own_shard_features) the matches of its positions in
+    the other allowed shards: matches {j: (L, lo, hi)} in idx's shard j (cross_shard); remote,
+    those of shards held elsewhere (a cluster's other groups, builder/cluster_features.py): per
+    position their longest match, and where it is the longest of all, its parts (count, latest
+    shard's place, the continuation there, next tokens, their counts). The longest L wins; on a
+    tie the counts and histograms add up and cont comes from the most recent source (the latest
+    shard, then the largest position). places: the place in the whole index of each of idx's
+    shards (default: idx is the whole index)."""
     k = f.topk_ids.shape[1]
-    matches = {j: cross_shard.other_shard_matches(idx, shard, j, cfg.max_len) for j in others}
+    place = list(places) if places is not None else list(range(len(idx.shards)))
     own_L = f.length.astype(np.int64)
+    lengths = [L for L, _, _ in matches.values()] + ([remote[0]] if remote else [])
     best = own_L.copy()
-    for L, _, _ in matches.values():
+    for L in lengths:
         best = np.maximum(best, L)
     touched = np.zeros(len(best), bool)
-    for L, _, _ in matches.values():
+    for L in lengths:
         touched |= (L == best) & (best > 0)
     buf_t = np.empty(HEAVY * 64, np.int64)
     buf_c = np.empty(HEAVY * 64, np.int64)
     for t in np.nonzero(touched)[0]:
         Lt = int(best[t])
         count = 0
-        recent = (-1, -1, -1)  # (shard, position, cont)
+        recent = (-1, -1, -1)  # (shard's place, position, cont)
         hists = []
         if own_L[t] == Lt:
             count += int(f.count[t])
             if f.cont[t] >= 0:
-                recent = (shard, int(aux["pos"][t]), int(f.cont[t]))
+                recent = (place[shard], int(aux["pos"][t]), int(f.cont[t]))
             if with_topk:
                 n_occ = int(f.count[t])
                 if len(buf_t) < n_occ:
@@ -277,11 +300,17 @@ def _merge_others(idx: Index, shard: int, cfg: FeatureConfig, f: Features, aux: 
             count += b - a
             o = idx.shards[j]
             p = o.most_recent(a, b)
-            if (j, p) > recent[:2]:
+            if (place[j], p) > recent[:2]:
                 c = int(o.tok[p + Lt])
-                recent = (j, p, idx.eos_id if c == idx.sep else c)
+                recent = (place[j], p, idx.eos_id if c == idx.sep else c)
             if with_topk:
                 hists.append(idx.shard_dist(o, a, b, Lt))
+        for n, latest, c, toks, cnts in remote[1].get(int(t), ()) if remote else ():
+            count += n
+            if (latest, 0) > recent[:2]:  # another group's shard: never this one's place
+                recent = (latest, 0, c)
+            if with_topk:
+                hists.append((toks, cnts))
         f.length[t] = Lt
         f.count[t] = count
         f.cont[t] = recent[2]
@@ -297,10 +326,14 @@ def _feature_task(index_dir: str, out: str, shard: int, cfg: FeatureConfig) -> d
     """Compute, write and mark one shard's features (the unit an executor runs)."""
     idx = Index(index_dir, access="normal")  # scans its shards in order
     f, stats = shard_features(idx, shard, cfg)
-    d = Path(out) / f"{shard:06d}"
-    files = write_features(d, f, np.dtype(idx.manifest["token_dtype"]), idx.sep, cfg.top_k)
-    fmt.write_json(Path(out) / f"{shard:06d}.done", {"shard": shard, "files": files})
+    write_shard(Path(out), shard, f, np.dtype(idx.manifest["token_dtype"]), idx.sep, cfg.top_k)
     return {"shard": shard, "positions": int(len(f.length))} | stats
+
+
+def write_shard(out: Path, shard: int, f: Features, token_dtype: np.dtype, sep: int, k: int) -> None:
+    """Write one shard's features, then its marker (the shard is done: a rerun skips it)."""
+    files = write_features(out / f"{shard:06d}", f, token_dtype, sep, k)
+    fmt.write_json(out / f"{shard:06d}.done", {"shard": shard, "files": files})
 
 
 def _merged_feature_task(index_dir: str, out: str, shards: list[int], cfg: FeatureConfig, progress: bool = False) -> dict:
@@ -310,10 +343,8 @@ def _merged_feature_task(index_dir: str, out: str, shards: list[int], cfg: Featu
     per_shard, stats = merged_exclude_doc_lengths(idx, cfg, scratch=Path(out) / "scratch", progress=progress)
     none = np.zeros(0, np.int64)  # count and top-k: not computed, not written (k = 0)
     for shard in shards:
-        d = Path(out) / f"{shard:06d}"
         length, cont = per_shard[shard]
-        files = write_features(d, Features(length, cont, none, none, none), np.dtype(idx.manifest["token_dtype"]), idx.sep, 0)
-        fmt.write_json(Path(out) / f"{shard:06d}.done", {"shard": shard, "files": files})
+        write_shard(Path(out), shard, Features(length, cont, none, none, none), np.dtype(idx.manifest["token_dtype"]), idx.sep, 0)
     return {"merged_shards": shards, "positions": int(sum(len(x) for x, _ in per_shard))} | stats
 
 
@@ -331,9 +362,10 @@ def compute_features(
     """Write features for the indexed corpus (causal / exclude-doc) or, with `corpus`, for
     other text against the whole index (held-out). Resumable per shard; returns a report.
     Shards are computed in parallel, by local processes or as Ray tasks; exclude-doc length +
-    continuation of a sharded index in one task, from the merged suffix array of all shards."""
+    continuation of a sharded index in one task, from the merged suffix array of all shards.
+    An index held by a Ray cluster's actors: builder/cluster_features.py (the same files)."""
     if corpus is not None:
-        return compute_held_out(index_dir, out, cfg, corpus, workers=workers)
+        return compute_held_out(index_dir, out, cfg, corpus, workers=workers, progress=progress)
     from .executors import make_executor
 
     idx = Index(index_dir, access="normal")  # scans its shards in order

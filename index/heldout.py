@@ -15,6 +15,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from . import features as ff
 from . import format as fmt
@@ -55,8 +56,44 @@ def read_corpus(idx: Index, corpus: list[str]) -> tuple[list[np.ndarray], list[d
     return docs, metas, skipped
 
 
-def write_held_out(idx: Index, out: Path, cfg: ff.FeatureConfig, docs: list[np.ndarray], metas: list[dict], *, workers: int = 1) -> dict:
-    """Write the held-out documents' tokens and features as shard 000000 of `out`."""
+HELD_OUT_CHUNK = 1 << 20  # positions whose features are computed, written and recorded at a time
+
+
+def _chunks(docs: list[np.ndarray]) -> list[tuple[int, int]]:
+    """The documents cut into runs [a, b) of about HELD_OUT_CHUNK positions (at least one each)."""
+    ends = np.cumsum([len(x) + 1 for x in docs])
+    out, a = [], 0
+    while a < len(docs):
+        b = max(a + 1, int(np.searchsorted(ends, (ends[a - 1] if a else 0) + HELD_OUT_CHUNK, side="right")))
+        out.append((a, b))
+        a = b
+    return out
+
+
+def _chunk_features(
+    idx: Index, out: Path, i: int, docs: list[np.ndarray], ab: tuple[int, int], cfg: ff.FeatureConfig, workers: int
+) -> ff.Features:
+    """The features of documents [a, b) as stored in chunk i of `out`: read back when its marker
+    says it holds these documents and its files have the recorded sizes, else computed,
+    written and marked."""
+    d, marker = out / "chunks" / f"{i:06d}", out / "chunks" / f"{i:06d}.done"
+    if marker.exists():
+        m = fmt.read_json(marker)
+        sized = all((out / r["path"]).exists() and (out / r["path"]).stat().st_size == r["size"] for r in m["files"])
+        if m["docs"] == list(ab) and sized:
+            return ff.open_features(d, cfg.top_k).decoded(idx.sep)
+    f = held_out_features(idx, docs[ab[0] : ab[1]], cfg, threads=workers)
+    files = ff.write_features(d, f, np.dtype(idx.manifest["token_dtype"]), idx.sep, cfg.top_k)
+    fmt.write_json(marker, {"docs": list(ab), "files": [r | {"path": str(Path("chunks") / r["path"])} for r in files]})
+    return f
+
+
+def write_held_out(
+    idx: Index, out: Path, cfg: ff.FeatureConfig, docs: list[np.ndarray], metas: list[dict], *, workers: int = 1, progress: bool = False
+) -> dict:
+    """Write the held-out documents' tokens and features as shard 000000 of `out`. The features
+    are computed HELD_OUT_CHUNK positions at a time, each chunk written and marked under
+    out/chunks/ (a rerun after an interruption reads the marked ones back), then joined."""
     if not docs:
         raise BuildError("no readable documents in --corpus")
     d = out / "000000"
@@ -67,7 +104,12 @@ def write_held_out(idx: Index, out: Path, cfg: ff.FeatureConfig, docs: list[np.n
     fmt.write_array(d / "tokens.bin", "tokens", stream)
     fmt.write_array(d / "docs.bin", "docs", starts)
     t = time.time()
-    f = held_out_features(idx, docs, cfg, threads=workers)
+    parts = []
+    with tqdm(total=len(stream), desc="features (held-out)", unit="tok", unit_scale=True, disable=not progress) as bar:
+        for i, ab in enumerate(_chunks(docs)):
+            parts.append(_chunk_features(idx, out, i, docs, ab, cfg, workers))
+            bar.update(len(parts[-1].length))
+    f = ff.Features.combine(parts)
     dt = time.time() - t
     files = ff.write_features(d, f, dtype, idx.sep, cfg.top_k)
     files += [asdict(fmt.file_record(out, d / n)) for n in ("tokens.bin", "docs.bin")]
@@ -76,9 +118,11 @@ def write_held_out(idx: Index, out: Path, cfg: ff.FeatureConfig, docs: list[np.n
     return {"docs": len(docs), "positions": int(len(stream)), "features_s": dt}
 
 
-def compute_held_out(index, out: str | Path, cfg: ff.FeatureConfig, corpus: list[str], *, workers: int = 1) -> dict:
+def compute_held_out(index, out: str | Path, cfg: ff.FeatureConfig, corpus: list[str], *, workers: int = 1, progress: bool = False) -> dict:
     """Held-out features of the corpus's text into `out` (a features directory); returns a report.
-    index: its directory, or an opened Index or ClusterIndex (index/cluster.py)."""
+    index: its directory, or an opened Index or ClusterIndex (index/cluster.py). Resumable: a
+    rerun of the same command continues after the last chunk recorded (write_held_out); one
+    with another index or configuration is refused."""
     idx = as_index(index)
     out = Path(out)
     if cfg.mode != "held-out":
@@ -86,10 +130,11 @@ def compute_held_out(index, out: str | Path, cfg: ff.FeatureConfig, corpus: list
     ident = ff.begin(idx.path, out, cfg, corpus)
     t0 = time.time()
     docs, metas, skipped = read_corpus(idx, corpus)
-    report = write_held_out(idx, out, cfg, docs, metas, workers=workers)
+    report = write_held_out(idx, out, cfg, docs, metas, workers=workers, progress=progress)
     report = {"docs": report["docs"], "positions": report["positions"], "skipped": skipped, "features_s": report["features_s"]}
     report["total_s"] = time.time() - t0
     ff.finish(out, ident, [fmt.read_json(out / "000000.done")], report["positions"], report)
+    shutil.rmtree(out / "chunks", ignore_errors=True)  # the whole is written and marked
     return report
 
 
