@@ -7,6 +7,7 @@ import argparse
 import os
 import sys
 
+from teragram.index.cli import add_cluster_args, opened_index
 from teragram.index.errors import TeragramError, os_error_line
 
 
@@ -65,16 +66,27 @@ def cmd_features(args) -> int:
     from .features import FeatureConfig, compute_features
 
     cfg = FeatureConfig(mode=args.mode, max_len=args.max_len, top_k=args.top_k)
-    r = compute_features(
-        args.index,
-        args.out,
-        cfg,
-        workers=args.workers,
-        corpus=args.corpus,
-        progress=not args.quiet,
-        executor=args.executor,
-        ray_address=args.ray_address,
-    )
+    if args.cluster:  # the holders compute them beside their shards
+        from teragram.index.heldout import compute_held_out
+
+        from .cluster_features import compute_cluster_features
+
+        with opened_index(args) as idx:
+            if args.corpus:
+                r = compute_held_out(idx, args.out, cfg, args.corpus, progress=not args.quiet)
+            else:
+                r = compute_cluster_features(idx, args.out, cfg, progress=not args.quiet)
+    else:
+        r = compute_features(
+            args.index,
+            args.out,
+            cfg,
+            workers=args.workers,
+            corpus=args.corpus,
+            progress=not args.quiet,
+            executor=args.executor,
+            ray_address=args.ray_address,
+        )
     n = r.get("positions") or sum(s["positions"] for s in r["shards"])
     print(f"features ({'held-out' if args.corpus else args.mode}) of {n:,} positions in {r['total_s']:.1f}s -> {args.out}")
     return 0
@@ -95,7 +107,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     f.add_argument("--executor", choices=["local", "ray"], default="local")
     f.add_argument("--ray-address")
-    f.add_argument("--quiet", action="store_true")
+    f.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_cluster_args(f)
     f.set_defaults(run=cmd_features)
 
 

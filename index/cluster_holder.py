@@ -40,6 +40,11 @@ class ShardHolder:
     bulk_lengths = cluster_bulk.holder_lengths  # a bulk pass's two rounds (cluster_bulk.py)
     bulk_histograms = cluster_bulk.holder_histograms
 
+    def call(self, fn, *args):
+        """fn(self, *args) here, beside these shards: a pass that is not the index's own (the
+        builder's exclude-doc features, builder/cluster_features.py) brings its functions."""
+        return fn(self, *args)
+
     def part_count(self, q: np.ndarray) -> int:
         return self.idx.count_intervals(q)[0]
 

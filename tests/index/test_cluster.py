@@ -351,3 +351,162 @@ def test_eval_through_the_cluster(cluster, held, model_run, quick_gate_fit, tmp_
         compute_held_out(index, tmp_path / f"feats{i}", FeatureConfig("held-out", 12, 4), [str(text)])
         reports.append(heldout_report(model, index, tmp_path / f"feats{i}", opts=opts)[0])
     assert reports[1] == reports[0] and reports[0]["decontaminated"]["docs"] == 10
+
+
+# ---- the builder's feature passes through the cluster ---------------------------------------
+
+
+def _feature_files(d) -> dict:
+    """Every file of a features directory by its relative path, but the report (its timings)."""
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file() and p.name != "features-report.json"}
+
+
+@pytest.mark.parametrize("top_k", [0, 3])
+def test_exclude_doc_features_through_the_cluster(held, tmp_path, top_k):
+    """The exclude-doc features of the indexed corpus computed by the holders beside their shards
+    (builder/cluster_features.py): the local pass's files, byte for byte (top_k 0: the local
+    pass reads the merged suffix array of all shards; 3: it merges shard by shard)."""
+    from teragram.builder.cluster_features import compute_cluster_features
+    from teragram.builder.features import compute_features
+    from teragram.index.features import FeatureConfig
+
+    c, idx, _ = held
+    cfg = FeatureConfig("exclude-doc", 12, top_k)
+    compute_features(idx.path, tmp_path / "local", cfg, progress=False)
+    compute_cluster_features(c, tmp_path / "cluster", cfg, progress=False)
+    want = _feature_files(tmp_path / "local")
+    assert len(want) > 10 and _feature_files(tmp_path / "cluster") == want
+
+
+def _interrupted(monkeypatch, module, name: str, after: int) -> None:
+    """module.name raises KeyboardInterrupt on its call after `after` calls (then works again)."""
+    fn, calls = getattr(module, name), []
+
+    def wrapped(*a, **kw):
+        calls.append(1)
+        if len(calls) == after + 1:
+            raise KeyboardInterrupt
+        return fn(*a, **kw)
+
+    monkeypatch.setattr(module, name, wrapped)
+
+
+def test_heldout_features_through_the_cluster_resume(held, tmp_path, monkeypatch):
+    """Held-out features (--corpus) by the holders, chunk by chunk: the local files, byte for byte,
+    also when the pass is interrupted after two chunks and run again; a rerun with another
+    configuration is refused and leaves the directory as it was."""
+    from teragram.index import heldout
+    from teragram.index.errors import BuildError
+    from teragram.index.features import FeatureConfig
+
+    c, idx, orc = held
+    rng = np.random.default_rng(8)
+    text = tmp_path / "text"
+    text.mkdir()
+    for i in range(7):
+        ids = np.concatenate([orc.docs[20 + i][:30], rng.integers(3, idx.vocab_size, size=20)])
+        (text / f"{i}.txt").write_text(idx.decode(ids.tolist()))
+    cfg = FeatureConfig("held-out", 12, 3)
+    monkeypatch.setattr(heldout, "HELD_OUT_CHUNK", 120)
+    heldout.compute_held_out(idx, tmp_path / "local", cfg, [str(text)])
+    want = _feature_files(tmp_path / "local")
+    _interrupted(monkeypatch, heldout, "held_out_features", 2)
+    with pytest.raises(KeyboardInterrupt):
+        heldout.compute_held_out(c, tmp_path / "cluster", cfg, [str(text)])
+    assert sorted(p.name for p in (tmp_path / "cluster" / "chunks").glob("*.done")) == ["000000.done", "000001.done"]
+    heldout.compute_held_out(c, tmp_path / "cluster", cfg, [str(text)])
+    assert _feature_files(tmp_path / "cluster") == want and len(heldout._chunks([np.zeros(50)] * 7)) > 2
+    with pytest.raises(BuildError, match="holds features of another index or configuration"):
+        heldout.compute_held_out(c, tmp_path / "cluster", FeatureConfig("held-out", 12, 2), [str(text)])
+    assert _feature_files(tmp_path / "cluster") == want
+
+
+def test_features_verb_through_the_cluster_resumes(cluster, random_index, tmp_path, monkeypatch, capsys):
+    """`teragram features IDX --cluster` (exclude-doc, replicas 2) interrupted after two shards,
+    then run again: it continues with the third, shows its progress bar, and gives the local
+    verb's files byte for byte; a rerun with another --max-len is refused with one line."""
+    from teragram.builder import cluster_features
+    from teragram.serve.main import main
+
+    idx, _ = random_index
+    args = ["features", str(idx.path), "--mode", "exclude-doc", "--max-len", "10", "--top-k", "2"]
+    assert main([*args, "--out", str(tmp_path / "local"), "--quiet"]) == 0
+    remote = [*args, "--out", str(tmp_path / "cluster"), "--cluster", cluster.address, "--replicas", "2"]
+    _interrupted(monkeypatch, cluster_features, "cluster_shard_features", 2)
+    with pytest.raises(KeyboardInterrupt):
+        main([*remote, "--quiet"])
+    assert sorted(p.name for p in (tmp_path / "cluster").glob("*.done")) == ["000000.done", "000001.done"]
+    capsys.readouterr()
+    assert main(remote) == 0
+    err = capsys.readouterr().err
+    assert f"features (exclude-doc, cluster): 100%|██████████| {len(idx.shards) - 2}/{len(idx.shards) - 2}" in err
+    assert _feature_files(tmp_path / "cluster") == _feature_files(tmp_path / "local")
+    assert main([*remote, "--max-len", "8"]) == 2  # the last --max-len given counts
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds features of another index or configuration" in err
+
+
+@pytest.fixture(scope="module")
+def gate_file(tmp_path_factory, random_index):
+    """A gate over every exact-match estimate (the index's and the document cache's) with random
+    weights, so that each weighs in: generation reads every estimate the scorer gives."""
+    from teragram.model.mixture import estimates
+    from teragram.model.mixture.gate import Gate, gate_inputs
+
+    idx, orc = random_index
+    est = estimates.estimates(idx, orc.docs[0][:10])
+    n = len(est["index_length"])
+    F = gate_inputs(est, np.full(n, 0.5), np.zeros(n, np.int64)).shape[1]
+    path = tmp_path_factory.mktemp("gate") / "gate.json"
+    Gate(np.random.default_rng(3).normal(size=(F, len(estimates.COMPONENTS)))).save(path)
+    return path
+
+
+def test_sample_through_the_cluster(cluster, random_index, model_run, gate_file, tmp_path, capsys):
+    """`teragram sample --cluster`: the index-input model's live features, the gate's estimates,
+    drafts from the index and provenance read through the holders give the local text, token for
+    token, and the same statistics; --verbose still reports the lookups per token."""
+    from teragram.serve.main import main
+
+    idx, orc = random_index
+    local = copytree(idx.path, tmp_path / "idx")  # LMDB opens an environment once per process
+    run, _ = model_run
+    prompt = idx.decode(orc.docs[-2][:12])
+    for extra in (["--gate", str(gate_file), "--draft", "4", "--provenance"], ["--temperature", "0"]):
+        out, err = [], []  # local, then through the cluster
+        for where in ([str(local)], [str(idx.path), "--cluster", cluster.address]):
+            args = ["sample", "--checkpoint", str(run), "--index", where[0], prompt, "--max-tokens", "40", "--seed", "7", "--verbose"]
+            assert main([*args, *extra, *where[1:]]) == 0
+            o, e = capsys.readouterr()
+            out.append(o)
+            err.append(e.splitlines())
+        assert out[1] == out[0] and len(out[0]) > len(prompt)
+        assert err[1][:2] == err[0][:2] and "index lookups per token: median" in err[1][2], err
+        assert ("provenance (tokens whose context" in out[0]) == ("--provenance" in extra)
+
+
+def test_serve_a_model_through_the_cluster(cluster, random_index, model_run, gate_file, tmp_path):
+    """`teragram serve --cluster --checkpoint`: /v1/completions (drafts, provenance, streamed
+    or not) and /v1/score answer as the local server does; /stats reports the lookups."""
+    from fastapi.testclient import TestClient
+    from teragram.serve.app import ServeConfig, create_app
+
+    idx, orc = random_index
+    local = copytree(idx.path, tmp_path / "idx")
+    run, _ = model_run
+    text = idx.decode(orc.docs[-2][:12])
+    apps = [
+        TestClient(create_app(ServeConfig(index=str(path), checkpoint=str(run), gate=str(gate_file), **kw)))
+        for path, kw in ((local, {}), (idx.path, {"cluster": cluster.address}))
+    ]
+    completion = {"prompt": text, "max_tokens": 30, "temperature": 0.8, "seed": 4, "draft": 3, "provenance": True}
+    answers = []
+    for app in apps:
+        a = app.post("/v1/completions", json=completion).json()
+        streamed = app.post("/v1/completions", json=completion | {"stream": True}).text
+        scored = app.post("/v1/score", json={"text": text}).json()
+        answers.append(({k: v for k, v in a.items() if k not in ("id", "created")}, streamed.count("data:"), scored))
+        drafts = app.get("/stats").json()["drafts"]
+        assert drafts["lookup_ms_median"] is not None and drafts["drafted"] > 0
+    assert answers[1] == answers[0]
+    assert answers[0][0]["usage"]["completion_tokens"] >= 5 and "logprobs_with_gate" in answers[0][2]
