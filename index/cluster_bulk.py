@@ -92,7 +92,8 @@ def holder_histograms(holder, key, ids, starts, caps: list[int], longest: np.nda
     context: the latest shard's place and its continuation, the histograms' offsets, tokens and
     counts). A context of at least `heavy` occurrences is read through the index's kept
     histograms (Index.segs_dist)."""
-    if getattr(holder, "kept", (None,))[0] != key:  # a replica that did not run round 1 for it
+    kept = getattr(holder, "kept", None)
+    if kept is None or kept[0] != key:  # a replica that did not run round 1 for it
         holder_lengths(holder, key, ids, starts, caps)
     _, lengths, lo, hi = holder.kept
     holder.kept = None
