@@ -23,6 +23,10 @@ parts into exactly the answers of one process holding every shard:
     Index.docs reads them, each round asking the next shards whose occurrences could hold the
     documents still missing (a shard holds at most as many documents as occurrences).
 
+Bulk features (continuations, score) run on the holders beside their shards (cluster_bulk.py);
+generation's incremental scorer (scorer()) keeps each group's state on its holders, one round of
+calls per new token (cluster_scorer.py).
+
 A holder that dies (its node lost) or does not answer within `timeout` seconds is dropped, and
 its group's part of the batch goes to the group's next replica; with none left the query raises
 ClusterError naming the group's shards. An answer is whole or not given.
@@ -39,15 +43,20 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from . import cluster_bulk
 from .cluster_holder import ShardHolder, pack
+from .cluster_scorer import ClusterScorer
 from .engine import OPS, Index
 from .errors import ClusterError, QueryError, TeragramError
 from .features import Features
 from .results import CountResult, DocsResult, InfgramNtdResult, InfgramProbResult, LongestMatch, NtdResult, ProbResult
+
+if TYPE_CHECKING:
+    from .results import Occurrence, Provenance
 
 
 @dataclass(frozen=True)
@@ -197,8 +206,18 @@ class ClusterIndex:
 
     def run_all(self, call: tuple) -> dict[int, object]:
         """call = (a holder method's name, its arguments) on a live holder of every group."""
-        name, *args = call
-        return self._send(dict.fromkeys(range(len(self.groups))), lambda h, g: getattr(h, name).remote(*args))
+        return self.run_each(dict.fromkeys(range(len(self.groups)), call))
+
+    def run_each(self, calls: dict[int, tuple], *, wait: bool = True) -> dict[int, object]:
+        """calls[g] = (a holder method's name, its arguments) on a live holder of group g, all in
+        one round. wait=False: sent to each group's first holder, not waited for (nothing back)."""
+        if not wait:
+            with self._lock:
+                for g, (name, *args) in calls.items():
+                    for h in self._holders[g][:1]:
+                        getattr(h, name).remote(*args)
+            return {}
+        return self._send(calls, lambda h, g: getattr(h, calls[g][0]).remote(*calls[g][1:]))
 
     def run_on(self, groups: Iterable[int], call: tuple) -> dict[int, object]:
         """call = (a holder method's name, its arguments) on a live holder of each of these groups."""
@@ -411,6 +430,24 @@ class ClusterIndex:
         q = self.head.check_ids(ids, allow_empty=True)
         f = self.continuations(q, np.array([0, len(q)]), [max_len], top_k=top_k)[max_len]
         return f if targets else dataclasses.replace(f, target_cnt=None)
+
+    def scorer(self, *, top_k: int = 4, max_len: int = 64) -> ClusterScorer:
+        """As Index.scorer: an incremental scorer whose holders keep their groups' state
+        (index/cluster_scorer.py); close() it when the sequence is done."""
+        return ClusterScorer(self, top_k, max_len)
+
+    def following(self, occ: Occurrence, n: int) -> np.ndarray:
+        """As Index.following, occ.shard a place in the whole index (ClusterScorer.occurrence)."""
+        g = self._group_of(occ.shard)
+        return self.run_each({g: ("following", occ.shard, occ.pos, occ.length, n)})[g]
+
+    def provenance(self, occ: Occurrence) -> Provenance:
+        """As Index.provenance, occ.shard a place in the whole index (ClusterScorer.occurrence)."""
+        g = self._group_of(occ.shard)
+        return self.run_each({g: ("provenance", occ.shard, occ.pos, occ.length)})[g]
+
+    def _group_of(self, place: int) -> int:
+        return next(g for g, places in enumerate(self.groups) if place in places)
 
     def count_intervals(self, q) -> tuple[int, list[tuple[int, int]]]:
         """As Index.count_intervals: the count and every shard's suffix-array interval, in shard order."""

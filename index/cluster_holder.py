@@ -8,8 +8,9 @@ import time
 
 import numpy as np
 
-from . import cluster_bulk
+from . import cluster_bulk, cluster_scorer
 from .engine import Index
+from .results import Occurrence, Provenance
 
 
 class ShardHolder:
@@ -39,6 +40,14 @@ class ShardHolder:
 
     bulk_lengths = cluster_bulk.holder_lengths  # a bulk pass's two rounds (cluster_bulk.py)
     bulk_histograms = cluster_bulk.holder_histograms
+    session = cluster_scorer.holder_session  # generation's incremental scorers (cluster_scorer.py)
+
+    def following(self, place: int, pos: int, length: int, n: int) -> np.ndarray:
+        """Index.following of an occurrence in the shard at `place` (in the whole index)."""
+        return self.idx.following(Occurrence(self.places.index(place), pos, length), n)
+
+    def provenance(self, place: int, pos: int, length: int) -> Provenance:
+        return self.idx.provenance(Occurrence(self.places.index(place), pos, length))
 
     def call(self, fn, *args):
         """fn(self, *args) here, beside these shards: a pass that is not the index's own (the

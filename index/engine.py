@@ -303,7 +303,7 @@ class Index:
         hit = self._dist_cache.get(key)
         if hit is None:
             toks, cnts = self.segs_dist(segs, d)
-            top_ids, top_cnt = _topk(toks, cnts, k)
+            top_ids, top_cnt = top_counts(toks, cnts, k)
             hit = (toks, cnts, top_ids, top_cnt, self.latest_cont(segs, d))
             self._keep(key, hit, len(toks))
         return hit
@@ -444,7 +444,7 @@ class Index:
         L = max((int(x[0]) for x in per), default=0)
         if L == 0:
             if self._uni_top is None or len(self._uni_top[0]) != top_k:
-                self._uni_top = _topk(*self._dist(np.zeros(0, np.int64), []), top_k)
+                self._uni_top = top_counts(*self._dist(np.zeros(0, np.int64), []), top_k)
             out.length[row], out.cont[row], out.count[row] = 0, -1, self.n_positions
             out.topk_ids[row], out.topk_cnt[row] = self._uni_top
             return
@@ -452,7 +452,7 @@ class Index:
         out.length[row] = L
         out.count[row] = sum(b - a for a, b in segs)
         out.cont[row] = self.latest_cont(segs, L)
-        out.topk_ids[row], out.topk_cnt[row] = _topk(*self._dist(q[t - L + 1 : t + 1], segs), top_k)
+        out.topk_ids[row], out.topk_cnt[row] = top_counts(*self._dist(q[t - L + 1 : t + 1], segs), top_k)
 
     def scorer(self, *, top_k: int = 4, max_len: int = 64) -> Scorer:
         """An incremental scorer: append tokens one at a time (generation), get each new
@@ -473,7 +473,7 @@ def _joined(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.
     return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
 
-def _topk(toks: np.ndarray, cnts: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+def top_counts(toks: np.ndarray, cnts: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """k most frequent (ties: smaller id first), -1/0 padded."""
     ids = np.full(k, -1, np.int32)
     cs = np.zeros(k, np.int64)

@@ -49,10 +49,9 @@ class Scorer:
         self._st = np.empty((2 * len(idx.shards), N_STATE), np.int64)
         self.lookup_s: list[float] = []
 
-    def append(self, token: int) -> Features:
-        """Features of the new last position (a one-row Features)."""
+    def advance(self, token: int) -> None:
+        """Read one more token: the longest match of the new end and its intervals."""
         tok = self.idx.check_token(token, "token")
-        t0 = time.perf_counter()
         if self.n == len(self.ids):
             self.ids = np.concatenate([self.ids, np.zeros(len(self.ids), np.int64)])
         self.ids[self.n] = tok
@@ -61,6 +60,11 @@ class Scorer:
             ss.table, ss.first_rank, ss.pos, ss.prefix, ss.step_log2, self.ids, self.start, self.n, self._st, self.lo, self.hi
         )
         self.n += 1
+
+    def append(self, token: int) -> Features:
+        """Features of the new last position (a one-row Features)."""
+        t0 = time.perf_counter()
+        self.advance(token)
         L = self.n - self.start
         cap = min(L, self.max_len) if self.max_len > 0 else L
         lo, hi = self.intervals(cap, L)
@@ -103,6 +107,9 @@ class Scorer:
             self.lookup_s[-1] += time.perf_counter() - t0
         return L, out
 
+    def close(self) -> None:
+        """Nothing to let go of here (a cluster's scorer drops its holders' sessions)."""
+
     def snapshot(self) -> tuple:
         """The scorer's state after the tokens so far; restore() returns to it (speculative
         decoding appends drafted tokens, then drops those the model rejects)."""
@@ -123,20 +130,25 @@ class Scorer:
         frequent next token (ties: the smaller id), again and again: what a model that had
         learnt the corpus by heart would write greedily. Stops at a document end: (<= n,) int64."""
         L, segs = self._longest()
-        if L == 0:
-            return np.zeros(0, np.int64)
-        idx = self.idx
+        return self.greedy(segs, L, n) if L else np.zeros(0, np.int64)
+
+    def greedy(self, segs: list[tuple[int, int]], length: int, n: int) -> np.ndarray:
+        """top_continuation from the shards' intervals `segs` of a context of `length` tokens."""
         out = []
-        for d in range(L, L + n):
-            toks, cnts = idx.segs_dist(segs, d)
+        for d in range(length, length + n):
+            toks, cnts = self.idx.segs_dist(segs, d)
             if not len(toks):
                 break
-            t = int(toks[np.lexsort((toks, -cnts))[0]])
-            if t == idx.eos_id:
+            t = most_frequent(toks, cnts)
+            if t == self.idx.eos_id:
                 break
             out.append(t)
-            segs = [K.narrow(s.tok, s.sa.words, s.sa.width, a, b, d, t) if b > a else (0, 0) for s, (a, b) in zip(idx.shards, segs)]
+            segs = self.narrow(segs, d, t)
         return np.asarray(out, np.int64)
+
+    def narrow(self, segs: list[tuple[int, int]], d: int, t: int) -> list[tuple[int, int]]:
+        """The shards' intervals of a d-token context followed by t, from the context's."""
+        return [K.narrow(s.tok, s.sa.words, s.sa.width, a, b, d, t) if b > a else (0, 0) for s, (a, b) in zip(self.idx.shards, segs)]
 
     def occurrence(self) -> Occurrence | None:
         """The most recent occurrence of the last position's longest match -- the one whose
@@ -146,3 +158,8 @@ class Scorer:
             return None
         j = max(j for j, (a, b) in enumerate(segs) if b > a)  # the latest shard, as the cont feature
         return Occurrence(j, self.idx.shards[j].most_recent(*segs[j]), L)
+
+
+def most_frequent(toks: np.ndarray, cnts: np.ndarray) -> int:
+    """The token of a histogram with the largest count (ties: the smaller id)."""
+    return int(toks[np.lexsort((toks, -cnts))[0]])

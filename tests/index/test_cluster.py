@@ -271,11 +271,89 @@ def test_heldout_estimates_through_the_cluster(held):
         assert got[name].dtype == want[name].dtype and np.array_equal(got[name], want[name]), name
 
 
+def _scorer_steps(sc, seq, lengths, *, draft_at: int = -1, top: int = 0) -> list:
+    """Everything an incremental scorer says token by token along seq: the features, the gates'
+    estimates, the occurrence, the tokens after it and the greedy continuation (top > 0); at
+    draft_at, three drafted tokens appended, then dropped (snapshot, restore)."""
+    out = []
+    for t, tok in enumerate(seq):
+        if t == draft_at:
+            snap = sc.snapshot()
+            drafted = [(sc.append(int(x)), sc.estimates(lengths)) for x in seq[:3]]
+            sc.restore(snap)
+            out.append([(_row(f), _est(e)) for f, e in drafted])
+        f = sc.append(int(tok))
+        L, est = sc.estimates(lengths)
+        occ = sc.occurrence()
+        after = sc.idx.following(occ, 5).tolist() if occ else None
+        out.append((_row(f), L, _est((L, est)), occ, after, sc.top_continuation(top).tolist() if top else None))
+    sc.close()
+    return out
+
+
+def _row(f) -> dict:
+    from teragram.index.features import FIELDS
+
+    return {n: (getattr(f, n).dtype.str, getattr(f, n).tolist()) for n in FIELDS}
+
+
+def _est(e) -> tuple:
+    L, est = e
+    return L, {k: (n, toks.dtype.str, toks.tolist(), cnts.dtype.str, cnts.tolist()) for k, (n, toks, cnts) in est.items()}
+
+
+def test_incremental_scorer_equals_the_local_one(held, cluster):
+    """Generation's incremental scorer through the holders (index/cluster_scorer.py): token by
+    token the local Scorer's features (capped and not), the gates' estimates, the occurrence
+    and the tokens after it, the greedy continuation, through a new document (EOS), tokens the
+    index lacks, drafts appended and dropped, and a holder that lost the session."""
+    c, idx, orc = held
+    rng = np.random.default_rng(5)
+    d = orc.docs[3][:50].copy()
+    e = orc.docs[-2][:30].copy()
+    e[::6] = rng.integers(3, idx.vocab_size, size=len(e[::6]))
+    seq = np.concatenate([d, [idx.eos_id], orc.docs[9][:45], rng.integers(3, idx.vocab_size, size=8), e, orc.docs[-1][:30]])
+    lengths = {"index_infgram": 0, "index_2gram": 1, "index_4gram": 3, "index_8gram": 7}
+    for top_k, max_len, draft_at, top in ((3, 24, 60, 6), (2, 5, 20, 0), (4, 0, -1, 3)):
+        want = _scorer_steps(idx.scorer(top_k=top_k, max_len=max_len), seq, lengths, draft_at=draft_at, top=top)
+        got = _scorer_steps(c.scorer(top_k=top_k, max_len=max_len), seq, lengths, draft_at=draft_at, top=top)
+        for t, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert a == b, (top_k, max_len, t)
+    assert max(x[1] for x in want if isinstance(x, tuple)) >= 30  # long matches were read (across groups' shards)
+    sc = c.scorer(top_k=2, max_len=8)
+    local = idx.scorer(top_k=2, max_len=8)
+    for t, tok in enumerate(seq[:40]):
+        if t == 20:  # a holder drops the session: the client sends it the tokens again
+            c.run_each({1: ("session", sc.key, -1, [("close",)])})
+        assert _row(sc.append(int(tok))) == _row(local.append(int(tok))), t
+        assert _est(sc.estimates(lengths)) == _est(local.estimates(lengths)), t
+    sc.close()
+    assert len(sc.lookup_s) == 40
+
+
+def test_incremental_scorer_with_a_lost_holder(cluster, random_index):
+    """A holder lost mid-generation: its group's replica is sent the tokens so far and the
+    features stay the local ones; with the group's last holder lost, one line naming its shards."""
+    idx, orc = random_index
+    seq = [int(t) for t in orc.docs[3][:30]]
+    local = idx.scorer(top_k=2, max_len=8)
+    with ClusterIndex.open(idx.path, groups=2, replicas=2) as c:
+        sc = c.scorer(top_k=2, max_len=8)
+        for t, tok in enumerate(seq):
+            if t == 12:
+                ray.kill(c._holders[1][0])
+            assert _row(sc.append(tok)) == _row(local.append(tok)), t
+        assert len(c._holders[1]) == 1
+        ray.kill(c._holders[1][0])
+        shards = ", ".join(str(p) for p in c.groups[1])
+        with pytest.raises(ClusterError, match=f"^shards {shards} lost: no live holder of them is left") as e:
+            sc.append(seq[0])
+        assert "\n" not in str(e.value)
+
+
 def test_serve_through_the_cluster(cluster, random_index):
-    """`teragram serve --cluster` answers infini-gram's API as the local server does; a model
-    is refused in one line."""
+    """`teragram serve --cluster` answers infini-gram's API as the local server does."""
     from fastapi.testclient import TestClient
-    from teragram.index.errors import TeragramError
     from teragram.serve.app import ServeConfig, create_app
 
     idx, orc = random_index
@@ -285,8 +363,6 @@ def test_serve_through_the_cluster(cluster, random_index):
         for kw in ({}, {"cluster": cluster.address})
     ]
     assert {k: v for k, v in answers[0].items() if k != "latency"} == {k: v for k, v in answers[1].items() if k != "latency"}
-    with pytest.raises(TeragramError, match="--cluster serves index queries only"):
-        create_app(ServeConfig(index=str(idx.path), cluster=cluster.address, checkpoint="run"))
 
 
 # ---- the model's verbs with the index held by the cluster -------------------------------------
