@@ -170,17 +170,21 @@ def cont_cache_spec(path: str):
 
 
 def cmd_sample(args) -> int:
-    from teragram.index.engine import Index
     from teragram.model.checkpoint import load_model, weights_digest
-    from teragram.model.generation.draft import Drafter
-    from teragram.model.generation.sample import generate
     from teragram.model.mixture.gate import Gate
 
     model, _ = load_model(args.checkpoint, args.device)
-    idx = Index(args.index)
     gate = Gate.load(args.gate) if args.gate else None
     if gate is not None:
         gate.check(model=weights_digest(model), index_dir=args.index, name=args.gate)
+    with opened_index(args) as idx:  # a cluster's holders keep the live lookups' state (index/cluster_scorer.py)
+        return _sample(args, model, idx, gate)
+
+
+def _sample(args, model, idx, gate) -> int:
+    from teragram.model.generation.draft import Drafter
+    from teragram.model.generation.sample import generate
+
     g = generate(
         model,
         idx,
@@ -399,6 +403,7 @@ def _register_sample(sub) -> None:
     )
     sa.add_argument("--provenance", action="store_true", help="list the indexed documents the generated text matches")
     sa.add_argument("--verbose", action="store_true", help="match and draft statistics")
+    add_cluster_args(sa)
     sa.set_defaults(run=cmd_sample)
 
 

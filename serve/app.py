@@ -1,6 +1,7 @@
 """HTTP server: index queries (infini-gram's API shape), OpenAI-style completions, scoring.
 
     teragram serve --index IDX [--checkpoint CKPT] [--host 127.0.0.1] [--port 8080] [--api-key KEY]
+                   [--cluster ADDRESS]
 
 Endpoints: POST / (infini-gram's request/response shape), POST /v1/completions (prompt,
 max_tokens, temperature, top_p, stop, stream as server-sent events; draft: up to N tokens
@@ -42,7 +43,7 @@ class ServeConfig:
     max_tokens: int = 512  # cap on generated tokens per request
     max_body_bytes: int = 1 << 20
     max_query_tokens: int = 4096  # cap on tokens of a query / scored text
-    cluster: str | None = None  # a Ray cluster's address: the shards held by its actors (index/cluster.py), index queries only
+    cluster: str | None = None  # a Ray cluster's address: the shards held by its actors (index/cluster.py)
     replicas: int = 1  # with cluster: holders of each group of shards
 
 
@@ -117,7 +118,7 @@ class Served:
     of its requests (the model's lock, what drafting has learnt, the endpoints' statistics)."""
 
     cfg: ServeConfig
-    idx: Index  # or a ClusterIndex (--cluster: index queries only)
+    idx: Index  # or a ClusterIndex (--cluster)
     model: object = None
     model_meta: dict = field(default_factory=dict)
     gate: object = None
@@ -129,11 +130,9 @@ class Served:
 def load(cfg: ServeConfig) -> Served:
     """Open the index and load the model and its gate, refusing with one line what
     cannot serve together (another vocabulary or tokenizer, a gate of another model or index)."""
-    if cfg.cluster:
+    if cfg.cluster:  # the holders also keep generation's live lookups (index/cluster_scorer.py)
         from teragram.index.cluster import ClusterIndex
 
-        if cfg.checkpoint:
-            raise TeragramError("--cluster serves index queries only: the model's live index features need the shards in this process")
         idx = ClusterIndex.open(cfg.index, address=cfg.cluster, replicas=cfg.replicas)
     else:
         idx = Index(cfg.index)

@@ -33,6 +33,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     se.add_argument("--port", type=int, default=8080)
     se.add_argument("--api-key", help="require Authorization: Bearer KEY on every request")
     se.add_argument("--device", default="cpu")
-    se.add_argument("--cluster", metavar="ADDRESS", help="the index's shards held by actors on this Ray cluster (index queries only)")
+    se.add_argument("--cluster", metavar="ADDRESS", help="the index's shards held by actors on this Ray cluster (every endpoint)")
     se.add_argument("--replicas", type=int, default=1, help="with --cluster: holders of each group of shards, each on another node")
     se.set_defaults(run=cmd_serve)

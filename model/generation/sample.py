@@ -2,7 +2,7 @@
 scorer, whose features for it feed the next step; keys and values are cached.
 
     teragram sample --checkpoint RUN --index IDX "prompt" [--max-tokens 100] [--temperature 0.8]
-                    [--draft 8] [--provenance] [--verbose]
+                    [--draft 8] [--provenance] [--verbose] [--cluster ADDRESS]
 
 With drafts (model/generation/draft.py) each forward pass verifies up to N tokens read off the longest
 exact match of the context, in the index or earlier in the text, and keeps the longest prefix
@@ -111,7 +111,8 @@ def stream(
     draft: int | Drafter = 0,
     provenance: bool = False,
 ):
-    """Yield a Token per generated token.
+    """Yield a Token per generated token. `idx`: an Index, or a ClusterIndex (index/cluster.py),
+    whose holders keep the scorer's state beside their shards (index/cluster_scorer.py).
     `state` (a dict, optional) receives "features" (all positions so far), "stopped" and
     "stats" (DraftStats of this call). With `gate` (model.gate.Gate) the model's distribution
     is mixed with the index's ∞-gram and fixed-order estimates, and the document cache's, for
@@ -184,6 +185,7 @@ def stream(
             est = sc.estimates(lengths) if lengths else None
     finally:
         model.train(was)
+        sc.close()
         stats.add_lookups(sc.lookup_s[len(prompt) :])
         drafter.stats.add_lookups(sc.lookup_s[len(prompt) :])
 
