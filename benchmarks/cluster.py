@@ -20,6 +20,11 @@ thread), then:
       (ClusterIndex.continuations) and locally (index/bulk.py, one thread): every field equal,
       and tokens per CPU-second (the cluster's: the client's and every holder's process CPU
       time; bar: >= 0.5x the local rate).
+  (d) with --heldout: gated generation's lookups, token by token (the incremental scorer: the
+      new position's features, top 4, and the gates' estimates after it), over --gen-tokens
+      tokens of its documents read one at a time as a model would emit them: a local Scorer and
+      the cluster's (index/cluster_scorer.py: a round of calls per token), every answer compared;
+      median and p90 milliseconds per token.
 Same machine, so (b) measures the protocol (Ray's calls, serialisation, merging), not a network.
 Writes benchmarks/results/cluster.{json,md,png}.
 """
@@ -81,6 +86,41 @@ def bulk(idx: Index, c, warm: list, docs: list) -> dict:
     return {"tokens": n, "equal": equal, "local_cpu_s": local_cpu, "local_per_cpu_s": n / local_cpu, "cluster_wall_s": wall,
             "client_cpu_s": client_cpu, "holders_cpu_s": holders_cpu, "cluster_per_cpu_s": n / (client_cpu + holders_cpu),
             "ratio": local_cpu / (client_cpu + holders_cpu)}  # fmt: skip
+
+
+def generation(idx: Index, c, docs: list, tokens: int) -> dict:
+    """(d) the lookups of gated generation, local and through the cluster, per token: append
+    (the new position's features) then estimates (the gates' contexts), each answer compared."""
+    from teragram.index.features import FIELDS
+
+    lengths = {f"k{k}": k for k in BULK_CAPS}
+    times: dict[str, list[float]] = {"local": [], "cluster": []}
+    equal, n = True, 0
+    for d in docs:
+        scorers = {"local": idx.scorer(top_k=4, max_len=max(BULK_CAPS)), "cluster": c.scorer(top_k=4, max_len=max(BULK_CAPS))}
+        for t in d[: tokens - n].tolist():
+            got = {}
+            for name, sc in scorers.items():
+                t0 = time.perf_counter()
+                got[name] = (sc.append(t), sc.estimates(lengths))
+                times[name].append(time.perf_counter() - t0)
+            (fl, (Ll, el)), (fc, (Lc, ec)) = got["local"], got["cluster"]
+            equal &= Ll == Lc and all(np.array_equal(getattr(fl, f), getattr(fc, f)) for f in FIELDS)
+            equal &= all(el[k][0] == ec[k][0] and _dist(el[k]) == _dist(ec[k]) for k in lengths)
+        for sc in scorers.values():
+            sc.close()
+        n += min(len(d), tokens - n)
+        if n >= tokens:
+            break
+    row = {"tokens": n, "equal": bool(equal)}
+    for name, ts in times.items():
+        row[f"{name}_ms_p50"], row[f"{name}_ms_p90"] = (float(np.percentile(ts, q)) * 1e3 for q in (50, 90))
+    return row
+
+
+def _dist(e) -> dict[int, int]:
+    """An estimate's next-token counts as {token: count}, whatever their order."""
+    return dict(zip(np.asarray(e[1]).tolist(), np.asarray(e[2]).tolist()))
 
 
 def _ngram(idx: Index, rng, m: int) -> np.ndarray:
@@ -153,6 +193,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--replicas", type=int, default=1)
     ap.add_argument("--heldout", help="JSON-lines file of held-out documents: (c) bulk features")
     ap.add_argument("--bulk-tokens", type=int, default=20000, help="held-out tokens of (c)")
+    ap.add_argument("--gen-tokens", type=int, default=2000, help="held-out tokens of (d), read one at a time")
     ap.add_argument("--name", default="cluster", help="results file name")
     ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = ap.parse_args(argv)
@@ -170,7 +211,8 @@ def smoke() -> int:
         docs = [np.asarray(s.tok[a : b - 1]) for s in src.shards for a, b in zip(s.starts[:-1], s.starts[1:])]
         build_from_ids(docs, tmp / "idx", src.path / "tokenizer.model", shard_tokens=src.n_positions // 5 + 1)
         held = str(smoke_jsonl(tmp, heldout=True))
-        return main(["--index", str(tmp / "idx"), "--queries", "20", "--heldout", held, "--bulk-tokens", "3000", "--name", "cluster_smoke"])
+        return main(["--index", str(tmp / "idx"), "--queries", "20", "--heldout", held, "--bulk-tokens", "3000", "--gen-tokens", "200",
+                     "--name", "cluster_smoke"])  # fmt: skip
 
 
 def exactness(c, idx: Index, qs: dict[str, list]) -> list[dict]:
@@ -201,9 +243,9 @@ def overheads(c, idx: Index, qs: dict[str, list]) -> list[dict]:
     return overhead
 
 
-def report(args: argparse.Namespace, idx: Index, groups: list, exact: list[dict], overhead: list[dict], bulk_row: dict | None) -> bool:
+def report(args, idx: Index, groups: list, exact: list[dict], overhead: list[dict], bulk_row: dict | None, gen_row: dict | None) -> bool:
     """The table and the plot (benchmarks/results/NAME.*); whether every answer was equal."""
-    all_equal = all(r["equal"] == r["queries"] for r in exact) and (bulk_row is None or bulk_row["equal"])
+    all_equal = all(r["equal"] == r["queries"] for r in exact) and all(r is None or r["equal"] for r in (bulk_row, gen_row))
     within = all(r["ratio"] <= OVERHEAD_BAR for r in overhead)
     md = (
         f"{idx.n_tokens:,} tokens in {len(idx.shards)} shards; a local Ray cluster of {args.nodes} nodes (1 CPU each), "
@@ -234,11 +276,18 @@ def report(args: argparse.Namespace, idx: Index, groups: list, exact: list[dict]
                 ],
             )
         )
+    if gen_row:
+        md += (
+            f"\n\n(d) gated generation's lookups, {gen_row['tokens']:,} held-out tokens read one at a time (the new position's "
+            f"features, top 4, capped at {max(BULK_CAPS)}, and the gates' estimates after it): every answer equal: "
+            f"**{'yes' if gen_row['equal'] else 'NO'}**; milliseconds per token, the local Scorer against the cluster's\n\n"
+            + table([gen_row], ["tokens", "local_ms_p50", "local_ms_p90", "cluster_ms_p50", "cluster_ms_p90"])
+        )
     save(
         args.name,
         {"index": str(Path(args.index)), "tokens": idx.n_tokens, "shards": len(idx.shards), "nodes": args.nodes, "replicas": args.replicas,
          "groups": groups, "exactness": exact, "all_equal": all_equal, "overhead": overhead, "overhead_bar": OVERHEAD_BAR,
-         "bulk": bulk_row, "bulk_bar": BULK_BAR},
+         "bulk": bulk_row, "bulk_bar": BULK_BAR, "generation": gen_row},
         md,
         _plot(overhead),
     )  # fmt: skip
@@ -261,16 +310,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cluster of {args.nodes} nodes and {len(c.groups)} groups up in {time.time() - t0:.1f} s", flush=True)
         exact = exactness(c, idx, qs)
         overhead = overheads(c, idx, qs)
-        bulk_row = None
+        bulk_row = gen_row = None
         if args.heldout:
-            bulk_row = bulk(idx, c, *heldout_docs(idx, args.heldout, args.bulk_tokens))
+            warm, docs = heldout_docs(idx, args.heldout, args.bulk_tokens)
+            bulk_row = bulk(idx, c, warm, docs)
             print(bulk_row, flush=True)
+            gen_row = generation(idx, c, docs, args.gen_tokens)
+            print(gen_row, flush=True)
         groups = [[c.shard_ids[p] for p in g] for g in c.groups]
         c.close()
     finally:
         ray.shutdown()
         cluster.shutdown()
-    return 0 if report(args, idx, groups, exact, overhead, bulk_row) else 1
+    return 0 if report(args, idx, groups, exact, overhead, bulk_row, gen_row) else 1
 
 
 def _plot(rows: list[dict]):
