@@ -42,8 +42,7 @@ def cmd_eval(args) -> int:
         dense=args.dense,
         workers=args.workers,
     )
-    with opened_index(args) as idx:  # a cluster's holders compute the estimates (index/cluster_bulk.py)
-        r, fitted, model_id = _eval_outputs(args, opts, idx) if args.outputs else _eval_checkpoint(args, opts, idx)
+    r, fitted, model_id = _eval_outputs(args, opts) if args.outputs else _eval_checkpoint(args, opts)
     if args.fit_gate:
         from teragram.model.mixture.gate import index_digest
 
@@ -79,33 +78,43 @@ def _check_eval_args(args) -> None:
         raise TeragramError("give --checkpoint and --corpus (or --outputs from an earlier --save-outputs)")
 
 
-def _eval_outputs(args, opts, idx):
-    """(report, fitted, the model's digest) of saved outputs mixed with the index idx."""
+def _eval_outputs(args, opts):
+    """(report, fitted, the model's digest) of saved outputs mixed with the index (--index, or
+    held by a cluster's holders: --cluster, which compute the estimates)."""
     from teragram.model.evaluation.outputs import load_outputs, outputs_report
 
     outputs = load_outputs(args.outputs)
     model_id = outputs.manifest.get("model")  # outputs saved before it was recorded: not checked
     if opts.gate is not None:
         opts.gate.check(model=model_id, index_dir=args.index, name=args.gate)
-    r, fitted = outputs_report(outputs, idx, opts)
+    with opened_index(args) as idx:
+        r, fitted = outputs_report(outputs, idx, opts)
     return r, fitted, model_id
 
 
-def _eval_checkpoint(args, opts, idx):
+def _eval_checkpoint(args, opts):
     """(report, fitted, the model's digest) of a checkpoint run over held-out text, against the
-    index idx (an Index, or a ClusterIndex)."""
-    import tempfile
-
-    from teragram.index.errors import TokenizerMismatch
-    from teragram.index.features import FeatureConfig
-    from teragram.index.heldout import compute_held_out
+    index (local, or held by a cluster's holders: --cluster); the checkpoint is read first, so
+    that one it cannot load is refused before the index is opened."""
     from teragram.model.checkpoint import load_model, weights_digest
-    from teragram.model.evaluation.perplexity import heldout_report
 
     model, meta = load_model(args.checkpoint, args.device)
     model_id = weights_digest(model)
     if opts.gate is not None:
         opts.gate.check(model=model_id, index_dir=args.index, name=args.gate)
+    with opened_index(args) as idx:
+        return (*_checkpoint_report(args, opts, model, meta, idx), model_id)
+
+
+def _checkpoint_report(args, opts, model, meta: dict, idx):
+    """(report, fitted) of the loaded model over --corpus against the opened index idx."""
+    import tempfile
+
+    from teragram.index.errors import TokenizerMismatch
+    from teragram.index.features import FeatureConfig
+    from teragram.index.heldout import compute_held_out
+    from teragram.model.evaluation.perplexity import heldout_report
+
     if model.cfg.vocab_size != idx.vocab_size:
         raise TokenizerMismatch(f"checkpoint vocabulary {model.cfg.vocab_size} != index vocabulary {idx.vocab_size}")
     with tempfile.TemporaryDirectory() as tmp:
@@ -131,7 +140,7 @@ def _eval_checkpoint(args, opts, idx):
             r, fitted = mix_report(res, per_doc, idx, feats, opts)
         else:
             r, fitted = heldout_report(model, idx, feats, args.device, opts)
-    return r, fitted, model_id
+    return r, fitted
 
 
 def _print_eval(args, r: dict) -> None:
