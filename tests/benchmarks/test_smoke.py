@@ -50,6 +50,6 @@ def test_smoke(module, smoke_env):
     source = (REPO / (module.replace(".", "/") + ".py")).read_text()
     assert 'if __name__ == "__main__":' in source, f"{module} is not a script (no __main__ block)"
     cmd = [sys.executable, "-m", module, "--smoke"]
-    r = subprocess.run(cmd, cwd=REPO, env=smoke_env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(cmd, cwd=REPO, env=smoke_env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, f"{' '.join(cmd[1:])} exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     assert not (REPO / "benchmarks" / "results" / "smoke").exists()
