@@ -30,7 +30,7 @@ demo: $(VENV)/.installed
 	$(BIN)/teragram sample --checkpoint $(RUN)/lm --index $(RUN)/idx "The kernel" --max-tokens 40 --gate $(RUN)/gate.json --verbose
 
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadgroup
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -113,3 +113,16 @@ def torchrun(script: Path, nproc: int = 2, timeout: float = 900) -> None:
     if r.returncode:
         ranks = "\n".join(f"--- {p.relative_to(logs)}\n{p.read_text()[-2000:]}" for p in sorted(logs.rglob("std*.log")))
         pytest.fail(f"torchrun exited {r.returncode}\n{ranks}\n--- launcher\n{r.stderr[-1000:]}", pytrace=False)
+
+
+# `make test` runs the suite on two processes (pytest-xdist, --dist loadgroup): each test file is
+# one group (its module-scoped indexes are built once), and the files that start Ray share one
+# group, so that no two Ray instances run at once.
+RAY_FILES = {"test_ray.py", "test_cluster.py"}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        name = item.path.name
+        item.add_marker(pytest.mark.xdist_group("ray" if name in RAY_FILES else str(item.path.relative_to(REPO))))
