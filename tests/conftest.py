@@ -116,13 +116,34 @@ def torchrun(script: Path, nproc: int = 2, timeout: float = 900) -> None:
 
 
 # `make test` runs the suite on two processes (pytest-xdist, --dist loadgroup): each test file is
-# one group (its module-scoped indexes are built once), and the files that start Ray share one
-# group, so that no two Ray instances run at once.
+# one group (its module-scoped indexes and models are built once), but for the benchmarks' smoke
+# runs, which share only a session fixture and go one by one; the files that start Ray share one
+# group, so that no two Ray instances run at once. The longest files go first, so that neither
+# process is left with a long one at the end (ordered by their time on the 2-core VM).
 RAY_FILES = {"test_ray.py", "test_cluster.py"}
+ONE_BY_ONE = {"tests/benchmarks/test_smoke.py"}
+LONGEST_FIRST = [
+    "tests/model/test_model.py",
+    "tests/test_readme.py",
+    "tests/index/test_cluster.py",
+    "tests/builder/test_ray.py",
+    "tests/model/test_sample.py",
+    "tests/benchmarks/test_smoke.py",
+    "tests/model/test_cont_cache.py",
+    "tests/model/test_distributed.py",
+    "tests/builder/test_features.py",
+    "tests/builder/test_build.py",
+]
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    def rank(item) -> int:
+        path = str(item.path.relative_to(REPO))
+        return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: a file's tests stay together and in order
     for item in items:
-        name = item.path.name
-        item.add_marker(pytest.mark.xdist_group("ray" if name in RAY_FILES else str(item.path.relative_to(REPO))))
+        path = str(item.path.relative_to(REPO))
+        group = "ray" if item.path.name in RAY_FILES else item.nodeid if path in ONE_BY_ONE else path
+        item.add_marker(pytest.mark.xdist_group(group))
