@@ -84,16 +84,16 @@ def cluster_shard_features(cidx, place: int, cfg: FeatureConfig) -> Features:
     own = next(g for g, places in enumerate(cidx.groups) if place in places)
     others = [g for g in range(len(cidx.groups)) if g != own]
     key = cidx.next_key()
-    ids, starts, longest = cidx.run_on([own], ("call", own_part, key, place, cfg))[own]
+    ids, starts, longest = cidx.run_each(dict.fromkeys([own], ("call", own_part, key, place, cfg)))[own]
     parts = []
     if others and len(ids):
-        got = cidx.run_on(others, ("bulk_lengths", key, ids, starts, [cfg.max_len]))
+        got = cidx.run_each(dict.fromkeys(others, ("bulk_lengths", key, ids, starts, [cfg.max_len])))
         longest = np.max([longest] + [got[g][0][0] for g in others], axis=0)
         skip = np.zeros(len(ids), bool)
-        got = cidx.run_on(others, ("bulk_histograms", key, ids, starts, [cfg.max_len], longest[None], skip, bulk.HEAVY))
+        got = cidx.run_each(dict.fromkeys(others, ("bulk_histograms", key, ids, starts, [cfg.max_len], longest[None], skip, bulk.HEAVY)))
         parts = [got[g] for g in others]
     whole = (cidx.unigram, cidx.n_positions)
-    return cidx.run_on([own], ("call", merged_part, key, place, cfg, longest, parts, whole))[own]
+    return cidx.run_each(dict.fromkeys([own], ("call", merged_part, key, place, cfg, longest, parts, whole)))[own]
 
 
 def compute_cluster_features(cidx, out: str | Path, cfg: FeatureConfig, *, progress: bool = True) -> dict:

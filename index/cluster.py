@@ -219,11 +219,6 @@ class ClusterIndex:
             return {}
         return self._send(calls, lambda h, g: getattr(h, calls[g][0]).remote(*calls[g][1:]))
 
-    def run_on(self, groups: Iterable[int], call: tuple) -> dict[int, object]:
-        """call = (a holder method's name, its arguments) on a live holder of each of these groups."""
-        name, *args = call
-        return self._send(dict.fromkeys(groups), lambda h, g: getattr(h, name).remote(*args))
-
     def next_key(self) -> int:
         """A number not given before: the key of a bulk pass's state kept on the holders."""
         with self._lock:
