@@ -81,7 +81,7 @@ def merged_part(holder, key: int, place: int, cfg: FeatureConfig, longest: np.nd
 
 def cluster_shard_features(cidx, place: int, cfg: FeatureConfig) -> Features:
     """The exclude-doc features of the shard at `place`, by the holders (steps 1-4 above)."""
-    own = next(g for g, places in enumerate(cidx.groups) if place in places)
+    own = cidx.group_of(place)
     others = [g for g in range(len(cidx.groups)) if g != own]
     key = cidx.next_key()
     ids, starts, longest = cidx.run_each(dict.fromkeys([own], ("call", own_part, key, place, cfg)))[own]

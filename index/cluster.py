@@ -433,15 +433,16 @@ class ClusterIndex:
 
     def following(self, occ: Occurrence, n: int) -> np.ndarray:
         """As Index.following, occ.shard a place in the whole index (ClusterScorer.occurrence)."""
-        g = self._group_of(occ.shard)
+        g = self.group_of(occ.shard)
         return self.run_each({g: ("following", occ.shard, occ.pos, occ.length, n)})[g]
 
     def provenance(self, occ: Occurrence) -> Provenance:
         """As Index.provenance, occ.shard a place in the whole index (ClusterScorer.occurrence)."""
-        g = self._group_of(occ.shard)
+        g = self.group_of(occ.shard)
         return self.run_each({g: ("provenance", occ.shard, occ.pos, occ.length)})[g]
 
-    def _group_of(self, place: int) -> int:
+    def group_of(self, place: int) -> int:
+        """The group holding the shard at `place` (in the whole index)."""
         return next(g for g, places in enumerate(self.groups) if place in places)
 
     def count_intervals(self, q) -> tuple[int, list[tuple[int, int]]]:

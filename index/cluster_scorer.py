@@ -92,7 +92,7 @@ def _match_part(holder, sc: Scorer) -> tuple:
     segs = [(a, b) if b > a else (0, 0) for a, b in zip(lo.tolist(), hi.tolist())]
     latest = max(j for j, (a, b) in enumerate(segs) if b > a)
     toks, cnts = sc.idx.segs_dist(segs, cap)
-    _, match = sc._longest()
+    _, match = sc.longest()
     j = max(j for j, (a, b) in enumerate(match) if b > a)
     occ = holder.places[j], sc.idx.shards[j].most_recent(*match[j])
     cont = sc.idx.latest_cont(segs, cap)
@@ -120,7 +120,7 @@ def _top_part(s: dict, sc: Scorer, d: int, t: int, rest: int):
     """top_continuation's step on the group's shards: the d-token context (t < 0: the longest
     match's; else the last one's followed by t), and its next-token histogram; or, with rest >
     0 (this group alone holds the context), the next `rest` tokens read off it greedily."""
-    segs = sc._longest()[1] if t < 0 else sc.narrow(s["top"], d - 1, t)
+    segs = sc.longest()[1] if t < 0 else sc.narrow(s["top"], d - 1, t)
     s["top"] = segs
     return sc.greedy(segs, d, rest) if rest else sc.idx.segs_dist(segs, d)
 

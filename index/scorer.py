@@ -119,7 +119,7 @@ class Scorer:
         self.n, self.start, lo, hi = snap
         self.lo, self.hi = lo.copy(), hi.copy()
 
-    def _longest(self) -> tuple[int, list[tuple[int, int]]]:
+    def longest(self) -> tuple[int, list[tuple[int, int]]]:
         """The last position's longest match length and each shard's interval of it ((0, 0)
         in a shard that lacks it)."""
         L = self.n - self.start
@@ -129,7 +129,7 @@ class Scorer:
         """Up to n tokens continuing the last position's longest match by the ∞-gram's most
         frequent next token (ties: the smaller id), again and again: what a model that had
         learnt the corpus by heart would write greedily. Stops at a document end: (<= n,) int64."""
-        L, segs = self._longest()
+        L, segs = self.longest()
         return self.greedy(segs, L, n) if L else np.zeros(0, np.int64)
 
     def greedy(self, segs: list[tuple[int, int]], length: int, n: int) -> np.ndarray:
@@ -153,7 +153,7 @@ class Scorer:
     def occurrence(self) -> Occurrence | None:
         """The most recent occurrence of the last position's longest match -- the one whose
         next token is that position's `cont` feature -- or None when nothing matched."""
-        L, segs = self._longest()
+        L, segs = self.longest()
         if L == 0:
             return None
         j = max(j for j, (a, b) in enumerate(segs) if b > a)  # the latest shard, as the cont feature
