@@ -114,6 +114,20 @@ def run_measured(cmd: list[str], **kw) -> dict:
     return {"wall_s": time.time() - t, "peak_rss_mb": ru.ru_maxrss / 1024}
 
 
+def library_at(commit: str, tmp: Path) -> Path:
+    """A folder to put first on PYTHONPATH so that `teragram` is the library at `commit` (a
+    `git archive` of its packages under tmp): a benchmark's baseline measured in the same run."""
+    src, shim = tmp / "src", tmp / "shim" / "teragram"
+    src.mkdir(parents=True)
+    shim.mkdir(parents=True)
+    archive = subprocess.run(["git", "archive", commit, "index", "builder", "model", "serve"], cwd=REPO, capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(src)], input=archive.stdout, check=True)
+    for d in ("index", "builder", "model", "serve"):
+        (shim / d).symlink_to(src / d)
+    (shim / "__init__.py").write_text("")
+    return shim.parent
+
+
 def table(rows: list[dict], cols: list[str]) -> str:
     """A markdown table of rows (dicts) in the given columns."""
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import REPO, SMOKE_HELP, save, smoke_context, smoke_index, smoke_jsonl, table
+from benchmarks.common import REPO, SMOKE_HELP, library_at, save, smoke_context, smoke_index, smoke_jsonl, table
 
 OPS = ("estimates", "features")
 WARM_TOKENS = 20_000  # of other documents, scored before each measured pass
@@ -91,19 +91,6 @@ def worker(spec: dict) -> dict:
             print(f"  {Path(spec['index']).name} {op} threads {th}: {tokens / s / th:,.0f} tokens/s/core", flush=True)
     m = idx.manifest["counts"]
     return {"index": Path(spec["index"]).name, "index_tokens": m["tokens"], "shards": len(idx.shards), "tokens": tokens, "ops": out}
-
-
-def _library_of(commit: str, tmp: Path) -> Path:
-    """A folder to put first on PYTHONPATH so that `teragram` is the library at `commit`."""
-    src, shim = tmp / "src", tmp / "shim" / "teragram"
-    src.mkdir(parents=True)
-    shim.mkdir(parents=True)
-    archive = subprocess.run(["git", "archive", commit, "index", "builder", "model", "serve"], cwd=REPO, capture_output=True, check=True)
-    subprocess.run(["tar", "-x", "-C", str(src)], input=archive.stdout, check=True)
-    for d in ("index", "builder", "model", "serve"):
-        (shim / d).symlink_to(src / d)
-    (shim / "__init__.py").write_text("")
-    return shim.parent
 
 
 def measure(spec: dict, library: Path | None = None) -> dict:
@@ -195,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         base = {"heldout": [str(p) for p in a.heldout], "tokens": a.tokens, "threads": a.threads, "ops": list(OPS)}
         with tempfile.TemporaryDirectory(prefix="heldout-speed-") as t:
-            lib = _library_of(a.baseline, Path(t)) if a.baseline else None
+            lib = library_at(a.baseline, Path(t)) if a.baseline else None
             for ix in a.index:
                 rows.append(measure(base | {"index": str(ix)}) | {"code": "this commit"})
                 if lib is not None and (a.baseline_index is None or ix in a.baseline_index):

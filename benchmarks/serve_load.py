@@ -1,12 +1,13 @@
 """Load test of `teragram serve`: 64 concurrent clients on loopback for a bounded time.
 
-    python -m benchmarks.serve_load [--seconds 60] [--clients 64] [--run RUN --name NAME]
+    python -m benchmarks.serve_load [--seconds 60] [--clients 64] [--run RUN --name NAME] [--baseline COMMIT]
 
 Serves the demo index and tiny index model (runs/default, made by `make demo`; built here if
 missing; --run: another folder with idx/ and index-model/, e.g. links to a large index and a
 model of its tokenizer) on CPU, then keeps 64 clients busy with a mix of infini-gram-style index queries
 (70%), short completions (20%) and scoring requests (10%). Reports requests/s, failures and
-p50/p99 latency per endpoint. Then measures the index-lookup share of a decode step with the
+p50/p99 latency per endpoint; --baseline: the same load first against the server of the library
+at COMMIT (a `git archive` of it), in the same run. Then measures the index-lookup share of a decode step with the
 125M model shape against the ~50M-token linux-source index (if benchmarks/build.py made it).
 """
 
@@ -155,6 +156,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--run", default=str(REPO / "runs" / "default"))
     ap.add_argument("--name", default="serve_load", help="the result files' name")
     ap.add_argument("--share-only", action="store_true", help="only the decode-step lookup share (updates serve_load.json)")
+    ap.add_argument("--baseline", help="also load the server of the library at this commit (first), e.g. the one before a change")
     return ap.parse_args()
 
 
@@ -185,10 +187,18 @@ def request_mix(idx) -> tuple[list[dict], list[str]]:
     return queries, texts
 
 
-def serve_and_load(run: Path, queries: list[dict], texts: list[str], seconds: int, clients: int) -> tuple[dict, float, dict]:
-    """`teragram serve` of RUN/idx and RUN/index-model on a free port, kept busy by the clients:
-    (latencies and success per endpoint, wall seconds, the server's /stats)."""
+def serve_and_load(
+    run: Path, queries: list[dict], texts: list[str], seconds: int, clients: int, library: Path | None = None
+) -> tuple[dict, float, dict]:
+    """`teragram serve` of RUN/idx and RUN/index-model on a free port (the library at `library`
+    when given), kept busy by the clients: (latencies and success per endpoint, wall seconds,
+    the server's /stats)."""
+    import os
+
     port = _free_port()
+    env = dict(os.environ)
+    if library is not None:
+        env["PYTHONPATH"] = f"{library}{os.pathsep}{env.get('PYTHONPATH', '')}"
     srv = subprocess.Popen(
         [
             sys.executable,
@@ -203,6 +213,7 @@ def serve_and_load(run: Path, queries: list[dict], texts: list[str], seconds: in
             str(port),
         ],
         cwd=REPO,
+        env=env,
     )
     url = f"http://127.0.0.1:{port}"
     import httpx
@@ -249,13 +260,20 @@ def endpoint_rows(stats: dict, wall: float) -> tuple[list[dict], dict]:
 def report(args: argparse.Namespace, idx, rows: list[dict], data: dict) -> None:
     """The table and the plot: benchmarks/results/NAME.*"""
     run, wall, total, share = Path(args.run), data["seconds"], data["total"], data.get("decode_lookup_share")
-    md = table(rows, ["endpoint", "requests", "failed", "req/s", "p50 ms", "p99 ms"])
+    cols = ["endpoint", "requests", "failed", "req/s", "p50 ms", "p99 ms"]
+    md = table(rows, cols)
     n_tok = idx.manifest["counts"]["tokens"]
     md += (
         f"\n\n{args.clients} concurrent clients for {wall:.0f} s on loopback against {run / 'idx'} ({n_tok / 1e6:,.0f}M tokens, "
         f"{len(idx.shards)} shards) and the tiny model {run / 'index-model'} on CPU: {total['requests']:,} requests, {total['failed']} failed, "
         f"{total['req_per_s']:,.1f} requests/s."
     )
+    if "baseline" in data:
+        b = data["baseline"]
+        md += (
+            f"\n\nThe same load, run first, against the server of the library at {b['commit']}: {b['total']['requests']:,} requests, "
+            f"{b['total']['failed']} failed, {b['total']['req_per_s']:,.1f} requests/s:\n\n" + table(list(b["endpoints"].values()), cols)
+        )
     if share:
         md += (
             f"\n\nIndex-lookup share of a decode step, 125M model on this CPU, {share['index_tokens'] / 1e6:.0f}M-token index: lookup {share['lookup_ms']:.3f} ms, "
@@ -289,9 +307,19 @@ def main() -> int:
 
     idx = Index(run / "idx")
     queries, texts = request_mix(idx)
+    data: dict = {"clients": args.clients}
+    if args.baseline:
+        import tempfile
+
+        from benchmarks.common import library_at
+
+        with tempfile.TemporaryDirectory() as t:
+            stats, wall, _ = serve_and_load(run, queries, texts, args.seconds, args.clients, library_at(args.baseline, Path(t)))
+        b_rows, b_total = endpoint_rows(stats, wall)
+        data["baseline"] = {"commit": args.baseline, "seconds": wall, "endpoints": {r["endpoint"]: r for r in b_rows}, "total": b_total}
     stats, wall, server_stats = serve_and_load(run, queries, texts, args.seconds, args.clients)
     rows, total = endpoint_rows(stats, wall)
-    data = {"clients": args.clients, "seconds": wall, "endpoints": {r["endpoint"]: r for r in rows}}
+    data |= {"seconds": wall, "endpoints": {r["endpoint"]: r for r in rows}}
     data |= {"total": total, "server_stats": server_stats}
     big = default_workdir() / "tg"
     if (big / "manifest.json").exists():

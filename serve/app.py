@@ -8,17 +8,25 @@ max_tokens, temperature, top_p, stop, stream as server-sent events; draft: up to
 drafted from exact matches and verified in one pass; provenance: each token's indexed document),
 POST /v1/score,
 GET /health, GET /stats. Every bad request gets a 4xx with {"error": "<one line>"}.
-Index queries run concurrently in the worker threads (the kernels release the GIL); model
-calls are serialized by a lock (one model, one device).
+
+Requests run in three lanes of worker threads (Lanes), so that a cheap query never waits for a
+thread behind expensive ones: index queries that only search (count, prob, infgram_prob), index
+queries that enumerate (ntd, infgram_ntd, search_docs), and requests that run the model
+(completions, scoring), whose model calls are serialized by a lock (one model, one device). A
+request waiting for its lane holds no thread. Index queries run concurrently (the kernels
+release the GIL).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
 from collections import defaultdict, deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 from fastapi import FastAPI, Request
@@ -108,8 +116,62 @@ class _Stats:
             return out
 
 
+async def _produced(make, lane: ThreadPoolExecutor):
+    """The items of the generator make() as they come, produced in one thread of the lane: a
+    stream holds one thread from its first item to its last, and stops producing when its
+    client goes away."""
+    loop = asyncio.get_running_loop()
+    items: asyncio.Queue = asyncio.Queue()
+    gone = threading.Event()
+    end = object()
+
+    def produce() -> None:
+        gen = make()
+        try:
+            for x in gen:
+                loop.call_soon_threadsafe(items.put_nowait, x)
+                if gone.is_set():
+                    break
+            loop.call_soon_threadsafe(items.put_nowait, end)
+        except Exception as e:  # noqa: BLE001  (raised again where the stream is read)
+            loop.call_soon_threadsafe(items.put_nowait, e)
+        finally:
+            gen.close()  # its model lock released now, not when collected
+
+    task = loop.run_in_executor(lane, produce)
+    try:
+        while (x := await items.get()) is not end:
+            if isinstance(x, Exception):
+                raise x
+            yield x
+    finally:
+        gone.set()
+        await asyncio.shield(task)
+
+
 def _err(status: int, msg: str) -> JSONResponse:
     return JSONResponse({"error": msg}, status_code=status)
+
+
+SEARCH_QUERIES = ("count", "prob", "infgram_prob")  # binary searches only: the fast lane
+
+
+def _pool(n: int, name: str) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(n, thread_name_prefix=name)
+
+
+@dataclass
+class Lanes:
+    """A pool of worker threads per kind of request; a request waits in its pool's queue."""
+
+    search: ThreadPoolExecutor = field(default_factory=lambda: _pool(8, "search"))
+    enumerate: ThreadPoolExecutor = field(default_factory=lambda: _pool(4, "enumerate"))
+    model: ThreadPoolExecutor = field(default_factory=lambda: _pool(4, "model"))
+
+
+async def _run(lane: ThreadPoolExecutor, fn, *args):
+    """fn(*args) in a thread of the lane."""
+    return await asyncio.get_running_loop().run_in_executor(lane, partial(fn, *args))
 
 
 @dataclass
@@ -125,6 +187,7 @@ class Served:
     model_lock: threading.Lock = field(default_factory=threading.Lock)
     draft_stats: DraftStats = field(default_factory=DraftStats)  # acceptance by match length, across requests
     stats: object = field(default_factory=lambda: _Stats())
+    lanes: Lanes = field(default_factory=Lanes)
 
 
 def load(cfg: ServeConfig) -> Served:
@@ -160,6 +223,7 @@ def load(cfg: ServeConfig) -> Served:
 def create_app(cfg: ServeConfig) -> FastAPI:
     s = load(cfg)
     app = FastAPI(title="teragram", version="0.1.0")
+    app.state.served = s
     _add_guards(app, s)
     _add_index_routes(app, s)
     _add_completions(app, s)
@@ -223,11 +287,11 @@ def _add_index_routes(app: FastAPI, s: Served) -> None:
     cfg, idx, model, model_meta, draft_stats, stats = s.cfg, s.idx, s.model, s.model_meta, s.draft_stats, s.stats
 
     @app.get("/health")
-    def health():
+    async def health():
         return {"status": "ok", "model": model is not None}
 
     @app.get("/stats")
-    def get_stats():
+    async def get_stats():
         m = None
         if model is not None:
             m = {
@@ -250,8 +314,7 @@ def _add_index_routes(app: FastAPI, s: Served) -> None:
             "endpoints": stats.summary(),
         }
 
-    @app.post("/")
-    def infinigram(req: InfinigramRequest):
+    def query(req: InfinigramRequest) -> dict:
         t = time.perf_counter()
         ids = _query_ids(s, req.query, req.query_ids)
         qt = req.query_type
@@ -271,6 +334,11 @@ def _add_index_routes(app: FastAPI, s: Served) -> None:
             raise QueryError(f"unknown query_type {qt!r}; expected count, prob, ntd, infgram_prob, infgram_ntd or search_docs")
         return with_tokens(idx, r, ids) | {"latency": (time.perf_counter() - t) * 1e3}
 
+    @app.post("/")
+    async def infinigram(req: InfinigramRequest):
+        lane = s.lanes.search if req.query_type in SEARCH_QUERIES else s.lanes.enumerate
+        return await _run(lane, query, req)
+
 
 def _add_completions(app: FastAPI, s: Served) -> None:
     """/v1/completions: generation with live index lookups, drafts and provenance, streamed or not."""
@@ -288,7 +356,10 @@ def _add_completions(app: FastAPI, s: Served) -> None:
         return {"token": tok.id, "text": idx.piece(tok.id), "document": tok.provenance.to_json() if tok.provenance else None}
 
     @app.post("/v1/completions")
-    def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest):
+        return await _run(s.lanes.model, complete, req)
+
+    def complete(req: CompletionRequest):
         _need_model(s)
         if req.max_tokens > cfg.max_tokens:
             raise QueryError(f"max_tokens {req.max_tokens} is over the cap of {cfg.max_tokens}")
@@ -358,7 +429,7 @@ def _add_completions(app: FastAPI, s: Served) -> None:
             yield f"data: {json.dumps({'id': f'cmpl-{created}', 'object': 'text_completion', 'choices': [{'index': 0, 'text': '', 'finish_reason': finish}]})}\n\n"
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(sse(), media_type="text/event-stream")
+        return StreamingResponse(_produced(sse, s.lanes.model), media_type="text/event-stream")
 
 
 def _add_score(app: FastAPI, s: Served) -> None:
@@ -366,6 +437,9 @@ def _add_score(app: FastAPI, s: Served) -> None:
     cfg, idx, model, gate, model_lock = s.cfg, s.idx, s.model, s.gate, s.model_lock
 
     @app.post("/v1/score")
+    async def score_route(req: ScoreRequest):
+        return await _run(s.lanes.model, score, req)
+
     def score(req: ScoreRequest):
         _need_model(s)
         import torch

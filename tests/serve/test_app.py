@@ -217,6 +217,26 @@ def test_concurrent_index_queries(client, real_index):
     assert res == [idx.count(q).count for q in qs]
 
 
+def test_searches_are_answered_while_the_model_is_busy(real_index, checkpoint):
+    """More requests waiting for the model than the server has worker threads (anyio's 40),
+    streamed and not: a count still comes back at once (its lane has threads of its own; it
+    timed out before lanes), and every waiting request completes once the model is free."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    app = create_app(ServeConfig(index=str(real_index), checkpoint=str(checkpoint), max_tokens=64))
+    idx, lock = app.state.served.idx, app.state.served.model_lock
+    gen = {"prompt": "The", "max_tokens": 4, "seed": 1}
+    with TestClient(app) as c, ThreadPoolExecutor(64) as ex:  # one event loop, as under uvicorn
+        with lock:  # the model busy
+            waiting = [ex.submit(c.post, "/v1/score", json={"text": "The kernel is"}) for _ in range(24)]
+            waiting += [ex.submit(c.post, "/v1/completions", json=gen | {"stream": i % 2 == 0}) for i in range(24)]
+            time.sleep(1.0)
+            count = ex.submit(c.post, "/", json={"query_type": "count", "query": "kernel"})
+            assert count.result(timeout=20).json()["count"] == idx.count(idx.tokenize("kernel")).count
+            assert not any(w.done() for w in waiting)
+        assert all(w.result(timeout=120).status_code == 200 for w in waiting)
+
+
 def test_gate_in_score_equals_bulk_gated_eval_and_completions_run(real_index, checkpoint, tmp_path):
     from teragram.model.checkpoint import load_model
     from teragram.model.evaluation.perplexity import gated_eval
