@@ -19,14 +19,11 @@ release the GIL).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 import time
 from collections import defaultdict, deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import partial
 
 import numpy as np
 from fastapi import FastAPI, Request
@@ -37,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from teragram.index.engine import Index, with_tokens
 from teragram.index.errors import ClusterError, QueryError, TeragramError
 from teragram.model.generation.draft import MAX_DRAFT, DraftStats
+from teragram.serve.lanes import SEARCH_QUERIES, Lanes, in_lane, produced
 
 
 @dataclass(frozen=True)
@@ -116,62 +114,8 @@ class _Stats:
             return out
 
 
-async def _produced(make, lane: ThreadPoolExecutor):
-    """The items of the generator make() as they come, produced in one thread of the lane: a
-    stream holds one thread from its first item to its last, and stops producing when its
-    client goes away."""
-    loop = asyncio.get_running_loop()
-    items: asyncio.Queue = asyncio.Queue()
-    gone = threading.Event()
-    end = object()
-
-    def produce() -> None:
-        gen = make()
-        try:
-            for x in gen:
-                loop.call_soon_threadsafe(items.put_nowait, x)
-                if gone.is_set():
-                    break
-            loop.call_soon_threadsafe(items.put_nowait, end)
-        except Exception as e:  # noqa: BLE001  (raised again where the stream is read)
-            loop.call_soon_threadsafe(items.put_nowait, e)
-        finally:
-            gen.close()  # its model lock released now, not when collected
-
-    task = loop.run_in_executor(lane, produce)
-    try:
-        while (x := await items.get()) is not end:
-            if isinstance(x, Exception):
-                raise x
-            yield x
-    finally:
-        gone.set()
-        await asyncio.shield(task)
-
-
 def _err(status: int, msg: str) -> JSONResponse:
     return JSONResponse({"error": msg}, status_code=status)
-
-
-SEARCH_QUERIES = ("count", "prob", "infgram_prob")  # binary searches only: the fast lane
-
-
-def _pool(n: int, name: str) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(n, thread_name_prefix=name)
-
-
-@dataclass
-class Lanes:
-    """A pool of worker threads per kind of request; a request waits in its pool's queue."""
-
-    search: ThreadPoolExecutor = field(default_factory=lambda: _pool(8, "search"))
-    enumerate: ThreadPoolExecutor = field(default_factory=lambda: _pool(4, "enumerate"))
-    model: ThreadPoolExecutor = field(default_factory=lambda: _pool(4, "model"))
-
-
-async def _run(lane: ThreadPoolExecutor, fn, *args):
-    """fn(*args) in a thread of the lane."""
-    return await asyncio.get_running_loop().run_in_executor(lane, partial(fn, *args))
 
 
 @dataclass
@@ -337,7 +281,7 @@ def _add_index_routes(app: FastAPI, s: Served) -> None:
     @app.post("/")
     async def infinigram(req: InfinigramRequest):
         lane = s.lanes.search if req.query_type in SEARCH_QUERIES else s.lanes.enumerate
-        return await _run(lane, query, req)
+        return await in_lane(lane, query, req)
 
 
 def _add_completions(app: FastAPI, s: Served) -> None:
@@ -357,7 +301,7 @@ def _add_completions(app: FastAPI, s: Served) -> None:
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
-        return await _run(s.lanes.model, complete, req)
+        return await in_lane(s.lanes.model, complete, req)
 
     def complete(req: CompletionRequest):
         _need_model(s)
@@ -429,7 +373,7 @@ def _add_completions(app: FastAPI, s: Served) -> None:
             yield f"data: {json.dumps({'id': f'cmpl-{created}', 'object': 'text_completion', 'choices': [{'index': 0, 'text': '', 'finish_reason': finish}]})}\n\n"
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(_produced(sse, s.lanes.model), media_type="text/event-stream")
+        return StreamingResponse(produced(sse, s.lanes.model), media_type="text/event-stream")
 
 
 def _add_score(app: FastAPI, s: Served) -> None:
@@ -438,7 +382,7 @@ def _add_score(app: FastAPI, s: Served) -> None:
 
     @app.post("/v1/score")
     async def score_route(req: ScoreRequest):
-        return await _run(s.lanes.model, score, req)
+        return await in_lane(s.lanes.model, score, req)
 
     def score(req: ScoreRequest):
         _need_model(s)
