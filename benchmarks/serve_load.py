@@ -6,7 +6,7 @@ Serves the demo index and tiny index model (runs/default, made by `make demo`; b
 missing; --run: another folder with idx/ and index-model/, e.g. links to a large index and a
 model of its tokenizer) on CPU, then keeps 64 clients busy with a mix of infini-gram-style index queries
 (70%), short completions (20%) and scoring requests (10%). Reports requests/s, failures and
-p50/p99 latency per endpoint; --baseline: the same load first against the server of the library
+p50/p99 latency per endpoint (and the server's own p99, from its /stats); --baseline: the same load first against the server of the library
 at COMMIT (a `git archive` of it), in the same run. Then measures the index-lookup share of a decode step with the
 125M model shape against the ~50M-token linux-source index (if benchmarks/build.py made it).
 """
@@ -261,7 +261,7 @@ def report(args: argparse.Namespace, idx, rows: list[dict], data: dict) -> None:
     """The table and the plot: benchmarks/results/NAME.*"""
     run, wall, total, share = Path(args.run), data["seconds"], data["total"], data.get("decode_lookup_share")
     cols = ["endpoint", "requests", "failed", "req/s", "p50 ms", "p99 ms"]
-    md = table(rows, cols)
+    md = table(rows, cols + ["server p99 ms"])
     n_tok = idx.manifest["counts"]["tokens"]
     md += (
         f"\n\n{args.clients} concurrent clients for {wall:.0f} s on loopback against {run / 'idx'} ({n_tok / 1e6:,.0f}M tokens, "
@@ -319,6 +319,9 @@ def main() -> int:
         data["baseline"] = {"commit": args.baseline, "seconds": wall, "endpoints": {r["endpoint"]: r for r in b_rows}, "total": b_total}
     stats, wall, server_stats = serve_and_load(run, queries, texts, args.seconds, args.clients)
     rows, total = endpoint_rows(stats, wall)
+    for r in rows:  # the server's own latency (from receiving the request to answering it), where /stats has it
+        own = server_stats.get("endpoints", {}).get(r["endpoint"])
+        r["server p99 ms"] = own["p99_ms"] if own else ""
     data |= {"seconds": wall, "endpoints": {r["endpoint"]: r for r in rows}}
     data |= {"total": total, "server_stats": server_stats}
     big = default_workdir() / "tg"

@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from teragram.index.engine import Index, with_tokens
 from teragram.index.errors import ClusterError, QueryError, TeragramError
 from teragram.model.generation.draft import MAX_DRAFT, DraftStats
-from teragram.serve.lanes import SEARCH_QUERIES, Lanes, in_lane, produced
+from teragram.serve.lanes import QUERY_TYPES, SEARCH_QUERIES, Lanes, in_lane, produced
 
 
 @dataclass(frozen=True)
@@ -275,13 +275,20 @@ def _add_index_routes(app: FastAPI, s: Served) -> None:
         elif qt == "search_docs":
             r = idx.docs(ids, max=req.maxnum, context=req.max_disp_len // 2).to_json()
         else:
-            raise QueryError(f"unknown query_type {qt!r}; expected count, prob, ntd, infgram_prob, infgram_ntd or search_docs")
+            raise QueryError(f"unknown query_type {qt!r}; expected {', '.join(QUERY_TYPES)}")
         return with_tokens(idx, r, ids) | {"latency": (time.perf_counter() - t) * 1e3}
 
     @app.post("/")
     async def infinigram(req: InfinigramRequest):
-        lane = s.lanes.search if req.query_type in SEARCH_QUERIES else s.lanes.enumerate
-        return await in_lane(lane, query, req)
+        qt = req.query_type
+        t, ok = time.perf_counter(), False
+        try:
+            out = await in_lane(s.lanes.search if qt in SEARCH_QUERIES else s.lanes.enumerate, query, req)
+            ok = True
+            return out
+        finally:  # each query type's own latency, waiting for its lane included
+            if qt in QUERY_TYPES:
+                stats.add(f"/ ({qt})", (time.perf_counter() - t) * 1e3, ok)
 
 
 def _add_completions(app: FastAPI, s: Served) -> None:

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 
+QUERY_TYPES = ("count", "prob", "ntd", "infgram_prob", "infgram_ntd", "search_docs")  # infini-gram's API
 SEARCH_QUERIES = ("count", "prob", "infgram_prob")  # binary searches only: the fast lane
 
 

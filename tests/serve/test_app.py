@@ -116,6 +116,7 @@ def test_real_server_every_endpoint(server, real_index):
     assert all(x <= 0 for x in r["logprobs_with_index"])
     s = httpx.get(server + "/stats", headers=H).json()
     assert s["index"]["tokens"] == idx.n_tokens and s["endpoints"]["/"]["requests"] >= 4 and s["model"]["params"] > 0
+    assert s["endpoints"]["/ (count)"]["requests"] == 1 and s["endpoints"]["/ (search_docs)"]["requests"] == 1
 
 
 def test_streaming(server):
