@@ -147,7 +147,14 @@ train(replace(cfg["zero1-resumed"], zero1=True))
 dist.destroy_process_group()
 """.replace("from pathlib import Path", "from pathlib import Path\nfrom dataclasses import replace")
     )
-    torchrun(script)
+    try:
+        torchrun(script)
+    except pytest.fail.Exception as e:  # a gloo rank aborted at random under load (seen once in ~6 suites): once more, from nothing
+        if "SIGABRT" not in str(e) and "terminate called" not in str(e):
+            raise
+        for n in runs:
+            shutil.rmtree(data_root / ("z-" + n), ignore_errors=True)
+        torchrun(script)
     ddp, zero, resumed = (logged_losses(data_root, "z-" + n) for n in runs)
     assert [zero[s] for s in range(1, 21)] == pytest.approx([ddp[s] for s in range(1, 21)], rel=1e-5)
     assert [resumed[s] for s in range(11, 21)] == [zero[s] for s in range(11, 21)]
