@@ -128,6 +128,14 @@ def library_at(commit: str, tmp: Path) -> Path:
     return shim.parent
 
 
+def library_env(library: Path | None) -> dict:
+    """This process's environment, with `library` (library_at's folder) first on PYTHONPATH when given."""
+    env = dict(os.environ)
+    if library is not None:
+        env["PYTHONPATH"] = f"{library}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    return env
+
+
 def table(rows: list[dict], cols: list[str]) -> str:
     """A markdown table of rows (dicts) in the given columns."""
 

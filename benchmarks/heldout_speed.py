@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -31,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import REPO, SMOKE_HELP, library_at, save, smoke_context, smoke_index, smoke_jsonl, table
+from benchmarks.common import REPO, SMOKE_HELP, library_at, library_env, save, smoke_context, smoke_index, smoke_jsonl, table
 
 OPS = ("estimates", "features")
 WARM_TOKENS = 20_000  # of other documents, scored before each measured pass
@@ -95,11 +94,8 @@ def worker(spec: dict) -> dict:
 
 def measure(spec: dict, library: Path | None = None) -> dict:
     """worker(spec) in a fresh process (with the library at `library` when given)."""
-    env = dict(os.environ)
-    if library is not None:
-        env["PYTHONPATH"] = f"{library}{os.pathsep}{env.get('PYTHONPATH', '')}"
     cmd = [sys.executable, "-m", "benchmarks.heldout_speed", "--worker", json.dumps(spec)]
-    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    r = subprocess.run(cmd, cwd=REPO, env=library_env(library), capture_output=True, text=True)
     sys.stdout.write(r.stdout.split("RESULT ")[0])
     if r.returncode:
         raise SystemExit(f"{cmd[:4]} failed:\n{r.stderr[-3000:]}")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import default_workdir, save, smoke_context, smoke_index, smoke_model, table
+from benchmarks.common import default_workdir, library_env, save, smoke_context, smoke_index, smoke_model, table
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -193,12 +193,7 @@ def serve_and_load(
     """`teragram serve` of RUN/idx and RUN/index-model on a free port (the library at `library`
     when given), kept busy by the clients: (latencies and success per endpoint, wall seconds,
     the server's /stats)."""
-    import os
-
     port = _free_port()
-    env = dict(os.environ)
-    if library is not None:
-        env["PYTHONPATH"] = f"{library}{os.pathsep}{env.get('PYTHONPATH', '')}"
     srv = subprocess.Popen(
         [
             sys.executable,
@@ -213,7 +208,7 @@ def serve_and_load(
             str(port),
         ],
         cwd=REPO,
-        env=env,
+        env=library_env(library),
     )
     url = f"http://127.0.0.1:{port}"
     import httpx
