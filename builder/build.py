@@ -131,6 +131,7 @@ def build(cfg: BuildConfig) -> dict:
     t1 = time.time()
     for m in done:  # parts left by a run killed between a shard's marker and their removal
         shard_index.remove_parts(fmt.shard_dir(out, m["shard"], m.get("dir")))
+    done = [shard_index.add_contexts(out, m) for m in done]  # shards built before index/contexts.py
     memory = cfg.memory_bytes
     reserve = tree_rss() + _ENCODER_RSS * cfg.workers
     par = sa_parallelism(cfg.workers, cfg.shard_tokens, dtype.itemsize, memory - reserve) if cfg.executor == "local" else 1

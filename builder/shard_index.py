@@ -10,12 +10,13 @@ bytes: the order is fixed by the shard's tokens (``builder/sa.py``), not by the 
 from __future__ import annotations
 
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import psutil
+from teragram.index import contexts, packed, top_cache
 from teragram.index import format as fmt
-from teragram.index import packed, top_cache
 from teragram.index.errors import BuildError
 from tqdm import tqdm
 
@@ -72,7 +73,23 @@ def write_shard_arrays(
         raise BuildError(f"{shard_dir}: suffix array has {sum(counts)} entries for {n_real} tokens (corrupt part?)")
     sa = fmt.open_packed(shard_dir / "sa.bin", "sa")
     top_cache.write(shard_dir, tok, sa.words, sa.width, sa.count)
-    return {"sa_entries": int(sum(counts)), "sa_width": width}
+    stored = contexts.write(shard_dir, tok, sa.words, sa.width, sa.count)
+    return {"sa_entries": int(sum(counts)), "sa_width": width} | stored
+
+
+def add_contexts(root: Path, marker: dict) -> dict:
+    """A completed shard built before its frequent contexts' histograms were stored
+    (index/contexts.py): the table written and recorded in its marker; the marker returned."""
+    d = fmt.shard_dir(root, marker["shard"], marker.get("dir"))
+    if any(Path(f["path"]).name == contexts.NODES_FILE for f in marker["files"]):
+        return marker
+    sa = fmt.open_packed(d / "sa.bin", "sa")
+    stats = contexts.write(d, fmt.open_array(d / "tokens.bin", "tokens"), sa.words, sa.width, sa.count)
+    files = [r for r in marker["files"] if Path(r["path"]).name != contexts.HIST_FILE]
+    files += [asdict(fmt.file_record(root, d / n)) for n in (contexts.NODES_FILE, contexts.HIST_FILE)]
+    marker = marker | stats | {"files": files}
+    fmt.write_json(fmt.shard_marker(root, marker["shard"]), marker)
+    return marker
 
 
 def remove_parts(shard_dir: Path) -> None:

@@ -32,6 +32,8 @@ Index directory layout (FORMAT_VERSION 1):
     IDX/shards/NNNNNN/unigram.bin  uint64 count of each vocabulary id in the shard
     IDX/shards/NNNNNN/top.pos.bin  int64 suffix-array samples, every 2^k-th rank (top_cache.py)
     IDX/shards/NNNNNN/top.prefix.bin  the first tokens of those samples' suffixes
+    IDX/shards/NNNNNN/contexts.{nodes,hist}.bin  next-token histograms of the frequent contexts
+                                   (index/contexts.py)
     IDX/shards/NNNNNN/docs.jsonl   per-document metadata, the source of the LMDB store
     IDX/shards/NNNNNN.done         completion marker: file sizes, digests, input cursor
     IDX/shards/NNNNNN/sa.parts/    while a shard is built only: sorted suffix-array parts
@@ -70,6 +72,7 @@ _DTYPES = {
     "float32": np.float32,
 }
 SHARD_FILES = ("tokens.bin", "docs.bin", "docs.jsonl", "sa.bin", "samax.bin", "unigram.bin", "top.pos.bin", "top.prefix.bin")
+SHARD_FILES += ("contexts.nodes.bin", "contexts.hist.bin")
 # Block sizes (in suffix-array ranks) of the three levels of samax.bin.
 SAMAX_BLOCKS = (64, 4096, 262144)
 

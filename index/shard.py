@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
+from . import contexts, top_cache
 from . import format as fmt
 from . import kernels as K
-from . import top_cache
 from .errors import IndexFormatError
 
 
@@ -79,8 +79,18 @@ class Shard:
             if self.random:
                 advise(self.searched, mmap.MADV_RANDOM)
 
+    @cached_property
+    def contexts(self) -> contexts.Contexts | None:
+        """The stored histograms of the shard's frequent contexts (index/contexts.py), if any."""
+        return None if self.dir is None else contexts.load(self.dir)
+
     def blocks(self, lo: int, hi: int, d: int) -> tuple[np.ndarray, np.ndarray]:
-        """(tokens, counts) following the interval's common prefix of length d."""
+        """(tokens, counts) following the interval's common prefix of length d: stored for a
+        frequent context, else enumerated."""
+        if self.contexts is not None and hi - lo >= self.contexts.min_count:
+            got = self.contexts.find(lo, hi, d)
+            if got is not None:
+                return got
         cap = min(hi - lo, len(self.unigram) + 1)  # distinct next tokens: every token and SEP at most
         while True:
             out_t = np.empty(cap, dtype=np.int64)

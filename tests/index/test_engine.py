@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
 from teragram.builder.build import build_from_ids
+from teragram.index import contexts
 from teragram.index.engine import Index
 from teragram.index.errors import QueryError
 
@@ -12,7 +13,9 @@ from tests.oracle import Oracle
 def random_index(tmp_path_factory, tokenizer_model):
     docs = random_docs(np.random.default_rng(7), 120, 6, 60, 1000)
     out = tmp_path_factory.mktemp("rnd") / "idx"
-    build_from_ids(docs, out, tokenizer_model, shard_tokens=900)
+    with pytest.MonkeyPatch.context() as mp:  # the frequent contexts' stored histograms in use (index/contexts.py)
+        mp.setattr(contexts, "MIN_COUNT", 2)
+        build_from_ids(docs, out, tokenizer_model, shard_tokens=900)
     idx = Index(out)
     assert len(idx.shards) >= 3
     return idx, Oracle(docs, idx.eos_id)
