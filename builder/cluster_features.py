@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from teragram.index import bulk
+from teragram.index import cluster_bulk
 from teragram.index import format as fmt
 from teragram.index.errors import BuildError
 from teragram.index.features import FeatureConfig, Features, begin, finish
@@ -90,7 +90,9 @@ def cluster_shard_features(cidx, place: int, cfg: FeatureConfig) -> Features:
         got = cidx.run_each(dict.fromkeys(others, ("bulk_lengths", key, ids, starts, [cfg.max_len])))
         longest = np.max([longest] + [got[g][0][0] for g in others], axis=0)
         skip = np.zeros(len(ids), bool)
-        got = cidx.run_each(dict.fromkeys(others, ("bulk_histograms", key, ids, starts, [cfg.max_len], longest[None], skip, bulk.HEAVY)))
+        got = cidx.run_each(
+            dict.fromkeys(others, ("bulk_histograms", key, ids, starts, [cfg.max_len], longest[None], skip, cluster_bulk.HEAVY))
+        )
         parts = [got[g] for g in others]
     whole = (cidx.unigram, cidx.n_positions)
     return cidx.run_each(dict.fromkeys([own], ("call", merged_part, key, place, cfg, longest, parts, whole)))[own]

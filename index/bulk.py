@@ -15,11 +15,10 @@ Python:
 3. positions (of all caps) that share a context are grouped: a context is one string, known by
    its length and its interval in the first shard that holds it. The short contexts repeat
    a lot and have the large intervals, so each distinct context's next-token histogram is
-   computed once, summed over the shards in a dense scratch (one galloping search per distinct
-   next token, kernels.block_end), and read by every position in its group. A context with at
-   least HEAVY occurrences is summarized by the index instead (Index.context_summary), which
-   keeps the summary for the next chunk and the next call: a long text's frequent contexts are
-   enumerated once.
+   computed once, summed over the shards in a dense scratch, and read by every position in its
+   group. A shard's part of it is read from the shard's stored histograms where the context is
+   frequent there (index/contexts.py), else enumerated: one galloping search per distinct next
+   token (kernels.block_end).
 
 Steps 1 and 3 run on `threads` threads, by documents and by contexts (the kernels release the GIL).
 """
@@ -33,6 +32,7 @@ import numba as nb
 import numpy as np
 
 from . import kernels as K
+from .contexts import NONE, stored_run
 from .features import FIELDS, SCORE_DTYPES, Features
 from .matching import capped_intervals, longest_matches
 from .packed import get
@@ -40,13 +40,34 @@ from .packed import get
 UNCAPPED = 1 << 62
 CHUNK = 1 << 18  # positions per pass at most
 READAHEAD_MIN = 1 << 14  # positions from which a call turns the kernel's read-ahead on (not one short document)
-HEAVY = 1 << 12  # a context this frequent is summarized once per index (Index.context_summary), not per chunk
 SCRATCH = 1 << 23  # and at most this many (cap, position, shard) intervals (16 bytes each, a few copies)
 
 
 @nb.njit(cache=True, nogil=True)
 def _histograms(
-    toks, words, widths, samaxs, offs, sep, eos, us, lo, hi, d, grp, pos, target, o_tcnt, o_top, o_topc, o_cont, scratch, touched
+    toks,
+    words,
+    widths,
+    samaxs,
+    offs,
+    nodes,
+    hists,
+    mins,
+    sep,
+    eos,
+    us,
+    lo,
+    hi,
+    d,
+    grp,
+    pos,
+    target,
+    o_tcnt,
+    o_top,
+    o_topc,
+    o_cont,
+    scratch,
+    touched,
 ):
     """For each context u of us (rows of lo/hi: its interval per shard, empty where the shard
     lacks it; d[u] its length): its next-token histogram over the shards, then each of its positions
@@ -70,6 +91,19 @@ def _histograms(
             wd = words[s]
             w = widths[s]
             r = a
+            if b - a >= mins[s]:  # a frequent context: its histogram is stored (index/contexts.py)
+                e0, e1 = stored_run(nodes[s], a, b, d[u])
+                if e0 >= 0:
+                    hs = hists[s]
+                    for e in range(e0, e1):
+                        c = np.int64(hs[e, 0])
+                        if c == sep:
+                            c = eos
+                        if scratch[c] == 0:
+                            touched[nt] = c
+                            nt += 1
+                        scratch[c] += np.int64(hs[e, 1])
+                    r = b
             while r < b:
                 e = K.block_end(tk, wd, w, r, b, d[u])
                 c = np.int64(tk[get(wd, w, r) + d[u]])
@@ -216,23 +250,19 @@ def _chunk(idx, ids: np.ndarray, starts: np.ndarray, caps: list[int], k: int, th
     samaxs = nb.typed.List([np.asarray(s.samax) for s in idx.shards])
     widths = np.array([s.sa.width for s in idx.shards], np.int64)
     offs = np.array([[s.off2, s.off3] for s in idx.shards], np.int64).reshape(S, 2)
-
-    heavy = (u_hi - u_lo).sum(1) >= HEAVY
-    for u in np.flatnonzero(heavy):  # the frequent contexts: their summaries are kept by the index
-        ht, hc, ti, tc, c = idx.context_summary(list(zip(u_lo[u].tolist(), u_hi[u].tolist())), int(u_d[u]), k)
-        at = pos[grp[u] : grp[u + 1]]
-        j = np.minimum(np.searchsorted(ht, tgt[at]), max(len(ht) - 1, 0))
-        tcnt[at] = np.where(ht[j] == tgt[at], hc[j], 0) if len(ht) else 0
-        top[at], topc[at], cont[at] = ti, tc, c
-    light = np.flatnonzero(~heavy)
+    tables = [s.contexts or NONE for s in idx.shards]
+    nodes = nb.typed.List([np.asarray(t.nodes) for t in tables])
+    hists = nb.typed.List([np.asarray(t.hist) for t in tables])
+    mins = np.array([t.min_count for t in tables], np.int64)
+    U = len(u_rows)
 
     def run(ua: int, ub: int) -> None:
         scratch = np.zeros(V, np.int64)
         touched = np.zeros(V, np.int64)
-        args = (light[ua:ub], u_lo, u_hi, u_d, grp, pos, tgt, tcnt, top, topc, cont, scratch, touched)
-        _histograms(toks, words, widths, samaxs, offs, idx.sep, idx.eos_id, *args)
+        args = (np.arange(ua, ub), u_lo, u_hi, u_d, grp, pos, tgt, tcnt, top, topc, cont, scratch, touched)
+        _histograms(toks, words, widths, samaxs, offs, nodes, hists, mins, idx.sep, idx.eos_id, *args)
 
-    bounds = np.linspace(0, len(light), max(1, min(threads, len(light))) * 8 + 1).astype(int)
+    bounds = np.linspace(0, U, max(1, min(threads, U)) * 8 + 1).astype(int)
     _map(lambda ab: run(*ab), list(zip(bounds[:-1], bounds[1:])), threads)
     none = Lm == 0  # no suffix occurs: the unigram distribution
     uni = idx.unigram

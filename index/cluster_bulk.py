@@ -23,12 +23,13 @@ import contextlib
 import numba as nb
 import numpy as np
 
-from . import bulk
 from . import kernels as K
 from .bulk import CHUNK, READAHEAD_MIN, UNCAPPED, match_intervals
 from .engine import DIST_CACHE_ELEMENTS
 from .features import FIELDS, SCORE_DTYPES, Features
 from .packed import get
+
+HEAVY = 1 << 12  # a context this frequent: its histogram read through the index's kept ones, its summary kept by the client
 
 
 @nb.njit(cache=True, nogil=True)
@@ -186,7 +187,7 @@ def _chunk(cidx, ids: np.ndarray, starts: np.ndarray, caps: list[int], k: int) -
     known = np.array([x is not None for x in summaries], bool)
     skip = np.zeros(C * P, bool)
     skip[hit] = known[ctx_of_row[hit]]
-    got = cidx.run_all(("bulk_histograms", key, ids, starts, caps, L, skip, bulk.HEAVY))  # bulk.py's threshold, as this process has it
+    got = cidx.run_all(("bulk_histograms", key, ids, starts, caps, L, skip, HEAVY))
     # the groups' histograms of the contexts not known, added, each under its context's id
     hist_ctx, hist_tok, hist_cnt, best_place, cont = [], [], [], np.full(n_ctx, -1, np.int64), np.full(n_ctx, -1, np.int64)
     for g in range(G):
@@ -214,7 +215,7 @@ def _chunk(cidx, ids: np.ndarray, starts: np.ndarray, caps: list[int], k: int) -
     bounds = np.searchsorted(uc, np.arange(n_ctx + 1))
     for c in np.flatnonzero(known).tolist():
         total[c], top[c], topc[c], cont[c] = summaries[c][2:]
-    for c in np.flatnonzero(~known & (total >= bulk.HEAVY)).tolist():
+    for c in np.flatnonzero(~known & (total >= HEAVY)).tolist():
         _keep(
             cidx,
             (int(ctx_key[0, c]), int(ctx_key[1, c]), k),

@@ -94,6 +94,31 @@ def _descend(tok, words, w, n, sep, min_count):
     return nodes[: 4 * m].reshape(m, 4), hist[: 2 * e].reshape(e, 2)
 
 
+@nb.njit(cache=True, nogil=True)
+def stored_run(nodes, lo, hi, d):
+    """The run [a, b) of the histogram entries stored for the d-token context of interval
+    [lo, hi), or (-1, -1) where the table does not hold it. nodes: rows (lo, hi, depth, end)
+    sorted by (lo, hi)."""
+    M = nodes.shape[0]
+    a, b = 0, M
+    while a < b:  # the first row from lo
+        m = (a + b) >> 1
+        if nodes[m, 0] < lo:
+            a = m + 1
+        else:
+            b = m
+    b = M
+    while a < b:  # then the first with its hi >= hi (the rows from lo are sorted by hi)
+        m = (a + b) >> 1
+        if nodes[m, 0] == lo and nodes[m, 1] < hi:
+            a = m + 1
+        else:
+            b = m
+    if a < M and nodes[a, 0] == lo and nodes[a, 1] == hi and nodes[a, 2] == d:
+        return (nodes[a - 1, 3] if a > 0 else 0), nodes[a, 3]
+    return -1, -1
+
+
 def build(tok: np.ndarray, words: np.ndarray, width: int, n: int) -> tuple[np.ndarray, np.ndarray]:
     """A shard's table: nodes (M, 4) int64 rows (lo, hi, depth, end) sorted by (lo, hi), and
     the histograms (E, 2) int64 (token, count), each node's run ending at its `end`."""
@@ -128,13 +153,14 @@ class Contexts:
         """The stored (tokens, counts) after the d-token context of interval [lo, hi), or None
         where the table does not hold it (then it has fewer than MIN_COUNT occurrences or a
         single continuation)."""
-        col = self.nodes[:, 0]
-        a, b = int(np.searchsorted(col, lo)), int(np.searchsorted(col, lo, side="right"))  # nested nodes from lo
-        i = a + int(np.searchsorted(self.nodes[a:b, 1], hi))
-        if i == b or self.nodes[i, 1] != hi or self.nodes[i, 2] != d:
+        a, b = stored_run(self.nodes, lo, hi, d)
+        if a < 0:
             return None
-        h = self.hist[(self.nodes[i - 1, 3] if i else 0) : self.nodes[i, 3]]
+        h = self.hist[a:b]
         return h[:, 0].astype(np.int64), h[:, 1].astype(np.int64)
+
+
+NONE = Contexts(np.zeros((0, 4), np.int64), np.zeros((0, 2), np.uint32), 1 << 62)  # a shard without a table
 
 
 def load(shard_dir) -> Contexts | None:

@@ -294,20 +294,6 @@ class Index:
             self._keep(key, (t, c), len(t))
         return t, c
 
-    def context_summary(self, segs: list[tuple[int, int]], d: int, k: int) -> tuple:
-        """What bulk scoring reads of one d-token context, given its shards' intervals: its
-        next-token histogram (tokens sorted, counts), its top k (count desc, id asc, -1/0
-        padded) and the token after its most recent occurrence. Kept: bulk scoring asks it for
-        the short, frequent contexts (index/bulk.py), chunk after chunk."""
-        key = ("summary", d, k, tuple(segs))
-        hit = self._dist_cache.get(key)
-        if hit is None:
-            toks, cnts = self.segs_dist(segs, d)
-            top_ids, top_cnt = top_counts(toks, cnts, k)
-            hit = (toks, cnts, top_ids, top_cnt, self.latest_cont(segs, d))
-            self._keep(key, hit, len(toks))
-        return hit
-
     def _dist(self, q: np.ndarray, segs: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
         if q.size == 0:
             u = self.unigram

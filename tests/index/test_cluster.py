@@ -229,13 +229,13 @@ def test_bulk_features_equal_the_local_ones_and_brute_force(held, heavy, monkeyp
     """Features of many documents at once through the holders (index/cluster_bulk.py): equal to
     index/bulk.py's on the local index, field by field and dtype, and to brute force; with the
     frequent contexts (>= heavy occurrences) read through the indexes' kept summaries or not."""
-    from teragram.index import bulk
+    from teragram.index import cluster_bulk
     from teragram.index.bulk import continuations
     from teragram.index.features import FIELDS
 
     from tests.index.test_engine import _check_bulk
 
-    monkeypatch.setattr(bulk, "HEAVY", heavy)
+    monkeypatch.setattr(cluster_bulk, "HEAVY", heavy)
 
     c, idx, orc = held
     rng = np.random.default_rng(12)

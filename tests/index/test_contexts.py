@@ -73,7 +73,6 @@ def test_table_is_every_frequent_branching_context_exactly(small_table_index):
 def test_lookups_and_bulk_equal_with_and_without_the_table(small_table_index, monkeypatch):
     """Next-token distributions and bulk features (summaries of frequent contexts and the bulk
     kernel) give the same answers read from the table as enumerated, and the oracle's."""
-    from teragram.index import bulk
     from teragram.index.shard import Shard
 
     path, docs = small_table_index
@@ -89,7 +88,6 @@ def test_lookups_and_bulk_equal_with_and_without_the_table(small_table_index, mo
         f = continuations(idx, np.concatenate(held), starts, (0, 1, 2, 4), top_k=3)
         return ntd, {c: (f[c].count, f[c].target_cnt, f[c].topk_ids, f[c].topk_cnt, f[c].cont) for c in f}
 
-    monkeypatch.setattr(bulk, "HEAVY", 4)
     with_table = answers()
     for q, got in zip(queries, with_table[0], strict=True):
         assert got == orc.next_tokens(q), q

@@ -219,21 +219,16 @@ def test_many_shards_against_brute_force(many_shards, monkeypatch, threads, step
     assert max(orc.suffix_len(q) for q in queries) == 32
 
 
-@pytest.mark.parametrize(
-    "threads, step_log2, caps, heavy",
-    [(1, 10, (1, 2, 4, 8, 16), 1), (3, 2, (0, 5, 40), 1 << 62), (1, 0, (0, 2), 30), (2, 10, (0, 1, 3), 2)],
-)
-def test_bulk_over_many_shards_against_brute_force(many_shards, monkeypatch, threads, step_log2, caps, heavy):
+@pytest.mark.parametrize("threads, step_log2, caps", [(1, 10, (1, 2, 4, 8, 16)), (3, 2, (0, 5, 40)), (1, 0, (0, 2)), (2, 10, (0, 1, 3))])
+def test_bulk_over_many_shards_against_brute_force(many_shards, monkeypatch, threads, step_log2, caps):
     """Bulk features of documents whose matches cross shards and run long (index/matching.py:
     every shard searched together, the capped matches narrowed from the suffixes that start at
     each position), with samples every rank, every few or none; a token the index cannot hold
-    matches nothing; contexts summarized by the index (heavy: every context that frequent) or
-    in the bulk kernel. Against the per-position oracle."""
-    from teragram.index import bulk, top_cache
+    matches nothing. Against the per-position oracle."""
+    from teragram.index import top_cache
     from teragram.index.bulk import continuations
 
     monkeypatch.setattr(top_cache, "STEP_LOG2", step_log2)
-    monkeypatch.setattr(bulk, "HEAVY", heavy)
     path, orc = many_shards
     idx = Index(path)
     rng = np.random.default_rng(19)
