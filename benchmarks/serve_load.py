@@ -1,13 +1,14 @@
 """Load test of `teragram serve`: 64 concurrent clients on loopback for a bounded time.
 
-    python -m benchmarks.serve_load [--seconds 60] [--clients 64] [--run RUN --name NAME] [--baseline COMMIT]
+    python -m benchmarks.serve_load [--seconds 60] [--clients 64] [--run RUN --name NAME] [--baseline COMMIT] [--cold]
 
 Serves the demo index and tiny index model (runs/default, made by `make demo`; built here if
 missing; --run: another folder with idx/ and index-model/, e.g. links to a large index and a
 model of its tokenizer) on CPU, then keeps 64 clients busy with a mix of infini-gram-style index queries
 (70%), short completions (20%) and scoring requests (10%). Reports requests/s, failures and
 p50/p99 latency per endpoint (and the server's own p99, from its /stats); --baseline: the same load first against the server of the library
-at COMMIT (a `git archive` of it), in the same run. Then measures the index-lookup share of a decode step with the
+at COMMIT (a `git archive` of it), in the same run; --cold: first the load with the index's files
+dropped from the page cache just before the server starts, then warm. Then measures the index-lookup share of a decode step with the
 125M model shape against the ~50M-token linux-source index (if benchmarks/build.py made it).
 """
 
@@ -157,6 +158,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--name", default="serve_load", help="the result files' name")
     ap.add_argument("--share-only", action="store_true", help="only the decode-step lookup share (updates serve_load.json)")
     ap.add_argument("--baseline", help="also load the server of the library at this commit (first), e.g. the one before a change")
+    ap.add_argument("--cold", action="store_true", help="first the same load with the index's files dropped from the page cache")
     return ap.parse_args()
 
 
@@ -269,6 +271,13 @@ def report(args: argparse.Namespace, idx, rows: list[dict], data: dict) -> None:
             f"\n\nThe same load, run first, against the server of the library at {b['commit']}: {b['total']['requests']:,} requests, "
             f"{b['total']['failed']} failed, {b['total']['req_per_s']:,.1f} requests/s:\n\n" + table(list(b["endpoints"].values()), cols)
         )
+    if "cold" in data:
+        c = data["cold"]
+        md += (
+            f"\n\nCold: the same load, run first, with the index's {c['evicted_files']} files dropped from the page cache just before the server "
+            f"started (posix_fadvise DONTNEED): {c['total']['requests']:,} requests, {c['total']['failed']} failed, {c['total']['req_per_s']:,.1f} requests/s:\n\n"
+            + table(list(c["endpoints"].values()), cols)
+        )
     if share:
         md += (
             f"\n\nIndex-lookup share of a decode step, 125M model on this CPU, {share['index_tokens'] / 1e6:.0f}M-token index: lookup {share['lookup_ms']:.3f} ms, "
@@ -312,6 +321,14 @@ def main() -> int:
             stats, wall, _ = serve_and_load(run, queries, texts, args.seconds, args.clients, library_at(args.baseline, Path(t)))
         b_rows, b_total = endpoint_rows(stats, wall)
         data["baseline"] = {"commit": args.baseline, "seconds": wall, "endpoints": {r["endpoint"]: r for r in b_rows}, "total": b_total}
+    if args.cold:  # the index's pages dropped just before the server starts (it maps them afresh)
+        from benchmarks.index_scale import evict
+
+        files = [p for p in (run / "idx").resolve().rglob("*.bin")]
+        evict(files, [a for s in idx.shards for a in (s.tok, s.sa.words, s.samax)])
+        stats, wall, _ = serve_and_load(run, queries, texts, args.seconds, args.clients)
+        c_rows, c_total = endpoint_rows(stats, wall)
+        data["cold"] = {"seconds": wall, "endpoints": {r["endpoint"]: r for r in c_rows}, "total": c_total, "evicted_files": len(files)}
     stats, wall, server_stats = serve_and_load(run, queries, texts, args.seconds, args.clients)
     rows, total = endpoint_rows(stats, wall)
     for r in rows:  # the server's own latency (from receiving the request to answering it), where /stats has it
