@@ -40,6 +40,7 @@ from .packed import get
 UNCAPPED = 1 << 62
 CHUNK = 1 << 18  # positions per pass at most
 READAHEAD_MIN = 1 << 14  # positions from which a call turns the kernel's read-ahead on (not one short document)
+LINEAR = 16  # an interval this short is read occurrence by occurrence, not galloped through
 SCRATCH = 1 << 23  # and at most this many (cap, position, shard) intervals (16 bytes each, a few copies)
 
 
@@ -82,6 +83,7 @@ def _histograms(
         u = us[ui]
         nt = 0
         cont = -1
+        last = -1
         for s in range(len(toks)):
             a = lo[u, s]
             b = hi[u, s]
@@ -104,6 +106,16 @@ def _histograms(
                             nt += 1
                         scratch[c] += np.int64(hs[e, 1])
                     r = b
+            if b - r <= LINEAR:  # a few occurrences: read each one's next token
+                for q in range(r, b):
+                    c = np.int64(tk[get(wd, w, q) + d[u]])
+                    if c == sep:
+                        c = eos
+                    if scratch[c] == 0:
+                        touched[nt] = c
+                        nt += 1
+                    scratch[c] += 1
+                r = b
             while r < b:
                 e = K.block_end(tk, wd, w, r, b, d[u])
                 c = np.int64(tk[get(wd, w, r) + d[u]])
@@ -114,8 +126,10 @@ def _histograms(
                     nt += 1
                 scratch[c] += e - r
                 r = e
-            p = K.range_max(wd, w, samaxs[s], offs[s, 0], offs[s, 1], a, b)
-            cont = np.int64(tk[p + d[u]])
+            last = s
+        if last >= 0:  # the most recent occurrence is in the latest shard holding the context
+            p = K.range_max(words[last], widths[last], samaxs[last], offs[last, 0], offs[last, 1], lo[u, last], hi[u, last])
+            cont = np.int64(toks[last][p + d[u]])
             if cont == sep:
                 cont = eos
         for j in range(k):  # selection of the k best: k is small
