@@ -32,7 +32,7 @@ import numba as nb
 import numpy as np
 
 from . import kernels as K
-from .contexts import NONE, stored_run
+from .contexts import stored_run
 from .features import FIELDS, SCORE_DTYPES, Features
 from .matching import capped_intervals, longest_matches
 from .packed import get
@@ -97,15 +97,15 @@ def _histograms(
                 e0, e1 = stored_run(nodes[s], a, b, d[u])
                 if e0 >= 0:
                     hs = hists[s]
-                    for e in range(e0, e1):
+                    for e in range(e0, e1):  # (token, end of its block)
                         c = np.int64(hs[e, 0])
                         if c == sep:
                             c = eos
                         if scratch[c] == 0:
                             touched[nt] = c
                             nt += 1
-                        scratch[c] += np.int64(hs[e, 1])
-                    r = b
+                        scratch[c] += np.int64(hs[e, 1]) - r
+                        r = np.int64(hs[e, 1])
             if b - r <= LINEAR:  # a few occurrences: read each one's next token
                 for q in range(r, b):
                     c = np.int64(tk[get(wd, w, q) + d[u]])
@@ -217,7 +217,7 @@ def match_intervals(idx, ids: np.ndarray, starts: np.ndarray, caps: list[int], t
     and each shard's interval of the match, (C, P) and (C, P, S) twice (index/matching.py)."""
     P, S, C = len(ids), len(idx.shards), len(caps)
     ss = idx.shard_set
-    args = (ss.table, ss.first_rank, ss.pos, ss.prefix, ss.step_log2, ids)
+    args = (ss.table, ss.first_rank, ss.pos, ss.prefix, ss.step_log2, ss.contexts, ids)
     m_len = np.zeros(P, np.int64)
     lo = np.zeros((C, P, S), np.int64)
     hi = np.zeros((C, P, S), np.int64)
@@ -264,10 +264,7 @@ def _chunk(idx, ids: np.ndarray, starts: np.ndarray, caps: list[int], k: int, th
     samaxs = nb.typed.List([np.asarray(s.samax) for s in idx.shards])
     widths = np.array([s.sa.width for s in idx.shards], np.int64)
     offs = np.array([[s.off2, s.off3] for s in idx.shards], np.int64).reshape(S, 2)
-    tables = [s.contexts or NONE for s in idx.shards]
-    nodes = nb.typed.List([np.asarray(t.nodes) for t in tables])
-    hists = nb.typed.List([np.asarray(t.hist) for t in tables])
-    mins = np.array([t.min_count for t in tables], np.int64)
+    nodes, hists, mins = idx.shard_set.contexts
     U = len(u_rows)
 
     def run(ua: int, ub: int) -> None:

@@ -19,8 +19,12 @@ suffixes. No context holding a document separator is ever asked for, so the desc
 one.
 
 Files (beside the shard's arrays): contexts.nodes.bin, int64 rows (lo, hi, depth, end) sorted
-by interval, where end is the end of the node's run in contexts.hist.bin; that holds uint32 (token, count) pairs, tokens ascending with SEP last, as kernels.next_token_blocks gives
-them. A shard without the files (built before them) enumerates every context, with the same
+by interval, where end is the end of the node's run in contexts.hist.bin; that holds (token,
+block end) pairs, tokens ascending with SEP last as kernels.next_token_blocks gives them, each
+with the rank where its block of the interval ends (uint32, or uint64 in a shard of more than
+2^32 positions): a count is the difference of two ends, and the interval of the context one
+token longer is read off without a search (`child`), so a search walks down the stored
+contexts before it touches the suffix array (index/matching.py). A shard without the files (built before them) enumerates every context, with the same
 answers.
 """
 
@@ -52,7 +56,7 @@ def _grow(a, need):
 @nb.njit(cache=True)
 def _descend(tok, words, w, n, sep, min_count):
     """The branching contexts of at least min_count occurrences: rows (lo, hi, depth, hist
-    end) in the order found, and the histograms' (token, count) pairs."""
+    end) in the order found, and the histograms' (token, block end) pairs."""
     nodes = np.empty(1024 * 4, np.int64)
     hist = np.empty(1 << 16, np.int64)
     m = 0
@@ -81,7 +85,7 @@ def _descend(tok, words, w, n, sep, min_count):
             b = K.block_end(tok, words, w, r, hi, d)
             c = np.int64(tok[get(words, w, r) + d])
             hist = _grow(hist, 2 * e + 2)
-            hist[2 * e], hist[2 * e + 1] = c, b - r
+            hist[2 * e], hist[2 * e + 1] = c, b
             e += 1
             if b - r >= min_count and c != sep:
                 stack = _grow(stack, 3 * (sp + 1))
@@ -119,9 +123,28 @@ def stored_run(nodes, lo, hi, d):
     return -1, -1
 
 
+@nb.njit(cache=True, nogil=True)
+def child(nodes, hist, lo, hi, d, x):
+    """The interval of the d-token context of [lo, hi) followed by token x, read from the table:
+    (a, b), empty (0, 0) if x never follows it; (-1, -1) if the table does not hold the context."""
+    e0, e1 = stored_run(nodes, lo, hi, d)
+    if e0 < 0:
+        return -1, -1
+    a, b = e0, e1
+    while a < b:  # the first entry whose token is >= x
+        m = (a + b) >> 1
+        if np.int64(hist[m, 0]) < x:
+            a = m + 1
+        else:
+            b = m
+    if a == e1 or np.int64(hist[a, 0]) != x:
+        return 0, 0
+    return (np.int64(hist[a - 1, 1]) if a > e0 else lo), np.int64(hist[a, 1])
+
+
 def build(tok: np.ndarray, words: np.ndarray, width: int, n: int) -> tuple[np.ndarray, np.ndarray]:
     """A shard's table: nodes (M, 4) int64 rows (lo, hi, depth, end) sorted by (lo, hi), and
-    the histograms (E, 2) int64 (token, count), each node's run ending at its `end`."""
+    the histograms (E, 2) int64 (token, block end), each node's run ending at its `end`."""
     sep = fmt.separator(tok.dtype)
     raw, hist = _descend(tok, words, width, n, sep, MIN_COUNT)
     if not len(raw):
@@ -137,7 +160,7 @@ def write(shard_dir, tok: np.ndarray, words: np.ndarray, width: int, n: int) -> 
     """Store a shard's table beside its arrays; returns its size."""
     nodes, hist = build(tok, words, width, n)
     fmt.write_array(Path(shard_dir) / NODES_FILE, "contexts.nodes", nodes.reshape(-1))
-    fmt.write_array(Path(shard_dir) / HIST_FILE, "contexts.hist", hist.reshape(-1).astype(np.uint32))
+    fmt.write_array(Path(shard_dir) / HIST_FILE, "contexts.hist", hist.reshape(-1).astype(np.uint32 if n <= 1 << 32 else np.uint64))
     return {"context_nodes": len(nodes), "context_entries": len(hist)}
 
 
@@ -146,7 +169,7 @@ class Contexts:
     """A shard's stored histograms (memory-mapped)."""
 
     nodes: np.ndarray  # (M, 4): lo, hi, depth, end
-    hist: np.ndarray  # (E, 2): token, count (uint32)
+    hist: np.ndarray  # (E, 2): token, block end (uint32 or uint64)
     min_count: int  # the fewest occurrences of a stored context
 
     def find(self, lo: int, hi: int, d: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -156,8 +179,8 @@ class Contexts:
         a, b = stored_run(self.nodes, lo, hi, d)
         if a < 0:
             return None
-        h = self.hist[a:b]
-        return h[:, 0].astype(np.int64), h[:, 1].astype(np.int64)
+        h = self.hist[a:b].astype(np.int64)
+        return h[:, 0], np.diff(h[:, 1], prepend=lo)
 
 
 NONE = Contexts(np.zeros((0, 4), np.int64), np.zeros((0, 2), np.uint32), 1 << 62)  # a shard without a table

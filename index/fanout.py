@@ -35,6 +35,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from . import contexts
 from .errors import IndexFormatError
 from .packed import get
 
@@ -376,7 +377,10 @@ class ShardSet:
     another. first_rank (S, vocab + 1) int64: the first rank whose suffix starts with each
     token, from the shard's unigram counts (the suffix array sorts by first token, and holds
     every position but the document ends). arrays: the arrays whose addresses table holds,
-    referenced so they stay mapped. Pattern tokens must be < vocab.
+    referenced so they stay mapped. contexts: the shards' stored histograms of frequent
+    contexts (index/contexts.py) as the kernels take them: nodes and histograms (numba lists,
+    one array per shard, empty for a shard without) and each shard's smallest stored context.
+    Pattern tokens must be < vocab.
     """
 
     table: np.ndarray
@@ -385,6 +389,7 @@ class ShardSet:
     prefix: np.ndarray
     step_log2: int
     arrays: tuple
+    contexts: tuple
 
     @classmethod
     def of(cls, shards, vocab: int) -> ShardSet:
@@ -408,7 +413,14 @@ class ShardSet:
         ).reshape(len(shards), 7)
         pos = np.concatenate([t.pos for t in tops]) if tops else np.zeros(0, np.int64)
         prefix = np.concatenate([t.prefix for t in tops]) if tops else np.zeros((0, 1), np.uint16)
-        return cls(table, first_rank, pos, prefix, tops[0].step_log2 if tops else 0, tuple(toks + words))
+        tables = [s.contexts or contexts.NONE for s in shards]
+        wide = len({t.hist.dtype for t in tables}) > 1  # a shard of more than 2^32 positions among smaller ones
+        ctx = (
+            nb.typed.List([np.asarray(t.nodes) for t in tables]),
+            nb.typed.List([np.asarray(t.hist, np.uint64) if wide else np.asarray(t.hist) for t in tables]),
+            np.array([t.min_count for t in tables], np.int64),
+        )
+        return cls(table, first_rank, pos, prefix, tops[0].step_log2 if tops else 0, tuple(toks + words), ctx)
 
     def __len__(self) -> int:
         return self.table.shape[0]

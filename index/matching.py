@@ -22,30 +22,49 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
+from .contexts import child
 from .fanout import N_STATE, SHARD, L, N, search_bounds, set_search
 
 _NB = dict(cache=True, nogil=True)
 
 
 @nb.njit(**_NB)
-def _search(table, first_rank, pos, prefix, step_log2, ids, st, lo, hi, start, end, d, every):
+def _search(table, first_rank, pos, prefix, step_log2, ctx, ids, st, lo, hi, start, end, d, every):
     """Each shard's interval of ids[start:end] into lo, hi, searched inside [lo[s], hi[s])
     (whose suffixes share its first d tokens) in the shards where that is not empty, or from
-    the whole shard in all of them (every). True if any shard holds it."""
+    the whole shard in all of them (every). True if any shard holds it. A shard first walks
+    down its stored frequent contexts (ctx: ShardSet.contexts), one token per step and no
+    search, as far as they go; the suffix array is searched only for the rest."""
     S = table.shape[0]
+    nodes, hists, mins = ctx
     J = 0
+    found = False
     for s in range(S):
+        a, b, k = lo[s], hi[s], d
         if every:
-            lo[s] = 0
-            hi[s] = table[s, N]
-        if lo[s] < hi[s]:
-            set_search(st, J, s, start, end, lo[s], hi[s], d, 0)
-            set_search(st, J + 1, s, start, end, lo[s], hi[s], d, 1)
-            J += 2
+            a, b, k = 0, table[s, N], 0
         lo[s] = 0
         hi[s] = 0
+        if a >= b:
+            continue
+        if k == 0 and end > start:  # the first token's block
+            t0 = ids[start]
+            a, b, k = max(first_rank[s, t0], a), min(first_rank[s, t0 + 1], b), 1
+        while k < end - start and b - a >= mins[s]:
+            x, y = child(nodes[s], hists[s], a, b, k, ids[start + k])
+            if x < 0:  # not stored at this depth: search from here
+                break
+            a, b, k = x, y, k + 1
+        if a >= b:
+            continue
+        if k == end - start:
+            lo[s], hi[s] = a, b
+            found = True
+            continue
+        set_search(st, J, s, start, end, a, b, k, 0)
+        set_search(st, J + 1, s, start, end, a, b, k, 1)
+        J += 2
     search_bounds(table, first_rank, pos, prefix, step_log2, ids, st, J)
-    found = False
     for j in range(0, J, 2):
         s = st[j, SHARD]
         lo[s] = st[j, L]
@@ -56,14 +75,14 @@ def _search(table, first_rank, pos, prefix, step_log2, ids, st, lo, hi, start, e
 
 
 @nb.njit(**_NB)
-def extend(table, first_rank, pos, prefix, step_log2, ids, i, t, st, lo, hi):
+def extend(table, first_rank, pos, prefix, step_log2, ctx, ids, i, t, st, lo, hi):
     """One step of the two-pointer pass: given the longest match ids[i:t] before position t and
     its intervals lo, hi, the longest match ending at t: returns its start (t + 1 when not even
     ids[t] occurs; lo, hi then every rank) with its intervals in lo, hi."""
     S = table.shape[0]
     if 0 <= ids[t] < first_rank.shape[1] - 1:
         while True:
-            if _search(table, first_rank, pos, prefix, step_log2, ids, st, lo, hi, i, t + 1, t - i, False):
+            if _search(table, first_rank, pos, prefix, step_log2, ctx, ids, st, lo, hi, i, t + 1, t - i, False):
                 return i
             i += 1  # no shard holds ids[i:t+1]: try the next shorter match
             if i == t:
@@ -71,7 +90,7 @@ def extend(table, first_rank, pos, prefix, step_log2, ids, i, t, st, lo, hi):
                     lo[s] = 0
                     hi[s] = table[s, N]
             elif i < t:  # ids[i:t] occurs (a suffix of the old match); in which shards
-                _search(table, first_rank, pos, prefix, step_log2, ids, st, lo, hi, i, t, 0, True)
+                _search(table, first_rank, pos, prefix, step_log2, ctx, ids, st, lo, hi, i, t, 0, True)
             else:
                 break
     for s in range(S):  # not even ids[t] occurs (or the index cannot hold it): start again after it
@@ -81,7 +100,7 @@ def extend(table, first_rank, pos, prefix, step_log2, ids, i, t, st, lo, hi):
 
 
 @nb.njit(**_NB)
-def longest_matches(table, first_rank, pos, prefix, step_log2, ids, starts, out_len, out_lo, out_hi):
+def longest_matches(table, first_rank, pos, prefix, step_log2, ctx, ids, starts, out_len, out_lo, out_hi):
     """For every position t of the documents ids[starts[k]:starts[k+1]]: out_len[t] = L(t) and
     out_lo[t, s], out_hi[t, s] each shard's interval of ids[t-L+1 : t+1] (every rank when L is
     0). A token outside the vocabulary matches nothing."""
@@ -95,7 +114,7 @@ def longest_matches(table, first_rank, pos, prefix, step_log2, ids, starts, out_
             lo[s] = 0
             hi[s] = table[s, N]
         for t in range(starts[k], starts[k + 1]):
-            i = extend(table, first_rank, pos, prefix, step_log2, ids, i, t, st, lo, hi)
+            i = extend(table, first_rank, pos, prefix, step_log2, ctx, ids, i, t, st, lo, hi)
             out_len[t] = t - i + 1
             for s in range(S):
                 out_lo[t, s] = lo[s]
@@ -103,7 +122,7 @@ def longest_matches(table, first_rank, pos, prefix, step_log2, ids, starts, out_
 
 
 @nb.njit(**_NB)
-def capped_intervals(table, first_rank, pos, prefix, step_log2, ids, starts, length, m_lo, m_hi, caps, out_lo, out_hi):
+def capped_intervals(table, first_rank, pos, prefix, step_log2, ctx, ids, starts, length, m_lo, m_hi, caps, out_lo, out_hi):
     """For each cap caps[c] (increasing, > 0) and position t: each shard's interval of the
     longest suffix of at most caps[c] tokens, ids[t - min(L, cap) + 1 : t + 1] (L = length[t],
     the longest match, whose intervals are m_lo[t], m_hi[t]), into out_lo[c, t], out_hi[c, t]."""
@@ -132,7 +151,7 @@ def capped_intervals(table, first_rank, pos, prefix, step_log2, ids, starts, len
                     break
                 if length[t] <= caps[c]:
                     continue
-                _search(table, first_rank, pos, prefix, step_log2, ids, st, lo, hi, j, t + 1, d, False)
+                _search(table, first_rank, pos, prefix, step_log2, ctx, ids, st, lo, hi, j, t + 1, d, False)
                 d = caps[c]
                 for s in range(S):
                     out_lo[c, t, s] = lo[s]

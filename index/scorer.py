@@ -57,7 +57,7 @@ class Scorer:
         self.ids[self.n] = tok
         ss = self.ss
         self.start = extend(
-            ss.table, ss.first_rank, ss.pos, ss.prefix, ss.step_log2, self.ids, self.start, self.n, self._st, self.lo, self.hi
+            ss.table, ss.first_rank, ss.pos, ss.prefix, ss.step_log2, ss.contexts, self.ids, self.start, self.n, self._st, self.lo, self.hi
         )
         self.n += 1
 
