@@ -60,8 +60,8 @@ def _run_op(idx, docs: list[np.ndarray], op: str, threads: int) -> str:
 def worker(spec: dict) -> dict:
     """Measure one index (run in a process of its own): {op: {threads: {warm_s, s, digest}}}.
     A pass over the documents after the measured ones warms the page cache and the compiled
-    kernels; each measured pass opens the index afresh, so nothing it keeps (the summaries of
-    frequent contexts) comes from an earlier pass."""
+    kernels; each measured pass opens the index afresh, so nothing it keeps (histograms of
+    frequent contexts kept in memory) comes from an earlier pass."""
     from teragram.index.engine import Index
     from teragram.index.heldout import read_corpus
 

@@ -113,7 +113,7 @@ def build(cfg: BuildConfig) -> dict:
     files = readers.walk(list(cfg.inputs))
     if not files:
         raise BuildError("no input files found")
-    out = prepare_out(cfg)
+    out, lock = prepare_out(cfg)
     timings: dict[str, float] = {}
 
     tok_path = out / "tokenizer.model"
@@ -194,6 +194,7 @@ def build(cfg: BuildConfig) -> dict:
         "skipped": manifest["skipped"],
     }
     fmt.write_json(out / _REPORT, report)
+    lock.close()  # (an exception closes it with the frame)
     return report
 
 

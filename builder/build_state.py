@@ -4,10 +4,12 @@ and its completed shards (the markers a resumed build trusts)."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 from teragram.index import format as fmt
 from teragram.index import readers
@@ -86,9 +88,10 @@ class SkipStats:
         return cls(Counter(d["counts"]), {k: list(v) for k, v in d["examples"].items()})
 
 
-def prepare_out(cfg: BuildConfig) -> Path:
+def prepare_out(cfg: BuildConfig) -> tuple[Path, IO]:
     """The output directory, made if new; if it holds a build, that build must be this one
-    (same identity), and its temporary files are removed."""
+    (same identity), and its temporary files are removed. Returns it with the open build state,
+    locked: a second build of the same directory is refused while this one holds it."""
     out = Path(cfg.out)
     ident = cfg.identity()
     state = out / STATE
@@ -100,13 +103,26 @@ def prepare_out(cfg: BuildConfig) -> Path:
         old = fmt.read_json(state)
         if old != ident:
             raise BuildError(f"output directory {out} holds a different index (built with other inputs or options); choose another --out")
+        lock = _lock(state)
         for tmp in out.rglob(".*.tmp-*"):
             tmp.unlink()
     else:
         out.mkdir(parents=True, exist_ok=True)
         fmt.write_json(state, ident)
+        lock = _lock(state)
     (out / "shards").mkdir(exist_ok=True)
-    return out
+    return out, lock
+
+
+def _lock(state: Path) -> IO:
+    """The build state opened and locked (released when the file is closed, or the process ends)."""
+    f = open(state, "rb")  # noqa: SIM115 -- held for the whole build
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise BuildError(f"another build-index is writing {state.parent}; wait for it to end") from None
+    return f
 
 
 def completed_shards(out: Path) -> list[dict]:

@@ -199,3 +199,21 @@ def test_a_write_that_fails_is_one_line_and_a_rerun_completes_the_same_index(tmp
     assert "rerun the same command" in lines[0]
     subprocess.run([sys.executable, "-m", "teragram.builder.cli", *args(out)], cwd=REPO, check=True)
     assert built_files(out) == built_files(ref)
+
+
+def test_a_second_build_of_the_same_output_is_refused_while_one_runs(tmp_path, corpus_dir, tokenizer_model):
+    """Two builds of one --out would delete each other's temporary files: while a build holds
+    the output (its state locked), another is refused in one line and removes nothing; once it
+    ends, the same command resumes."""
+    from teragram.builder.build_state import prepare_out
+
+    cfg = BuildConfig(inputs=(str(corpus_dir),), out=str(tmp_path / "idx"), tokenizer=str(tokenizer_model), workers=1, progress=False)
+    out, held = prepare_out(cfg)  # a build that is running
+    tmp = out / "shards" / ".tokens.bin.tmp-1"
+    tmp.write_bytes(b"being written")
+    with pytest.raises(BuildError, match="another build-index is writing"):
+        build(cfg)
+    assert tmp.read_bytes() == b"being written"
+    held.close()
+    assert build(cfg)["counts"]["docs"] > 0
+    assert not tmp.exists()
