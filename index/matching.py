@@ -9,6 +9,9 @@ shards that hold it; when none does, the match start moves right and the shorter
 again in every shard. Every step searches the shards in lockstep (fanout.search_bounds: their
 cache misses overlap, and the in-memory samples and first-token blocks start each search), so
 a pass costs about what one shard's does, and no shard is searched for a match it cannot hold.
+Before any search, a shard takes the pattern's first token's block from its unigram counts and
+walks down its stored frequent contexts (index/contexts.py) as far as they hold the pattern: the
+short, frequent prefixes that every position starts from cost no search at all.
 
 The longest suffix of at most c tokens is the last min(L(t), c) tokens, since every suffix of
 a match occurs too. Where L(t) <= c it is the match itself; elsewhere it is the c tokens from
