@@ -18,7 +18,7 @@ Python:
    computed once, summed over the shards in a dense scratch, and read by every position in its
    group. A shard's part of it is read from the shard's stored histograms where the context is
    frequent there (index/contexts.py), else enumerated: one galloping search per distinct next
-   token (kernels.block_end).
+   token (kernels.block_end), or one read per occurrence where there are few.
 
 Steps 1 and 3 run on `threads` threads, by documents and by contexts (the kernels release the GIL).
 """
