@@ -45,6 +45,40 @@ SCRATCH = 1 << 23  # and at most this many (cap, position, shard) intervals (16 
 
 
 @nb.njit(cache=True, nogil=True)
+def _add(c, n, sep, eos, scratch, touched, nt):
+    """Count n more of next token c (SEP as EOS) into scratch; returns the distinct tokens so far."""
+    if c == sep:
+        c = eos
+    if scratch[c] == 0:
+        touched[nt] = c
+        nt += 1
+    scratch[c] += n
+    return nt
+
+
+@nb.njit(cache=True, nogil=True)
+def _count_shard(tk, wd, w, node, hist, min_count, sep, eos, a, b, d, scratch, touched, nt):
+    """Add the next tokens after one shard's interval [a, b) of a d-token context into scratch:
+    read from the shard's stored histogram where it holds the context (index/contexts.py), else
+    one read per occurrence for a few of them, else one galloping search per distinct token."""
+    r = a
+    if b - a >= min_count:
+        e0, e1 = stored_run(node, a, b, d)
+        for e in range(e0, e1):  # (token, end of its block); none when not stored (e0 = -1 = e1)
+            nt = _add(np.int64(hist[e, 0]), np.int64(hist[e, 1]) - r, sep, eos, scratch, touched, nt)
+            r = np.int64(hist[e, 1])
+    if b - r <= LINEAR:
+        for q in range(r, b):
+            nt = _add(np.int64(tk[get(wd, w, q) + d]), 1, sep, eos, scratch, touched, nt)
+        return nt
+    while r < b:
+        e = K.block_end(tk, wd, w, r, b, d)
+        nt = _add(np.int64(tk[get(wd, w, r) + d]), e - r, sep, eos, scratch, touched, nt)
+        r = e
+    return nt
+
+
+@nb.njit(cache=True, nogil=True)
 def _histograms(
     toks,
     words,
@@ -89,43 +123,7 @@ def _histograms(
             b = hi[u, s]
             if b <= a:
                 continue
-            tk = toks[s]
-            wd = words[s]
-            w = widths[s]
-            r = a
-            if b - a >= mins[s]:  # a frequent context: its histogram is stored (index/contexts.py)
-                e0, e1 = stored_run(nodes[s], a, b, d[u])
-                if e0 >= 0:
-                    hs = hists[s]
-                    for e in range(e0, e1):  # (token, end of its block)
-                        c = np.int64(hs[e, 0])
-                        if c == sep:
-                            c = eos
-                        if scratch[c] == 0:
-                            touched[nt] = c
-                            nt += 1
-                        scratch[c] += np.int64(hs[e, 1]) - r
-                        r = np.int64(hs[e, 1])
-            if b - r <= LINEAR:  # a few occurrences: read each one's next token
-                for q in range(r, b):
-                    c = np.int64(tk[get(wd, w, q) + d[u]])
-                    if c == sep:
-                        c = eos
-                    if scratch[c] == 0:
-                        touched[nt] = c
-                        nt += 1
-                    scratch[c] += 1
-                r = b
-            while r < b:
-                e = K.block_end(tk, wd, w, r, b, d[u])
-                c = np.int64(tk[get(wd, w, r) + d[u]])
-                if c == sep:
-                    c = eos
-                if scratch[c] == 0:
-                    touched[nt] = c
-                    nt += 1
-                scratch[c] += e - r
-                r = e
+            nt = _count_shard(toks[s], words[s], widths[s], nodes[s], hists[s], mins[s], sep, eos, a, b, d[u], scratch, touched, nt)
             last = s
         if last >= 0:  # the most recent occurrence is in the latest shard holding the context
             p = K.range_max(words[last], widths[last], samaxs[last], offs[last, 0], offs[last, 1], lo[u, last], hi[u, last])
