@@ -21,11 +21,11 @@ one.
 Files (beside the shard's arrays): contexts.nodes.bin, int64 rows (lo, hi, depth, end) sorted
 by interval, where end is the end of the node's run in contexts.hist.bin; that holds (token,
 block end) pairs, tokens ascending with SEP last as kernels.next_token_blocks gives them, each
-with the rank where its block of the interval ends (uint32, or uint64 in a shard of more than
+with the rank where its block of the interval ends (uint32, or uint64 in a shard of at least
 2^32 positions): a count is the difference of two ends, and the interval of the context one
 token longer is read off without a search (`child`), so a search walks down the stored
-contexts before it touches the suffix array (index/matching.py). A shard without the files (built before them) enumerates every context, with the same
-answers.
+contexts before it touches the suffix array (index/matching.py). A shard without the files
+(built before them) enumerates every context, with the same answers.
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def write(shard_dir, tok: np.ndarray, words: np.ndarray, width: int, n: int) -> 
     """Store a shard's table beside its arrays; returns its size."""
     nodes, hist = build(tok, words, width, n)
     fmt.write_array(Path(shard_dir) / NODES_FILE, "contexts.nodes", nodes.reshape(-1))
-    fmt.write_array(Path(shard_dir) / HIST_FILE, "contexts.hist", hist.reshape(-1).astype(np.uint32 if n <= 1 << 32 else np.uint64))
+    fmt.write_array(Path(shard_dir) / HIST_FILE, "contexts.hist", hist.reshape(-1).astype(np.uint32 if n < 1 << 32 else np.uint64))
     return {"context_nodes": len(nodes), "context_entries": len(hist)}
 
 
