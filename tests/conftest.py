@@ -136,6 +136,21 @@ LONGEST_FIRST = [
 ]
 
 
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") != "1":  # the workers share the cores: torch on one thread each, not oversubscribed
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session):
+    """Under --dist loadgroup, pytest-xdist suffixes each grouped test's id with its group; where a
+    pytest release stops that (9.2 with xdist 3.8), every module fixture is built on both workers
+    and Ray files run at once: refuse to run rather than run slowly."""
+    if getattr(session.config.option, "loadgroup", False) and session.items and not any("@" in i.nodeid for i in session.items):
+        raise pytest.UsageError(
+            f"pytest-xdist's loadgroup does not group under pytest {pytest.__version__}; install what pyproject.toml pins"
+        )
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     def rank(item) -> int:

@@ -5,6 +5,7 @@ with replicas, the same exact answer from another copy, also when the node dies 
 
 import json
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -182,9 +183,25 @@ def test_lost_holders(cluster, random_index):
         with pytest.raises(ClusterError, match=f"^shards {shards} lost: no live holder of them is left") as e:
             one.batch(queries[:5])
         assert "\n" not in str(e.value)
-        ray.kill(two._holders[0][0])  # the last copy of group 0
+        last = two._holders[0][0]  # the last copy of group 0
+        ray.kill(last)
+        _wait_dead(last)  # the kill goes through Ray's control store: a call sent at once may still be answered
         with pytest.raises(ClusterError, match=f"^shards {shards} lost"):
             two.count([5])
+
+
+def _wait_dead(actor, seconds: float = 30.0) -> None:
+    """Return once the actor no longer answers (RayActorError); fail after `seconds`."""
+    from ray.exceptions import RayActorError
+
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            ray.get(actor.node.remote(), timeout=seconds)
+        except RayActorError:
+            return
+        time.sleep(0.05)
+    pytest.fail(f"the actor still answers {seconds:.0f} s after ray.kill")
 
 
 def test_query_through_the_cluster(cluster, random_index, tmp_path, capsys):
