@@ -12,11 +12,14 @@ occurrences continue differently. These are the branching nodes of the shard's s
 with MIN_COUNT leaves or more: a context's interval is the interval of the node at or below it,
 and a context inside an edge (its node deeper) has a single continuation. So the table is
 keyed by interval, and a context whose interval it lacks, or that sits inside an edge, is
-enumerated as before: it has fewer than MIN_COUNT occurrences, or one continuation. There are
-at most 2n / MIN_COUNT such nodes (their subtrees' leaves are disjoint), found by one descent
-from the first tokens that skips unary stretches by comparing the interval's first and last
-suffixes. No context holding a document separator is ever asked for, so the descent stops at
-one.
+enumerated as before: it has fewer than MIN_COUNT occurrences, or one continuation. They are
+found by one descent from the first tokens that skips unary stretches by comparing the
+interval's first and last suffixes, and written out a buffer at a time (`chunks`), so the build
+holds a few buffers, not the table. Their number is not bounded by n / MIN_COUNT: text repeated
+many times makes a chain of them, one per position where a copy departs (the first 2^30-token
+shard of the 2.43B-token index, with much duplicated code, stores 4.3M contexts and 50M
+continuations: 0.54 GB beside 6.9 GB of arrays). No context holding a document separator is
+ever asked for, so the descent stops at one.
 
 Files (beside the shard's arrays): contexts.nodes.bin, int64 rows (lo, hi, depth, end) sorted
 by interval, where end is the end of the node's run in contexts.hist.bin; that holds (token,
@@ -48,54 +51,105 @@ NODES_FILE, HIST_FILE = "contexts.nodes.bin", "contexts.hist.bin"
 def _grow(a, need):
     if need <= a.shape[0]:
         return a
-    b = np.empty(max(need, 2 * a.shape[0]), a.dtype)
+    b = np.empty((max(need, 2 * a.shape[0]),) + a.shape[1:], a.dtype)
     b[: a.shape[0]] = a
     return b
 
 
 @nb.njit(cache=True)
-def _descend(tok, words, w, n, sep, min_count):
-    """The branching contexts of at least min_count occurrences: rows (lo, hi, depth, hist
-    end) in the order found, and the histograms' (token, block end) pairs."""
-    nodes = np.empty(1024 * 4, np.int64)
-    hist = np.empty(1 << 16, np.int64)
-    m = 0
-    e = 0
-    stack = np.empty(3 * 1024, np.int64)
-    sp = 0
-    r = 0  # the first tokens' blocks: intervals with one token in common
+def _first_blocks(tok, words, w, n, sep, min_count):
+    """The stack the descent starts from: the first tokens' blocks of >= min_count suffixes
+    (intervals with one token in common), rows (lo, hi, depth 1), the first block on top."""
+    rows = np.empty((1024, 3), np.int64)
+    k = 0
+    r = 0
     while r < n:
         b = K.block_end(tok, words, w, r, n, 0)
         if b - r >= min_count and tok[get(words, w, r)] != sep:
-            stack = _grow(stack, 3 * (sp + 1))
-            stack[3 * sp], stack[3 * sp + 1], stack[3 * sp + 2] = r, b, 1
-            sp += 1
+            rows = _grow(rows, k + 1)
+            rows[k, 0], rows[k, 1], rows[k, 2] = r, b, 1
+            k += 1
         r = b
+    return rows[:k][::-1].copy()
+
+
+@nb.njit(cache=True)
+def _descend(tok, words, w, sep, min_count, st, stack, grp, ghist, out_nodes, out_hist):
+    """The branching contexts of >= min_count occurrences, in the table's order, a buffer at a
+    time: fills out_nodes (lo, hi, depth, end) and out_hist (token, block end) and returns
+    (stack, grp, ghist, out_nodes, rows, out_hist, entries) with its state in st (stack
+    size, pending rows, pending entries, entries written before); call again while st[0] or st[1].
+
+    The stack is popped in preorder (children pushed last first), which is the table's order
+    (lo ascending, then hi) but for the nodes sharing a lo: a chain of first children, popped
+    shallowest first and stored deepest first. So a chain is held back (grp, ghist) until the
+    next pop leaves it, then written reversed."""
+    sp, gm, ge, e_all = st[0], st[1], st[2], st[3]
+    m = e = 0
     last = len(tok) - 1
-    while sp > 0:
+    while True:
+        if gm > 0 and (sp == 0 or stack[sp - 1, 0] != grp[0, 0]):  # the chain is complete
+            if m + gm > out_nodes.shape[0] or e + ge > out_hist.shape[0]:
+                if m > 0:
+                    break  # the caller writes the buffers out, then calls again
+                out_nodes = _grow(out_nodes, gm)
+                out_hist = _grow(out_hist, ge)
+            at = ge
+            for i in range(gm - 1, -1, -1):
+                a = at - grp[i, 3]
+                for j in range(a, at):
+                    out_hist[e, 0], out_hist[e, 1] = ghist[j, 0], ghist[j, 1]
+                    e += 1
+                e_all += grp[i, 3]
+                out_nodes[m, 0], out_nodes[m, 1], out_nodes[m, 2], out_nodes[m, 3] = grp[i, 0], grp[i, 1], grp[i, 2], e_all
+                m += 1
+                at = a
+            gm = ge = 0
+        if sp == 0:
+            break
         sp -= 1
-        lo, hi, d = stack[3 * sp], stack[3 * sp + 1], stack[3 * sp + 2]
+        lo, hi, d = stack[sp, 0], stack[sp, 1], stack[sp, 2]
         p, q = get(words, w, lo), get(words, w, hi - 1)
         while p + d < last and q + d < last and tok[p + d] == tok[q + d] and tok[p + d] != sep:
             d += 1  # every suffix of the interval shares the first and last ones' common prefix
         if tok[p + d] == sep and tok[q + d] == sep:
             continue  # every occurrence ends its document here: one continuation, nothing past it
-        r = lo
+        r, sp0, g0 = lo, sp, ge
         while r < hi:
             b = K.block_end(tok, words, w, r, hi, d)
             c = np.int64(tok[get(words, w, r) + d])
-            hist = _grow(hist, 2 * e + 2)
-            hist[2 * e], hist[2 * e + 1] = c, b
-            e += 1
+            ghist = _grow(ghist, ge + 1)
+            ghist[ge, 0], ghist[ge, 1] = c, b
+            ge += 1
             if b - r >= min_count and c != sep:
-                stack = _grow(stack, 3 * (sp + 1))
-                stack[3 * sp], stack[3 * sp + 1], stack[3 * sp + 2] = r, b, d + 1
+                stack = _grow(stack, sp + 1)
+                stack[sp, 0], stack[sp, 1], stack[sp, 2] = r, b, d + 1
                 sp += 1
             r = b
-        nodes = _grow(nodes, 4 * m + 4)
-        nodes[4 * m], nodes[4 * m + 1], nodes[4 * m + 2], nodes[4 * m + 3] = lo, hi, d, e
-        m += 1
-    return nodes[: 4 * m].reshape(m, 4), hist[: 2 * e].reshape(e, 2)
+        stack[sp0:sp] = stack[sp0:sp][::-1].copy()  # the first child on top
+        grp = _grow(grp, gm + 1)
+        grp[gm, 0], grp[gm, 1], grp[gm, 2], grp[gm, 3] = lo, hi, d, ge - g0
+        gm += 1
+    st[0], st[1], st[2], st[3] = sp, gm, ge, e_all
+    return stack, grp, ghist, out_nodes, m, out_hist, e
+
+
+def chunks(tok: np.ndarray, words: np.ndarray, width: int, n: int, rows: int = 1 << 20):
+    """A shard's table in order, a buffer at a time: (nodes, hist) pieces of about `rows` rows
+    (nodes int64 (lo, hi, depth, end); hist (token, block end), uint32 below 2^32 positions,
+    else uint64), so that building it takes a few buffers of memory, whatever the table's size."""
+    sep = fmt.separator(tok.dtype)
+    st = np.zeros(4, np.int64)
+    stack = _first_blocks(tok, words, width, n, sep, MIN_COUNT)
+    st[0] = len(stack)
+    grp, ghist = np.empty((64, 4), np.int64), np.empty((1024, 2), np.int64)
+    out_nodes = np.empty((max(rows // 8, 1), 4), np.int64)
+    out_hist = np.empty((rows, 2), np.uint32 if n < 1 << 32 else np.uint64)
+    while st[0] or st[1]:
+        stack, grp, ghist, out_nodes, m, out_hist, e = _descend(
+            tok, words, width, sep, MIN_COUNT, st, stack, grp, ghist, out_nodes, out_hist
+        )
+        yield out_nodes[:m], out_hist[:e]
 
 
 @nb.njit(cache=True, nogil=True)
@@ -142,26 +196,26 @@ def child(nodes, hist, lo, hi, d, x):
     return (np.int64(hist[a - 1, 1]) if a > e0 else lo), np.int64(hist[a, 1])
 
 
-def build(tok: np.ndarray, words: np.ndarray, width: int, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """A shard's table: nodes (M, 4) int64 rows (lo, hi, depth, end) sorted by (lo, hi), and
-    the histograms (E, 2) int64 (token, block end), each node's run ending at its `end`."""
-    sep = fmt.separator(tok.dtype)
-    raw, hist = _descend(tok, words, width, n, sep, MIN_COUNT)
-    if not len(raw):
-        return np.zeros((0, 4), np.int64), np.zeros((0, 2), np.int64)
-    starts = np.concatenate([[0], raw[:-1, 3]])
-    order = np.lexsort((raw[:, 1], raw[:, 0]))
-    runs = [hist[a:b] for a, b in zip(starts[order], raw[order, 3])]
-    ends = np.cumsum([len(x) for x in runs]).astype(np.int64)
-    return np.stack([raw[order, 0], raw[order, 1], raw[order, 2], ends], axis=1), np.concatenate(runs)
+def build(tok: np.ndarray, words: np.ndarray, width: int, n: int, rows: int = 1 << 20) -> tuple[np.ndarray, np.ndarray]:
+    """A shard's whole table in memory (tests): nodes (M, 4) int64 rows (lo, hi, depth, end)
+    sorted by (lo, hi), and the histograms (E, 2) (token, block end)."""
+    parts = [(a.copy(), b.copy()) for a, b in chunks(tok, words, width, n, rows)]
+    nodes = [a for a, _ in parts] or [np.zeros((0, 4), np.int64)]
+    hist = [b for _, b in parts] or [np.zeros((0, 2), np.uint32 if n < 1 << 32 else np.uint64)]
+    return np.concatenate(nodes), np.concatenate(hist)
 
 
 def write(shard_dir, tok: np.ndarray, words: np.ndarray, width: int, n: int) -> dict:
-    """Store a shard's table beside its arrays; returns its size."""
-    nodes, hist = build(tok, words, width, n)
-    fmt.write_array(Path(shard_dir) / NODES_FILE, "contexts.nodes", nodes.reshape(-1))
-    fmt.write_array(Path(shard_dir) / HIST_FILE, "contexts.hist", hist.reshape(-1).astype(np.uint32 if n < 1 << 32 else np.uint64))
-    return {"context_nodes": len(nodes), "context_entries": len(hist)}
+    """Store a shard's table beside its arrays, streamed a buffer at a time; returns its size."""
+    d = Path(shard_dir)
+    nodes = fmt.StreamWriter(d / NODES_FILE, "contexts.nodes", "int64", None)
+    hist = fmt.StreamWriter(d / HIST_FILE, "contexts.hist", "uint32" if n < 1 << 32 else "uint64", None)
+    for a, b in chunks(tok, words, width, n):
+        nodes.write(a)
+        hist.write(b)
+    nodes.close()
+    hist.close()
+    return {"context_nodes": nodes.written // 4, "context_entries": hist.written // 2}
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,12 @@ def test_table_is_every_frequent_branching_context_exactly(small_table_index):
                 assert dict(zip(got[0].tolist(), got[1].tolist())) == dict(c), q
             else:
                 assert got is None, q
+        nodes = np.asarray(table.nodes)
+        assert np.all(np.diff(nodes[:, 0] * (1 << 32) + nodes[:, 1]) > 0)  # sorted by (lo, hi), as lookups search it
+        with pytest.MonkeyPatch.context() as mp:  # the build streamed through buffers of 3 rows: the same table
+            mp.setattr(contexts, "MIN_COUNT", MIN)
+            small = contexts.build(np.asarray(s.tok), s.sa.words, s.sa.width, s.sa.count, rows=3)
+        assert np.array_equal(small[0], nodes) and np.array_equal(small[1], table.hist)
     assert stored_total > 50
 
 
