@@ -8,6 +8,14 @@ Runs `build-index` on the first MB of linux-source-6.1 (train split), or on --co
 --memory value, with the same tokenizer (trained once, or --tokenizer), and samples the summed
 RSS of the build and all its workers every 0.1 s (ru_maxrss alone reports the largest single
 process, also recorded). Writes benchmarks/results/NAME.{md,json}.
+
+    python -m benchmarks.build_memory --contexts IDX [--baseline COMMIT] --name contexts_memory_2b
+
+The stored contexts' table (index/contexts.py) of every shard of an existing index, built again
+into a temporary folder by a process of its own (the shard's files dropped from the page cache
+first), at this commit and at COMMIT's library in the same run: peak RSS and its anonymous part
+(RSS less file-backed pages: the table's own buffers, not the mapped arrays it reads), seconds,
+and whether both commits' tables are the same bytes.
 """
 
 from __future__ import annotations
@@ -24,25 +32,39 @@ from pathlib import Path
 import psutil
 from teragram.index import format as fmt
 
-from benchmarks.common import SMOKE_HELP, default_workdir, linux_corpus, save, smoke_context, smoke_jsonl, table
+from benchmarks.common import (
+    SMOKE_HELP,
+    default_workdir,
+    library_at,
+    library_env,
+    linux_corpus,
+    save,
+    smoke_context,
+    smoke_index,
+    smoke_jsonl,
+    table,
+)
 
 
-def run_sampled(cmd: list[str]) -> dict:
-    """Run cmd; wall time, the peak of the summed RSS of its process tree, and ru_maxrss."""
+def run_sampled(cmd: list[str], **kw) -> dict:
+    """Run cmd; wall time, the peak of the summed RSS of its process tree (and of its anonymous
+    part: RSS less file-backed pages), and ru_maxrss."""
     t = time.time()
-    p = subprocess.Popen(cmd)
-    peak = 0
+    p = subprocess.Popen(cmd, **kw)
+    peak = peak_anon = 0
     at_peak: list = []  # (process name and arguments, RSS MB) when the sum peaked
     done = threading.Event()
 
     def sample() -> None:
-        nonlocal peak
+        nonlocal peak, peak_anon
         proc = psutil.Process(p.pid)
         while not done.is_set():
             try:
                 procs = [proc, *proc.children(recursive=True)]
-                rss = [(" ".join(q.cmdline())[:80], q.memory_info().rss / 2**20) for q in procs]
-                total = sum(r for _, r in rss) * 2**20
+                mem = [q.memory_info() for q in procs]
+                rss = [(" ".join(q.cmdline())[:80], m.rss / 2**20) for q, m in zip(procs, mem)]
+                total = sum(m.rss for m in mem)
+                peak_anon = max(peak_anon, sum(m.rss - m.shared for m in mem))
                 if total > peak:
                     peak, at_peak[:] = total, rss
             except psutil.Error:
@@ -61,9 +83,57 @@ def run_sampled(cmd: list[str]) -> dict:
         "wall_s": time.time() - t,
         "cpu_s": cpu,
         "peak_tree_rss_mb": peak / 2**20,
+        "peak_anon_mb": peak_anon / 2**20,
         "ru_maxrss_mb": ru.ru_maxrss / 1024,
         "at_peak": at_peak,
     }
+
+
+TABLE = """
+import json, sys
+from pathlib import Path
+from teragram.index import contexts, format as fmt
+d, out = Path(sys.argv[1]), Path(sys.argv[2])
+sa = fmt.open_packed(d / "sa.bin", "sa")
+print(json.dumps(contexts.write(out, fmt.open_array(d / "tokens.bin", "tokens"), sa.words, sa.width, sa.count)))
+"""
+
+
+def contexts_rows(index: Path, work: Path, baseline: str | None) -> list[dict]:
+    """Each shard's table built again, by this commit's library and the baseline's."""
+    from benchmarks.index_scale import evict
+
+    libs = {"this commit": None}
+    if baseline:
+        libs = {f"baseline {baseline}": library_at(baseline, work / "lib")} | libs
+    rows = []
+    for s in fmt.read_json(index / "manifest.json")["shards"]:
+        d = fmt.shard_dir(index, s["shard"], s.get("dir"))
+        digests = set()
+        for code, lib in libs.items():
+            out = work / "table"
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir(parents=True)
+            evict([d / "tokens.bin", d / "sa.bin"])
+            r = run_sampled([sys.executable, "-c", TABLE, str(d), str(out)], env=library_env(lib))
+            files = [out / n for n in ("contexts.nodes.bin", "contexts.hist.bin")]
+            digests.add(tuple(fmt.file_digest(f) for f in files))
+            rows.append(
+                {
+                    "code": code,
+                    "shard": s["shard"],
+                    "tokens": s["n_tokens"],
+                    "table_mb": sum(f.stat().st_size for f in files) / 2**20,
+                    "wall_s": r["wall_s"],
+                    "peak_rss_mb": r["peak_tree_rss_mb"],
+                    "peak_anon_mb": r["peak_anon_mb"],
+                }
+            )
+            print(rows[-1], flush=True)
+        for r in rows[-len(libs) :]:
+            r["same_bytes"] = len(digests) == 1
+    shutil.rmtree(work / "table", ignore_errors=True)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,12 +149,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="where the index of the last --memory value goes (kept)")
     ap.add_argument("--name", default="build_memory")
     ap.add_argument("--vocab-size", type=int, default=32000, help="the tokenizer trained when --tokenizer is not given")
+    ap.add_argument("--contexts", type=Path, help="an index whose shards' stored contexts are built again and measured")
+    ap.add_argument("--baseline", help="with --contexts: the library at this commit too, in the same run")
     ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = ap.parse_args(argv)
     if args.smoke:
         with smoke_context(True) as tmp:
             c = str(smoke_jsonl(tmp))
-            return main(["--corpus", c, "--workdir", str(tmp), "--memory", "1", "--workers", "1", "--vocab-size", "512"])
+            main(["--corpus", c, "--workdir", str(tmp), "--memory", "1", "--workers", "1", "--vocab-size", "512"])
+            return main(["--contexts", str(smoke_index(tmp)), "--workdir", str(tmp), "--name", "contexts_memory"])
+    if args.contexts:
+        rows = contexts_rows(args.contexts, Path(args.workdir) / "contexts-memory", args.baseline)
+        md = f"The stored contexts of each shard of {args.contexts}, built again by a process of its own (its files evicted first).\n\n"
+        save(args.name, {"rows": rows, "index": str(args.contexts)}, md + table(rows, list(rows[0])))
+        return 0
     w = Path(args.workdir)
     corpus = [Path(c) for c in args.corpus] if args.corpus else [linux_corpus(w, args.mb, "train")]
     tok = Path(args.tokenizer) if args.tokenizer else w / f"tok{args.vocab_size}.model"
