@@ -132,6 +132,7 @@ class Served:
     draft_stats: DraftStats = field(default_factory=DraftStats)  # acceptance by match length, across requests
     stats: object = field(default_factory=lambda: _Stats())
     lanes: Lanes = field(default_factory=Lanes)
+    handlers: dict = field(default_factory=dict)  # the routes' work, by name (query, complete, score): warm() calls them
 
 
 def load(cfg: ServeConfig) -> Served:
@@ -172,7 +173,26 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     _add_index_routes(app, s)
     _add_completions(app, s)
     _add_score(app, s)
+    warm(s)
     return app
+
+
+WARM_TEXT = "The the"
+
+
+def warm(s: Served) -> None:
+    """One request of each kind, answered and dropped before the server listens. A process's
+    first call of each compiled index kernel loads it from numba's cache, about a second in all
+    at 2.43B tokens, and the first burst of clients waited for it behind each other
+    (serve_load_2b: the p99 of every query type was that second). Its draft statistics are
+    not kept."""
+    for qt in QUERY_TYPES:
+        s.handlers["query"](InfinigramRequest(query_type=qt, query=WARM_TEXT))
+    if s.model is not None:
+        s.handlers["score"](ScoreRequest(text=WARM_TEXT))
+        for draft in (0, 2):
+            s.handlers["complete"](CompletionRequest(prompt=WARM_TEXT, max_tokens=3, temperature=0.8, draft=draft, provenance=True))
+        s.draft_stats.clear()
 
 
 def _need_model(s: Served) -> None:
@@ -278,6 +298,8 @@ def _add_index_routes(app: FastAPI, s: Served) -> None:
             raise QueryError(f"unknown query_type {qt!r}; expected {', '.join(QUERY_TYPES)}")
         return with_tokens(idx, r, ids) | {"latency": (time.perf_counter() - t) * 1e3}
 
+    s.handlers["query"] = query
+
     @app.post("/")
     async def infinigram(req: InfinigramRequest):
         qt = req.query_type
@@ -382,6 +404,8 @@ def _add_completions(app: FastAPI, s: Served) -> None:
 
         return StreamingResponse(produced(sse, s.lanes.model), media_type="text/event-stream")
 
+    s.handlers["complete"] = complete
+
 
 def _add_score(app: FastAPI, s: Served) -> None:
     """/v1/score: per-token log-probabilities with and without the index, and through the gate."""
@@ -449,6 +473,8 @@ def _add_score(app: FastAPI, s: Served) -> None:
             nll = mix_nll_multi(component_logp(est, with_idx[0].cpu().numpy(), gate.components, ccols), gate(X_g))
             out["logprobs_with_gate"] = (-nll).tolist()
         return out
+
+    s.handlers["score"] = score
 
 
 def serve(cfg: ServeConfig) -> None:

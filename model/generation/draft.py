@@ -77,6 +77,13 @@ class DraftStats:
             self.proposed[s, b] += 1
             self.accepted[s, b] += j < n_accepted
 
+    def clear(self) -> None:
+        """Forget every count."""
+        self.proposed[:] = 0
+        self.accepted[:] = 0
+        self.forwards = self.tokens = 0
+        self.lookup_s = []
+
     def add_lookups(self, seconds: list[float]) -> None:
         """The seconds of index lookups (features, and the gate's estimates) of appended tokens."""
         self.lookup_s = (self.lookup_s + list(seconds))[-LOOKUPS_KEPT:]

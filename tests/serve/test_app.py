@@ -264,3 +264,36 @@ def test_gate_in_score_equals_bulk_gated_eval_and_completions_run(real_index, ch
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
     with pytest.raises(Exception, match="needs --checkpoint"):
         create_app(ServeConfig(index=str(real_index), gate=str(tmp_path / "gate.json")))
+
+
+WARMED = """
+import json, sys
+import numba
+from fastapi.testclient import TestClient
+from teragram.serve.app import ServeConfig, create_app
+
+def loaded():
+    return {f"{m}.{n}": len(f.signatures) for m, mod in list(sys.modules.items()) if m.startswith("teragram.")
+            for n, f in vars(mod).items() if isinstance(f, numba.core.registry.CPUDispatcher)}
+
+c = TestClient(create_app(ServeConfig(index=sys.argv[1], checkpoint=sys.argv[2], max_tokens=64)))
+before, stats = loaded(), c.get("/stats").json()
+for qt in ("count", "prob", "ntd", "infgram_prob", "infgram_ntd", "search_docs"):
+    assert c.post("/", json={"query_type": qt, "query": "The kernel is a"}).status_code == 200
+assert c.post("/v1/score", json={"text": "The kernel is a program"}).status_code == 200
+for body in ({"prompt": "The kernel", "max_tokens": 8}, {"prompt": "The kernel", "max_tokens": 8, "temperature": 0.8, "top_p": 0.95, "draft": 4, "provenance": True}):
+    assert c.post("/v1/completions", json=body).status_code == 200
+after = loaded()
+print(json.dumps({"new": sorted(k for k in after if after[k] > before.get(k, 0)), "warmed": sum(v > 0 for v in before.values()), "stats": stats}))
+"""
+
+
+def test_the_server_is_warm_before_it_answers(real_index, checkpoint):
+    """create_app answers one request of each kind before it returns (serve.app.warm): in a fresh
+    process, no compiled kernel is loaded by the first real requests of every kind, and the
+    warm-up's requests are not in /stats."""
+    r = subprocess.run([sys.executable, "-c", WARMED, str(real_index), str(checkpoint)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["new"] == [] and out["warmed"] >= 10
+    assert out["stats"]["endpoints"] == {} and out["stats"]["drafts"]["forward_passes"] == 0 == out["stats"]["drafts"]["drafted"]
