@@ -6,7 +6,10 @@ Serves the demo index and tiny index model (runs/default, made by `make demo`; b
 missing; --run: another folder with idx/ and index-model/, e.g. links to a large index and a
 model of its tokenizer) on CPU, then keeps 64 clients busy with a mix of infini-gram-style index queries
 (70%), short completions (20%) and scoring requests (10%). Reports requests/s, failures and
-p50/p99 latency per endpoint (and the server's own p99, from its /stats); --baseline: the same load first against the server of the library
+p50/p99 latency per endpoint (and the server's own p99, from its /stats), and those of a 65th
+client in a process of its own (plain http.client, a count every 50 ms: "/ (count), probe"),
+whose latency is the server's, not the load generator's (one process of 64 httpx clients adds
+its own waits to the tails); --baseline: the same load first against the server of the library
 at COMMIT (a `git archive` of it), in the same run; --cold: first the load with the index's files
 dropped from the page cache just before the server starts, then warm. Then measures the index-lookup share of a decode step with the
 125M model shape against the ~50M-token linux-source index (if benchmarks/build.py made it).
@@ -189,6 +192,24 @@ def request_mix(idx) -> tuple[list[dict], list[str]]:
     return queries, texts
 
 
+PROBE = """
+import http.client, json, sys, time
+port, seconds = int(sys.argv[1]), float(sys.argv[2])
+conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+body = json.dumps({"query_type": "count", "query": "static int"})
+out, end = [], time.time() + seconds
+while time.time() < end:
+    t = time.perf_counter()
+    conn.request("POST", "/", body, {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    r.read()
+    out.append([(time.perf_counter() - t) * 1e3, r.status == 200])
+    time.sleep(0.05)
+print(json.dumps(out))
+"""
+PROBE_ROW = "/ (count), probe"  # a 65th client in a process of its own, plain http.client: the latency a user sees
+
+
 def serve_and_load(
     run: Path, queries: list[dict], texts: list[str], seconds: int, clients: int, library: Path | None = None
 ) -> tuple[dict, float, dict]:
@@ -221,12 +242,17 @@ def serve_and_load(
                 break
         except httpx.HTTPError:
             time.sleep(0.1)
+    probe = None
     try:
+        probe = subprocess.Popen([sys.executable, "-c", PROBE, str(port), str(seconds)], stdout=subprocess.PIPE, text=True)
         t = time.time()
         stats = asyncio.run(load(url, queries, texts, seconds, clients))
         wall = time.time() - t
+        stats[PROBE_ROW] = [(x, ok) for x, ok in json.loads(probe.communicate(timeout=300)[0])]
         server_stats = httpx.get(url + "/stats").json()
     finally:
+        if probe is not None and probe.poll() is None:
+            probe.kill()
         srv.terminate()
         srv.wait(10)
     return stats, wall, server_stats

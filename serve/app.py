@@ -14,7 +14,9 @@ thread behind expensive ones: index queries that only search (count, prob, infgr
 queries that enumerate (ntd, infgram_ntd, search_docs), and requests that run the model
 (completions, scoring), whose model calls are serialized by a lock (one model, one device). A
 request waiting for its lane holds no thread. Index queries run concurrently (the kernels
-release the GIL).
+release the GIL). A response is encoded to JSON in its lane's thread, not by FastAPI on the
+event loop (a next-token distribution at 2.43B tokens has thousands of entries, and encoding it
+there held every other request back).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from teragram.index.engine import Index, with_tokens
 from teragram.index.errors import ClusterError, QueryError, TeragramError
@@ -210,24 +213,45 @@ def _query_ids(s: Served, req_text: str | None, req_ids: list[int] | None) -> li
     return ids
 
 
+class _Guard:
+    """API key, content type and body size checks and per-path statistics, as a plain ASGI
+    middleware: Starlette's BaseHTTPMiddleware runs every request in a task group of its own,
+    and under load at 2.43B that wait was most of a count's p99 (serve_load_2b)."""
+
+    def __init__(self, app, cfg: ServeConfig, stats: _Stats):
+        self.app, self.cfg, self.stats = app, cfg, stats
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t, cfg = time.perf_counter(), self.cfg
+        h = Headers(scope=scope)
+        if cfg.api_key and h.get("authorization") != f"Bearer {cfg.api_key}":
+            refused = _err(401, "missing or wrong API key (Authorization: Bearer KEY)")
+        elif scope["method"] == "POST" and not h.get("content-type", "").split(";")[0].strip() == "application/json":
+            refused = _err(415, "content type must be application/json")
+        elif int(h.get("content-length") or 0) > cfg.max_body_bytes:
+            refused = _err(413, f"request body over {cfg.max_body_bytes} bytes")
+        else:
+            refused = None
+        status = [500]
+
+        async def sent(msg):
+            if msg["type"] == "http.response.start":
+                status[0] = msg["status"]
+            await send(msg)
+
+        try:
+            await (refused or self.app)(scope, receive, sent)
+        finally:
+            self.stats.add(scope["path"], (time.perf_counter() - t) * 1e3, status[0] < 400)
+
+
 def _add_guards(app: FastAPI, s: Served) -> None:
     """API key, content type and body size checks, per-endpoint statistics, and errors as JSON."""
     cfg, stats = s.cfg, s.stats
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        t = time.perf_counter()
-        path = request.url.path
-        if cfg.api_key and request.headers.get("authorization") != f"Bearer {cfg.api_key}":
-            resp = _err(401, "missing or wrong API key (Authorization: Bearer KEY)")
-        elif request.method == "POST" and not request.headers.get("content-type", "").split(";")[0].strip() == "application/json":
-            resp = _err(415, "content type must be application/json")
-        elif int(request.headers.get("content-length") or 0) > cfg.max_body_bytes:
-            resp = _err(413, f"request body over {cfg.max_body_bytes} bytes")
-        else:
-            resp = await call_next(request)
-        stats.add(path, (time.perf_counter() - t) * 1e3, resp.status_code < 400)
-        return resp
+    app.add_middleware(_Guard, cfg=cfg, stats=stats)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -296,7 +320,7 @@ def _add_index_routes(app: FastAPI, s: Served) -> None:
             r = idx.docs(ids, max=req.maxnum, context=req.max_disp_len // 2).to_json()
         else:
             raise QueryError(f"unknown query_type {qt!r}; expected {', '.join(QUERY_TYPES)}")
-        return with_tokens(idx, r, ids) | {"latency": (time.perf_counter() - t) * 1e3}
+        return JSONResponse(with_tokens(idx, r, ids) | {"latency": (time.perf_counter() - t) * 1e3})
 
     s.handlers["query"] = query
 
@@ -373,15 +397,18 @@ def _add_completions(app: FastAPI, s: Served) -> None:
             long = sum(int(t.features.length[0]) >= 16 for t in out[:-1]) + (
                 1 if ids and out and int(run.state["features"][len(ids) - 1].length[0]) >= 16 else 0
             )  # type: ignore[attr-defined]
-            return {
-                "id": f"cmpl-{created}",
-                "object": "text_completion",
-                "created": created,
-                "model": name,
-                "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
-                "usage": {"prompt_tokens": len(ids), "completion_tokens": len(new), "total_tokens": len(ids) + len(new)},
-                "index_matches": {"long_match_tokens": long, "min_match": 16},
-            } | ({"provenance": [_prov(t) for t in out]} if req.provenance else {})
+            return JSONResponse(
+                {
+                    "id": f"cmpl-{created}",
+                    "object": "text_completion",
+                    "created": created,
+                    "model": name,
+                    "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
+                    "usage": {"prompt_tokens": len(ids), "completion_tokens": len(new), "total_tokens": len(ids) + len(new)},
+                    "index_matches": {"long_match_tokens": long, "min_match": 16},
+                }
+                | ({"provenance": [_prov(t) for t in out]} if req.provenance else {})
+            )
 
         def sse():
             prev = ""
@@ -472,7 +499,7 @@ def _add_score(app: FastAPI, s: Served) -> None:
                 ccols = (q.astype(np.float32).astype(np.float64), cc.first_rows(doc))
             nll = mix_nll_multi(component_logp(est, with_idx[0].cpu().numpy(), gate.components, ccols), gate(X_g))
             out["logprobs_with_gate"] = (-nll).tolist()
-        return out
+        return JSONResponse(out)
 
     s.handlers["score"] = score
 
