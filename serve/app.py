@@ -12,8 +12,11 @@ GET /health, GET /stats. Every bad request gets a 4xx with {"error": "<one line>
 Requests run in three lanes of worker threads (Lanes), so that a cheap query never waits for a
 thread behind expensive ones: index queries that only search (count, prob, infgram_prob), index
 queries that enumerate (ntd, infgram_ntd, search_docs), and requests that run the model
-(completions, scoring), whose model calls are serialized by a lock (one model, one device). A
-request waiting for its lane holds no thread. Index queries run concurrently (the kernels
+(completions, scoring), whose model calls are serialized by a lock (one model, one device). The
+model, its gate and generation's index lookups run in a process of their own
+(serve/model_worker.py; in this one with --cluster), so that the model's Python never holds the
+interpreter this process answers index queries with. A request waiting for its lane holds no
+thread. Index queries run concurrently (the kernels
 release the GIL). A response is encoded to JSON in its lane's thread, not by FastAPI on the
 event loop (a next-token distribution at 2.43B tokens has thousands of entries, and encoding it
 there held every other request back).
@@ -24,19 +27,19 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections import defaultdict, deque
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from teragram.index.engine import Index, with_tokens
 from teragram.index.errors import ClusterError, QueryError, TeragramError
 from teragram.model.generation.draft import MAX_DRAFT, DraftStats
+from teragram.serve.guard import Guard, Stats, error
 from teragram.serve.lanes import QUERY_TYPES, SEARCH_QUERIES, Lanes, in_lane, produced
 
 
@@ -87,40 +90,6 @@ class ScoreRequest(_Strict):
     ids: list[int] | None = None
 
 
-class _Stats:
-    def __init__(self):
-        self.start = time.time()
-        self.counts: dict[str, int] = defaultdict(int)
-        self.errors: dict[str, int] = defaultdict(int)
-        self.lat: dict[str, deque] = defaultdict(lambda: deque(maxlen=10000))
-        self.lock = threading.Lock()
-
-    def add(self, path: str, ms: float, ok: bool) -> None:
-        with self.lock:
-            self.counts[path] += 1
-            if not ok:
-                self.errors[path] += 1
-            self.lat[path].append(ms)
-
-    def summary(self) -> dict:
-        with self.lock:
-            out = {}
-            for p, n in self.counts.items():
-                a = np.asarray(self.lat[p]) if self.lat[p] else np.zeros(1)
-                out[p] = {
-                    "requests": n,
-                    "errors": self.errors[p],
-                    "p50_ms": float(np.percentile(a, 50)),
-                    "p90_ms": float(np.percentile(a, 90)),
-                    "p99_ms": float(np.percentile(a, 99)),
-                }
-            return out
-
-
-def _err(status: int, msg: str) -> JSONResponse:
-    return JSONResponse({"error": msg}, status_code=status)
-
-
 @dataclass
 class Served:
     """What the server holds: the index, the model and what mixes into it, and the shared state
@@ -133,14 +102,16 @@ class Served:
     gate: object = None
     model_lock: threading.Lock = field(default_factory=threading.Lock)
     draft_stats: DraftStats = field(default_factory=DraftStats)  # acceptance by match length, across requests
-    stats: object = field(default_factory=lambda: _Stats())
+    stats: object = field(default_factory=Stats)
     lanes: Lanes = field(default_factory=Lanes)
     handlers: dict = field(default_factory=dict)  # the routes' work, by name (query, complete, score): warm() calls them
+    worker: object = None  # the model's process (serve/model_worker.py), when the model is not in this one
 
 
-def load(cfg: ServeConfig) -> Served:
-    """Open the index and load the model and its gate, refusing with one line what
-    cannot serve together (another vocabulary or tokenizer, a gate of another model or index)."""
+def load(cfg: ServeConfig, *, with_model: bool = True) -> Served:
+    """Open the index and load the model and its gate (with_model False: the index alone, the
+    model's process loads them), refusing with one line what cannot serve together (another
+    vocabulary or tokenizer, a gate of another model or index)."""
     if cfg.cluster:  # the holders also keep generation's live lookups (index/cluster_scorer.py)
         from teragram.index.cluster import ClusterIndex
 
@@ -149,18 +120,18 @@ def load(cfg: ServeConfig) -> Served:
         idx = Index(cfg.index)
     model = None
     model_meta: dict = {}
-    if cfg.checkpoint:
+    if cfg.gate and not cfg.checkpoint:
+        raise TeragramError("--gate needs --checkpoint")
+    if cfg.checkpoint and with_model:
         from teragram.model.checkpoint import load_model
 
         model, model_meta = load_model(cfg.checkpoint, cfg.device)
         if model.cfg.vocab_size != idx.vocab_size:
             raise TeragramError(f"checkpoint vocabulary {model.cfg.vocab_size} != index vocabulary {idx.vocab_size}")
     gate = None
-    if cfg.gate:
+    if cfg.gate and with_model:
         from teragram.model.mixture.gate import Gate
 
-        if model is None:
-            raise TeragramError("--gate needs --checkpoint")
         gate = Gate.load(cfg.gate)
         from teragram.model.checkpoint import weights_digest
 
@@ -169,8 +140,22 @@ def load(cfg: ServeConfig) -> Served:
 
 
 def create_app(cfg: ServeConfig) -> FastAPI:
-    s = load(cfg)
-    app = FastAPI(title="teragram", version="0.1.0")
+    """The server. Its model runs in a process of its own (serve/model_worker.py), except with
+    --cluster (its holders keep generation's lookups for the process that opened them)."""
+    own = cfg.checkpoint is not None and cfg.cluster is None
+    s = load(cfg, with_model=not own)
+    if own:
+        from teragram.serve.model_worker import ModelWorker
+
+        s.worker = ModelWorker(_model_process, cfg, s.model_lock)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        if s.worker is not None:
+            s.worker.close()
+
+    app = FastAPI(title="teragram", version="0.1.0", lifespan=lifespan)
     app.state.served = s
     _add_guards(app, s)
     _add_index_routes(app, s)
@@ -180,6 +165,28 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     return app
 
 
+def _model_process(cfg: ServeConfig, conn) -> None:
+    """The model's process (serve/model_worker.py): loaded and warmed as a one-process server, then answering."""
+    import os
+
+    import torch
+    from teragram.serve.model_worker import answer
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))  # a core left to the index's process (docs/results.md §7)
+    try:
+        s = load(cfg)
+        app = FastAPI()
+        _add_completions(app, s)
+        _add_score(app, s)
+        warm_model(s)
+    except Exception as e:  # noqa: BLE001  (the parent raises it as its one-line error)
+        conn.send(("failed", str(e) if isinstance(e, TeragramError) else f"{type(e).__name__}: {e}"))
+        return
+    info = {"params": s.model.num_params(), "use_index": s.model.cfg.use_index, "config": s.model_meta.get("model")}
+    conn.send(("ready", info))
+    answer(conn, s.handlers, {"complete": CompletionRequest, "score": ScoreRequest}, s.draft_stats.to_json)
+
+
 WARM_TEXT = "The the"
 
 
@@ -187,10 +194,16 @@ def warm(s: Served) -> None:
     """One request of each kind, answered and dropped before the server listens. A process's
     first call of each compiled index kernel loads it from numba's cache, about a second in all
     at 2.43B tokens, and the first burst of clients waited for it behind each other
-    (serve_load_2b: the p99 of every query type was that second). Its draft statistics are
-    not kept."""
+    (serve_load_2b: the p99 of every query type was that second). The model's process warms
+    its own (warm_model)."""
     for qt in QUERY_TYPES:
         s.handlers["query"](InfinigramRequest(query_type=qt, query=WARM_TEXT))
+    warm_model(s)
+
+
+def warm_model(s: Served) -> None:
+    """A scoring request and two completions, if the model is in this process; their draft
+    statistics are not kept."""
     if s.model is not None:
         s.handlers["score"](ScoreRequest(text=WARM_TEXT))
         for draft in (0, 2):
@@ -199,7 +212,7 @@ def warm(s: Served) -> None:
 
 
 def _need_model(s: Served) -> None:
-    if s.model is None:
+    if s.model is None and s.worker is None:
         raise StarletteHTTPException(404, "no model loaded: start the server with --checkpoint")
 
 
@@ -213,61 +226,28 @@ def _query_ids(s: Served, req_text: str | None, req_ids: list[int] | None) -> li
     return ids
 
 
-class _Guard:
-    """API key, content type and body size checks and per-path statistics, as a plain ASGI
-    middleware: Starlette's BaseHTTPMiddleware runs every request in a task group of its own,
-    and under load at 2.43B that wait was most of a count's p99 (serve_load_2b)."""
-
-    def __init__(self, app, cfg: ServeConfig, stats: _Stats):
-        self.app, self.cfg, self.stats = app, cfg, stats
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        t, cfg = time.perf_counter(), self.cfg
-        h = Headers(scope=scope)
-        if cfg.api_key and h.get("authorization") != f"Bearer {cfg.api_key}":
-            refused = _err(401, "missing or wrong API key (Authorization: Bearer KEY)")
-        elif scope["method"] == "POST" and not h.get("content-type", "").split(";")[0].strip() == "application/json":
-            refused = _err(415, "content type must be application/json")
-        elif int(h.get("content-length") or 0) > cfg.max_body_bytes:
-            refused = _err(413, f"request body over {cfg.max_body_bytes} bytes")
-        else:
-            refused = None
-        status = [500]
-
-        async def sent(msg):
-            if msg["type"] == "http.response.start":
-                status[0] = msg["status"]
-            await send(msg)
-
-        try:
-            await (refused or self.app)(scope, receive, sent)
-        finally:
-            self.stats.add(scope["path"], (time.perf_counter() - t) * 1e3, status[0] < 400)
-
-
 def _add_guards(app: FastAPI, s: Served) -> None:
     """API key, content type and body size checks, per-endpoint statistics, and errors as JSON."""
     cfg, stats = s.cfg, s.stats
 
-    app.add_middleware(_Guard, cfg=cfg, stats=stats)
+    app.add_middleware(Guard, cfg=cfg, stats=stats)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         e = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
         if e.get("type") == "json_invalid":
-            return _err(400, "malformed JSON")
-        return _err(400, f"{where or 'body'}: {e.get('msg', 'invalid request')}")
+            return error(400, "malformed JSON")
+        return error(400, f"{where or 'body'}: {e.get('msg', 'invalid request')}")
 
     @app.exception_handler(TeragramError)
     async def _teragram(request: Request, exc: TeragramError):
-        return _err(503 if isinstance(exc, ClusterError) else 400, str(exc))  # 503: shards without a live holder
+        status = getattr(exc, "status", 503 if isinstance(exc, ClusterError) else 400)  # 503: shards without a live holder
+        return error(status, str(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
-        return _err(exc.status_code, str(exc.detail))
+        return error(exc.status_code, str(exc.detail))
 
 
 def _add_index_routes(app: FastAPI, s: Served) -> None:
@@ -276,11 +256,11 @@ def _add_index_routes(app: FastAPI, s: Served) -> None:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": model is not None}
+        return {"status": "ok", "model": model is not None or s.worker is not None}
 
     @app.get("/stats")
     async def get_stats():
-        m = None
+        m, drafts = None, None
         if model is not None:
             m = {
                 "checkpoint": cfg.checkpoint,
@@ -288,6 +268,10 @@ def _add_index_routes(app: FastAPI, s: Served) -> None:
                 "use_index": model.cfg.use_index,
                 "config": model_meta.get("model"),
             }
+            drafts = draft_stats.to_json()
+        elif s.worker is not None:
+            m = {"checkpoint": cfg.checkpoint} | s.worker.info
+            drafts = s.worker.drafts or DraftStats().to_json()
         return {
             "index": {
                 "path": cfg.index,
@@ -297,7 +281,7 @@ def _add_index_routes(app: FastAPI, s: Served) -> None:
                 "vocab_size": idx.vocab_size,
             },
             "model": m,
-            "drafts": draft_stats.to_json() if model is not None else None,
+            "drafts": drafts,
             "uptime_s": time.time() - stats.start,
             "endpoints": stats.summary(),
         }
@@ -354,7 +338,12 @@ def _add_completions(app: FastAPI, s: Served) -> None:
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
-        return await in_lane(s.lanes.model, complete, req)
+        out = await in_lane(s.lanes.model, (lambda r: s.worker.call("complete", r)) if s.worker else complete, req)
+        if isinstance(out, Response):
+            return out
+        # a stream from the model's process holds the model's lock: it is read in a lane of its own, never
+        # waiting for a model-lane thread that is itself waiting for the lock
+        return StreamingResponse(produced(lambda: out, s.lanes.stream if s.worker else s.lanes.model), media_type="text/event-stream")
 
     def complete(req: CompletionRequest):
         _need_model(s)
@@ -429,7 +418,7 @@ def _add_completions(app: FastAPI, s: Served) -> None:
             yield f"data: {json.dumps({'id': f'cmpl-{created}', 'object': 'text_completion', 'choices': [{'index': 0, 'text': '', 'finish_reason': finish}]})}\n\n"
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(produced(sse, s.lanes.model), media_type="text/event-stream")
+        return sse()
 
     s.handlers["complete"] = complete
 
@@ -440,7 +429,7 @@ def _add_score(app: FastAPI, s: Served) -> None:
 
     @app.post("/v1/score")
     async def score_route(req: ScoreRequest):
-        return await in_lane(s.lanes.model, score, req)
+        return await in_lane(s.lanes.model, (lambda r: s.worker.call("score", r)) if s.worker else score, req)
 
     def score(req: ScoreRequest):
         _need_model(s)

@@ -25,6 +25,7 @@ class Lanes:
     search: ThreadPoolExecutor = field(default_factory=lambda: _pool(8, "search"))
     enumerate: ThreadPoolExecutor = field(default_factory=lambda: _pool(4, "enumerate"))
     model: ThreadPoolExecutor = field(default_factory=lambda: _pool(4, "model"))
+    stream: ThreadPoolExecutor = field(default_factory=lambda: _pool(2, "stream"))  # streams from the model's process
 
 
 async def in_lane(lane: ThreadPoolExecutor, fn, *args):

@@ -297,3 +297,21 @@ def test_the_server_is_warm_before_it_answers(real_index, checkpoint):
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["new"] == [] and out["warmed"] >= 10
     assert out["stats"]["endpoints"] == {} and out["stats"]["drafts"]["forward_passes"] == 0 == out["stats"]["drafts"]["drafted"]
+
+
+def test_model_process_ending_is_a_503_and_the_index_still_answers(real_index, checkpoint):
+    """The model runs in a process of its own (serve/model_worker.py): the server's own process
+    holds no model; if that process ends, a model request is a one-line 503 and index queries
+    are still answered."""
+    app = create_app(ServeConfig(index=str(real_index), checkpoint=str(checkpoint), max_tokens=64))
+    s = app.state.served
+    assert s.model is None and s.worker is not None and s.worker.proc.is_alive()
+    with TestClient(app) as c:
+        ok = c.post("/v1/score", json={"text": "The kernel is"})
+        assert ok.status_code == 200 and len(ok.json()["token_ids"]) > 0
+        assert c.get("/stats").json()["model"]["params"] > 0
+        s.worker.proc.kill()
+        s.worker.proc.join(10)
+        r = c.post("/v1/completions", json={"prompt": "The", "max_tokens": 4})
+        assert r.status_code == 503 and "model's process has ended" in r.json()["error"] and "\n" not in r.json()["error"]
+        assert c.post("/", json={"query_type": "count", "query": "kernel"}).status_code == 200
