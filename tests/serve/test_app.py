@@ -290,8 +290,9 @@ print(json.dumps({"new": sorted(k for k in after if after[k] > before.get(k, 0))
 
 def test_the_server_is_warm_before_it_answers(real_index, checkpoint):
     """create_app answers one request of each kind before it returns (serve.app.warm): in a fresh
-    process, no compiled kernel is loaded by the first real requests of every kind, and the
-    warm-up's requests are not in /stats."""
+    server process, no compiled kernel is loaded by the first real requests of any kind (the
+    model's process warms itself the same way, warm_model), and the warm-up's requests are not
+    in /stats."""
     r = subprocess.run([sys.executable, "-c", WARMED, str(real_index), str(checkpoint)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
