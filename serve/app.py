@@ -16,10 +16,9 @@ queries that enumerate (ntd, infgram_ntd, search_docs), and requests that run th
 model, its gate and generation's index lookups run in a process of their own
 (serve/model_worker.py; in this one with --cluster), so that the model's Python never holds the
 interpreter this process answers index queries with. A request waiting for its lane holds no
-thread. Index queries run concurrently (the kernels
-release the GIL). A response is encoded to JSON in its lane's thread, not by FastAPI on the
-event loop (a next-token distribution at 2.43B tokens has thousands of entries, and encoding it
-there held every other request back).
+thread. Index queries run concurrently (the kernels release the GIL). A response is encoded to
+JSON in its lane's thread, not by FastAPI on the event loop (a next-token distribution at 2.43B
+tokens has thousands of entries, and encoding it there held every other request back).
 """
 
 from __future__ import annotations
