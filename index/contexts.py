@@ -134,6 +134,11 @@ def _descend(tok, words, w, sep, min_count, st, stack, grp, ghist, out_nodes, ou
     return stack, grp, ghist, out_nodes, m, out_hist, e
 
 
+def _hist_dtype(n: int):
+    """The block ends' type in a shard of n positions (an end can be n itself)."""
+    return np.uint32 if n < 1 << 32 else np.uint64
+
+
 def chunks(tok: np.ndarray, words: np.ndarray, width: int, n: int, rows: int = 1 << 20):
     """A shard's table in order, a buffer at a time: (nodes, hist) pieces of about `rows` rows
     (nodes int64 (lo, hi, depth, end); hist (token, block end), uint32 below 2^32 positions,
@@ -144,7 +149,7 @@ def chunks(tok: np.ndarray, words: np.ndarray, width: int, n: int, rows: int = 1
     st[0] = len(stack)
     grp, ghist = np.empty((64, 4), np.int64), np.empty((1024, 2), np.int64)
     out_nodes = np.empty((max(rows // 8, 1), 4), np.int64)
-    out_hist = np.empty((rows, 2), np.uint32 if n < 1 << 32 else np.uint64)
+    out_hist = np.empty((rows, 2), _hist_dtype(n))
     while st[0] or st[1]:
         stack, grp, ghist, out_nodes, m, out_hist, e = _descend(
             tok, words, width, sep, MIN_COUNT, st, stack, grp, ghist, out_nodes, out_hist
@@ -201,7 +206,7 @@ def build(tok: np.ndarray, words: np.ndarray, width: int, n: int, rows: int = 1 
     sorted by (lo, hi), and the histograms (E, 2) (token, block end)."""
     parts = [(a.copy(), b.copy()) for a, b in chunks(tok, words, width, n, rows)]
     nodes = [a for a, _ in parts] or [np.zeros((0, 4), np.int64)]
-    hist = [b for _, b in parts] or [np.zeros((0, 2), np.uint32 if n < 1 << 32 else np.uint64)]
+    hist = [b for _, b in parts] or [np.zeros((0, 2), _hist_dtype(n))]
     return np.concatenate(nodes), np.concatenate(hist)
 
 
@@ -209,7 +214,7 @@ def write(shard_dir, tok: np.ndarray, words: np.ndarray, width: int, n: int) -> 
     """Store a shard's table beside its arrays, streamed a buffer at a time; returns its size."""
     d = Path(shard_dir)
     nodes = fmt.StreamWriter(d / NODES_FILE, "contexts.nodes", "int64", None)
-    hist = fmt.StreamWriter(d / HIST_FILE, "contexts.hist", "uint32" if n < 1 << 32 else "uint64", None)
+    hist = fmt.StreamWriter(d / HIST_FILE, "contexts.hist", _hist_dtype(n).__name__, None)
     for a, b in chunks(tok, words, width, n):
         nodes.write(a)
         hist.write(b)

@@ -181,8 +181,7 @@ def _model_process(cfg: ServeConfig, conn) -> None:
     except Exception as e:  # noqa: BLE001  (the parent raises it as its one-line error)
         conn.send(("failed", str(e) if isinstance(e, TeragramError) else f"{type(e).__name__}: {e}"))
         return
-    info = {"params": s.model.num_params(), "use_index": s.model.cfg.use_index, "config": s.model_meta.get("model")}
-    conn.send(("ready", info))
+    conn.send(("ready", _model_info(s)))
     answer(conn, s.handlers, {"complete": CompletionRequest, "score": ScoreRequest}, s.draft_stats.to_json)
 
 
@@ -208,6 +207,16 @@ def warm_model(s: Served) -> None:
         for draft in (0, 2):
             s.handlers["complete"](CompletionRequest(prompt=WARM_TEXT, max_tokens=3, temperature=0.8, draft=draft, provenance=True))
         s.draft_stats.clear()
+
+
+def _model_info(s: Served) -> dict:
+    """What /stats says of a loaded model."""
+    return {"params": s.model.num_params(), "use_index": s.model.cfg.use_index, "config": s.model_meta.get("model")}
+
+
+def _on_model(s: Served, kind: str, here):
+    """A model request's work: here(req) with the model in this process, else the model's process's."""
+    return (lambda req: s.worker.call(kind, req)) if s.worker else here
 
 
 def _need_model(s: Served) -> None:
@@ -251,7 +260,7 @@ def _add_guards(app: FastAPI, s: Served) -> None:
 
 def _add_index_routes(app: FastAPI, s: Served) -> None:
     """/health, /stats and infini-gram's API at /."""
-    cfg, idx, model, model_meta, draft_stats, stats = s.cfg, s.idx, s.model, s.model_meta, s.draft_stats, s.stats
+    cfg, idx, model, draft_stats, stats = s.cfg, s.idx, s.model, s.draft_stats, s.stats
 
     @app.get("/health")
     async def health():
@@ -261,16 +270,9 @@ def _add_index_routes(app: FastAPI, s: Served) -> None:
     async def get_stats():
         m, drafts = None, None
         if model is not None:
-            m = {
-                "checkpoint": cfg.checkpoint,
-                "params": model.num_params(),
-                "use_index": model.cfg.use_index,
-                "config": model_meta.get("model"),
-            }
-            drafts = draft_stats.to_json()
+            m, drafts = {"checkpoint": cfg.checkpoint} | _model_info(s), draft_stats.to_json()
         elif s.worker is not None:
-            m = {"checkpoint": cfg.checkpoint} | s.worker.info
-            drafts = s.worker.drafts or DraftStats().to_json()
+            m, drafts = {"checkpoint": cfg.checkpoint} | s.worker.info, s.worker.drafts or DraftStats().to_json()
         return {
             "index": {
                 "path": cfg.index,
@@ -337,11 +339,10 @@ def _add_completions(app: FastAPI, s: Served) -> None:
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
-        out = await in_lane(s.lanes.model, (lambda r: s.worker.call("complete", r)) if s.worker else complete, req)
+        out = await in_lane(s.lanes.model, _on_model(s, "complete", complete), req)
         if isinstance(out, Response):
             return out
-        # a stream from the model's process holds the model's lock: it is read in a lane of its own, never
-        # waiting for a model-lane thread that is itself waiting for the lock
+        # a stream from the model's process holds the model's lock: read in a lane of its own, not the model's
         return StreamingResponse(produced(lambda: out, s.lanes.stream if s.worker else s.lanes.model), media_type="text/event-stream")
 
     def complete(req: CompletionRequest):
@@ -428,7 +429,7 @@ def _add_score(app: FastAPI, s: Served) -> None:
 
     @app.post("/v1/score")
     async def score_route(req: ScoreRequest):
-        return await in_lane(s.lanes.model, (lambda r: s.worker.call("score", r)) if s.worker else score, req)
+        return await in_lane(s.lanes.model, _on_model(s, "score", score), req)
 
     def score(req: ScoreRequest):
         _need_model(s)
