@@ -79,13 +79,15 @@ def write_shard_arrays(
 
 def add_contexts(root: Path, marker: dict) -> dict:
     """A completed shard built before its frequent contexts' histograms were stored
-    (index/contexts.py): the table written and recorded in its marker; the marker returned."""
+    (index/contexts.py), or stored at another threshold than contexts.min_count's: the table
+    (re)written and recorded in its marker; the marker returned."""
     d = fmt.shard_dir(root, marker["shard"], marker.get("dir"))
-    if any(Path(f["path"]).name == contexts.NODES_FILE for f in marker["files"]):
-        return marker
+    stored = any(Path(f["path"]).name == contexts.NODES_FILE for f in marker["files"])
     sa = fmt.open_packed(d / "sa.bin", "sa")
+    if stored and marker.get("context_min_count", 1024) == contexts.min_count(sa.count):  # 1024: before it was recorded
+        return marker
     stats = contexts.write(d, fmt.open_array(d / "tokens.bin", "tokens"), sa.words, sa.width, sa.count)
-    files = [r for r in marker["files"] if Path(r["path"]).name != contexts.HIST_FILE]
+    files = [r for r in marker["files"] if Path(r["path"]).name not in (contexts.NODES_FILE, contexts.HIST_FILE)]
     files += [asdict(fmt.file_record(root, d / n)) for n in (contexts.NODES_FILE, contexts.HIST_FILE)]
     marker = marker | stats | {"files": files}
     fmt.write_json(fmt.shard_marker(root, marker["shard"]), marker)

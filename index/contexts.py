@@ -7,15 +7,15 @@ cheap for a rare context, but a short, frequent one (`the`, `) {`, a newline) ha
 continuations in every shard, and held-out text asks for such contexts at nearly every
 position. Every such histogram is computed once, when the shard is built, and read back here.
 
-Which contexts: every context with at least MIN_COUNT occurrences in the shard at which its
-occurrences continue differently. These are the branching nodes of the shard's suffix tree
-with MIN_COUNT leaves or more: a context's interval is the interval of the node at or below it,
+Which contexts: every context with at least min_count(n) occurrences in the shard (of n
+positions) at which its occurrences continue differently. These are the branching nodes of the
+shard's suffix tree with that many leaves or more: a context's interval is the interval of the node at or below it,
 and a context inside an edge (its node deeper) has a single continuation. So the table is
 keyed by interval, and a context whose interval it lacks, or that sits inside an edge, is
-enumerated as before: it has fewer than MIN_COUNT occurrences, or one continuation. They are
+enumerated as before: it has fewer occurrences, or one continuation. They are
 found by one descent from the first tokens that skips unary stretches by comparing the
 interval's first and last suffixes, and written out a buffer at a time (`chunks`), so the build
-holds a few buffers, not the table. Their number is not bounded by n / MIN_COUNT: text repeated
+holds a few buffers, not the table. Their number is not bounded by n / min_count(n): text repeated
 many times makes a chain of them, one per position where a copy departs (the first 2^30-token
 shard of the 2.43B-token index, with much duplicated code, stores 4.3M contexts and 50M
 continuations: 0.54 GB beside 6.9 GB of arrays). No context holding a document separator is
@@ -43,7 +43,19 @@ from . import format as fmt
 from . import kernels as K
 from .packed import get
 
-MIN_COUNT = 1024  # occurrences in the shard from which a branching context's histogram is stored
+MIN_COUNT = 64  # the fewest occurrences of a stored context, in any shard
+PER_LOG2 = 20  # and at least one per 2^20 positions of its shard (1024 in a 2^30-position shard)
+
+
+def min_count(n: int) -> int:
+    """The fewest occurrences of a context whose histogram a shard of n positions stores. In
+    proportion to n, so that an index stores the same contexts (by frequency) whatever its
+    sharding: the 2.43B-token index in 12 shards of 210M positions stores contexts of >= 200
+    occurrences per shard, as the same tokens in 3 shards of 2^30 store those of >= 1024; at a
+    fixed 1024 the 12 shards enumerated every mid-frequency context (held-out estimates 2.4 s of
+    histograms per 63k tokens, 1.3 s at 200; their tables 1.3 -> 2.7 GB beside 13.2 GB of
+    arrays; at 64, 5.1 GB and 1.0 s: heldout_speed)."""
+    return max(MIN_COUNT, n >> PER_LOG2)
 NODES_FILE, HIST_FILE = "contexts.nodes.bin", "contexts.hist.bin"
 
 
@@ -145,14 +157,15 @@ def chunks(tok: np.ndarray, words: np.ndarray, width: int, n: int, rows: int = 1
     else uint64), so that building it takes a few buffers of memory, whatever the table's size."""
     sep = fmt.separator(tok.dtype)
     st = np.zeros(4, np.int64)
-    stack = _first_blocks(tok, words, width, n, sep, MIN_COUNT)
+    least = min_count(n)
+    stack = _first_blocks(tok, words, width, n, sep, least)
     st[0] = len(stack)
     grp, ghist = np.empty((64, 4), np.int64), np.empty((1024, 2), np.int64)
     out_nodes = np.empty((max(rows // 8, 1), 4), np.int64)
     out_hist = np.empty((rows, 2), _hist_dtype(n))
     while st[0] or st[1]:
         stack, grp, ghist, out_nodes, m, out_hist, e = _descend(
-            tok, words, width, sep, MIN_COUNT, st, stack, grp, ghist, out_nodes, out_hist
+            tok, words, width, sep, least, st, stack, grp, ghist, out_nodes, out_hist
         )
         yield out_nodes[:m], out_hist[:e]
 
@@ -220,7 +233,7 @@ def write(shard_dir, tok: np.ndarray, words: np.ndarray, width: int, n: int) -> 
         hist.write(b)
     nodes.close()
     hist.close()
-    return {"context_nodes": nodes.written // 4, "context_entries": hist.written // 2}
+    return {"context_nodes": nodes.written // 4, "context_entries": hist.written // 2, "context_min_count": min_count(n)}
 
 
 @dataclass(frozen=True)
@@ -233,7 +246,7 @@ class Contexts:
 
     def find(self, lo: int, hi: int, d: int) -> tuple[np.ndarray, np.ndarray] | None:
         """The stored (tokens, counts) after the d-token context of interval [lo, hi), or None
-        where the table does not hold it (then it has fewer than MIN_COUNT occurrences or a
+        where the table does not hold it (then it has fewer than min_count(n) occurrences or a
         single continuation)."""
         a, b = stored_run(self.nodes, lo, hi, d)
         if a < 0:

@@ -192,10 +192,14 @@ def warm(s: Served) -> None:
     """One request of each kind, answered and dropped before the server listens. A process's
     first call of each compiled index kernel loads it from numba's cache, about a second in all
     at 2.43B tokens, and the first burst of clients waited for it behind each other
-    (serve_load_2b: the p99 of every query type was that second). The model's process warms
-    its own (warm_model)."""
+    (serve_load_2b: the p99 of every query type was that second). WARM_TEXT's contexts are
+    frequent, so a rare one's enumeration is warmed on its own. The model's process warms its
+    own (warm_model)."""
     for qt in QUERY_TYPES:
         s.handlers["query"](InfinigramRequest(query_type=qt, query=WARM_TEXT))
+    shard = s.idx.shards[0] if getattr(s.idx, "shards", None) else None
+    if shard is not None and shard.n:  # a context too rare to be stored: its continuations enumerated
+        shard.blocks(0, 1, 0)
     warm_model(s)
 
 

@@ -107,7 +107,8 @@ def test_lookups_and_bulk_equal_with_and_without_the_table(small_table_index, mo
 
 def test_rebuild_adds_the_table_to_an_older_index(tmp_path, corpus_dir, tokenizer_model, monkeypatch):
     """An index built before the table existed gets it, recorded in each shard's marker, when
-    its build is run again; the answers do not change and `verify` passes."""
+    its build is run again, and so does one whose table was stored at another threshold; the
+    answers do not change and `verify` passes."""
     from teragram.builder.build import build
     from teragram.builder.build_state import BuildConfig
     from teragram.index.verify import verify
@@ -134,5 +135,14 @@ def test_rebuild_adds_the_table_to_an_older_index(tmp_path, corpus_dir, tokenize
     idx = Index(out)
     assert all(s.contexts is not None and len(s.contexts.nodes) for s in idx.shards)
     assert all(any("contexts.nodes" in f["path"] for f in fmt.read_json(m)["files"]) for m in markers)
+    assert idx.ntd(q).result_by_token_id == before
+    assert verify(out) == []
+    # a table stored at another threshold than contexts.min_count's is written again at it
+    monkeypatch.setattr(contexts, "MIN_COUNT", 20)
+    build(cfg)
+    idx = Index(out)
+    assert all(fmt.read_json(m)["context_min_count"] == 20 for m in markers)
+    assert all(s.contexts.min_count >= 20 and len(s.contexts.nodes) for s in idx.shards)
+    assert min(s.contexts.min_count for s in idx.shards) < 50
     assert idx.ntd(q).result_by_token_id == before
     assert verify(out) == []
