@@ -34,13 +34,13 @@ import numpy as np
 from . import kernels as K
 from .contexts import stored_run
 from .features import FIELDS, SCORE_DTYPES, Features
-from .matching import capped_intervals, longest_matches
+from .matching import distinct_starts, longest_matches, narrow_starts
 from .packed import get
 
 UNCAPPED = 1 << 62
 CHUNK = 1 << 18  # positions per pass at most
 READAHEAD_MIN = 1 << 14  # positions from which a call turns the kernel's read-ahead on (not one short document)
-LINEAR = 16  # an interval this short is read occurrence by occurrence, not galloped through
+LINEAR = 64  # an interval this short is read occurrence by occurrence, not galloped through
 SCRATCH = 1 << 23  # and at most this many (cap, position, shard) intervals (16 bytes each, a few copies)
 
 
@@ -222,11 +222,20 @@ def match_intervals(idx, ids: np.ndarray, starts: np.ndarray, caps: list[int], t
     m_lo, m_hi = lo[C - 1], hi[C - 1]  # the uncapped match: the last row, whatever its cap
     parts = _doc_parts(starts, threads * 4 if threads > 1 else 1)
     _map(lambda st: longest_matches(*args, st, m_len, m_lo, m_hi), parts, threads)
-    capped = np.array([c for c in caps if c > 0], np.int64)
-    if len(capped):
-        if caps[-1] > 0:  # every cap is capped: the last one's intervals overwrite the match's
-            m_lo, m_hi = m_lo.copy(), m_hi.copy()
-        _map(lambda st: capped_intervals(*args, st, m_len, m_lo, m_hi, capped, lo, hi), parts, threads)
+    if caps[-1] > 0:  # every cap is capped: the last one's intervals overwrite the match's
+        m_lo, m_hi = m_lo.copy(), m_hi.copy()
+    cp = 0
+    for ci, c in enumerate(c for c in caps if c > 0):  # increasing: each narrowed from the last
+        short = m_len <= c  # the match itself
+        lo[ci][short], hi[ci][short] = m_lo[short], m_hi[short]
+        t = np.nonzero(~short)[0]
+        reps, which = distinct_starts(ids, t - c + 1, c)  # each distinct string searched once, in order
+        prev = (lo[ci - 1], hi[ci - 1]) if ci else (lo[ci], hi[ci])
+        jobs = np.array_split(reps, threads * 4 if threads > 1 else 1)
+        _map(lambda js: narrow_starts(*args, js, c, *prev, cp, lo[ci], hi[ci]), jobs, threads)
+        rows = reps[which] + c - 1
+        lo[ci, t], hi[ci, t] = lo[ci, rows], hi[ci, rows]
+        cp = c
     lengths = np.stack([np.minimum(m_len, c) if c > 0 else m_len for c in caps])
     return lengths, lo, hi
 

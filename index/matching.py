@@ -6,9 +6,9 @@ to t that occurs in the index, and each shard's suffix-array interval of that su
 a shard that lacks it). One pass with two pointers, as for one shard (kernels.match_step), but
 over all the shards together: extending the match by a token narrows the intervals of the
 shards that hold it; when none does, the match start moves right and the shorter match is found
-again in every shard. Every step searches the shards in lockstep (fanout.search_bounds: their
-cache misses overlap, and the in-memory samples and first-token blocks start each search), so
-a pass costs about what one shard's does, and no shard is searched for a match it cannot hold.
+again in every shard. Every step searches the shards in lockstep
+(fanout.search_bounds: their cache misses overlap, and the in-memory samples and first-token
+blocks start each search).
 Before any search, a shard takes the pattern's first token's block from its unigram counts and
 walks down its stored frequent contexts (index/contexts.py) as far as they hold the pattern: the
 short, frequent prefixes that every position starts from cost no search at all.
@@ -17,7 +17,10 @@ The longest suffix of at most c tokens is the last min(L(t), c) tokens, since ev
 a match occurs too. Where L(t) <= c it is the match itself; elsewhere it is the c tokens from
 t - c + 1, and the suffixes that start at one position nest: the intervals of ids[j : j + c]
 for the caps c in increasing order are found by narrowing each from the last one
-(capped_intervals), never from the whole suffix array.
+(narrow_starts), never from the whole suffix array. Held-out text repeats itself, so each
+distinct string is searched once (distinct_starts: 152k capped suffixes of 63k tokens of newer
+kernel code are 54k strings), in their sorted order, so that neighbouring searches read
+neighbouring ranks.
 """
 
 from __future__ import annotations
@@ -125,37 +128,44 @@ def longest_matches(table, first_rank, pos, prefix, step_log2, ctx, ids, starts,
 
 
 @nb.njit(**_NB)
-def capped_intervals(table, first_rank, pos, prefix, step_log2, ctx, ids, starts, length, m_lo, m_hi, caps, out_lo, out_hi):
-    """For each cap caps[c] (increasing, > 0) and position t: each shard's interval of the
-    longest suffix of at most caps[c] tokens, ids[t - min(L, cap) + 1 : t + 1] (L = length[t],
-    the longest match, whose intervals are m_lo[t], m_hi[t]), into out_lo[c, t], out_hi[c, t]."""
+def narrow_starts(table, first_rank, pos, prefix, step_log2, ctx, ids, js, c, in_lo, in_hi, cp, out_lo, out_hi):
+    """For each start j of js, each shard's interval of ids[j : j + c] into row j + c - 1 of
+    out_lo, out_hi (P, S): searched inside the intervals of ids[j : j + cp] (cp < c), row
+    j + cp - 1 of in_lo, in_hi, or in the whole shard when cp is 0."""
     S = table.shape[0]
-    C = caps.shape[0]
     st = np.empty((2 * S, N_STATE), np.int64)
     lo = np.empty(S, np.int64)
     hi = np.empty(S, np.int64)
-    for k in range(starts.shape[0] - 1):
-        a = starts[k]
-        b = starts[k + 1]
-        for t in range(a, b):
-            for c in range(C):
-                if length[t] <= caps[c]:
-                    for s in range(S):
-                        out_lo[c, t, s] = m_lo[t, s]
-                        out_hi[c, t, s] = m_hi[t, s]
-        for j in range(a, b):  # the capped suffixes that start at j, shortest first
-            d = 0
-            for s in range(S):
-                lo[s] = 0
-                hi[s] = table[s, N]
-            for c in range(C):
-                t = j + caps[c] - 1
-                if t >= b:
-                    break
-                if length[t] <= caps[c]:
-                    continue
-                _search(table, first_rank, pos, prefix, step_log2, ctx, ids, st, lo, hi, j, t + 1, d, False)
-                d = caps[c]
-                for s in range(S):
-                    out_lo[c, t, s] = lo[s]
-                    out_hi[c, t, s] = hi[s]
+    for j in js:
+        for s in range(S):
+            lo[s] = in_lo[j + cp - 1, s] if cp > 0 else 0
+            hi[s] = in_hi[j + cp - 1, s] if cp > 0 else table[s, N]
+        _search(table, first_rank, pos, prefix, step_log2, ctx, ids, st, lo, hi, j, j + c, cp, False)
+        for s in range(S):
+            out_lo[j + c - 1, s] = lo[s]
+            out_hi[j + c - 1, s] = hi[s]
+
+
+def distinct_starts(ids: np.ndarray, js: np.ndarray, c: int) -> tuple[np.ndarray, np.ndarray]:
+    """The starts j of js whose strings ids[j : j + c] are distinct, in the strings' order,
+    and for each start of js the index of its string among them. The tokens (>= 0) are packed
+    as many to a 64-bit key as fit, and the keys sorted (np.unique over rows is 3-8x slower)."""
+    if len(js) == 0:
+        return js, js
+    bits = max(1, int(ids.max()).bit_length())
+    per = 64 // bits
+    keys = []
+    for a in range(0, c, per):
+        k = np.zeros(len(js), np.uint64)
+        for i in range(a, min(a + per, c)):
+            k = (k << np.uint64(bits)) | ids[js + i].astype(np.uint64)
+        keys.append(k)
+    order = np.lexsort(keys[::-1])
+    new = np.zeros(len(js), bool)
+    new[0] = True
+    for k in keys:
+        k = k[order]
+        new[1:] |= k[1:] != k[:-1]
+    which = np.empty(len(js), np.int64)
+    which[order] = np.cumsum(new) - 1
+    return js[order[new]], which
