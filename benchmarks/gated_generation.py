@@ -11,7 +11,8 @@ Per index, a gate is fit for the model and that index with the product's command
 eval --fit-gate` on the first --valid-docs documents of --valid), then every prompt (the first
 PROMPT_TOKENS tokens of the first --n-prompts documents of each --prompts file) is continued by
 --new-tokens sampled tokens (temperature 0.8, top-p 0.95, seed 0), both ways, in one process on
-one thread; the texts must be identical. Writes benchmarks/results/gated_generation.{json,md,png}.
+one thread, after the index's files are read through (page cache warm: at 2.43B a cold one
+doubled the median); the texts must be identical. Writes benchmarks/results/gated_generation.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import SMOKE_HELP, save, smoke_context, smoke_index, smoke_jsonl, smoke_model, smoke_short_fits, table
+from benchmarks.common import SMOKE_HELP, read_through, save, smoke_context, smoke_index, smoke_jsonl, smoke_model, smoke_short_fits, table
 
 PROMPT_TOKENS = 64
 
@@ -95,6 +96,7 @@ def measure(checkpoint: Path, index: Path, gate_path: Path, prompts_files: list[
     from teragram.model.mixture.gate import Gate
 
     torch.set_num_threads(1)
+    read_through(Path(index).resolve())
     model, _ = load_model(checkpoint)
     gate = Gate.load(gate_path)
     prompts = prompts_of(Index(index), prompts_files, n_prompts + 1)

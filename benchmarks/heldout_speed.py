@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import REPO, SMOKE_HELP, library_at, library_env, save, smoke_context, smoke_index, smoke_jsonl, table
+from benchmarks.common import REPO, SMOKE_HELP, library_at, library_env, read_through, save, smoke_context, smoke_index, smoke_jsonl, table
 
 OPS = ("estimates", "features")
 WARM_TOKENS = 20_000  # of other documents, scored before each measured pass
@@ -59,16 +59,6 @@ def _run_op(idx, docs: list[np.ndarray], op: str, threads: int) -> str:
 
     f = held_out_features(idx, docs, FeatureConfig("held-out", 64, 4), threads=threads)
     return _digest(getattr(f, n) for n in FIELDS)
-
-
-def read_through(path: Path, block: int = 1 << 24) -> int:
-    """Read every file under path once (into the page cache); returns the bytes read."""
-    total = 0
-    for f in sorted(p for p in Path(path).rglob("*") if p.is_file()):
-        with open(f, "rb", buffering=0) as fh:
-            while chunk := fh.read(block):
-                total += len(chunk)
-    return total
 
 
 def worker(spec: dict) -> dict:
