@@ -11,7 +11,7 @@ Each index is measured in a fresh process: its files are read through once (the 
 warm, as on a machine whose memory holds the index), the documents are read and tokenized, a
 pass over other documents compiles the kernels, then the index is opened afresh and two passes
 over the documents are timed. The first pass pays for mapping every page it touches into the
-process (minor page faults, about a third of the time at 2.43B in 12 shards); the second,
+process (minor page faults, about a quarter of the time at 2.43B in 12 shards); the second,
 through the same opened index, is the rate a long run sustains (the index keeps no results
 between passes; both give the same digest), and the one reported as tokens/s/core. An output
 digest per index and operation shows that indexes of the same tokens in other shardings, and the
