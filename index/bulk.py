@@ -40,7 +40,7 @@ from .packed import get
 UNCAPPED = 1 << 62
 CHUNK = 1 << 18  # positions per pass at most
 READAHEAD_MIN = 1 << 14  # positions from which a call turns the kernel's read-ahead on (not one short document)
-LINEAR = 64  # an interval this short is read occurrence by occurrence, not galloped through
+LINEAR = 16  # an interval this short is read occurrence by occurrence, not galloped through
 SCRATCH = 1 << 23  # and at most this many (cap, position, shard) intervals (16 bytes each, a few copies)
 
 

@@ -9,14 +9,14 @@ position. Every such histogram is computed once, when the shard is built, and re
 
 Which contexts: every context with at least min_count(n) occurrences in the shard (of n
 positions) at which its occurrences continue differently. These are the branching nodes of the
-shard's suffix tree with that many leaves or more: a context's interval is the interval of the node at or below it,
-and a context inside an edge (its node deeper) has a single continuation. So the table is
-keyed by interval, and a context whose interval it lacks, or that sits inside an edge, is
-enumerated as before: it has fewer occurrences, or one continuation. They are
-found by one descent from the first tokens that skips unary stretches by comparing the
-interval's first and last suffixes, and written out a buffer at a time (`chunks`), so the build
-holds a few buffers, not the table. Their number is not bounded by n / min_count(n): text repeated
-many times makes a chain of them, one per position where a copy departs (the first 2^30-token
+shard's suffix tree with that many leaves or more: a context's interval is the interval of the
+node at or below it, and a context inside an edge (its node deeper) has a single continuation.
+So the table is keyed by interval, and a context whose interval it lacks, or that sits inside an
+edge, is enumerated as before: it has fewer occurrences, or one continuation. They are found by
+one descent from the first tokens that skips unary stretches by comparing the interval's first
+and last suffixes, and written out a buffer at a time (`chunks`), so the build holds a few
+buffers, not the table. Their number is not bounded by n / min_count(n): text repeated many
+times makes a chain of them, one per position where a copy departs (the first 2^30-token
 shard of the 2.43B-token index, with much duplicated code, stores 4.3M contexts and 50M
 continuations: 0.54 GB beside 6.9 GB of arrays). No context holding a document separator is
 ever asked for, so the descent stops at one.
