@@ -99,7 +99,10 @@ def worker(spec: dict) -> dict:
                 s = time.perf_counter() - t
             r = {"warm_s": warm, "first_s": first, "s": s, "digest": digest, "tokens_per_s_core": tokens / s / th}
             out[op][str(th)] = r | {"first_tokens_per_s_core": tokens / first / th}
-            print(f"  {Path(spec['index']).name} {op} threads {th}: {tokens / first / th:,.0f} then {tokens / s / th:,.0f} tokens/s/core", flush=True)
+            print(
+                f"  {Path(spec['index']).name} {op} threads {th}: {tokens / first / th:,.0f} then {tokens / s / th:,.0f} tokens/s/core",
+                flush=True,
+            )
     m = idx.manifest["counts"]
     return {"index": Path(spec["index"]).name, "index_tokens": m["tokens"], "shards": len(idx.shards), "tokens": tokens, "ops": out}
 

@@ -232,7 +232,7 @@ def match_intervals(idx, ids: np.ndarray, starts: np.ndarray, caps: list[int], t
         reps, which = distinct_starts(ids, t - c + 1, c)  # each distinct string searched once, in order
         prev = (lo[ci - 1], hi[ci - 1]) if ci else (lo[ci], hi[ci])
         jobs = np.array_split(reps, threads * 4 if threads > 1 else 1)
-        _map(lambda js: narrow_starts(*args, js, c, *prev, cp, lo[ci], hi[ci]), jobs, threads)
+        _map(lambda js, c=c, cp=cp, prev=prev, out=(lo[ci], hi[ci]): narrow_starts(*args, js, c, *prev, cp, *out), jobs, threads)
         rows = reps[which] + c - 1
         lo[ci, t], hi[ci, t] = lo[ci, rows], hi[ci, rows]
         cp = c

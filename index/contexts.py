@@ -56,6 +56,8 @@ def min_count(n: int) -> int:
     histograms per 63k tokens, 1.3 s at 200; their tables 1.3 -> 2.7 GB beside 13.2 GB of
     arrays; at 64, 5.1 GB and 1.0 s: heldout_speed)."""
     return max(MIN_COUNT, n >> PER_LOG2)
+
+
 NODES_FILE, HIST_FILE = "contexts.nodes.bin", "contexts.hist.bin"
 
 
@@ -164,9 +166,7 @@ def chunks(tok: np.ndarray, words: np.ndarray, width: int, n: int, rows: int = 1
     out_nodes = np.empty((max(rows // 8, 1), 4), np.int64)
     out_hist = np.empty((rows, 2), _hist_dtype(n))
     while st[0] or st[1]:
-        stack, grp, ghist, out_nodes, m, out_hist, e = _descend(
-            tok, words, width, sep, least, st, stack, grp, ghist, out_nodes, out_hist
-        )
+        stack, grp, ghist, out_nodes, m, out_hist, e = _descend(tok, words, width, sep, least, st, stack, grp, ghist, out_nodes, out_hist)
         yield out_nodes[:m], out_hist[:e]
 
 

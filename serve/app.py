@@ -6,8 +6,7 @@
 Endpoints: POST / (infini-gram's request/response shape), POST /v1/completions (prompt,
 max_tokens, temperature, top_p, stop, stream as server-sent events; draft: up to N tokens
 drafted from exact matches and verified in one pass; provenance: each token's indexed document),
-POST /v1/score,
-GET /health, GET /stats. Every bad request gets a 4xx with {"error": "<one line>"}.
+POST /v1/score, GET /health, GET /stats. Every bad request gets a 4xx with {"error": "<one line>"}.
 
 Requests run in three lanes of worker threads (Lanes), so that a cheap query never waits for a
 thread behind expensive ones: index queries that only search (count, prob, infgram_prob), index
@@ -192,14 +191,12 @@ def warm(s: Served) -> None:
     """One request of each kind, answered and dropped before the server listens. A process's
     first call of each compiled index kernel loads it from numba's cache, about a second in all
     at 2.43B tokens, and the first burst of clients waited for it behind each other
-    (serve_load_2b: the p99 of every query type was that second). WARM_TEXT's contexts are
-    frequent, so a rare one's enumeration is warmed on its own. The model's process warms its
-    own (warm_model)."""
+    (serve_load_2b: the p99 of every query type was that second); WARM_TEXT's contexts are
+    frequent, so a rare one's enumeration is warmed apart. The model's warms itself (warm_model)."""
     for qt in QUERY_TYPES:
         s.handlers["query"](InfinigramRequest(query_type=qt, query=WARM_TEXT))
-    shard = s.idx.shards[0] if getattr(s.idx, "shards", None) else None
-    if shard is not None and shard.n:  # a context too rare to be stored: its continuations enumerated
-        shard.blocks(0, 1, 0)
+    for shard in getattr(s.idx, "shards", [])[:1]:  # a context too rare to be stored: enumerated
+        shard.blocks(0, min(1, shard.n), 0)
     warm_model(s)
 
 
