@@ -52,9 +52,9 @@ def min_count(n: int) -> int:
     proportion to n, so that an index stores the same contexts (by frequency) whatever its
     sharding: the 2.43B-token index in 12 shards of 210M positions stores contexts of >= 200
     occurrences per shard, as the same tokens in 3 shards of 2^30 store those of >= 1024; at a
-    fixed 1024 the 12 shards enumerated every mid-frequency context (held-out estimates 2.4 s of
-    histograms per 63k tokens, 1.3 s at 200; their tables 1.3 -> 2.7 GB beside 13.2 GB of
-    arrays; at 64, 5.1 GB and 1.0 s: heldout_speed)."""
+    fixed 1024 the 12 shards enumerated every mid-frequency context (held-out estimates: 2.4 s
+    of histograms per 63k tokens, 1.3 s at 200, 1.0 s at 64, measured on copies of that index
+    with each table; the tables 1.3, 2.7 and 5.1 GB beside 13.2 GB of arrays)."""
     return max(MIN_COUNT, n >> PER_LOG2)
 
 
