@@ -80,16 +80,22 @@ def write_shard_arrays(
 def add_contexts(root: Path, marker: dict) -> dict:
     """A completed shard built before its frequent contexts' histograms were stored
     (index/contexts.py), or stored at another threshold than contexts.min_count's: the table
-    (re)written and recorded in its marker; the marker returned."""
+    (re)written and recorded in its marker; the marker returned. A run stopped while it rewrites
+    one leaves the shard complete without a table (answers the same, enumerated), which the
+    next run adds."""
     d = fmt.shard_dir(root, marker["shard"], marker.get("dir"))
     stored = any(Path(f["path"]).name == contexts.NODES_FILE for f in marker["files"])
     sa = fmt.open_packed(d / "sa.bin", "sa")
     if stored and marker.get("context_min_count", 1024) == contexts.min_count(sa.count):  # 1024: before it was recorded
         return marker
+    table = (contexts.NODES_FILE, contexts.HIST_FILE)
+    marker = marker | {"files": [r for r in marker["files"] if Path(r["path"]).name not in table]}
+    if stored:  # the old table unrecorded, then removed: a run stopped from here on leaves a shard without one
+        fmt.write_json(fmt.shard_marker(root, marker["shard"]), marker)
+        for n in table:
+            (d / n).unlink(missing_ok=True)
     stats = contexts.write(d, fmt.open_array(d / "tokens.bin", "tokens"), sa.words, sa.width, sa.count)
-    files = [r for r in marker["files"] if Path(r["path"]).name not in (contexts.NODES_FILE, contexts.HIST_FILE)]
-    files += [asdict(fmt.file_record(root, d / n)) for n in (contexts.NODES_FILE, contexts.HIST_FILE)]
-    marker = marker | stats | {"files": files}
+    marker = marker | stats | {"files": marker["files"] + [asdict(fmt.file_record(root, d / n)) for n in table]}
     fmt.write_json(fmt.shard_marker(root, marker["shard"]), marker)
     return marker
 

@@ -110,7 +110,7 @@ def test_rebuild_adds_the_table_to_an_older_index(tmp_path, corpus_dir, tokenize
     its build is run again, and so does one whose table was stored at another threshold; the
     answers do not change and `verify` passes."""
     from teragram.builder.build import build
-    from teragram.builder.build_state import BuildConfig
+    from teragram.builder.build_state import BuildConfig, completed_shards
     from teragram.index.verify import verify
 
     out = tmp_path / "idx"
@@ -137,8 +137,21 @@ def test_rebuild_adds_the_table_to_an_older_index(tmp_path, corpus_dir, tokenize
     assert all(any("contexts.nodes" in f["path"] for f in fmt.read_json(m)["files"]) for m in markers)
     assert idx.ntd(q).result_by_token_id == before
     assert verify(out) == []
-    # a table stored at another threshold than contexts.min_count's is written again at it
+    # a table stored at another threshold than contexts.min_count's is written again at it; a
+    # run stopped while it writes one leaves every shard complete, and the next run finishes
     monkeypatch.setattr(contexts, "MIN_COUNT", 20)
+    write = contexts.write
+
+    def stopped(d, *a):  # stopped between the two files: a new nodes file, the old histograms
+        (d / contexts.NODES_FILE).write_bytes(b"partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(contexts, "write", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        build(cfg)
+    assert len(completed_shards(out)) == len(markers)  # nothing to index again
+    assert Index(out).ntd(q).result_by_token_id == before
+    monkeypatch.setattr(contexts, "write", write)
     build(cfg)
     idx = Index(out)
     assert all(fmt.read_json(m)["context_min_count"] == 20 for m in markers)
