@@ -5,13 +5,18 @@ For each position t of a document: L(t), the length of the longest suffix of the
 to t that occurs in the index, and each shard's suffix-array interval of that suffix (empty in
 a shard that lacks it). One pass with two pointers, as for one shard (kernels.match_step), but
 over all the shards together: extending the match by a token narrows the intervals of the
-shards that hold it; when none does, the match start moves right and the shorter match is found
-again in every shard. Every step searches the shards in lockstep
-(fanout.search_bounds: their cache misses overlap, and the in-memory samples and first-token
-blocks start each search).
-Before any search, a shard takes the pattern's first token's block from its unigram counts and
-walks down its stored frequent contexts (index/contexts.py) as far as they hold the pattern: the
-short, frequent prefixes that every position starts from cost no search at all.
+shards that hold it; when none does, the match start moves right until some shard holds the
+shorter match with the new token, each try a search of every shard from scratch that looks
+for the lower bounds alone (an upper bound only where a lower one is an occurrence). Every
+step searches the shards in lockstep (fanout.search_bounds: their cache misses overlap, and the
+in-memory samples and first-token blocks start each search).
+A shard takes the pattern's first token's block from its unigram counts. A search that narrows
+a known context (an extension, a longer cap) first walks down the shard's stored frequent
+contexts (index/contexts.py) as far as they hold the pattern, one token per step and no
+search. A search from scratch walks them only in an index of one shard: a walk's node lookups
+are not in lockstep, so over many shards they cost more than the searches they save (held-out
+code at 2.43B tokens in 12 shards: 0.52 s for the longest matches of 63k tokens without the
+walk, 0.80 s with it; 47M tokens in one shard: 0.064 s with it, 0.084 s without).
 
 The longest suffix of at most c tokens is the last min(L(t), c) tokens, since every suffix of
 a match occurs too. Where L(t) <= c it is the match itself; elsewhere it is the c tokens from
@@ -29,20 +34,23 @@ import numba as nb
 import numpy as np
 
 from .contexts import child
-from .fanout import N_STATE, SHARD, L, N, search_bounds, set_search
+from .fanout import HI, N_STATE, RLCP, SHARD, L, N, search_bounds, set_search
 
 _NB = dict(cache=True, nogil=True)
 
 
 @nb.njit(**_NB)
-def _search(table, first_rank, pos, prefix, step_log2, ctx, ids, st, lo, hi, start, end, d, every):
+def _search(table, first_rank, pos, prefix, step_log2, ctx, ids, st, lo, hi, start, end, d, every, probe=False):
     """Each shard's interval of ids[start:end] into lo, hi, searched inside [lo[s], hi[s])
     (whose suffixes share its first d tokens) in the shards where that is not empty, or from
     the whole shard in all of them (every). True if any shard holds it. A shard first walks
     down its stored frequent contexts (ctx: ShardSet.contexts), one token per step and no
-    search, as far as they go; the suffix array is searched only for the rest."""
+    search, as far as they go (from scratch, d = 0, only in a set of one shard: module doc);
+    the suffix array is searched only for the rest. A probe searches the lower bounds first,
+    and the upper ones where a lower bound is an occurrence."""
     S = table.shape[0]
     nodes, hists, mins = ctx
+    walk = d > 0 or S == 1
     J = 0
     found = False
     for s in range(S):
@@ -56,7 +64,7 @@ def _search(table, first_rank, pos, prefix, step_log2, ctx, ids, st, lo, hi, sta
         if k == 0 and end > start:  # the first token's block
             t0 = ids[start]
             a, b, k = max(first_rank[s, t0], a), min(first_rank[s, t0 + 1], b), 1
-        while k < end - start and b - a >= mins[s]:
+        while walk and k < end - start and b - a >= mins[s]:
             x, y = child(nodes[s], hists[s], a, b, k, ids[start + k])
             if x < 0:  # not stored at this depth: search from here
                 break
@@ -68,9 +76,24 @@ def _search(table, first_rank, pos, prefix, step_log2, ctx, ids, st, lo, hi, sta
             found = True
             continue
         set_search(st, J, s, start, end, a, b, k, 0)
-        set_search(st, J + 1, s, start, end, a, b, k, 1)
-        J += 2
+        J += 1
+        if not probe:
+            set_search(st, J, s, start, end, a, b, k, 1)
+            J += 1
     search_bounds(table, first_rank, pos, prefix, step_log2, ids, st, J)
+    if probe:
+        m = end - start
+        K = 0
+        for j in range(J):
+            if st[j, L] < st[j, HI] and st[j, RLCP] == m:  # an occurrence: the upper bound is past it
+                s = st[j, SHARD]
+                lo[s] = st[j, L]
+                set_search(st, K, s, start, end, st[j, L], st[j, HI], 0, 1)
+                K += 1
+        search_bounds(table, first_rank, pos, prefix, step_log2, ids, st, K)
+        for j in range(K):
+            hi[st[j, SHARD]] = st[j, L]
+        return K > 0 or found
     for j in range(0, J, 2):
         s = st[j, SHARD]
         lo[s] = st[j, L]
@@ -87,18 +110,11 @@ def extend(table, first_rank, pos, prefix, step_log2, ctx, ids, i, t, st, lo, hi
     ids[t] occurs; lo, hi then every rank) with its intervals in lo, hi."""
     S = table.shape[0]
     if 0 <= ids[t] < first_rank.shape[1] - 1:
-        while True:
-            if _search(table, first_rank, pos, prefix, step_log2, ctx, ids, st, lo, hi, i, t + 1, t - i, False):
-                return i
-            i += 1  # no shard holds ids[i:t+1]: try the next shorter match
-            if i == t:
-                for s in range(S):
-                    lo[s] = 0
-                    hi[s] = table[s, N]
-            elif i < t:  # ids[i:t] occurs (a suffix of the old match); in which shards
-                _search(table, first_rank, pos, prefix, step_log2, ctx, ids, st, lo, hi, i, t, 0, True)
-            else:
-                break
+        if _search(table, first_rank, pos, prefix, step_log2, ctx, ids, st, lo, hi, i, t + 1, t - i, False):
+            return i
+        for j in range(i + 1, t + 1):  # no shard holds ids[i:t+1]: the longest shorter one, from scratch
+            if _search(table, first_rank, pos, prefix, step_log2, ctx, ids, st, lo, hi, j, t + 1, 0, True, True):
+                return j
     for s in range(S):  # not even ids[t] occurs (or the index cannot hold it): start again after it
         lo[s] = 0
         hi[s] = table[s, N]
