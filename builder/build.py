@@ -30,11 +30,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
+from teragram.index import contexts, merged, readers
 from teragram.index import format as fmt
 from teragram.index import meta as meta_store
-from teragram.index import readers
 from teragram.index import tokenizer as tok_mod
-from teragram.index.errors import BuildError
+from teragram.index.engine import Index
+from teragram.index.errors import BuildError, IndexFormatError
 from tqdm import tqdm
 
 from . import shard_index
@@ -218,11 +219,25 @@ def _finalize(cfg: BuildConfig, out: Path, sp, dtype: np.dtype, markers: list[di
         "build": cfg.identity(),
         "skipped": skips.to_json(),
     }
+    if len(shards) > 1:
+        manifest["contexts"] = _merged_contexts(out, manifest)
     bar = tqdm(total=first_doc, unit="doc", desc="metadata", disable=not cfg.progress)
     meta_store.write(out, markers, manifest, progress=bar.update)
     bar.close()
     fmt.write_json(out / "manifest.json", manifest)
     return manifest
+
+
+def _merged_contexts(out: Path, manifest: dict) -> dict:
+    """The index's frequent short contexts' histograms summed over its shards (index/merged.py):
+    kept from the last run if built for these shards, else (re)built."""
+    try:
+        last = fmt.read_manifest(out)
+    except IndexFormatError:
+        last = None
+    positions = sum(s["n_positions"] for s in manifest["shards"])
+    rec = merged.current(out, last, len(manifest["shards"]), positions, manifest["tokenizer"]["vocab_size"], contexts.min_count(positions))
+    return rec or merged.write(out, Index(out, access="normal", manifest=manifest))
 
 
 def build_from_ids(

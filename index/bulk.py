@@ -16,9 +16,11 @@ Python:
    its length and its interval in the first shard that holds it. The short contexts repeat
    a lot and have the large intervals, so each distinct context's next-token histogram is
    computed once, summed over the shards in a dense scratch, and read by every position in its
-   group. A shard's part of it is read from the shard's stored histograms where the context is
-   frequent there (index/contexts.py), else enumerated: one galloping search per distinct next
-   token (kernels.block_end), or one read per occurrence where there are few.
+   group. A short context frequent in the whole index has its histogram summed over the shards
+   when the index was built (index/merged.py), read in one place; elsewhere each shard's part
+   is read from the shard's stored histograms where the context is frequent there
+   (index/contexts.py), else enumerated: one galloping search per distinct next token
+   (kernels.block_end), or one read per occurrence where there are few.
 
 Steps 1 and 3 run on `threads` threads, by documents and by contexts (the kernels release the GIL).
 """
@@ -32,50 +34,14 @@ import numba as nb
 import numpy as np
 
 from . import kernels as K
-from .contexts import stored_run
+from .contexts import count_shard
 from .features import FIELDS, SCORE_DTYPES, Features
 from .matching import distinct_starts, longest_matches, narrow_starts
-from .packed import get
 
 UNCAPPED = 1 << 62
 CHUNK = 1 << 18  # positions per pass at most
 READAHEAD_MIN = 1 << 14  # positions from which a call turns the kernel's read-ahead on (not one short document)
-LINEAR = 16  # an interval this short is read occurrence by occurrence, not galloped through
 SCRATCH = 1 << 23  # and at most this many (cap, position, shard) intervals (16 bytes each, a few copies)
-
-
-@nb.njit(cache=True, nogil=True)
-def _add(c, n, sep, eos, scratch, touched, nt):
-    """Count n more of next token c (SEP as EOS) into scratch; returns the distinct tokens so far."""
-    if c == sep:
-        c = eos
-    if scratch[c] == 0:
-        touched[nt] = c
-        nt += 1
-    scratch[c] += n
-    return nt
-
-
-@nb.njit(cache=True, nogil=True)
-def _count_shard(tk, wd, w, node, hist, min_count, sep, eos, a, b, d, scratch, touched, nt):
-    """Add the next tokens after one shard's interval [a, b) of a d-token context into scratch:
-    read from the shard's stored histogram where it holds the context (index/contexts.py), else
-    one read per occurrence for a few of them, else one galloping search per distinct token."""
-    r = a
-    if b - a >= min_count:
-        e0, e1 = stored_run(node, a, b, d)
-        for e in range(e0, e1):  # (token, end of its block); none when not stored (e0 = -1 = e1)
-            nt = _add(np.int64(hist[e, 0]), np.int64(hist[e, 1]) - r, sep, eos, scratch, touched, nt)
-            r = np.int64(hist[e, 1])
-    if b - r <= LINEAR:
-        for q in range(r, b):
-            nt = _add(np.int64(tk[get(wd, w, q) + d]), 1, sep, eos, scratch, touched, nt)
-        return nt
-    while r < b:
-        e = K.block_end(tk, wd, w, r, b, d)
-        nt = _add(np.int64(tk[get(wd, w, r) + d]), e - r, sep, eos, scratch, touched, nt)
-        r = e
-    return nt
 
 
 @nb.njit(cache=True, nogil=True)
@@ -94,6 +60,8 @@ def _histograms(
     lo,
     hi,
     d,
+    run,
+    merged,
     grp,
     pos,
     target,
@@ -105,7 +73,8 @@ def _histograms(
     touched,
 ):
     """For each context u of us (rows of lo/hi: its interval per shard, empty where the shard
-    lacks it; d[u] its length): its next-token histogram over the shards, then each of its positions
+    lacks it; d[u] its length): its next-token histogram over the shards (rows run[u] of the
+    index's merged histograms, where they hold it: index/merged.py), then each of its positions
     pos[grp[u]:grp[u+1]] reads its target's count, the top-k continuations (count desc, id
     asc; k = o_top.shape[1]) and the token after the most recent occurrence (latest shard,
     largest position). scratch is zero on entry and exit; a document's end (SEP) counts as
@@ -118,12 +87,18 @@ def _histograms(
         nt = 0
         cont = -1
         last = -1
+        for e in range(run[u, 0], run[u, 1]):  # none where not merged (-1, -1)
+            c = merged[e, 0]
+            scratch[c] = merged[e, 1]
+            touched[nt] = c
+            nt += 1
         for s in range(len(toks)):
             a = lo[u, s]
             b = hi[u, s]
             if b <= a:
                 continue
-            nt = _count_shard(toks[s], words[s], widths[s], nodes[s], hists[s], mins[s], sep, eos, a, b, d[u], scratch, touched, nt)
+            if run[u, 0] < 0:
+                nt = count_shard(toks[s], words[s], widths[s], nodes[s], hists[s], mins[s], sep, eos, a, b, d[u], scratch, touched, nt)
             last = s
         if last >= 0:  # the most recent occurrence is in the latest shard holding the context
             p = K.range_max(words[last], widths[last], samaxs[last], offs[last, 0], offs[last, 1], lo[u, last], hi[u, last])
@@ -273,11 +248,16 @@ def _chunk(idx, ids: np.ndarray, starts: np.ndarray, caps: list[int], k: int, th
     offs = np.array([[s.off2, s.off3] for s in idx.shards], np.int64).reshape(S, 2)
     nodes, hists, mins = idx.shard_set.contexts
     U = len(u_rows)
+    mg = idx.merged
+    if mg is None:
+        u_run, m_hist = np.full((U, 2), -1, np.int64), np.zeros((0, 2), np.int64)
+    else:
+        u_run, m_hist = mg.runs(ids, u_rows % P, u_d), mg.hist
 
     def run(ua: int, ub: int) -> None:
         scratch = np.zeros(V, np.int64)
         touched = np.zeros(V, np.int64)
-        args = (np.arange(ua, ub), u_lo, u_hi, u_d, grp, pos, tgt, tcnt, top, topc, cont, scratch, touched)
+        args = (np.arange(ua, ub), u_lo, u_hi, u_d, u_run, m_hist, grp, pos, tgt, tcnt, top, topc, cont, scratch, touched)
         _histograms(toks, words, widths, samaxs, offs, nodes, hists, mins, idx.sep, idx.eos_id, *args)
 
     bounds = np.linspace(0, U, max(1, min(threads, U)) * 8 + 1).astype(int)

@@ -45,6 +45,7 @@ from .packed import get
 
 MIN_COUNT = 64  # the fewest occurrences of a stored context, in any shard
 PER_LOG2 = 20  # and at least one per 2^20 positions of its shard (1024 in a 2^30-position shard)
+LINEAR = 16  # a context with this few occurrences left is read occurrence by occurrence, not galloped through
 
 
 def min_count(n: int) -> int:
@@ -183,8 +184,14 @@ def stored_run(nodes, lo, hi, d):
             a = m + 1
         else:
             b = m
-    b = M
-    while a < b:  # then the first with its hi >= hi (the rows from lo are sorted by hi)
+    step = 1
+    b = a
+    while b < M and nodes[b, 0] == lo and nodes[b, 1] < hi:  # then the first with its hi >= hi:
+        a = b + 1  # the rows from lo are few and sorted by hi, so gallop from the first
+        b = a + step
+        step *= 2
+    b = min(b, M)
+    while a < b:
         m = (a + b) >> 1
         if nodes[m, 0] == lo and nodes[m, 1] < hi:
             a = m + 1
@@ -212,6 +219,40 @@ def child(nodes, hist, lo, hi, d, x):
     if a == e1 or np.int64(hist[a, 0]) != x:
         return 0, 0
     return (np.int64(hist[a - 1, 1]) if a > e0 else lo), np.int64(hist[a, 1])
+
+
+@nb.njit(cache=True, nogil=True)
+def add(c, n, sep, eos, scratch, touched, nt):
+    """Count n more of next token c (SEP as EOS) into scratch; returns the distinct tokens so far."""
+    if c == sep:
+        c = eos
+    if scratch[c] == 0:
+        touched[nt] = c
+        nt += 1
+    scratch[c] += n
+    return nt
+
+
+@nb.njit(cache=True, nogil=True)
+def count_shard(tk, wd, w, node, hist, min_count, sep, eos, a, b, d, scratch, touched, nt):
+    """Add the next tokens after one shard's interval [a, b) of a d-token context into scratch:
+    read from the shard's stored histogram where it holds the context (below), else
+    one read per occurrence for a few of them, else one galloping search per distinct token."""
+    r = a
+    if b - a >= min_count:
+        e0, e1 = stored_run(node, a, b, d)
+        for e in range(e0, e1):  # (token, end of its block); none when not stored (e0 = -1 = e1)
+            nt = add(np.int64(hist[e, 0]), np.int64(hist[e, 1]) - r, sep, eos, scratch, touched, nt)
+            r = np.int64(hist[e, 1])
+    if b - r <= LINEAR:
+        for q in range(r, b):
+            nt = add(np.int64(tk[get(wd, w, q) + d]), 1, sep, eos, scratch, touched, nt)
+        return nt
+    while r < b:
+        e = K.block_end(tk, wd, w, r, b, d)
+        nt = add(np.int64(tk[get(wd, w, r) + d]), e - r, sep, eos, scratch, touched, nt)
+        r = e
+    return nt
 
 
 def build(tok: np.ndarray, words: np.ndarray, width: int, n: int, rows: int = 1 << 20) -> tuple[np.ndarray, np.ndarray]:

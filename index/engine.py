@@ -98,11 +98,19 @@ class Index:
     own: counts, ntd([]) and n_positions are theirs. A cluster's holders open theirs this way.
     """
 
-    def __init__(self, path: str | Path, *, threads: int = 1, access: str = "random", shards: Sequence[int] | None = None):
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        threads: int = 1,
+        access: str = "random",
+        shards: Sequence[int] | None = None,
+        manifest: dict | None = None,
+    ):
         if access not in ("random", "normal"):
             raise ValueError(f"access must be 'random' or 'normal', not {access!r}")
         self.path = Path(path)
-        self.manifest = fmt.read_manifest(self.path)
+        self.manifest = manifest if manifest is not None else fmt.read_manifest(self.path)  # given: the build's, before it is written
         tk = self.manifest["tokenizer"]
         self.vocab_size: int = tk["vocab_size"]
         self.eos_id: int = tk["eos_id"]
@@ -116,6 +124,7 @@ class Index:
         self.n_docs: int = sum(s["n_docs"] for s in held)
         self.n_positions: int = sum(s["n_positions"] for s in held)
         self.shards = [Shard.open(self.path, s, self.manifest["token_dtype"]) for s in held]
+        self._whole = shards is None or list(shards) == list(range(len(self.manifest["shards"])))
         if access == "random":
             for sh in self.shards:
                 sh.random = True
@@ -200,6 +209,16 @@ class Index:
         if len(self._groups) == 1:
             return self._groups[0][1]
         return ShardSet.of(self.shards, self.vocab_size)
+
+    @cached_property
+    def merged(self):
+        """The short frequent contexts' histograms summed over all the shards (index/merged.py),
+        or None (an index of one shard, one built before them, or opened on some shards)."""
+        if not self._whole or len(self.shards) < 2:
+            return None
+        from . import merged
+
+        return merged.load(self.path, self.manifest, len(self.shards), self.n_positions, self.vocab_size)
 
     @cached_property
     def _groups(self) -> list[tuple[slice, ShardSet]]:

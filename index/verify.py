@@ -25,7 +25,11 @@ def verify(root: str | Path, *, samples: int = 2000, seed: int = 0) -> list[str]
         manifest = fmt.read_json(root / "manifest.json")
     except IndexFormatError as e:
         return [str(e)]
-    records = [manifest["tokenizer"]["file"]] + [f for s in manifest["shards"] for f in s["files"]]
+    records = (
+        [manifest["tokenizer"]["file"]]
+        + [f for s in manifest["shards"] for f in s["files"]]
+        + manifest.get("contexts", {}).get("files", [])
+    )
     for rec in records:
         path = root / rec["path"]
         if not path.exists():

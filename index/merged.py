@@ -1,0 +1,212 @@
+"""The next-token histograms of an index's short, frequent contexts, summed over its shards.
+
+Each shard stores the histograms of its own frequent contexts (index/contexts.py). Over S
+shards a short, frequent context (`the`, `) {`, a newline) has S of them, each repeating the
+common continuations, and bulk scoring (index/bulk.py) read and summed all S at every chunk:
+at 2.43B tokens in 12 shards, 21M stored entries per 63k tokens of held-out code for its 13k
+contexts of one or two tokens, half of the histograms' time. Here the histogram of every
+context of at most max_len(vocab) tokens (4 with a 32k vocabulary: its tokens packed into one
+64-bit key) with at least contexts.min_count(N) occurrences in the whole index of N positions
+(2,320 at 2.43B) is summed over the shards once, at the end of the build, and read in one
+place. The contexts are found from the shortest: a context's histogram gives the counts of the
+contexts one token longer, whose intervals are narrowed from its own (fanout.narrow).
+
+Files (at the index's root): contexts.keys.bin, uint64 keys in ascending order (a context's
+tokens packed first-highest, below a 1 bit that marks its length, so shorter contexts sort
+first); contexts.ends.bin, int64, where each key's run ends in contexts.hist.bin, which holds
+int64 rows (token, count), tokens ascending, a document's end counted as EOS as bulk scoring
+counts it. The manifest records them ("contexts") with what they were built for: the number
+of shards and positions, the threshold and the longest context. An index of one shard has
+its shard's table and none of these; an index opened on some of its shards does not use them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numba as nb
+import numpy as np
+
+from . import contexts
+from . import format as fmt
+from .fanout import narrow
+
+KEYS_FILE, ENDS_FILE, HIST_FILE = "contexts.keys.bin", "contexts.ends.bin", "contexts.hist.bin"
+BATCH_ROWS = 1 << 24  # histogram rows computed per kernel call at most
+
+
+def key_bits(vocab: int) -> int:
+    """Bits per token in a key."""
+    return max(1, (vocab - 1).bit_length())
+
+
+def max_len(vocab: int) -> int:
+    """The longest context whose key fits 63 bits (and its length bit)."""
+    return 63 // key_bits(vocab)
+
+
+def keys_of(ids: np.ndarray, ends: np.ndarray, d: np.ndarray, vocab: int) -> np.ndarray:
+    """The keys of the contexts ids[e - d + 1 : e + 1] (e of ends, d of d, 1 <= d <= max_len)."""
+    bits = np.uint64(key_bits(vocab))
+    key = np.ones(len(ends), np.uint64)
+    for i in range(int(d.max(initial=0))):
+        m = i < d
+        tok = ids[np.where(m, ends - d + 1 + i, 0)].astype(np.uint64)
+        key = np.where(m, (key << bits) | tok, key)
+    return key
+
+
+@nb.njit(cache=True, nogil=True)
+def _histograms(toks, words, widths, nodes, hists, mins, sep, eos, lo, hi, d, scratch, touched, out, ends):
+    """The histogram over the shards of each d-token context (rows of lo, hi: its interval per
+    shard) into out, rows (token, count) in token order; ends[u]: where context u's rows end."""
+    e = 0
+    for u in range(lo.shape[0]):
+        nt = 0
+        for s in range(len(toks)):
+            if hi[u, s] > lo[u, s]:
+                nt = contexts.count_shard(
+                    toks[s], words[s], widths[s], nodes[s], hists[s], mins[s], sep, eos, lo[u, s], hi[u, s], d, scratch, touched, nt
+                )
+        for c in np.sort(touched[:nt]):
+            out[e, 0] = c
+            out[e, 1] = scratch[c]
+            scratch[c] = 0
+            e += 1
+        ends[u] = e
+
+
+@nb.njit(cache=True, nogil=True)
+def _narrow_all(table, first_rank, pos, prefix, step_log2, pats, lo, hi, parent, y, out_lo, out_hi):
+    """Every shard's interval of pats[parent[c]] + [y[c]], narrowed from its parent's."""
+    d = pats.shape[1]
+    pat = np.empty(d + 1, np.int64)
+    for c in range(parent.shape[0]):
+        p = parent[c]
+        pat[:d] = pats[p]
+        pat[d] = y[c]
+        narrow(table, first_rank, pos, prefix, step_log2, pat, lo[p], hi[p], out_lo[c], out_hi[c])
+
+
+def build(idx) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """(keys, ends, hist, min_count) of an opened index (engine.Index over all its shards)."""
+    ss = idx.shard_set
+    V, eos = idx.vocab_size, idx.eos_id
+    least = contexts.min_count(idx.n_positions)
+    sh = idx.shards
+    toks = nb.typed.List([np.asarray(s.tok) for s in sh])
+    words = nb.typed.List([np.asarray(s.sa.words) for s in sh])
+    widths = np.array([s.sa.width for s in sh], np.int64)
+    nodes, hists, mins = ss.contexts
+    W = max(V, eos + 1)
+    scratch, touched = np.zeros(W, np.int64), np.zeros(W, np.int64)
+    uni = idx.unigram[:V].copy()
+    if 0 <= eos < V:
+        uni[eos] = 0  # document ends: no context
+    pats = np.nonzero(uni >= least)[0].astype(np.int64)[:, None]
+    lo = np.ascontiguousarray(ss.first_rank[:, pats[:, 0]].T)
+    hi = np.ascontiguousarray(ss.first_rank[:, pats[:, 0] + 1].T)
+    keys, ends, hist, e0 = [], [], [], 0
+    for d in range(1, max_len(V) + 1):
+        if len(pats) == 0:
+            break
+        bound = np.minimum((hi - lo).sum(1), W)  # a context's histogram has at most this many rows
+        cuts = np.searchsorted(np.cumsum(bound), np.arange(BATCH_ROWS, int(bound.sum()), BATCH_ROWS))
+        parts, part_ends = [], []
+        for a, b in zip(np.r_[0, cuts], np.r_[cuts, len(pats)]):
+            out = np.empty((int(bound[a:b].sum()), 2), np.int64)
+            pe = np.empty(b - a, np.int64)
+            _histograms(toks, words, widths, nodes, hists, mins, idx.sep, eos, lo[a:b], hi[a:b], d, scratch, touched, out, pe)
+            part_ends.append(pe + sum(len(p) for p in parts))
+            parts.append(out[: pe[-1] if len(pe) else 0].copy())
+        h = np.concatenate(parts) if parts else np.zeros((0, 2), np.int64)
+        he = np.concatenate(part_ends) if part_ends else np.zeros(0, np.int64)
+        keys.append(keys_of(pats.reshape(-1), np.arange(d - 1, pats.size, d), np.full(len(pats), d), V))
+        ends.append(he + e0)
+        hist.append(h)
+        e0 += len(h)
+        if d == max_len(V):
+            break
+        parent = np.repeat(np.arange(len(pats)), np.diff(he, prepend=0))
+        take = (h[:, 1] >= least) & (h[:, 0] != eos)  # the contexts one token longer, frequent enough
+        parent, y = parent[take], h[take, 0]
+        lo2, hi2 = np.zeros((len(y), len(sh)), np.int64), np.zeros((len(y), len(sh)), np.int64)
+        _narrow_all(ss.table, ss.first_rank, ss.pos, ss.prefix, ss.step_log2, pats, lo, hi, parent, y, lo2, hi2)
+        pats, lo, hi = np.column_stack([pats[parent], y]), lo2, hi2
+    keys = np.concatenate(keys) if keys else np.zeros(0, np.uint64)
+    if len(keys) > 1 and not (keys[1:] > keys[:-1]).all():
+        raise AssertionError("merged contexts: keys out of order")
+    return (
+        keys,
+        np.concatenate(ends) if ends else np.zeros(0, np.int64),
+        np.concatenate(hist) if hist else np.zeros((0, 2), np.int64),
+        least,
+    )
+
+
+def write(root, idx) -> dict:
+    """Build and write the index's merged histograms (idx: the index at root, opened); returns
+    the manifest's record of them."""
+    root = Path(root)
+    keys, ends, hist, least = build(idx)
+    fmt.write_array(root / KEYS_FILE, "contexts.keys", keys)
+    fmt.write_array(root / ENDS_FILE, "contexts.ends", ends)
+    fmt.write_array(root / HIST_FILE, "contexts.merged", hist.reshape(-1))
+    return {
+        "shards": len(idx.shards),
+        "positions": idx.n_positions,
+        "min_count": least,
+        "max_len": max_len(idx.vocab_size),
+        "contexts": len(keys),
+        "entries": len(hist),
+        "files": [asdict(fmt.file_record(root, root / n)) for n in (KEYS_FILE, ENDS_FILE, HIST_FILE)],
+    }
+
+
+def current(root, manifest: dict | None, n_shards: int, n_positions: int, vocab: int, least: int | None = None) -> dict | None:
+    """The manifest's record of the merged histograms if they were built for this index as it
+    is (its shards and positions; at threshold `least` if given) and their files are there."""
+    rec = (manifest or {}).get("contexts")
+    if not rec:
+        return None
+    want = {"shards": n_shards, "positions": n_positions, "max_len": max_len(vocab)} | ({} if least is None else {"min_count": least})
+    if any(rec.get(k) != v for k, v in want.items()):
+        return None
+    if not all((Path(root) / f["path"]).exists() and (Path(root) / f["path"]).stat().st_size == f["size"] for f in rec["files"]):
+        return None
+    return rec
+
+
+@dataclass(frozen=True)
+class Merged:
+    """An index's merged histograms (memory-mapped)."""
+
+    keys: np.ndarray  # (M,) uint64, ascending
+    ends: np.ndarray  # (M,) int64
+    hist: np.ndarray  # (E, 2) int64: token, count
+    vocab: int
+
+    def runs(self, ids: np.ndarray, at: np.ndarray, d: np.ndarray) -> np.ndarray:
+        """(n, 2) int64: the rows [a, b) of hist for the contexts ids[e - d + 1 : e + 1] (e of
+        at), or (-1, -1) where none is stored (too long, or too rare)."""
+        out = np.full((len(at), 2), -1, np.int64)
+        short = np.nonzero((d >= 1) & (d <= max_len(self.vocab)))[0]
+        k = keys_of(ids, at[short], d[short], self.vocab)
+        i = np.minimum(np.searchsorted(self.keys, k), max(len(self.keys) - 1, 0))
+        hit = (self.keys[i] == k) if len(self.keys) else np.zeros(len(k), bool)
+        i, rows = i[hit], short[hit]
+        out[rows, 0] = np.where(i > 0, self.ends[np.maximum(i - 1, 0)], 0)
+        out[rows, 1] = self.ends[i]
+        return out
+
+
+def load(root, manifest: dict, n_shards: int, n_positions: int, vocab: int) -> Merged | None:
+    """The index's merged histograms, if built for it as it is."""
+    if current(root, manifest, n_shards, n_positions, vocab) is None:
+        return None
+    root = Path(root)
+    keys = np.asarray(fmt.open_array(root / KEYS_FILE, "contexts.keys"))
+    ends = np.asarray(fmt.open_array(root / ENDS_FILE, "contexts.ends"))
+    hist = np.asarray(fmt.open_array(root / HIST_FILE, "contexts.merged")).reshape(-1, 2)
+    return Merged(keys, ends, hist, vocab)
