@@ -7,7 +7,7 @@ from collections import Counter, defaultdict
 import numpy as np
 import pytest
 from teragram.builder.build import build_from_ids
-from teragram.index import contexts
+from teragram.index import contexts, merged
 from teragram.index import format as fmt
 from teragram.index.bulk import continuations
 from teragram.index.engine import Index
@@ -131,7 +131,11 @@ def test_rebuild_adds_the_table_to_an_older_index(tmp_path, corpus_dir, tokenize
     q = Index(out).tokenizer.encode(" the")[-1:]
     assert all(s.contexts is None for s in Index(out).shards)
     before = Index(out).ntd(q).result_by_token_id
+    keys = out / merged.KEYS_FILE  # the shards' summed histograms (index/merged.py): kept by a rerun
+    assert fmt.read_json(out / "manifest.json")["contexts"]["min_count"] == 50
+    built_at = keys.stat().st_mtime_ns
     build(cfg)
+    assert keys.stat().st_mtime_ns == built_at and Index(out).merged is not None
     idx = Index(out)
     assert all(s.contexts is not None and len(s.contexts.nodes) for s in idx.shards)
     assert all(any("contexts.nodes" in f["path"] for f in fmt.read_json(m)["files"]) for m in markers)
@@ -158,4 +162,5 @@ def test_rebuild_adds_the_table_to_an_older_index(tmp_path, corpus_dir, tokenize
     assert all(s.contexts.min_count >= 20 and len(s.contexts.nodes) for s in idx.shards)
     assert min(s.contexts.min_count for s in idx.shards) < 50
     assert idx.ntd(q).result_by_token_id == before
+    assert fmt.read_json(out / "manifest.json")["contexts"]["min_count"] == 20 and idx.merged is not None  # rebuilt at it
     assert verify(out) == []
