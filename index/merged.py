@@ -147,9 +147,12 @@ def build(idx) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
 
 def write(root, idx) -> dict:
     """Build and write the index's merged histograms (idx: the index at root, opened); returns
-    the manifest's record of them."""
+    the manifest's record of them. Until the manifest records them, an index whose files are
+    missing or of other sizes than its record's does not use them (current)."""
     root = Path(root)
     keys, ends, hist, least = build(idx)
+    for n in (KEYS_FILE, ENDS_FILE, HIST_FILE):  # old ones first: a run stopped while writing leaves none, not a mix
+        (root / n).unlink(missing_ok=True)
     fmt.write_array(root / KEYS_FILE, "contexts.keys", keys)
     fmt.write_array(root / ENDS_FILE, "contexts.ends", ends)
     fmt.write_array(root / HIST_FILE, "contexts.merged", hist.reshape(-1))

@@ -84,3 +84,38 @@ def test_bulk_features_equal_with_and_without(merged_index):
     S = len(idx.shards)
     assert Index(path, shards=list(range(S))).merged is not None
     assert Index(path, shards=list(range(S - 1))).merged is None
+
+
+def test_a_rebuild_stopped_while_writing_leaves_them_unused(tmp_path, tokenizer_model, monkeypatch):
+    """A build stopped between the summed histograms' files leaves an index that answers the
+    same without them; the next build writes them."""
+    from teragram.builder import build as build_mod
+    from teragram.index import format as fmt
+
+    rng = np.random.default_rng(4)
+    docs = random_docs(rng, 60, 4, 30, 1000)
+    out = tmp_path / "idx"
+    monkeypatch.setattr(contexts, "MIN_COUNT", MIN)
+    build_from_ids(docs, out, tokenizer_model, shard_tokens=500)
+    ids, starts = np.concatenate(docs[:5]), np.cumsum([0] + [len(x) for x in docs[:5]])
+    want = continuations(Index(out), ids, starts, (0, 2), top_k=2)
+    assert Index(out).merged is not None
+    monkeypatch.setattr(contexts, "MIN_COUNT", MIN + 1)  # another threshold: rebuilt by the next run
+    write = fmt.write_array
+
+    def stopped(path, kind, arr):
+        if kind == "contexts.ends":
+            raise KeyboardInterrupt
+        write(path, kind, arr)
+
+    monkeypatch.setattr(fmt, "write_array", stopped)
+    manifest = fmt.read_manifest(out)
+    with pytest.raises(KeyboardInterrupt):
+        build_mod._merged_contexts(out, manifest)
+    assert Index(out).merged is None  # the manifest's record, the files not all there
+    got = continuations(Index(out), ids, starts, (0, 2), top_k=2)
+    for c in want:
+        assert np.array_equal(want[c].topk_cnt, got[c].topk_cnt) and np.array_equal(want[c].target_cnt, got[c].target_cnt)
+    monkeypatch.setattr(fmt, "write_array", write)
+    rec = build_mod._merged_contexts(out, manifest)
+    assert rec["min_count"] == MIN + 1
