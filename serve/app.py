@@ -13,11 +13,11 @@ thread behind expensive ones: index queries that only search (count, prob, infgr
 queries that enumerate (ntd, infgram_ntd, search_docs), and requests that run the model
 (completions, scoring), whose model calls are serialized by a lock (one model, one device). The
 model, its gate and generation's index lookups run in a process of their own
-(serve/model_worker.py; in this one with --cluster), so that the model's Python never holds the
-interpreter this process answers index queries with. A request waiting for its lane holds no
-thread. Index queries run concurrently (the kernels release the GIL). A response is encoded to
-JSON in its lane's thread, not by FastAPI on the event loop (a next-token distribution at 2.43B
-tokens has thousands of entries, and encoding it there held every other request back).
+(serve/model_worker.py; in this one with --cluster, whose holders keep generation's lookups for
+the process that opened them), so the model's Python never holds this process's interpreter.
+Index queries run concurrently (the kernels release the GIL). A response is encoded to JSON in its
+lane's thread, not on the event loop (a next-token distribution at 2.43B tokens has thousands of
+entries: encoding it there held every request back). Both processes settle (serve/lanes.py).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from teragram.index.engine import Index, with_tokens
 from teragram.index.errors import ClusterError, QueryError, TeragramError
 from teragram.model.generation.draft import MAX_DRAFT, DraftStats
 from teragram.serve.guard import Guard, Stats, error
-from teragram.serve.lanes import QUERY_TYPES, SEARCH_QUERIES, Lanes, in_lane, produced
+from teragram.serve.lanes import QUERY_TYPES, SEARCH_QUERIES, Lanes, in_lane, produced, settle
 
 
 @dataclass(frozen=True)
@@ -128,18 +128,16 @@ def load(cfg: ServeConfig, *, with_model: bool = True) -> Served:
             raise TeragramError(f"checkpoint vocabulary {model.cfg.vocab_size} != index vocabulary {idx.vocab_size}")
     gate = None
     if cfg.gate and with_model:
+        from teragram.model.checkpoint import weights_digest
         from teragram.model.mixture.gate import Gate
 
         gate = Gate.load(cfg.gate)
-        from teragram.model.checkpoint import weights_digest
-
         gate.check(model=weights_digest(model), index_dir=cfg.index, name=cfg.gate)
     return Served(cfg, idx, model, model_meta, gate)
 
 
 def create_app(cfg: ServeConfig) -> FastAPI:
-    """The server. Its model runs in a process of its own (serve/model_worker.py), except with
-    --cluster (its holders keep generation's lookups for the process that opened them)."""
+    """The server; its model in a process of its own (serve/model_worker.py), but with --cluster (module doc)."""
     own = cfg.checkpoint is not None and cfg.cluster is None
     s = load(cfg, with_model=not own)
     if own:
@@ -180,6 +178,7 @@ def _model_process(cfg: ServeConfig, conn) -> None:
     except Exception as e:  # noqa: BLE001  (the parent raises it as its one-line error)
         conn.send(("failed", str(e) if isinstance(e, TeragramError) else f"{type(e).__name__}: {e}"))
         return
+    settle()
     conn.send(("ready", _model_info(s)))
     answer(conn, s.handlers, {"complete": CompletionRequest, "score": ScoreRequest}, s.draft_stats.to_json)
 
@@ -201,8 +200,7 @@ def warm(s: Served) -> None:
 
 
 def warm_model(s: Served) -> None:
-    """A scoring request and two completions, if the model is in this process; their draft
-    statistics are not kept."""
+    """A scoring request and two completions, if the model is in this process (their draft statistics dropped)."""
     if s.model is not None:
         s.handlers["score"](ScoreRequest(text=WARM_TEXT))
         for draft in (0, 2):
@@ -497,4 +495,6 @@ def _add_score(app: FastAPI, s: Served) -> None:
 def serve(cfg: ServeConfig) -> None:
     import uvicorn
 
-    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="warning")
+    app = create_app(cfg)
+    settle()
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", loop="uvloop", http="httptools")

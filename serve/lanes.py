@@ -5,6 +5,7 @@ thread; a stream is produced in one thread of its lane."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -64,3 +65,13 @@ async def produced(make, lane: ThreadPoolExecutor):
     finally:
         gone.set()
         await asyncio.shield(task)
+
+
+def settle() -> None:
+    """Keep what a server process has loaded by now (the index's objects, the tokenizer, the
+    libraries: torch's modules alone are hundreds of thousands of objects) out of the garbage
+    collector's full passes, which walked all of it and stalled every request of the process for
+    tens of milliseconds (a count's p99 for a client of its own at 2.43B tokens under 64 clients:
+    88-115 ms, 47-49 ms with it; docs/results.md, section 7)."""
+    gc.collect()
+    gc.freeze()
