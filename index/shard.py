@@ -27,6 +27,7 @@ class Shard:
     unigram: np.ndarray
     random: bool = False  # the searched arrays are advised MADV_RANDOM (Index(access="random"))
     dir: Path | None = None  # where its stored samples may be (top_cache.load)
+    marker: Path | None = None  # its completion marker (what the build recorded of it)
     off2: int = field(init=False)
     off3: int = field(init=False)
 
@@ -52,6 +53,7 @@ class Shard:
             fmt.open_array(d / "samax.bin", "samax"),
             fmt.open_array(d / "unigram.bin", "unigram"),
             dir=d,
+            marker=fmt.shard_marker(root, entry["shard"]),
         )
 
     @property
@@ -81,8 +83,12 @@ class Shard:
 
     @cached_property
     def contexts(self) -> contexts.Contexts | None:
-        """The stored histograms of the shard's frequent contexts (index/contexts.py), if any."""
-        return None if self.dir is None else contexts.load(self.dir)
+        """The stored histograms of the shard's frequent contexts (index/contexts.py), if any, at the
+        threshold its marker records (1,024 for a table built before it was recorded)."""
+        if self.dir is None:
+            return None
+        least = fmt.read_json(self.marker).get("context_min_count", 1024) if self.marker and self.marker.exists() else None
+        return contexts.load(self.dir, least)
 
     def blocks(self, lo: int, hi: int, d: int) -> tuple[np.ndarray, np.ndarray]:
         """(tokens, counts) following the interval's common prefix of length d: stored for a

@@ -69,6 +69,9 @@ def test_table_is_every_frequent_branching_context_exactly(small_table_index):
                 assert got is None, q
         nodes = np.asarray(table.nodes)
         assert np.all(np.diff(nodes[:, 0] * (1 << 32) + nodes[:, 1]) > 0)  # sorted by (lo, hi), as lookups search it
+        assert (
+            table.min_count == fmt.read_json(s.marker)["context_min_count"] == MIN <= (nodes[:, 1] - nodes[:, 0]).min()
+        )  # recorded, not read off
         with pytest.MonkeyPatch.context() as mp:  # the build streamed through buffers of 3 rows: the same table
             mp.setattr(contexts, "MIN_COUNT", MIN)
             small = contexts.build(np.asarray(s.tok), s.sa.words, s.sa.width, s.sa.count, rows=3)
