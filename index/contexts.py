@@ -299,14 +299,15 @@ class Contexts:
 NONE = Contexts(np.zeros((0, 4), np.int64), np.zeros((0, 2), np.uint32), 1 << 62)  # a shard without a table
 
 
-def load(shard_dir, least: int | None = None) -> Contexts | None:
-    """A shard's table, if it was stored (shards built before it have none). least: the
-    threshold it was stored at (its shard's marker records it); without it, the smallest stored
-    interval, found by reading every node (0.16 s for the 2.43B index's 12 tables on a warm page
-    cache, all 0.9 GB of them from the disk on a cold one)."""
+def load(shard_dir, least: int) -> Contexts | None:
+    """A shard's table, if it was stored (shards built before it have none), looked up for
+    contexts of at least `least` occurrences: the threshold it was stored at (its shard's marker
+    records it; any value answers the same, a context below it or not stored is enumerated).
+    Not the smallest stored interval: finding it read every node (0.16 s for the 2.43B index's
+    12 tables on a warm page cache, all 0.9 GB of them from the disk on a cold one)."""
     d = Path(shard_dir)
     if not ((d / NODES_FILE).exists() and (d / HIST_FILE).exists()):
         return None
     nodes = np.asarray(fmt.open_array(d / NODES_FILE, "contexts.nodes")).reshape(-1, 4)
     hist = np.asarray(fmt.open_array(d / HIST_FILE, "contexts.hist")).reshape(-1, 2)
-    return Contexts(nodes, hist, least if least is not None else int((nodes[:, 1] - nodes[:, 0]).min(initial=1 << 62)))
+    return Contexts(nodes, hist, least)

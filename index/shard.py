@@ -84,11 +84,12 @@ class Shard:
     @cached_property
     def contexts(self) -> contexts.Contexts | None:
         """The stored histograms of the shard's frequent contexts (index/contexts.py), if any, at the
-        threshold its marker records (1,024 for a table built before it was recorded)."""
+        threshold its marker records (1,024 for a table built before it was recorded; without a
+        marker, the lowest any shard stores)."""
         if self.dir is None:
             return None
-        least = fmt.read_json(self.marker).get("context_min_count", 1024) if self.marker and self.marker.exists() else None
-        return contexts.load(self.dir, least)
+        known = self.marker is not None and self.marker.exists()
+        return contexts.load(self.dir, fmt.read_json(self.marker).get("context_min_count", 1024) if known else contexts.MIN_COUNT)
 
     def blocks(self, lo: int, hi: int, d: int) -> tuple[np.ndarray, np.ndarray]:
         """(tokens, counts) following the interval's common prefix of length d: stored for a
