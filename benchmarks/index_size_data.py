@@ -221,7 +221,9 @@ def compose(out: Path, parts: list[Path]) -> dict:
     """An index whose shards are the shards of `parts` (same tokenizer), linked, not copied: the
     exact answers of one index over all their documents, as a multi-shard build gives."""
     from teragram.index import format as fmt
+    from teragram.index import merged
     from teragram.index import meta as meta_store
+    from teragram.index.engine import Index
 
     manifests = [json.loads((p / "manifest.json").read_text()) for p in parts]
     digests = {hashlib.blake2b((p / "tokenizer.model").read_bytes()).hexdigest() for p in parts}
@@ -245,7 +247,7 @@ def compose(out: Path, parts: list[Path]) -> dict:
             first_doc += s["n_docs"]
         for reason, n in m["skipped"]["counts"].items():
             skipped[reason] = skipped.get(reason, 0) + n
-    manifest = manifests[0] | {
+    manifest = {k: v for k, v in manifests[0].items() if k != "contexts"} | {
         "counts": fmt.manifest_counts(shards, first_doc),
         "shards": shards,
         "build": {"composed_of": [str(p.resolve()) for p in parts], "parts": [m["build"] for m in manifests]},
@@ -253,6 +255,9 @@ def compose(out: Path, parts: list[Path]) -> dict:
     }
     meta_store.write(out, markers, manifest)
     fmt.write_json(out / "manifest.json", manifest)
+    if len(shards) > 1:  # the shards' summed histograms, as build-index gives an index of several
+        manifest["contexts"] = merged.write(out, Index(out, access="normal", manifest=manifest))
+        fmt.write_json(out / "manifest.json", manifest)
     return manifest
 
 
@@ -263,24 +268,62 @@ def _contiguous_parts(data: Path, stage: Stage) -> list[tuple[int, int, Path]]:
     return parts
 
 
+def _tokens(index: Path) -> int:
+    return json.loads((index / "manifest.json").read_text())["counts"]["tokens"]
+
+
+def _part_run(index: Path) -> dict:
+    """wall_s and peak_rss_tree_mb of the build of a part (part.json) or of an index built alone."""
+    if (index / "part.json").exists():
+        return json.loads((index / "part.json").read_text())
+    report = json.loads((index / "build-report.json").read_text())
+    return {"wall_s": report["timings"]["total_s"], "peak_rss_tree_mb": report["peak_rss_mb"]}
+
+
+def _inputs(index: Path) -> list[str]:
+    """The input files build-index made the index from (resolved), none if it was composed."""
+    state = index / "build-state.json"
+    return [str(Path(f).resolve()) for f in json.loads(state.read_text())["inputs"]] if state.exists() else []
+
+
+def _whole_extra(data: Path, on: Path, nb: int) -> Path:
+    """on, if build-index made it from exactly idx-050m's text and every bucket of the extra corpus."""
+    want = set(_inputs(data / "idx-050m"))
+    want |= {str((data / "extra" / n / f"b{b:02d}.jsonl.zst").resolve()) for n in EXTRA for b in range(nb)}
+    if (got := set(_inputs(on))) != want:
+        raise SystemExit(f"{on}: not built from exactly idx-050m's text and the whole extra corpus ({len(got)} inputs, {len(want)} wanted)")
+    return on
+
+
 def build(
-    data: Path, name: str, target: float | None, shard_tokens: int, workers: int, *, pool: bool = False, part_buckets: int = 0
+    data: Path,
+    name: str,
+    target: float | None,
+    shard_tokens: int,
+    workers: int,
+    *,
+    pool: bool = False,
+    part_buckets: int = 0,
+    on: Path | None = None,
 ) -> dict:
     """idx-050m plus the extra corpus's buckets < k (k from the token target) or, with pool, plus
-    all of the extra corpus's parts and the package pool's buckets < k: the buckets not yet
-    indexed are built as parts of part_buckets buckets each (all in one if 0; a part left
-    unfinished resumes), then the index is composed of idx-050m and the parts, so that it nests on
-    every smaller one."""
+    all of the extra corpus's parts (or the index `on`, built in one piece from idx-050m's text and
+    the whole extra corpus) and the package pool's buckets < k: the buckets not yet indexed are
+    built as parts of part_buckets buckets each (all in one if 0; a part left unfinished resumes),
+    then the index is composed of idx-050m and the parts, so that it nests on every smaller one."""
     tokenizer = data / "idx-050m" / "tokenizer.model"
     base = json.loads((data / "idx-050m" / "manifest.json").read_text())["counts"]["tokens"]
     stage, below, nb = STAGES[1 if pool else 0], [], 0
     if pool:
-        first = _contiguous_parts(data, STAGES[0])
         nb = json.loads((data / "extra" / EXTRA[0] / "manifest.json").read_text())["buckets"]
-        if not first or first[-1][1] != nb:
-            raise SystemExit("index the whole extra corpus first (index --all): the package pool nests on it")
-        below = [d for _, _, d in first]
-        base += sum(json.loads((d / "part.json").read_text())["counts"]["tokens"] for d in below)
+        if on is not None:  # the whole extra corpus indexed in one piece (build-index over all its files)
+            below, base = [_whole_extra(data, on, nb)], 0
+        else:
+            first = _contiguous_parts(data, STAGES[0])
+            if not first or first[-1][1] != nb:
+                raise SystemExit("index the whole extra corpus first (index --all, or give --on): the package pool nests on it")
+            below = [d for _, _, d in first]
+        base += sum(_tokens(d) for d in below)
     tpb = tokens_per_byte(data, tokenizer, stage=stage)
     k, est = plan(data, base, tpb, target, stage)
     parts = _contiguous_parts(data, stage)
@@ -294,16 +337,16 @@ def build(
         build_part(data, lo, min(lo + step, k), shard_tokens, workers, stage)
     parts = _parts(data, stage)
     use = below + [d for _, hi, d in parts if hi <= k]
-    manifest = compose(data / name, [data / "idx-050m", *use])
-    runs = [json.loads((d / "part.json").read_text()) for d in use]
-    base_report = json.loads((data / "idx-050m" / "build-report.json").read_text())
-    wall = base_report["timings"]["total_s"] + sum(r["wall_s"] for r in runs)
-    peak = max([base_report["peak_rss_mb"]] + [r["peak_rss_tree_mb"] for r in runs])
+    first = [] if on is not None else [data / "idx-050m"]  # a one-piece base holds idx-050m's text
+    manifest = compose(data / name, [*first, *use])
+    runs = [_part_run(d) for d in [*first, *use]]
+    wall = sum(r["wall_s"] for r in runs)
+    peak = max(r["peak_rss_tree_mb"] for r in runs)
     counts = manifest["counts"]
     disk = sum(f["size"] for s in manifest["shards"] for f in s["files"])
-    names = [d.name if d.parent.name == STAGES[0].parts else f"{d.parent.name}/{d.name}" for d in use]
+    names = [d.name if d.parent.name in (STAGES[0].parts, data.name) else f"{d.parent.name}/{d.name}" for d in use]
     sel = {"buckets": k, "of_buckets": 100, "corpora": list(stage.names), "estimated_tokens": est, "counts": counts}
-    sel |= {"parts": ["idx-050m", *names], "build_wall_s_sum_of_parts": wall, "peak_rss_mb_max_of_parts": peak}
+    sel |= {"parts": [*(d.name for d in first), *names], "build_wall_s_sum_of_parts": wall, "peak_rss_mb_max_of_parts": peak}
     sel |= {"shard_bytes": disk} | ({"on": "all of the extra corpus (idx-2b's parts)", "stage": stage.exports} if pool else {})
     (data / name / "selection.json").write_text(json.dumps(sel, indent=1))
     what = f"extra-corpus buckets < {nb}/{nb} + {stage.exports} buckets < {k}/100" if pool else f"extra-corpus buckets < {k}/100"
@@ -361,6 +404,13 @@ def smoke() -> int:
         main(["index", *opts, "--name", "idx-smoke", "--tokens", str(base + 1)])
         main(["index", *opts, "--name", "idx-smoke-all", "--all"])
         main(["index", *opts, "--name", "idx-smoke-pool", "--all", "--pool", "--part-buckets", "1"])
+        one = [*map(Path, _inputs(data / "idx-050m")), *sorted((data / "extra").glob("*/b*.jsonl.zst"))]
+        _run_build(data, one, data / "idx-smoke-one", 65536, 1)  # the extra corpus in one piece
+        main(["index", *opts, "--name", "idx-smoke-pool-on", "--all", "--pool", "--on", str(data / "idx-smoke-one")])
+        want, got = (
+            json.loads((data / n / "manifest.json").read_text())["counts"]["tokens"] for n in ("idx-smoke-pool", "idx-smoke-pool-on")
+        )
+        assert want == got, (want, got)  # the same text (documents cut at other shard ends)
         main(["overlap", "--data", str(data), "--index", str(data / "idx-smoke")])
         print((data / "READY.md").read_text())
     return 0
@@ -384,6 +434,9 @@ def main(argv: list[str] | None = None) -> int:
         if c == "index":
             p.add_argument("--name", required=True)
             p.add_argument("--part-buckets", type=int, default=0, help="buckets per part built (0: one part)")
+            p.add_argument(
+                "--on", type=Path, help="with --pool: an index built in one piece from idx-050m's text and the whole extra corpus"
+            )
             g = p.add_mutually_exclusive_group(required=True)
             g.add_argument("--tokens", type=float, help="target token count (estimated from tokens per byte)")
             g.add_argument("--all", action="store_true", help="every bucket of the extra corpus")
@@ -413,6 +466,7 @@ def main(argv: list[str] | None = None) -> int:
             args.workers,
             pool=args.pool,
             part_buckets=args.part_buckets,
+            on=args.on,
         )
     return 0
 
