@@ -12,9 +12,11 @@ import numpy as np
 from . import kernels as K
 from .fanout import N_STATE, ShardSet
 from .features import SCORE_DTYPES, Features
-from .matching import extend
+from .matching import extend, new_memo
 from .results import Occurrence
 from .shard import Shard
+
+MEMO = 1 << 10  # probes after failed extensions remembered per sequence (matching._probe)
 
 
 class Searched(Protocol):
@@ -47,6 +49,7 @@ class Scorer:
         self.lo = np.zeros(len(idx.shards), np.int64)
         self.hi = np.array([s.n for s in idx.shards], np.int64)
         self._st = np.empty((2 * len(idx.shards), N_STATE), np.int64)
+        self._memo = new_memo(len(idx.shards), MEMO)
         self.lookup_s: list[float] = []
 
     def advance(self, token: int) -> None:
@@ -57,7 +60,19 @@ class Scorer:
         self.ids[self.n] = tok
         ss = self.ss
         self.start = extend(
-            ss.table, ss.first_rank, ss.pos, ss.prefix, ss.step_log2, ss.contexts, self.ids, self.start, self.n, self._st, self.lo, self.hi
+            ss.table,
+            ss.first_rank,
+            ss.pos,
+            ss.prefix,
+            ss.step_log2,
+            ss.contexts,
+            self.ids,
+            self.start,
+            self.n,
+            self._st,
+            self.lo,
+            self.hi,
+            self._memo,
         )
         self.n += 1
 

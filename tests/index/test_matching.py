@@ -1,8 +1,11 @@
-"""index/matching.py's grouping of the capped suffixes: each distinct string once, in order."""
+"""index/matching.py: the grouping of the capped suffixes (each distinct string once, in order)
+and the longest matches with the probes after failed extensions remembered."""
 
 import numpy as np
 import pytest
-from teragram.index.matching import distinct_starts
+from teragram.index.engine import Index
+from teragram.index.fanout import N_STATE, N
+from teragram.index.matching import _probe, distinct_starts, extend, longest_matches, new_memo
 
 
 @pytest.mark.parametrize("vocab", [3, 300, 70_000, 2**40])
@@ -20,3 +23,72 @@ def test_distinct_starts_are_the_distinct_strings_in_order(vocab):
         assert np.array_equal(ids[reps[:, None] + np.arange(c)], want)
         assert np.array_equal(which, inverse.reshape(-1))
     assert [len(x) for x in distinct_starts(ids, np.zeros(0, np.int64), 4)] == [0, 0]
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory, tokenizer_model):
+    """Documents over a small alphabet in several shards, and held-out text that repeats itself."""
+    from teragram.builder.build import build_from_ids
+
+    from tests.conftest import random_docs
+
+    rng = np.random.default_rng(5)
+    docs = random_docs(rng, 120, 6, 60, 1000)
+    out = tmp_path_factory.mktemp("matching") / "idx"
+    build_from_ids(docs, out, tokenizer_model, shard_tokens=1200)
+    alphabet = np.unique(np.concatenate(docs))
+    text = [np.concatenate([alphabet[rng.integers(0, len(alphabet), 40)], docs[k][:20]]) for k in range(6)]
+    text += text[:3]  # the same probes again
+    return Index(out), docs, text
+
+
+def _longest(docs, q):
+    """Brute force: the length of the longest suffix of q in any document."""
+    for L in range(len(q), 0, -1):
+        s = q[len(q) - L :].tolist()
+        if any(s == d[i : i + L].tolist() for d in docs for i in range(len(d) - L + 1)):
+            return L
+    return 0
+
+
+def test_remembered_probes_answer_as_searched(sharded):
+    """longest_matches (its probes after failed extensions remembered) against brute force for
+    the lengths and, for the intervals, against the same pass with a memo that keeps nothing."""
+    idx, docs, text = sharded
+    ss = idx.shard_set
+    S = len(idx.shards)
+    assert S >= 3
+    ids = np.concatenate(text).astype(np.int64)
+    starts = np.concatenate([[0], np.cumsum([len(d) for d in text])]).astype(np.int64)
+    args = (ss.table, ss.first_rank, ss.pos, ss.prefix, ss.step_log2, ss.contexts, ids)
+    got_len, got_lo, got_hi = np.zeros(len(ids), np.int64), np.zeros((len(ids), S), np.int64), np.zeros((len(ids), S), np.int64)
+    longest_matches(*args, starts, got_len, got_lo, got_hi)
+    st, lo, hi, memo = np.empty((2 * S, N_STATE), np.int64), np.zeros(S, np.int64), np.zeros(S, np.int64), new_memo(S, 0)
+    for a, b in zip(starts[:-1], starts[1:]):
+        i, lo[:], hi[:] = a, 0, ss.table[:, N]
+        for t in range(a, b):
+            i = extend(*args, i, t, st, lo, hi, memo)
+            assert got_len[t] == t - i + 1 == _longest(docs, ids[a : t + 1])
+            assert np.array_equal(got_lo[t], lo) and np.array_equal(got_hi[t], hi)
+
+
+def test_a_probe_whose_hash_is_taken_is_searched(sharded):
+    """A remembered string of the same length and hash slot is not taken for another one."""
+    idx, docs, _ = sharded
+    ss = idx.shard_set
+    S = len(idx.shards)
+    a, b = docs[0][:3].astype(np.int64), docs[1][:3].astype(np.int64)
+    assert not np.array_equal(a, b)
+    ids = np.concatenate([b, a])
+    h = 14695981039346656037  # the FNV-1a hash _probe keys by, of a
+    for x in a.tolist():
+        h = ((h ^ x) * 1099511628211) % 2**64
+    memo = new_memo(S, 4)
+    index, rep, rlen, found, mlo, mhi, used = memo
+    index[h - 2**64 if h >= 2**63 else h] = 0  # slot 0 holds b, with made-up intervals
+    rep[0], rlen[0], found[0], mlo[0], mhi[0], used[0] = 0, 3, True, 7, 9, 1
+    st, lo, hi = np.empty((2 * S, N_STATE), np.int64), np.zeros(S, np.int64), np.zeros(S, np.int64)
+    args = (ss.table, ss.first_rank, ss.pos, ss.prefix, ss.step_log2, ss.contexts, ids, st, lo, hi)
+    assert _probe(*args, 3, 6, memo)
+    total, intervals = idx.count_intervals(a)
+    assert (hi - lo).tolist() == [y - x for x, y in intervals] and total > 0
