@@ -37,6 +37,7 @@ from . import kernels as K
 from .contexts import count_shard
 from .features import FIELDS, SCORE_DTYPES, Features
 from .matching import distinct_starts, longest_matches, narrow_starts
+from .merged import tables
 
 UNCAPPED = 1 << 62
 CHUNK = 1 << 18  # positions per pass at most
@@ -196,7 +197,8 @@ def match_intervals(idx, ids: np.ndarray, starts: np.ndarray, caps: list[int], t
     hi = np.zeros((C, P, S), np.int64)
     m_lo, m_hi = lo[C - 1], hi[C - 1]  # the uncapped match: the last row, whatever its cap
     parts = _doc_parts(starts, threads * 4 if threads > 1 else 1)
-    _map(lambda st: longest_matches(*args, st, m_len, m_lo, m_hi), parts, threads)
+    known = tables(idx.merged)
+    _map(lambda st: longest_matches(*args[:-1], known, ids, st, m_len, m_lo, m_hi), parts, threads)
     if caps[-1] > 0:  # every cap is capped: the last one's intervals overwrite the match's
         m_lo, m_hi = m_lo.copy(), m_hi.copy()
     cp = 0

@@ -35,6 +35,7 @@ import numpy as np
 
 from .contexts import child
 from .fanout import HI, N_STATE, RLCP, SHARD, L, N, search_bounds, set_search
+from .merged import longest_bound
 
 _NB = dict(cache=True, nogil=True)
 MEMO = 1 << 16  # probes remembered per pass at most (each S intervals)
@@ -157,16 +158,19 @@ def _probe(table, first_rank, pos, prefix, step_log2, ctx, ids, st, lo, hi, star
 
 
 @nb.njit(**_NB)
-def extend(table, first_rank, pos, prefix, step_log2, ctx, ids, i, t, st, lo, hi, memo):
+def extend(table, first_rank, pos, prefix, step_log2, ctx, known, ids, i, t, st, lo, hi, memo):
     """One step of the two-pointer pass: given the longest match ids[i:t] before position t and
     its intervals lo, hi, the longest match ending at t: returns its start (t + 1 when not even
-    ids[t] occurs; lo, hi then every rank) with its intervals in lo, hi. memo (new_memo) keeps
-    the answers of the probes after failed extensions, for the same string probed again."""
+    ids[t] occurs; lo, hi then every rank) with its intervals in lo, hi. After a failed
+    extension, the index's summed histograms (known: merged.tables) bound the new match's length
+    and the longer probes are not made; memo (new_memo) keeps the answers of the probes, for the
+    same string probed again."""
     S = table.shape[0]
     if 0 <= ids[t] < first_rank.shape[1] - 1:
         if _search(table, first_rank, pos, prefix, step_log2, ctx, ids, st, lo, hi, i, t + 1, t - i, False):
             return i
-        for j in range(i + 1, t + 1):  # no shard holds ids[i:t+1]: the longest shorter one, from scratch
+        most = longest_bound(known, ids, i, t)
+        for j in range(max(i + 1, t + 1 - most), t + 1):  # no shard holds ids[i:t+1]: the longest shorter one, from scratch
             if _probe(table, first_rank, pos, prefix, step_log2, ctx, ids, st, lo, hi, j, t + 1, memo):
                 return j
     for s in range(S):  # not even ids[t] occurs (or the index cannot hold it): start again after it
@@ -176,7 +180,7 @@ def extend(table, first_rank, pos, prefix, step_log2, ctx, ids, i, t, st, lo, hi
 
 
 @nb.njit(**_NB)
-def longest_matches(table, first_rank, pos, prefix, step_log2, ctx, ids, starts, out_len, out_lo, out_hi):
+def longest_matches(table, first_rank, pos, prefix, step_log2, ctx, known, ids, starts, out_len, out_lo, out_hi):
     """For every position t of the documents ids[starts[k]:starts[k+1]]: out_len[t] = L(t) and
     out_lo[t, s], out_hi[t, s] each shard's interval of ids[t-L+1 : t+1] (every rank when L is
     0). A token outside the vocabulary matches nothing."""
@@ -191,7 +195,7 @@ def longest_matches(table, first_rank, pos, prefix, step_log2, ctx, ids, starts,
             lo[s] = 0
             hi[s] = table[s, N]
         for t in range(starts[k], starts[k + 1]):
-            i = extend(table, first_rank, pos, prefix, step_log2, ctx, ids, i, t, st, lo, hi, memo)
+            i = extend(table, first_rank, pos, prefix, step_log2, ctx, known, ids, i, t, st, lo, hi, memo)
             out_len[t] = t - i + 1
             for s in range(S):
                 out_lo[t, s] = lo[s]

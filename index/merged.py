@@ -68,6 +68,42 @@ def keys_of(ids: np.ndarray, ends: np.ndarray, d: np.ndarray, vocab: int) -> np.
     return key
 
 
+def tables(m: Merged | None) -> tuple:
+    """The summed histograms as the longest-match kernels take them (longest_bound): keys, ends,
+    rows and bits per token; empty for an index without them."""
+    if m is None:
+        return np.zeros(0, np.uint64), np.zeros(0, np.int64), np.zeros((0, 2), np.int64), 1
+    return m.keys, m.ends, m.hist, key_bits(m.vocab)
+
+
+@nb.njit(cache=True, nogil=True)
+def longest_bound(known, ids, i, t):
+    """The most tokens the longest match ending at t can have, given that ids[i:t] occurs: m if
+    the m tokens before t are a summed context (known: tables) whose histogram, over every shard,
+    lacks ids[t] -- then ids[t - m : t + 1] occurs nowhere -- for the smallest such m, else
+    t - i + 1. A context too rare to be summed has no longer one that is, so the search stops at
+    the first. Exact; it spares the probes of matches that cannot be (index/matching.py)."""
+    keys, ends, hist, bits = known
+    p = np.uint64(0)
+    for m in range(1, min(t - i, 63 // bits) + 1):  # the context ids[t-m:t], inside the match
+        p |= np.uint64(ids[t - m]) << np.uint64((m - 1) * bits)
+        key = (np.uint64(1) << np.uint64(m * bits)) | p
+        r = np.searchsorted(keys, key)
+        if r >= keys.shape[0] or keys[r] != key:
+            break
+        a = ends[r - 1] if r > 0 else 0
+        b = ends[r]
+        while a < b:  # the first row of a token >= ids[t]
+            c = (a + b) >> 1
+            if hist[c, 0] < ids[t]:
+                a = c + 1
+            else:
+                b = c
+        if a == ends[r] or hist[a, 0] != ids[t]:
+            return m
+    return t - i + 1
+
+
 @nb.njit(cache=True, nogil=True)
 def _histograms(toks, words, widths, nodes, hists, mins, sep, eos, lo, hi, d, scratch, touched, out, ends):
     """The histogram over the shards of each d-token context (rows of lo, hi: its interval per

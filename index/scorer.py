@@ -13,6 +13,7 @@ from . import kernels as K
 from .fanout import N_STATE, ShardSet
 from .features import SCORE_DTYPES, Features
 from .matching import extend, new_memo
+from .merged import tables
 from .results import Occurrence
 from .shard import Shard
 
@@ -27,6 +28,7 @@ class Searched(Protocol):
     eos_id: int
     n_positions: int
     unigram: np.ndarray
+    merged: object  # its summed histograms (index/merged.py) or None
 
     def check_token(self, cont, what: str = "cont") -> int: ...
 
@@ -50,6 +52,7 @@ class Scorer:
         self.hi = np.array([s.n for s in idx.shards], np.int64)
         self._st = np.empty((2 * len(idx.shards), N_STATE), np.int64)
         self._memo = new_memo(len(idx.shards), MEMO)
+        self._known = tables(idx.merged)
         self.lookup_s: list[float] = []
 
     def advance(self, token: int) -> None:
@@ -66,6 +69,7 @@ class Scorer:
             ss.prefix,
             ss.step_log2,
             ss.contexts,
+            self._known,
             self.ids,
             self.start,
             self.n,

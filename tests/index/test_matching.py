@@ -3,6 +3,7 @@ and the longest matches with the probes after failed extensions remembered."""
 
 import numpy as np
 import pytest
+from teragram.index import contexts, merged
 from teragram.index.engine import Index
 from teragram.index.fanout import N_STATE, N
 from teragram.index.matching import _probe, distinct_starts, extend, longest_matches, new_memo
@@ -33,9 +34,11 @@ def sharded(tmp_path_factory, tokenizer_model):
     from tests.conftest import random_docs
 
     rng = np.random.default_rng(5)
-    docs = random_docs(rng, 120, 6, 60, 1000)
+    docs = random_docs(rng, 120, 12, 60, 1000)
     out = tmp_path_factory.mktemp("matching") / "idx"
-    build_from_ids(docs, out, tokenizer_model, shard_tokens=1200)
+    with pytest.MonkeyPatch.context() as mp:  # many short contexts summed over the shards (index/merged.py)
+        mp.setattr(contexts, "MIN_COUNT", 5)
+        build_from_ids(docs, out, tokenizer_model, shard_tokens=1200)
     alphabet = np.unique(np.concatenate(docs))
     text = [np.concatenate([alphabet[rng.integers(0, len(alphabet), 40)], docs[k][:20]]) for k in range(6)]
     text += text[:3]  # the same probes again
@@ -52,24 +55,31 @@ def _longest(docs, q):
 
 
 def test_remembered_probes_answer_as_searched(sharded):
-    """longest_matches (its probes after failed extensions remembered) against brute force for
-    the lengths and, for the intervals, against the same pass with a memo that keeps nothing."""
+    """longest_matches (the probes after failed extensions bounded by the summed histograms and
+    remembered) against brute force for the lengths and, for the intervals, against the same pass
+    without the bound and with a memo that keeps nothing; the bound is never below the match."""
     idx, docs, text = sharded
     ss = idx.shard_set
     S = len(idx.shards)
     assert S >= 3
     ids = np.concatenate(text).astype(np.int64)
     starts = np.concatenate([[0], np.cumsum([len(d) for d in text])]).astype(np.int64)
-    args = (ss.table, ss.first_rank, ss.pos, ss.prefix, ss.step_log2, ss.contexts, ids)
+    known = merged.tables(idx.merged)
+    shards = (ss.table, ss.first_rank, ss.pos, ss.prefix, ss.step_log2, ss.contexts)
     got_len, got_lo, got_hi = np.zeros(len(ids), np.int64), np.zeros((len(ids), S), np.int64), np.zeros((len(ids), S), np.int64)
-    longest_matches(*args, starts, got_len, got_lo, got_hi)
+    longest_matches(*shards, known, ids, starts, got_len, got_lo, got_hi)
+    none = merged.tables(None)  # the reference pass: no bound, a memo that keeps nothing
     st, lo, hi, memo = np.empty((2 * S, N_STATE), np.int64), np.zeros(S, np.int64), np.zeros(S, np.int64), new_memo(S, 0)
+    bounded = 0
     for a, b in zip(starts[:-1], starts[1:]):
         i, lo[:], hi[:] = a, 0, ss.table[:, N]
         for t in range(a, b):
-            i = extend(*args, i, t, st, lo, hi, memo)
-            assert got_len[t] == t - i + 1 == _longest(docs, ids[a : t + 1])
+            most = merged.longest_bound(known, ids, i, t)
+            bounded += most < t - i + 1
+            i = extend(*shards, none, ids, i, t, st, lo, hi, memo)
+            assert got_len[t] == t - i + 1 == _longest(docs, ids[a : t + 1]) <= most
             assert np.array_equal(got_lo[t], lo) and np.array_equal(got_hi[t], hi)
+    assert bounded > 20  # the summed histograms ruled out longer matches (exactly: <= most above)
 
 
 def test_a_probe_whose_hash_is_taken_is_searched(sharded):
