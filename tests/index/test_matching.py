@@ -93,12 +93,15 @@ def test_a_probe_whose_hash_is_taken_is_searched(sharded):
     h = 14695981039346656037  # the FNV-1a hash _probe keys by, of a
     for x in a.tolist():
         h = ((h ^ x) * 1099511628211) % 2**64
-    memo = new_memo(S, 4)
-    index, rep, rlen, found, mlo, mhi, used = memo
-    index[h - 2**64 if h >= 2**63 else h] = 0  # slot 0 holds b, with made-up intervals
-    rep[0], rlen[0], found[0], mlo[0], mhi[0], used[0] = 0, 3, True, 7, 9, 1
+    buckets, rows = memo = new_memo(S, 4)
+    first = h % len(buckets)
+    buckets[first] = 1  # a's bucket holds b under a's hash, with made-up intervals
+    rows[0, 0], rows[1, :4], rows[1, 4:] = 1, [h - 2**64 if h >= 2**63 else h, 0, 3, 1], 7
     st, lo, hi = np.empty((2 * S, N_STATE), np.int64), np.zeros(S, np.int64), np.zeros(S, np.int64)
     args = (ss.table, ss.first_rank, ss.pos, ss.prefix, ss.step_log2, ss.contexts, ids, st, lo, hi)
     assert _probe(*args, 3, 6, memo)
     total, intervals = idx.count_intervals(a)
     assert (hi - lo).tolist() == [y - x for x, y in intervals] and total > 0
+    assert rows[0, 0] == 2 and buckets[(first + 1) % len(buckets)] == 2  # a remembered beside it
+    rows[2, 4:] = 5  # read back, not searched again
+    assert _probe(*args, 3, 6, memo) and (lo == 5).all() and (hi == 5).all()
