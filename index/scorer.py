@@ -137,6 +137,9 @@ class Scorer:
     def restore(self, snap: tuple) -> None:
         self.n, self.start, lo, hi = snap
         self.lo, self.hi = lo.copy(), hi.copy()
+        buckets, rows = self._memo  # its strings are positions of ids, which the next tokens overwrite
+        buckets[:] = -1
+        rows[0, 0] = 0
 
     def longest(self) -> tuple[int, list[tuple[int, int]]]:
         """The last position's longest match length and each shard's interval of it ((0, 0)
