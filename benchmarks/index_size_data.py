@@ -253,11 +253,10 @@ def compose(out: Path, parts: list[Path]) -> dict:
         "build": {"composed_of": [str(p.resolve()) for p in parts], "parts": [m["build"] for m in manifests]},
         "skipped": {"counts": skipped, "examples": {}},
     }
-    meta_store.write(out, markers, manifest)
-    fmt.write_json(out / "manifest.json", manifest)
     if len(shards) > 1:  # the shards' summed histograms, as build-index gives an index of several
         manifest["contexts"] = merged.write(out, Index(out, access="normal", manifest=manifest))
-        fmt.write_json(out / "manifest.json", manifest)
+    meta_store.write(out, markers, manifest)
+    fmt.write_json(out / "manifest.json", manifest)
     return manifest
 
 

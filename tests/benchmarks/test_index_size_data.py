@@ -27,6 +27,9 @@ def test_composed_index_equals_one_build(tmp_path, tokenizer_model):
     one, comp = Index(whole), Index(out)
     assert manifest["counts"]["docs"] == one.n_docs == comp.n_docs == len(docs)
     assert comp.n_tokens == one.n_tokens
+    mo, mc = one.merged, comp.merged  # the summed histograms, as one build gives them
+    assert mo is not None and mc is not None and len(mc.keys) > 0
+    assert all(np.array_equal(getattr(mo, k), getattr(mc, k)) for k in ("keys", "ends", "hist"))
     for _ in range(300):
         d = docs[int(rng.integers(len(docs)))]
         i = int(rng.integers(len(d)))
