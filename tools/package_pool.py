@@ -168,9 +168,10 @@ def download(pool: list[dict], *, batch: int = 200, jobs: int = 6) -> list[str]:
             if deb_path(p) is None and subprocess.run(["apt-get", "download", a], cwd=debs, capture_output=True).returncode
         ]
 
+    chunks = [todo[i : i + batch] for i in range(0, len(todo), batch)]
     failed, done = [], 0
     with ThreadPoolExecutor(jobs) as ex:
-        for chunk, f in zip(chunks := [todo[i : i + batch] for i in range(0, len(todo), batch)], ex.map(fetch, chunks)):
+        for chunk, f in zip(chunks, ex.map(fetch, chunks), strict=True):
             failed += f
             done += len(chunk)
             print(f"download: {done}/{len(todo)} packages", flush=True)

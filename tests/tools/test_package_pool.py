@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import shutil
 import subprocess
 
@@ -170,3 +171,26 @@ def test_package_halves_keep_each_package_in_one_half():
     for r in sample:
         per[r["path"].split("/", 1)[0]] = per.get(r["path"].split("/", 1)[0], 0) + len(r["text"])
     assert max(per.values()) <= 20 and 300 <= sum(per.values()) < 320
+
+
+def test_download_fetches_in_parallel_batches_and_names_what_failed(tmp_path, monkeypatch):
+    """Against a fake apt-get on PATH that writes NAME_VERSION_all.deb for each NAME=VERSION and
+    fails the whole call if one is unknown: every package lands once, a failed batch is retried
+    one by one, and only the unknown one is reported."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "apt-get").write_text(
+        f'#!/bin/sh\nshift\necho "$@" >> {tmp_path}/calls\nfor a in "$@"; do case $a in missing=*) exit 100;; esac; done\n'
+        'for a in "$@"; do printf x > "${a%%=*}_${a#*=}_all.deb"; done\n'
+    )
+    (bin_dir / "apt-get").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("TERAGRAM_CACHE", str(tmp_path / "cache"))
+    pool = [{"name": f"pkg{i}", "version": "1.0-1", "architecture": "all", "deb_bytes": 1} for i in range(11)]
+    pool.insert(5, {"name": "missing", "version": "2", "architecture": "all", "deb_bytes": 1})
+    assert pp.download(pool, batch=3, jobs=3) == ["missing"]
+    assert all(pp.deb_path(p) is not None for p in pool if p["name"] != "missing")
+    assert len(list((tmp_path / "cache" / "debs").iterdir())) == 11
+    (tmp_path / "calls").unlink()
+    assert pp.download(pool, batch=3, jobs=3) == ["missing"]
+    assert (tmp_path / "calls").read_text().split() == ["missing=2", "missing=2"]  # the rest is not asked for again
