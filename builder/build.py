@@ -30,8 +30,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
+from teragram.index import contexts, merged, readers
 from teragram.index import format as fmt
-from teragram.index import merged, readers
 from teragram.index import meta as meta_store
 from teragram.index import tokenizer as tok_mod
 from teragram.index.engine import Index
@@ -236,7 +236,7 @@ def _merged_contexts(out: Path, manifest: dict) -> dict:
     except IndexFormatError:
         last = None
     positions = sum(s["n_positions"] for s in manifest["shards"])
-    rec = merged.current(out, last, len(manifest["shards"]), positions, manifest["tokenizer"]["vocab_size"], merged.min_count(positions))
+    rec = merged.current(out, last, len(manifest["shards"]), positions, manifest["tokenizer"]["vocab_size"], contexts.min_count(positions))
     return rec or merged.write(out, Index(out, access="normal", manifest=manifest))
 
 

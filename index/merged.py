@@ -6,12 +6,16 @@ common continuations, and bulk scoring (index/bulk.py) read and summed all S at 
 at 2.43B tokens in 12 shards, 21M stored entries per 63k tokens of held-out code for its 13k
 contexts of one or two tokens, half of the histograms' time. Here the histogram of every
 context of at most max_len(vocab) tokens (4 with a 32k vocabulary: its tokens packed into one
-64-bit key) with at least min_count(N) occurrences in the whole index of N positions (2,320 at
-2.43B) is summed over the shards once, at the end of the build, and read in one place. The
-contexts are found from the shortest: a context's histogram gives the counts of the contexts
-one token longer, whose intervals are narrowed from its own (fanout.narrow). Longest matches
+64-bit key) with at least contexts.min_count(N) occurrences in the whole index of N positions
+(2,320 at 2.43B) is summed over the shards once, at the end of the build, and read in one
+place. The contexts are found from the shortest: a context's histogram gives the counts of the
+contexts one token longer, whose intervals are narrowed from its own (fanout.narrow). Longest matches
 read it too: where it shows that a context is never followed by a token, no longer match ends
-there (longest_bound).
+there (longest_bound). A lower threshold is faster for bulk scoring and costs memory: at one
+occurrence per 2^23 positions (290 at 2.43B; 1.6M contexts, 1.5 GB instead of 0.77) held-out
+estimates ran at 45.7k instead of 39.6k tokens/s/core in 12 shards, 75.3k instead of 65.9k in 3,
+but serving the 2.43B index on a 24 GB machine, whose page cache barely holds it, the extra 0.8
+GB took a count's p99 under 64 clients from 43-47 to 51-53 ms (bar 50 ms).
 
 Files (at the index's root): contexts.keys.bin, uint64 keys in ascending order (a context's
 tokens packed first-highest, below a 1 bit that marks its length, so shorter contexts sort
@@ -36,19 +40,6 @@ from .fanout import narrow
 
 KEYS_FILE, ENDS_FILE, HIST_FILE = "contexts.keys.bin", "contexts.ends.bin", "contexts.hist.bin"
 BATCH_ROWS = 1 << 24  # histogram rows computed per kernel call at most
-PER_LOG2 = 20  # a summed context has at least one occurrence per 2^20 positions of the index
-
-
-def min_count(n: int) -> int:
-    """The fewest occurrences in an index of n positions of a context whose histogram is summed
-    (2,320 at 2.43B). Lower would be faster for bulk scoring and costs memory: a context below it
-    is enumerated in every shard that holds it. Held-out code at 2.43B (63k tokens; 12 shards / 3
-    shards): histograms 0.60 / 0.55 s here (273k contexts, 0.77 GB), 0.34 / 0.25 s at one per
-    2^23 (290 occurrences; 1.6M contexts, 1.5 GB), estimates 39.6k -> 45.7k and 65.9k -> 75.3k
-    tokens/s/core. But serving the 2.43B index on a 24 GB machine, whose page cache barely holds
-    it, the extra 0.8 GB took a count's p99 under 64 clients from 43-47 to 51-53 ms (alternate
-    runs; bar 50 ms), so the threshold stays here."""
-    return max(contexts.MIN_COUNT, n >> PER_LOG2)
 
 
 def key_bits(vocab: int) -> int:
@@ -144,7 +135,7 @@ def build(idx) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """(keys, ends, hist, min_count) of an opened index (engine.Index over all its shards)."""
     ss = idx.shard_set
     V, eos = idx.vocab_size, idx.eos_id
-    least = min_count(idx.n_positions)
+    least = contexts.min_count(idx.n_positions)
     sh = idx.shards
     toks = nb.typed.List([np.asarray(s.tok) for s in sh])
     words = nb.typed.List([np.asarray(s.sa.words) for s in sh])
