@@ -191,14 +191,14 @@ def match_intervals(idx, ids: np.ndarray, starts: np.ndarray, caps: list[int], t
     and each shard's interval of the match, (C, P) and (C, P, S) twice (index/matching.py)."""
     P, S, C = len(ids), len(idx.shards), len(caps)
     ss = idx.shard_set
-    args = (ss.table, ss.first_rank, ss.pos, ss.prefix, ss.step_log2, ss.contexts, ids)
+    known = tables(idx.merged)
+    args = (ss.table, ss.first_rank, ss.pos, ss.prefix, ss.step_log2, ss.contexts, known, ids)
     m_len = np.zeros(P, np.int64)
     lo = np.zeros((C, P, S), np.int64)
     hi = np.zeros((C, P, S), np.int64)
     m_lo, m_hi = lo[C - 1], hi[C - 1]  # the uncapped match: the last row, whatever its cap
     parts = _doc_parts(starts, threads * 4 if threads > 1 else 1)
-    known = tables(idx.merged)
-    _map(lambda st: longest_matches(*args[:-1], known, ids, st, m_len, m_lo, m_hi), parts, threads)
+    _map(lambda st: longest_matches(*args, st, m_len, m_lo, m_hi), parts, threads)
     if caps[-1] > 0:  # every cap is capped: the last one's intervals overwrite the match's
         m_lo, m_hi = m_lo.copy(), m_hi.copy()
     cp = 0

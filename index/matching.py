@@ -24,6 +24,11 @@ are not in lockstep, so over many shards they cost more than the searches they s
 code at 2.43B tokens in 12 shards: 0.52 s for the longest matches of 63k tokens without the
 walk, 0.80 s with it; 47M tokens in one shard: 0.064 s with it, 0.084 s without).
 
+A string of 2-4 tokens frequent in the whole index (a summed context: index/merged.py) has its
+interval in every shard stored with its summed histogram, and is read there instead of searched
+in each shard (a third of the capped suffixes of 2 tokens below and a sixth of those of 4, whose
+searches cost the most: many shards hold them).
+
 The longest suffix of at most c tokens is the last min(L(t), c) tokens, since every suffix of
 a match occurs too. Where L(t) <= c it is the match itself; elsewhere it is the c tokens from
 t - c + 1, and the suffixes that start at one position nest: the intervals of ids[j : j + c]
@@ -41,22 +46,31 @@ import numpy as np
 
 from .contexts import child
 from .fanout import HI, N_STATE, RLCP, SHARD, L, N, search_bounds, set_search
-from .merged import longest_bound
+from .merged import longest_bound, summed_row
 
 _NB = dict(cache=True, nogil=True)
 MEMO = 1 << 16  # probes remembered per pass at most (each S intervals)
 
 
 @nb.njit(**_NB)
-def _search(table, first_rank, pos, prefix, step_log2, ctx, ids, st, lo, hi, start, end, d, every, probe=False):
+def _search(table, first_rank, pos, prefix, step_log2, ctx, known, ids, st, lo, hi, start, end, d, every, probe=False):
     """Each shard's interval of ids[start:end] into lo, hi, searched inside [lo[s], hi[s])
     (whose suffixes share its first d tokens) in the shards where that is not empty, or from
-    the whole shard in all of them (every). True if any shard holds it. A shard first walks
+    the whole shard in all of them (every). True if any shard holds it. A summed context of the
+    index (known: merged.tables) has its intervals read, not searched. Else a shard first walks
     down its stored frequent contexts (ctx: ShardSet.contexts), one token per step and no
     search, as far as they go (from scratch, d = 0, only in a set of one shard: module doc);
     the suffix array is searched only for the rest. A probe searches the lower bounds first,
     and the upper ones where a lower bound is an occurrence."""
     S = table.shape[0]
+    if end - start >= 2:
+        r = summed_row(known, ids, start, end)
+        if r >= 0:  # a summed context: its intervals were stored with its histogram
+            spans = known[4]
+            for s in range(S):
+                lo[s] = spans[r, s, 0]
+                hi[s] = spans[r, s, 1]
+            return True
     nodes, hists, mins = ctx
     walk = d > 0 or S == 1
     J = 0
@@ -126,7 +140,7 @@ def new_memo(S, size):
 
 
 @nb.njit(**_NB)
-def _probe(table, first_rank, pos, prefix, step_log2, ctx, ids, st, lo, hi, start, end, memo):
+def _probe(table, first_rank, pos, prefix, step_log2, ctx, known, ids, st, lo, hi, start, end, memo):
     """_search's probe of ids[start:end] from scratch, its answer remembered in memo (new_memo)
     and read back when the same string is probed again: text repeats itself, and so do the
     probes after failed extensions (63k tokens of time-shifted code: 23.6k failing probes are
@@ -156,7 +170,7 @@ def _probe(table, first_rank, pos, prefix, step_log2, ctx, ids, st, lo, hi, star
                 hi[:] = rows[r, 4 + S : 4 + 2 * S]
                 return rows[r, 3] != 0
         b = (b + 1) & mask
-    ok = _search(table, first_rank, pos, prefix, step_log2, ctx, ids, st, lo, hi, start, end, 0, True, True)
+    ok = _search(table, first_rank, pos, prefix, step_log2, ctx, known, ids, st, lo, hi, start, end, 0, True, True)
     if rows[0, 0] < rows.shape[0] - 1:  # the empty bucket the search ended at takes it
         r = rows[0, 0] + 1
         rows[0, 0] = r
@@ -177,11 +191,11 @@ def extend(table, first_rank, pos, prefix, step_log2, ctx, known, ids, i, t, st,
     same string probed again."""
     S = table.shape[0]
     if 0 <= ids[t] < first_rank.shape[1] - 1:
-        if _search(table, first_rank, pos, prefix, step_log2, ctx, ids, st, lo, hi, i, t + 1, t - i, False):
+        if _search(table, first_rank, pos, prefix, step_log2, ctx, known, ids, st, lo, hi, i, t + 1, t - i, False):
             return i
         most = longest_bound(known, ids, i, t)
         for j in range(max(i + 1, t + 1 - most), t + 1):  # no shard holds ids[i:t+1]: the longest shorter one, from scratch
-            if _probe(table, first_rank, pos, prefix, step_log2, ctx, ids, st, lo, hi, j, t + 1, memo):
+            if _probe(table, first_rank, pos, prefix, step_log2, ctx, known, ids, st, lo, hi, j, t + 1, memo):
                 return j
     for s in range(S):  # not even ids[t] occurs (or the index cannot hold it): start again after it
         lo[s] = 0
@@ -213,7 +227,7 @@ def longest_matches(table, first_rank, pos, prefix, step_log2, ctx, known, ids, 
 
 
 @nb.njit(**_NB)
-def narrow_starts(table, first_rank, pos, prefix, step_log2, ctx, ids, js, c, in_lo, in_hi, cp, out_lo, out_hi):
+def narrow_starts(table, first_rank, pos, prefix, step_log2, ctx, known, ids, js, c, in_lo, in_hi, cp, out_lo, out_hi):
     """For each start j of js, each shard's interval of ids[j : j + c] into row j + c - 1 of
     out_lo, out_hi (P, S): searched inside the intervals of ids[j : j + cp] (cp < c), row
     j + cp - 1 of in_lo, in_hi, or in the whole shard when cp is 0."""
@@ -225,7 +239,7 @@ def narrow_starts(table, first_rank, pos, prefix, step_log2, ctx, ids, js, c, in
         for s in range(S):
             lo[s] = in_lo[j + cp - 1, s] if cp > 0 else 0
             hi[s] = in_hi[j + cp - 1, s] if cp > 0 else table[s, N]
-        _search(table, first_rank, pos, prefix, step_log2, ctx, ids, st, lo, hi, j, j + c, cp, False)
+        _search(table, first_rank, pos, prefix, step_log2, ctx, known, ids, st, lo, hi, j, j + c, cp, False)
         for s in range(S):
             out_lo[j + c - 1, s] = lo[s]
             out_hi[j + c - 1, s] = hi[s]

@@ -1,5 +1,6 @@
 """The short frequent contexts' histograms summed over an index's shards (index/merged.py):
-exactly the contexts the threshold asks for, each with its brute-force histogram; bulk
+exactly the contexts the threshold asks for, each with its brute-force histogram and its
+interval in every shard as searched; bulk
 features equal with and without them; ignored by an index opened on some of its shards."""
 
 from collections import Counter, defaultdict
@@ -61,6 +62,12 @@ def test_every_short_frequent_context_with_its_histogram(merged_index):
     assert got == want
     assert max(len(q) for q in got) == D and len(got) > 100
     assert np.all(np.diff(np.asarray(mg.keys).astype(np.float64)) > 0)
+    ss = idx.shard_set
+    for i, k in enumerate(np.asarray(mg.keys).tolist()):  # each one's interval in every shard, as searched
+        lo, hi = ss.find(np.array(_decode(k, idx.vocab_size), np.int64))
+        empty = hi <= lo
+        lo[empty], hi[empty] = 0, 0
+        assert np.array_equal(mg.spans[i], np.stack([lo, hi], 1)), _decode(k, idx.vocab_size)
 
 
 def test_bulk_features_equal_with_and_without(merged_index):
