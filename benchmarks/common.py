@@ -128,17 +128,6 @@ def library_at(commit: str, tmp: Path) -> Path:
     return shim.parent
 
 
-def read_through(path: Path, block: int = 1 << 24) -> int:
-    """Read every file under path once, into the page cache, so that a benchmark's index is
-    warm whatever ran before it; returns the bytes read."""
-    total = 0
-    for f in sorted(p for p in Path(path).rglob("*") if p.is_file()):
-        with open(f, "rb", buffering=0) as fh:
-            while chunk := fh.read(block):
-                total += len(chunk)
-    return total
-
-
 def library_env(library: Path | None) -> dict:
     """This process's environment, with `library` (library_at's folder) first on PYTHONPATH when given."""
     env = dict(os.environ)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import SMOKE_HELP, read_through, save, smoke_context, smoke_index, smoke_jsonl, smoke_model, smoke_short_fits, table
+from benchmarks.common import SMOKE_HELP, save, smoke_context, smoke_index, smoke_jsonl, smoke_model, smoke_short_fits, table
 
 PROMPT_TOKENS = 64
 
@@ -92,11 +92,12 @@ def run(model, idx, gate, prompts: list[list[int]], new_tokens: int, scratch: bo
 def measure(checkpoint: Path, index: Path, gate_path: Path, prompts_files: list[Path], n_prompts: int, new_tokens: int) -> dict:
     import torch
     from teragram.index.engine import Index
+    from teragram.index.pagecache import warm
     from teragram.model.checkpoint import load_model
     from teragram.model.mixture.gate import Gate
 
     torch.set_num_threads(1)
-    read_through(Path(index).resolve())
+    warm(index)
     model, _ = load_model(checkpoint)
     gate = Gate.load(gate_path)
     prompts = prompts_of(Index(index), prompts_files, n_prompts + 1)

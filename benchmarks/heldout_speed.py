@@ -7,8 +7,9 @@ capped at 64 tokens: index.heldout.held_out_features).
         --heldout DATA/heldout/timeshift/test.jsonl.zst [--tokens 300000] [--threads 1 2] \\
         [--baseline COMMIT] [--index-side DATA/heldout]
 
-Each index is measured in a fresh process: its files are read through once (the page cache
-warm, as on a machine whose memory holds the index), the documents are read and tokenized, a
+Each index is measured in a fresh process, its files read into the page cache just before, in
+2 MiB pages where the kernel can (`teragram warm`, index/pagecache.py: warm, as on a machine whose
+memory holds the index, and the same whatever ran before), the documents are read and tokenized, a
 pass over other documents compiles the kernels, then the index is opened afresh and two passes
 over the documents are timed. The first pass pays for mapping every page it touches into the
 process (minor page faults, about a quarter of the time at 2.43B in 12 shards); the second,
@@ -34,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import REPO, SMOKE_HELP, library_at, library_env, read_through, save, smoke_context, smoke_index, smoke_jsonl, table
+from benchmarks.common import REPO, SMOKE_HELP, library_at, library_env, save, smoke_context, smoke_index, smoke_jsonl, table
 
 OPS = ("estimates", "features")
 WARM_TOKENS = 20_000  # of other documents, scored before each measured pass
@@ -61,15 +62,35 @@ def _run_op(idx, docs: list[np.ndarray], op: str, threads: int) -> str:
     return _digest(getattr(f, n) for n in FIELDS)
 
 
+def _opened(spec: dict):
+    """The index opened afresh; with spec["small_pages"], every array it maps advised
+    MADV_NOHUGEPAGE before a search touches it: the same cached pages mapped 4 kB at a time."""
+    import mmap
+
+    from teragram.index.engine import Index
+
+    idx = Index(spec["index"])
+    if spec.get("small_pages"):
+        arrays = [a for s in idx.shards for a in (s.tok, s.sa.words, s.samax)]
+        arrays += [a for s in idx.shards if s.contexts is not None for a in (s.contexts.nodes, s.contexts.hist)]
+        if idx.merged is not None:
+            arrays += [getattr(idx.merged, n) for n in ("keys", "ends", "hist", "spans")]
+        for a in arrays:
+            while a is not None and not isinstance(a, np.memmap):
+                a = a.base
+            if a is not None:
+                a._mmap.madvise(mmap.MADV_NOHUGEPAGE)
+    return idx
+
+
 def worker(spec: dict) -> dict:
     """Measure one index (run in a process of its own): {op: {threads: {warm_s, first_s, s,
-    digest}}}. The index's files are read through first; a pass over other documents compiles
+    digest}}}. A pass over other documents compiles
     the kernels; each op opens the index afresh and is timed twice over the documents (first_s,
     then s, the same opened index)."""
     from teragram.index.engine import Index
     from teragram.index.heldout import read_corpus
 
-    read_through(Path(spec["index"]).resolve())
     idx = Index(spec["index"])
     docs, out = [], {}
     for path in spec["heldout"]:
@@ -85,9 +106,9 @@ def worker(spec: dict) -> dict:
         out[op] = {}
         for th in spec["threads"]:
             t = time.perf_counter()
-            _run_op(Index(spec["index"]), rest, op, th)
+            _run_op(_opened(spec), rest, op, th)
             warm = time.perf_counter() - t
-            fresh = Index(spec["index"])
+            fresh = _opened(spec)
             t = time.perf_counter()
             digest = _run_op(fresh, docs, op, th)
             first = time.perf_counter() - t
@@ -108,7 +129,11 @@ def worker(spec: dict) -> dict:
 
 
 def measure(spec: dict, library: Path | None = None) -> dict:
-    """worker(spec) in a fresh process (with the library at `library` when given)."""
+    """worker(spec) in a fresh process (with the library at `library` when given), the index
+    warmed just before (the same way for every library)."""
+    from teragram.index.pagecache import warm
+
+    warm(spec["index"])
     cmd = [sys.executable, "-m", "benchmarks.heldout_speed", "--worker", json.dumps(spec)]
     r = subprocess.run(cmd, cwd=REPO, env=library_env(library), capture_output=True, text=True)
     sys.stdout.write(r.stdout.split("RESULT ")[0])
@@ -179,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", help="also measure the library at this commit (e.g. the one before the change)")
     ap.add_argument("--baseline-index", nargs="*", type=Path, help="indexes to measure with --baseline (default: all)")
     ap.add_argument("--index-side", type=Path, help="folder of held-out sets: time the gates' estimates of all of it")
+    ap.add_argument("--small-pages", action="store_true", help="also each index mapped 4 kB at a time (MADV_NOHUGEPAGE)")
     ap.add_argument("--name", default="heldout_speed")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
@@ -189,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     with smoke_context(a.smoke) as tmp:
         if a.smoke:
             a.index, a.heldout, a.tokens, a.threads = [smoke_index(tmp)], [smoke_jsonl(tmp, heldout=True)], 5000, [1]
-            a.baseline, a.index_side = "HEAD" if (REPO / ".git").exists() else None, None
+            a.baseline, a.index_side, a.small_pages = "HEAD" if (REPO / ".git").exists() else None, None, True
         if not a.index or not a.heldout:
             ap.error("--index and --heldout are required")
         rows = []
@@ -198,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
             lib = library_at(a.baseline, Path(t)) if a.baseline else None
             for ix in a.index:
                 rows.append(measure(base | {"index": str(ix)}) | {"code": "this commit"})
+                if a.small_pages:
+                    rows.append(measure(base | {"index": str(ix), "small_pages": True}) | {"code": "this commit, 4 kB pages"})
                 if lib is not None and (a.baseline_index is None or ix in a.baseline_index):
                     rows.append(measure(base | {"index": str(ix)}, lib) | {"code": f"baseline {a.baseline}"})
         side = None

@@ -10,7 +10,8 @@ p50/p99 latency per endpoint (and the server's own p99, from its /stats), and th
 client in a process of its own (plain http.client, a count every 50 ms: "/ (count), probe"),
 whose latency is the server's, not the load generator's (one process of 64 httpx clients adds
 its own waits to the tails); --baseline: the same load first against the server of the library
-at COMMIT (a `git archive` of it), in the same run; --cold: first the load with the index's files
+at COMMIT (a `git archive` of it), in the same run. The index is read into the page cache first,
+in 2 MiB pages where the kernel can (`teragram warm`, as before serving); --cold: first the load with the index's files
 dropped from the page cache just before the server starts, then warm. Then measures the index-lookup share of a decode step with the
 125M model shape against the ~50M-token linux-source index (if benchmarks/build.py made it).
 """
@@ -334,10 +335,12 @@ def main() -> int:
     run = Path(args.run)
     ensure_demo(run)
     from teragram.index.engine import Index
+    from teragram.index.pagecache import warm
 
     idx = Index(run / "idx")
     queries, texts = request_mix(idx)
     data: dict = {"clients": args.clients}
+    warm(run / "idx")  # as `teragram warm` before `teragram serve`
     if args.baseline:
         import tempfile
 
@@ -355,6 +358,7 @@ def main() -> int:
         stats, wall, _ = serve_and_load(run, queries, texts, args.seconds, args.clients)
         c_rows, c_total = endpoint_rows(stats, wall)
         data["cold"] = {"seconds": wall, "endpoints": {r["endpoint"]: r for r in c_rows}, "total": c_total, "evicted_files": len(files)}
+        warm(run / "idx")  # the cold run left it cached in 4 kB pages
     stats, wall, server_stats = serve_and_load(run, queries, texts, args.seconds, args.clients)
     rows, total = endpoint_rows(stats, wall)
     for r in rows:  # the server's own latency (from receiving the request to answering it), where /stats has it

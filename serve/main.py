@@ -1,7 +1,7 @@
 """`teragram VERB ...`: the one entry point, collecting every subsystem's verbs.
 
 Each subsystem registers its own verbs, parser and handler side by side: index/cli.py
-(verify, stats, tokenize, query), builder/cli.py (build, features), model/cli.py (train, eval,
+(verify, warm, stats, tokenize, query), builder/cli.py (build, features), model/cli.py (train, eval,
 evals, sample, dense) and serve/cli.py (serve). This module only composes them: it names their
 CLI modules in VERB_MODULES and imports each when the parser is built, so no module of serve/
 imports builder/ (dependencies flow builder -> index <- model <- serve; see
