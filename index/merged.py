@@ -1,32 +1,35 @@
 """The next-token histograms of an index's short, frequent contexts, summed over its shards.
 
-Each shard stores the histograms of its own frequent contexts (index/contexts.py). Over S
-shards a short, frequent context (`the`, `) {`, a newline) has S of them, each repeating the
-common continuations, and bulk scoring (index/bulk.py) read and summed all S at every chunk:
-at 2.43B tokens in 12 shards, 21M stored entries per 63k tokens of held-out code for its 13k
-contexts of one or two tokens, half of the histograms' time. Here the histogram of every
-context of at most max_len(vocab) tokens (4 with a 32k vocabulary: its tokens packed into one
-64-bit key) with at least contexts.min_count(N) occurrences in the whole index of N positions
-(2,320 at 2.43B) is summed over the shards once, at the end of the build, and read in one
-place. The contexts are found from the shortest: a context's histogram gives the counts of the
-contexts one token longer, whose intervals are narrowed from its own (fanout.narrow). Longest matches
-read it too: where it shows that a context is never followed by a token, no longer match ends
-there (longest_bound). Each context's interval in every shard, found on the way, is kept beside
-its histogram (spans), so the matching kernels read it instead of searching every shard for a
-summed context (summed_row; 52 MB at 2.43B in 12 shards). A lower threshold is faster for bulk scoring and costs memory: at one
-occurrence per 2^23 positions (290 at 2.43B; 1.6M contexts, 1.5 GB instead of 0.77) held-out
-estimates ran at 45.7k instead of 39.6k tokens/s/core in 12 shards, 75.3k instead of 65.9k in 3,
-but serving the 2.43B index on a 24 GB machine, whose page cache barely holds it, the extra 0.8
-GB took a count's p99 under 64 clients from 43-47 to 51-53 ms (bar 50 ms).
+Each shard stores the histograms of its own frequent contexts (index/contexts.py). Over S shards
+a short, frequent context (`the`, `) {`, a newline) has S of them, each repeating the common
+continuations, and bulk scoring (index/bulk.py) read and summed all S at every chunk: at 2.43B
+tokens in 12 shards, 21M stored entries per 63k tokens of held-out code for its 13k contexts of
+one or two tokens, half of the histograms' time. Here the histogram of every context of at most
+max_len(vocab) tokens (4 with a 32k vocabulary: its tokens packed into one 64-bit key) with at
+least contexts.min_count(N) occurrences in the whole index of N positions (2,320 at 2.43B) is
+summed over the shards once, at the end of the build, and read in one place. The contexts are
+found from the shortest: a context's histogram gives the counts of the contexts one token
+longer, whose intervals are narrowed from its own (fanout.narrow). Longest matches read it too:
+where it shows that a context is never followed by a token, no longer match ends there
+(longest_bound). Each context's interval in every shard, found on the way, is kept beside its
+histogram (spans), so the matching kernels read it instead of searching every shard for a summed
+context (summed_row; 52 MB at 2.43B in 12 shards; kept down to 290 occurrences, 169 MB, they
+sped bulk scoring up by ~3% more: not kept). A lower threshold is faster for bulk scoring
+and costs memory: at one occurrence per 2^23 positions (290 at 2.43B; 1.6M contexts, 1.5 GB
+instead of 0.77) held-out estimates ran at 45.7k instead of 39.6k tokens/s/core in 12 shards,
+75.3k instead of 65.9k in 3, but serving the 2.43B index on a 24 GB machine, whose page cache
+barely holds it, the extra 0.8 GB took a count's p99 under 64 clients from 43-47 to 51-53 ms
+(bar 50 ms).
 
 Files (at the index's root): contexts.keys.bin, uint64 keys in ascending order (a context's
 tokens packed first-highest, below a 1 bit that marks its length, so shorter contexts sort
 first); contexts.ends.bin, int64, where each key's run ends in contexts.hist.bin, which holds
 int64 rows (token, count), tokens ascending, a document's end counted as EOS as bulk scoring
 counts it; contexts.spans.bin, int64 (key, shard, lo/hi): each key's interval in every shard,
-(0, 0) where the shard lacks it. The manifest records them ("contexts") with what they were built for: the number
-of shards and positions, the threshold and the longest context. An index of one shard has
-its shard's table and none of these; an index opened on some of its shards does not use them.
+(0, 0) where the shard lacks it. The manifest records them ("contexts") with what they were
+built for: the number of shards and positions, the threshold and the longest context. An index
+of one shard has its shard's table and none of these; an index opened on some of its shards does
+not use them.
 """
 
 from __future__ import annotations
