@@ -125,7 +125,19 @@ def worker(spec: dict) -> dict:
                 flush=True,
             )
     m = idx.manifest["counts"]
-    return {"index": Path(spec["index"]).name, "index_tokens": m["tokens"], "shards": len(idx.shards), "tokens": tokens, "ops": out}
+    return {"index": Path(spec["index"]).name, "index_tokens": m["tokens"], "shards": len(idx.shards), "tokens": tokens, "ops": out} | {
+        "mapped": _mapped()
+    }
+
+
+def _mapped() -> dict:
+    """This process's resident memory and the part of it mapped 2 MiB at a time (GiB; Linux)."""
+    try:
+        rows = dict(line.split(":", 1) for line in Path("/proc/self/smaps_rollup").read_text().splitlines() if ":" in line)
+    except OSError:
+        return {}
+    gib = lambda k: round(int(rows[k].split()[0]) / 2**20, 2) if k in rows else None  # noqa: E731
+    return {"rss_gib": gib("Rss"), "pmd_mapped_gib": gib("FilePmdMapped")}
 
 
 def measure(spec: dict, library: Path | None = None) -> dict:
@@ -133,13 +145,13 @@ def measure(spec: dict, library: Path | None = None) -> dict:
     warmed just before (the same way for every library)."""
     from teragram.index.pagecache import warm
 
-    warm(spec["index"])
+    warmed = warm(spec["index"])
     cmd = [sys.executable, "-m", "benchmarks.heldout_speed", "--worker", json.dumps(spec)]
     r = subprocess.run(cmd, cwd=REPO, env=library_env(library), capture_output=True, text=True)
     sys.stdout.write(r.stdout.split("RESULT ")[0])
     if r.returncode:
         raise SystemExit(f"{cmd[:4]} failed:\n{r.stderr[-3000:]}")
-    return json.loads(r.stdout.split("RESULT ", 1)[1])
+    return json.loads(r.stdout.split("RESULT ", 1)[1]) | {"warmed": warmed}
 
 
 def _plot(rows: list[dict]):
@@ -183,6 +195,9 @@ def _report(rows: list[dict], side: dict | None) -> str:
                         "first pass, tokens/s/core": f"{m['first_tokens_per_s_core']:,.0f}" if "first_s" in m else "",
                         "tokens/s/core": f"{m['tokens_per_s_core']:,.0f}",
                         "digest": m["digest"],
+                        "resident GiB (2 MiB-mapped)": f"{r['mapped']['rss_gib']} ({r['mapped']['pmd_mapped_gib']})"
+                        if r.get("mapped")
+                        else "",
                     }
                 )
     md = table(out, list(out[0]))
