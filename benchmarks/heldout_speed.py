@@ -5,21 +5,23 @@ capped at 64 tokens: index.heldout.held_out_features).
 
     python -m benchmarks.heldout_speed --index DATA/idx-050m DATA/idx-2b DATA/idx-2b-3sh \\
         --heldout DATA/heldout/timeshift/test.jsonl.zst [--tokens 300000] [--threads 1 2] \\
-        [--baseline COMMIT] [--index-side DATA/heldout]
+        [--baseline COMMIT] [--small-pages] [--index-side DATA/heldout]
 
 Each index is measured in a fresh process, its files read into the page cache just before, in
 2 MiB pages where the kernel can (`teragram warm`, index/pagecache.py: warm, as on a machine whose
-memory holds the index, and the same whatever ran before), the documents are read and tokenized, a
-pass over other documents compiles the kernels, then the index is opened afresh and two passes
+memory holds the index, and the same whatever ran before), the documents are read and tokenized,
+a pass over other documents compiles the kernels, then the index is opened afresh and two passes
 over the documents are timed. The first pass pays for mapping every page it touches into the
 process (minor page faults, about a quarter of the time at 2.43B in 12 shards); the second,
 through the same opened index, is the rate a long run sustains (the index keeps no results
 between passes; both give the same digest), and the one reported as tokens/s/core. An output
 digest per index and operation shows that indexes of the same tokens in other shardings, and the
 code of --baseline (a commit, run from a `git archive` of its library), give the same answers on
-every position. --index-side: the index side of an index-size evaluation, estimates of every
-held-out file under that folder (both halves of each set) on 2 threads, timed on the largest
-index. Writes benchmarks/results/heldout_speed.{json,md,png}.
+every position; each row also gives the measuring process's resident memory and the part of it
+mapped 2 MiB at a time (/proc/self/smaps_rollup). --small-pages: each index also mapped 4 kB at
+a time (MADV_NOHUGEPAGE). --index-side: the index side of an index-size evaluation, estimates of
+every held-out file under that folder (both halves of each set) on 2 threads, timed on the
+largest index. Writes benchmarks/results/heldout_speed.{json,md,png}.
 """
 
 from __future__ import annotations
