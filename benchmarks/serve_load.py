@@ -4,16 +4,17 @@
 
 Serves the demo index and tiny index model (runs/default, made by `make demo`; built here if
 missing; --run: another folder with idx/ and index-model/, e.g. links to a large index and a
-model of its tokenizer) on CPU, then keeps 64 clients busy with a mix of infini-gram-style index queries
-(70%), short completions (20%) and scoring requests (10%). Reports requests/s, failures and
-p50/p99 latency per endpoint (and the server's own p99, from its /stats), and those of a 65th
-client in a process of its own (plain http.client, a count every 50 ms: "/ (count), probe"),
-whose latency is the server's, not the load generator's (one process of 64 httpx clients adds
-its own waits to the tails); --baseline: the same load first against the server of the library
-at COMMIT (a `git archive` of it), in the same run. The index is read into the page cache first,
-in 2 MiB pages where the kernel can (`teragram warm`, as before serving); --cold: first the load with the index's files
-dropped from the page cache just before the server starts, then warm. Then measures the index-lookup share of a decode step with the
-125M model shape against the ~50M-token linux-source index (if benchmarks/build.py made it).
+model of its tokenizer) on CPU, then keeps 64 clients busy with a mix of infini-gram-style index
+queries (70%), short completions (20%) and scoring requests (10%). Reports requests/s, failures
+and p50/p99 latency per endpoint (and the server's own p99, from its /stats), and those of a
+65th client in a process of its own (plain http.client, a count every 50 ms: "/ (count),
+probe"), whose latency is the server's, not the load generator's (one process of 64 httpx
+clients adds its own waits to the tails); --baseline: the same load first against the server of
+the library at COMMIT (a `git archive` of it), in the same run. The index is read into the page
+cache first, in 2 MiB pages where the kernel can (`teragram warm`, as before serving); --cold:
+first the load with the index's files dropped from the page cache just before the server starts,
+then warm. Then measures the index-lookup share of a decode step with the 125M model shape
+against the ~50M-token linux-source index (if benchmarks/build.py made it).
 """
 
 from __future__ import annotations
