@@ -70,18 +70,15 @@ def _opened(spec: dict):
     import mmap
 
     from teragram.index.engine import Index
+    from teragram.index.shard import advise
 
     idx = Index(spec["index"])
     if spec.get("small_pages"):
-        arrays = [a for s in idx.shards for a in (s.tok, s.sa.words, s.samax)]
+        arrays = [a for s in idx.shards for a in s.searched]
         arrays += [a for s in idx.shards if s.contexts is not None for a in (s.contexts.nodes, s.contexts.hist)]
         if idx.merged is not None:
             arrays += [getattr(idx.merged, n) for n in ("keys", "ends", "hist", "spans")]
-        for a in arrays:
-            while a is not None and not isinstance(a, np.memmap):
-                a = a.base
-            if a is not None:
-                a._mmap.madvise(mmap.MADV_NOHUGEPAGE)
+        advise(arrays, mmap.MADV_NOHUGEPAGE)
     return idx
 
 

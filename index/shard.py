@@ -115,8 +115,10 @@ class Shard:
 
 
 def advise(arrays, advice: int) -> None:
-    """madvise the memory maps under numpy memmaps (arrays not memory-mapped are left alone)."""
+    """madvise the memory maps under numpy memmaps, or under views of them (arrays not
+    memory-mapped are left alone)."""
     for a in arrays:
-        m = getattr(a, "_mmap", None)
-        if m is not None:
-            m.madvise(advice)
+        while a is not None and getattr(a, "_mmap", None) is None:
+            a = getattr(a, "base", None)
+        if a is not None:
+            a._mmap.madvise(advice)
