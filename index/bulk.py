@@ -58,6 +58,7 @@ def _histograms(
     sep,
     eos,
     us,
+    u_rows,
     lo,
     hi,
     d,
@@ -73,8 +74,8 @@ def _histograms(
     scratch,
     touched,
 ):
-    """For each context u of us (rows of lo/hi: its interval per shard, empty where the shard
-    lacks it; d[u] its length): its next-token histogram over the shards (rows run[u] of the
+    """For each context u of us (row u_rows[u] of lo/hi: its interval per shard, empty where the
+    shard lacks it; d[u] its length): its next-token histogram over the shards (rows run[u] of the
     index's merged histograms, where they hold it: index/merged.py), then each of its positions
     pos[grp[u]:grp[u+1]] reads its target's count, the top-k continuations (count desc, id
     asc; k = o_top.shape[1]) and the token after the most recent occurrence (latest shard,
@@ -93,16 +94,17 @@ def _histograms(
             scratch[c] = merged[e, 1]
             touched[nt] = c
             nt += 1
+        row = u_rows[u]
         for s in range(len(toks)):
-            a = lo[u, s]
-            b = hi[u, s]
+            a = lo[row, s]
+            b = hi[row, s]
             if b <= a:
                 continue
             if run[u, 0] < 0:
                 nt = count_shard(toks[s], words[s], widths[s], nodes[s], hists[s], mins[s], sep, eos, a, b, d[u], scratch, touched, nt)
             last = s
         if last >= 0:  # the most recent occurrence is in the latest shard holding the context
-            p = K.range_max(words[last], widths[last], samaxs[last], offs[last, 0], offs[last, 1], lo[u, last], hi[u, last])
+            p = K.range_max(words[last], widths[last], samaxs[last], offs[last, 0], offs[last, 1], lo[row, last], hi[row, last])
             cont = np.int64(toks[last][p + d[u]])
             if cont == sep:
                 cont = eos
@@ -129,6 +131,41 @@ def _histograms(
                 o_topc[p, m] = bestc[m]
         for i in range(nt):
             scratch[touched[i]] = 0
+
+
+@nb.njit(cache=True, nogil=True)
+def _held(length, lo, hi, count, first, first_lo):
+    """For each row r of lo, hi (R, S; each shard's interval of a match of length[r]), in place:
+    the intervals of the shards that lack it, and every interval of a row whose match is empty,
+    set to (0, 0); count[r] the match's occurrences in all shards, first[r] the first shard that
+    holds it (0 if none) and first_lo[r] its interval's start there."""
+    R, S = lo.shape
+    for r in range(R):
+        n = 0
+        f = -1
+        for s in range(S):
+            if length[r] > 0 and hi[r, s] > lo[r, s]:
+                n += hi[r, s] - lo[r, s]
+                if f < 0:
+                    f = s
+            else:
+                lo[r, s] = 0
+                hi[r, s] = 0
+        count[r] = n
+        first[r] = max(f, 0)
+        first_lo[r] = lo[r, max(f, 0)]
+
+
+@nb.njit(cache=True, nogil=True)
+def _copy_rows(src_lo, src_hi, src_rows, dst_lo, dst_hi, dst_rows):
+    """dst_lo[dst_rows[i]] = src_lo[src_rows[i]], the same for hi, for each i in order (rows of
+    (P, S) arrays)."""
+    for i in range(src_rows.shape[0]):
+        a = src_rows[i]
+        b = dst_rows[i]
+        for s in range(src_lo.shape[1]):
+            dst_lo[b, s] = src_lo[a, s]
+            dst_hi[b, s] = src_hi[a, s]
 
 
 def continuations(idx, ids: np.ndarray, starts: np.ndarray, caps, *, top_k: int = 1, threads: int = 1) -> dict[int, Features]:
@@ -204,14 +241,14 @@ def match_intervals(idx, ids: np.ndarray, starts: np.ndarray, caps: list[int], t
     cp = 0
     for ci, c in enumerate(c for c in caps if c > 0):  # increasing: each narrowed from the last
         short = m_len <= c  # the match itself
-        lo[ci][short], hi[ci][short] = m_lo[short], m_hi[short]
+        held = np.nonzero(short)[0]
+        _copy_rows(m_lo, m_hi, held, lo[ci], hi[ci], held)
         t = np.nonzero(~short)[0]
         reps, which = distinct_starts(ids, t - c + 1, c)  # each distinct string searched once, in order
         prev = (lo[ci - 1], hi[ci - 1]) if ci else (lo[ci], hi[ci])
         jobs = np.array_split(reps, threads * 4 if threads > 1 else 1)
         _map(lambda js, c=c, cp=cp, prev=prev, out=(lo[ci], hi[ci]): narrow_starts(*args, js, c, *prev, cp, *out), jobs, threads)
-        rows = reps[which] + c - 1
-        lo[ci, t], hi[ci, t] = lo[ci, rows], hi[ci, rows]
+        _copy_rows(lo[ci], hi[ci], reps[which] + c - 1, lo[ci], hi[ci], t)  # a string's rows from its search's
         cp = c
     lengths = np.stack([np.minimum(m_len, c) if c > 0 else m_len for c in caps])
     return lengths, lo, hi
@@ -224,24 +261,22 @@ def _chunk(idx, ids: np.ndarray, starts: np.ndarray, caps: list[int], k: int, th
     target[starts[1:] - 1] = idx.eos_id  # a document's last position is followed by its end
     Lm, lo, hi = match_intervals(idx, ids, starts, caps, threads)
     Lm = Lm.reshape(-1)
-    held = (hi > lo).reshape(C * P, S) & (Lm > 0)[:, None]
-    lo = np.where(held, lo.reshape(C * P, S), 0)  # rows: (cap, position)
-    hi = np.where(held, hi.reshape(C * P, S), 0)
-    first = held.argmax(1)
+    lo, hi = lo.reshape(C * P, S), hi.reshape(C * P, S)  # rows: (cap, position)
+    f = _features(C * P, k)
+    first = np.empty(C * P, np.int64)
+    first_lo = np.empty(C * P, np.int64)
+    _held(Lm, lo, hi, f.count, first, first_lo)
     rows = np.nonzero(Lm > 0)[0]
-    fl = lo[rows, first[rows]]
-    order = np.lexsort((fl, first[rows], Lm[rows]))  # a context: its length and interval in the first shard holding it
-    key = np.stack([Lm[rows], first[rows], fl])[:, order]
+    order = np.lexsort((first_lo[rows], first[rows], Lm[rows]))  # a context: its length and interval in the first shard holding it
+    key = np.stack([Lm[rows], first[rows], first_lo[rows]])[:, order]
     new = np.ones(len(rows), bool)
     new[1:] = (key[:, 1:] != key[:, :-1]).any(0)
     grp = np.append(np.nonzero(new)[0], len(rows))
     pos = rows[order]
     u_rows = pos[grp[:-1]]
-    u_lo, u_hi, u_d = lo[u_rows], hi[u_rows], Lm[u_rows]
+    u_d = Lm[u_rows]
     tgt = np.tile(target, C)
-    f = _features(C * P, k)
     f.length[:] = Lm
-    f.count[:] = (hi - lo).sum(1)
     tcnt, top, topc, cont = f.target_cnt, np.full((C * P, k), -1, np.int64), np.zeros((C * P, k), np.int64), np.full(C * P, -1, np.int64)
     toks = nb.typed.List([np.asarray(s.tok) for s in idx.shards])
     words = nb.typed.List([np.asarray(s.sa.words) for s in idx.shards])
@@ -259,7 +294,7 @@ def _chunk(idx, ids: np.ndarray, starts: np.ndarray, caps: list[int], k: int, th
     def run(ua: int, ub: int) -> None:
         scratch = np.zeros(V, np.int64)
         touched = np.zeros(V, np.int64)
-        args = (np.arange(ua, ub), u_lo, u_hi, u_d, u_run, m_hist, grp, pos, tgt, tcnt, top, topc, cont, scratch, touched)
+        args = (np.arange(ua, ub), u_rows, lo, hi, u_d, u_run, m_hist, grp, pos, tgt, tcnt, top, topc, cont, scratch, touched)
         _histograms(toks, words, widths, samaxs, offs, nodes, hists, mins, idx.sep, idx.eos_id, *args)
 
     bounds = np.linspace(0, U, max(1, min(threads, U)) * 8 + 1).astype(int)
