@@ -413,7 +413,8 @@ def smoke() -> int:
         held = heldout_features(work / "idx", work / "heldout", carry, 1)
         save_outputs_a(work, out, held, 4, "cpu", run=smoke_model(tmp))
         idx = str(work / "idx")
-        return main(["eval", "--outputs", str(out), "--index", idx, "--workers", "1", "--max-targets", "400", "--product-check", idx])
+        check = ["--product-check", idx, "--product-check-sets", "timeshift"]  # one set: the same two commands for each
+        return main(["eval", "--outputs", str(out), "--index", idx, "--workers", "1", "--max-targets", "400", *check])
 
 
 def main(argv: list[str] | None = None) -> int:
