@@ -48,8 +48,12 @@ def meminfo() -> dict[str, int]:
 
 
 def index_files(path: str | Path) -> list[Path]:
-    """The index's array files (every .bin under it), in order."""
-    return sorted(p for p in Path(path).resolve().rglob("*.bin") if p.is_file())
+    """The index's array files (every .bin under it, through linked folders: a composed index
+    links its shards'), each once, in order."""
+    found = set()
+    for d, _, names in os.walk(Path(path).resolve(), followlinks=True):
+        found.update(Path(d, n).resolve() for n in names if n.endswith(".bin"))
+    return sorted(p for p in found if p.is_file())
 
 
 def _load(f: Path) -> None:

@@ -29,6 +29,18 @@ def test_warm_reads_every_array_file(real_index, capsys):
     assert f"{real_index}: " in capsys.readouterr().out
 
 
+def test_linked_shards_are_warmed(real_index, tmp_path):
+    """An index whose shards are links to other indexes' (benchmarks' composed indexes) has
+    their files warmed too, each once."""
+    comp = tmp_path / "composed"
+    (comp / "shards").mkdir(parents=True)
+    shards = sorted((real_index / "shards").iterdir())
+    for i, d in enumerate(shards + shards[:1]):  # one shard linked twice
+        (comp / "shards" / f"{i:06d}").symlink_to(d.resolve())
+    want = {f for f in pagecache.index_files(real_index) if (real_index / "shards").resolve() in f.parents}
+    assert want and pagecache.index_files(comp) == sorted(want)
+
+
 def test_an_index_larger_than_memory_is_refused(real_index, monkeypatch, capsys):
     monkeypatch.setattr(pagecache, "meminfo", lambda: {"MemTotal": 1 << 20})
     with pytest.raises(TeragramError, match="do not fit"):
