@@ -16,13 +16,19 @@ tokens in 12 shards, per 63k tokens of time-shifted code: 0.67 s of longest matc
 with the memo, 0.45 s with the bound too. Every step searches the shards in lockstep
 (fanout.search_bounds: their cache misses overlap, and the in-memory samples and first-token
 blocks start each search).
-A shard takes the pattern's first token's block from its unigram counts. A search that narrows
-a known context (an extension, a longer cap) first walks down the shard's stored frequent
-contexts (index/contexts.py) as far as they hold the pattern, one token per step and no
-search. A search from scratch walks them only in an index of one shard: a walk's node lookups
-are not in lockstep, so over many shards they cost more than the searches they save (held-out
-code at 2.43B tokens in 12 shards: 0.52 s for the longest matches of 63k tokens without the
-walk, 0.80 s with it; 47M tokens in one shard: 0.064 s with it, 0.084 s without).
+A shard takes the pattern's first token's block from its unigram counts. In an index of one
+shard a search first walks down the shard's stored frequent contexts (index/contexts.py) as far
+as they hold the pattern, one token per step and no search (47M tokens: longest matches of 63k
+tokens 0.064 s with the walk, 0.084 s without). Over many shards a walk's node lookups, not in
+lockstep, cost more than the searches they save, except from one known token, where the first
+token's block is large and its search the longest: there a 2-token cap (narrowed from its
+first token's block) walks (held-out code at 2.43B tokens in 12 shards, per 63k tokens: longest
+matches 0.80 s with the walk from scratch, 0.52 s without; 0.44 s with it for extensions, 0.39
+s without; 2-token caps 0.04 s with it, 0.08 s without).
+
+A shard whose 3-token filter (index/trigrams.py) lacks a pattern's last 3 tokens is not
+searched: over many shards most searches are made in shards that lack the string, and cost as
+much as those that find it.
 
 A string of 2-4 tokens frequent in the whole index (a summed context: index/merged.py) has its
 interval in every shard stored with its summed histogram, and is read there instead of searched
@@ -47,6 +53,7 @@ import numpy as np
 from .contexts import child
 from .fanout import HI, N_STATE, RLCP, SHARD, L, N, search_bounds, set_search
 from .merged import longest_bound, summed_row
+from .trigrams import word_of
 
 _NB = dict(cache=True, nogil=True)
 MEMO = 1 << 16  # probes remembered per pass at most (each S intervals)
@@ -57,11 +64,12 @@ def _search(table, first_rank, pos, prefix, step_log2, ctx, known, ids, st, lo, 
     """Each shard's interval of ids[start:end] into lo, hi, searched inside [lo[s], hi[s])
     (whose suffixes share its first d tokens) in the shards where that is not empty, or from
     the whole shard in all of them (every). True if any shard holds it. A summed context of the
-    index (known: merged.tables) has its intervals read, not searched. Else a shard first walks
-    down its stored frequent contexts (ctx: ShardSet.contexts), one token per step and no
-    search, as far as they go (from scratch, d = 0, only in a set of one shard: module doc);
-    the suffix array is searched only for the rest. A probe searches the lower bounds first,
-    and the upper ones where a lower bound is an occurrence."""
+    index (known: merged.tables) has its intervals read, not searched, and a shard whose
+    3-token filter (known[5]) lacks the string's last 3 tokens is not searched. Else a shard
+    first walks down its stored frequent contexts (ctx: ShardSet.contexts), one token per step
+    and no search, as far as they go (in a set of several shards only from one known token,
+    d = 1: module doc); the suffix array is searched only for the rest. A probe searches the
+    lower bounds first, and the upper ones where a lower bound is an occurrence."""
     S = table.shape[0]
     if end - start >= 2:
         r = summed_row(known, ids, start, end)
@@ -72,7 +80,11 @@ def _search(table, first_rank, pos, prefix, step_log2, ctx, known, ids, st, lo, 
                 hi[s] = spans[r, s, 1]
             return True
     nodes, hists, mins = ctx
-    walk = d > 0 or S == 1
+    walk = d == 1 or S == 1
+    grams = known[5]
+    w, bits = np.int64(-1), np.uint64(0)
+    if grams.shape[1] > 0 and end - start >= 3:
+        w, bits = word_of(grams, ids, end)
     J = 0
     found = False
     for s in range(S):
@@ -81,7 +93,7 @@ def _search(table, first_rank, pos, prefix, step_log2, ctx, known, ids, st, lo, 
             a, b, k = 0, table[s, N], 0
         lo[s] = 0
         hi[s] = 0
-        if a >= b:
+        if a >= b or (w >= 0 and (grams[s, w] & bits) != bits):  # empty, or the shard lacks the last 3 tokens
             continue
         if k == 0 and end > start:  # the first token's block
             t0 = ids[start]
