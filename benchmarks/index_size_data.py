@@ -221,7 +221,7 @@ def compose(out: Path, parts: list[Path]) -> dict:
     """An index whose shards are the shards of `parts` (same tokenizer), linked, not copied: the
     exact answers of one index over all their documents, as a multi-shard build gives."""
     from teragram.index import format as fmt
-    from teragram.index import merged
+    from teragram.index import merged, trigrams
     from teragram.index import meta as meta_store
     from teragram.index.engine import Index
 
@@ -253,8 +253,9 @@ def compose(out: Path, parts: list[Path]) -> dict:
         "build": {"composed_of": [str(p.resolve()) for p in parts], "parts": [m["build"] for m in manifests]},
         "skipped": {"counts": skipped, "examples": {}},
     }
-    if len(shards) > 1:  # the shards' summed histograms, as build-index gives an index of several
+    if len(shards) > 1:  # the shards' summed histograms and filters, as build-index gives an index of several
         manifest["contexts"] = merged.write(out, Index(out, access="normal", manifest=manifest))
+        manifest["trigrams"] = trigrams.write(out, Index(out, access="normal", manifest=manifest))
     meta_store.write(out, markers, manifest)
     fmt.write_json(out / "manifest.json", manifest)
     return manifest

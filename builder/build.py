@@ -30,7 +30,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
-from teragram.index import contexts, merged, readers
+from teragram.index import contexts, merged, readers, trigrams
 from teragram.index import format as fmt
 from teragram.index import meta as meta_store
 from teragram.index import tokenizer as tok_mod
@@ -221,6 +221,7 @@ def _finalize(cfg: BuildConfig, out: Path, sp, dtype: np.dtype, markers: list[di
     }
     if len(shards) > 1:
         manifest["contexts"] = _merged_contexts(out, manifest)
+        manifest["trigrams"] = _trigrams(out, manifest)
     bar = tqdm(total=first_doc, unit="doc", desc="metadata", disable=not cfg.progress)
     meta_store.write(out, markers, manifest, progress=bar.update)
     bar.close()
@@ -238,6 +239,18 @@ def _merged_contexts(out: Path, manifest: dict) -> dict:
     positions = sum(s["n_positions"] for s in manifest["shards"])
     rec = merged.current(out, last, len(manifest["shards"]), positions, manifest["tokenizer"]["vocab_size"], contexts.min_count(positions))
     return rec or merged.write(out, Index(out, access="normal", manifest=manifest))
+
+
+def _trigrams(out: Path, manifest: dict) -> dict:
+    """The shards' 3-token filters (index/trigrams.py): kept from the last run if built for
+    these shards, else (re)built."""
+    try:
+        last = fmt.read_manifest(out)
+    except IndexFormatError:
+        last = None
+    positions = sum(s["n_positions"] for s in manifest["shards"])
+    rec = trigrams.current(out, last, len(manifest["shards"]), positions)
+    return rec or trigrams.write(out, Index(out, access="normal", manifest=manifest))
 
 
 def build_from_ids(

@@ -228,7 +228,7 @@ def match_intervals(idx, ids: np.ndarray, starts: np.ndarray, caps: list[int], t
     and each shard's interval of the match, (C, P) and (C, P, S) twice (index/matching.py)."""
     P, S, C = len(ids), len(idx.shards), len(caps)
     ss = idx.shard_set
-    known = tables(idx.merged)
+    known = tables(idx.merged, idx.trigrams)
     args = (ss.table, ss.first_rank, ss.pos, ss.prefix, ss.step_log2, ss.contexts, known, ids)
     m_len = np.zeros(P, np.int64)
     lo = np.zeros((C, P, S), np.int64)

@@ -221,6 +221,16 @@ class Index:
         return merged.load(self.path, self.manifest, len(self.shards), self.n_positions, self.vocab_size)
 
     @cached_property
+    def trigrams(self) -> np.ndarray | None:
+        """(S, W) uint64: each shard's filter of the 3-token strings it holds (index/trigrams.py),
+        or None (an index of one shard, one built before them, or opened on some shards)."""
+        if not self._whole or len(self.shards) < 2:
+            return None
+        from . import trigrams
+
+        return trigrams.load(self.path, self.manifest, len(self.shards), self.n_positions)
+
+    @cached_property
     def _groups(self) -> list[tuple[slice, ShardSet]]:
         """The shards as the sets searched together (fanout.py): all in one, or consecutive
         runs of shards, one per thread; each with its place among the shards."""

@@ -26,8 +26,7 @@ tokens packed first-highest, below a 1 bit that marks its length, so shorter con
 first); contexts.ends.bin, int64, where each key's run ends in contexts.hist.bin, which holds
 int64 rows (token, count), tokens ascending, a document's end counted as EOS as bulk scoring
 counts it; contexts.spans.bin, int64 (key, shard, lo/hi): each key's interval in every shard,
-(0, 0) where the shard lacks it; trigrams.bin, uint64 (shard, word): each shard's filter of
-its 3-token strings (index/trigrams.py), built with them. The manifest records them ("contexts") with what they were
+(0, 0) where the shard lacks it. The manifest records them ("contexts") with what they were
 built for: the number of shards and positions, the threshold and the longest context. An index
 of one shard has its shard's table and none of these; an index opened on some of its shards does
 not use them.
@@ -41,13 +40,12 @@ from pathlib import Path
 import numba as nb
 import numpy as np
 
-from . import contexts, trigrams
+from . import contexts
 from . import format as fmt
 from .fanout import narrow
 
 KEYS_FILE, ENDS_FILE, HIST_FILE, SPANS_FILE = "contexts.keys.bin", "contexts.ends.bin", "contexts.hist.bin", "contexts.spans.bin"
-TRIGRAMS_FILE = "trigrams.bin"
-FILES = (KEYS_FILE, ENDS_FILE, HIST_FILE, SPANS_FILE, TRIGRAMS_FILE)
+FILES = (KEYS_FILE, ENDS_FILE, HIST_FILE, SPANS_FILE)
 BATCH_ROWS = 1 << 24  # histogram rows computed per kernel call at most
 
 
@@ -72,14 +70,14 @@ def keys_of(ids: np.ndarray, ends: np.ndarray, d: np.ndarray, vocab: int) -> np.
     return key
 
 
-def tables(m: Merged | None) -> tuple:
+def tables(m: Merged | None, grams: np.ndarray | None = None) -> tuple:
     """The summed histograms as the matching kernels take them (longest_bound, summed_row):
     keys, ends, rows, bits per token and each context's interval in every shard, then the
-    shards' 3-token filters (index/trigrams.py); empty for an index without them."""
+    shards' 3-token filters (grams: index/trigrams.py); empty for an index without them."""
+    grams = np.zeros((0, 0), np.uint64) if grams is None else grams
     if m is None:
-        empty = (np.zeros(0, np.uint64), np.zeros(0, np.int64), np.zeros((0, 2), np.int64), 1, np.zeros((0, 1, 2), np.int64))
-        return (*empty, np.zeros((0, 0), np.uint64))
-    return m.keys, m.ends, m.hist, key_bits(m.vocab), m.spans, m.trigrams
+        return np.zeros(0, np.uint64), np.zeros(0, np.int64), np.zeros((0, 2), np.int64), 1, np.zeros((0, 1, 2), np.int64), grams
+    return m.keys, m.ends, m.hist, key_bits(m.vocab), m.spans, grams
 
 
 @nb.njit(cache=True, nogil=True)
@@ -232,7 +230,6 @@ def write(root, idx) -> dict:
     fmt.write_array(root / ENDS_FILE, "contexts.ends", ends)
     fmt.write_array(root / HIST_FILE, "contexts.merged", hist.reshape(-1))
     fmt.write_array(root / SPANS_FILE, "contexts.spans", spans.reshape(-1))
-    fmt.write_array(root / TRIGRAMS_FILE, "trigrams", trigrams.build(idx.shards).reshape(-1))
     return {
         "shards": len(idx.shards),
         "positions": idx.n_positions,
@@ -253,7 +250,7 @@ def current(root, manifest: dict | None, n_shards: int, n_positions: int, vocab:
     want = {"shards": n_shards, "positions": n_positions, "max_len": max_len(vocab)} | ({} if least is None else {"min_count": least})
     if any(rec.get(k) != v for k, v in want.items()):
         return None
-    if sorted(Path(f["path"]).name for f in rec["files"]) != sorted(FILES):  # built before the spans or the filters
+    if sorted(Path(f["path"]).name for f in rec["files"]) != sorted(FILES):  # built before the spans
         return None
     if not all((Path(root) / f["path"]).exists() and (Path(root) / f["path"]).stat().st_size == f["size"] for f in rec["files"]):
         return None
@@ -268,7 +265,6 @@ class Merged:
     ends: np.ndarray  # (M,) int64
     hist: np.ndarray  # (E, 2) int64: token, count
     spans: np.ndarray  # (M, S, 2) int64: each context's interval in every shard, (0, 0) where it lacks it
-    trigrams: np.ndarray  # (S, W) uint64: each shard's filter of the 3-token strings it holds (index/trigrams.py)
     vocab: int
 
     def runs(self, ids: np.ndarray, at: np.ndarray, d: np.ndarray) -> np.ndarray:
@@ -294,5 +290,4 @@ def load(root, manifest: dict, n_shards: int, n_positions: int, vocab: int) -> M
     ends = np.asarray(fmt.open_array(root / ENDS_FILE, "contexts.ends"))
     hist = np.asarray(fmt.open_array(root / HIST_FILE, "contexts.merged")).reshape(-1, 2)
     spans = np.asarray(fmt.open_array(root / SPANS_FILE, "contexts.spans")).reshape(len(keys), n_shards, 2)
-    grams = np.asarray(fmt.open_array(root / TRIGRAMS_FILE, "trigrams")).reshape(n_shards, -1)
-    return Merged(keys, ends, hist, spans, grams, vocab)
+    return Merged(keys, ends, hist, spans, vocab)

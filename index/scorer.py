@@ -52,7 +52,7 @@ class Scorer:
         self.hi = np.array([s.n for s in idx.shards], np.int64)
         self._st = np.empty((2 * len(idx.shards), N_STATE), np.int64)
         self._memo = new_memo(len(idx.shards), MEMO)
-        self._known = tables(idx.merged)
+        self._known = tables(idx.merged, idx.trigrams)
         self.lookup_s: list[float] = []
 
     def advance(self, token: int) -> None:

@@ -16,15 +16,22 @@ dozen or so of a search.
 
 Words per shard: a power of two, one per POSITIONS_PER_WORD positions of the largest shard (2^20
 words, 8 MiB, for shards of 210M positions; 96 MiB for the 2.43B-token index in 12 shards), and
-at least MIN_WORDS. Stored with the summed contexts (index/merged.py), which only an index of
-several shards has.
+at least MIN_WORDS. Only an index of several shards has them: trigrams.bin, uint64 (shard,
+word), recorded in the manifest's "trigrams" (the shards' count and positions and the words
+per shard it was built for).
 """
 
 from __future__ import annotations
 
+from dataclasses import asdict
+from pathlib import Path
+
 import numba as nb
 import numpy as np
 
+from . import format as fmt
+
+FILE = "trigrams.bin"
 WIDTH = 3  # tokens per filtered string
 POSITIONS_PER_WORD = 256
 MIN_WORDS = 1 << 10
@@ -82,3 +89,32 @@ def holds(filters: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """(S,) bool: which shards' filters let the 3 tokens ids through (False: the shard lacks them)."""
     w, b = word_of(filters, np.asarray(ids, np.int64), 3)
     return (filters[:, w] & b) == b
+
+
+def write(root, idx) -> dict:
+    """Build and write the filters of an index's shards (idx: the index at root, opened); returns
+    the manifest's record of them."""
+    grams = build(idx.shards)
+    fmt.write_array(Path(root) / FILE, "trigrams", grams.reshape(-1))
+    rec = {"shards": len(idx.shards), "positions": idx.n_positions, "words": grams.shape[1]}
+    return rec | {"file": asdict(fmt.file_record(root, Path(root) / FILE))}
+
+
+def current(root, manifest: dict | None, n_shards: int, n_positions: int) -> dict | None:
+    """The manifest's record of the filters if they were built for this index as it is (its
+    shards and positions) and their file is there."""
+    rec = (manifest or {}).get("trigrams")
+    if not rec or rec.get("shards") != n_shards or rec.get("positions") != n_positions:
+        return None
+    path = Path(root) / rec["file"]["path"]
+    if rec.get("words") is None or not path.exists() or path.stat().st_size != rec["file"]["size"]:
+        return None
+    return rec
+
+
+def load(root, manifest: dict, n_shards: int, n_positions: int) -> np.ndarray | None:
+    """(S, W) uint64: the index's filters (memory-mapped), if built for it as it is."""
+    rec = current(root, manifest, n_shards, n_positions)
+    if rec is None:
+        return None
+    return np.asarray(fmt.open_array(Path(root) / FILE, "trigrams")).reshape(n_shards, rec["words"])

@@ -15,7 +15,14 @@ from . import format as fmt
 from . import kernels
 from .errors import IndexFormatError
 
-_KINDS = {"tokens.bin": "tokens", "docs.bin": "docs", "sa.bin": "sa", "samax.bin": "samax", "unigram.bin": "unigram"}
+_KINDS = {
+    "tokens.bin": "tokens",
+    "docs.bin": "docs",
+    "sa.bin": "sa",
+    "samax.bin": "samax",
+    "unigram.bin": "unigram",
+    "trigrams.bin": "trigrams",
+}
 
 
 def verify(root: str | Path, *, samples: int = 2000, seed: int = 0) -> list[str]:
@@ -29,6 +36,7 @@ def verify(root: str | Path, *, samples: int = 2000, seed: int = 0) -> list[str]
         [manifest["tokenizer"]["file"]]
         + [f for s in manifest["shards"] for f in s["files"]]
         + manifest.get("contexts", {}).get("files", [])
+        + ([manifest["trigrams"]["file"]] if "trigrams" in manifest else [])
     )
     for rec in records:
         path = root / rec["path"]

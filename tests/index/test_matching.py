@@ -64,7 +64,7 @@ def test_remembered_probes_answer_as_searched(sharded):
     assert S >= 3
     ids = np.concatenate(text).astype(np.int64)
     starts = np.concatenate([[0], np.cumsum([len(d) for d in text])]).astype(np.int64)
-    known = merged.tables(idx.merged)
+    known = merged.tables(idx.merged, idx.trigrams)
     shards = (ss.table, ss.first_rank, ss.pos, ss.prefix, ss.step_log2, ss.contexts)
     got_len, got_lo, got_hi = np.zeros(len(ids), np.int64), np.zeros((len(ids), S), np.int64), np.zeros((len(ids), S), np.int64)
     longest_matches(*shards, known, ids, starts, got_len, got_lo, got_hi)
