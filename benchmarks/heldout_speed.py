@@ -78,6 +78,8 @@ def _opened(spec: dict):
         arrays += [a for s in idx.shards if s.contexts is not None for a in (s.contexts.nodes, s.contexts.hist)]
         if idx.merged is not None:
             arrays += [getattr(idx.merged, n) for n in ("keys", "ends", "hist", "spans")]
+        if idx.trigrams is not None:
+            arrays.append(idx.trigrams)
         advise(arrays, mmap.MADV_NOHUGEPAGE)
     return idx
 

@@ -254,8 +254,9 @@ def compose(out: Path, parts: list[Path]) -> dict:
         "skipped": {"counts": skipped, "examples": {}},
     }
     if len(shards) > 1:  # the shards' summed histograms and filters, as build-index gives an index of several
-        manifest["contexts"] = merged.write(out, Index(out, access="normal", manifest=manifest))
-        manifest["trigrams"] = trigrams.write(out, Index(out, access="normal", manifest=manifest))
+        idx = Index(out, access="normal", manifest=manifest)
+        manifest["contexts"] = merged.write(out, idx)
+        manifest["trigrams"] = trigrams.write(out, idx)
     meta_store.write(out, markers, manifest)
     fmt.write_json(out / "manifest.json", manifest)
     return manifest
