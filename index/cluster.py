@@ -154,6 +154,10 @@ class ClusterIndex:
     def piece(self, token: int) -> str:
         return self.head.piece(token)
 
+    @property
+    def piece_json(self) -> list[str]:
+        return self.head.piece_json
+
     def decode(self, ids) -> str:
         return self.head.decode(ids)
 
@@ -344,7 +348,7 @@ class ClusterIndex:
         if op == "infgram-ntd":
             sl, held = parts
             r = _ntd(held)
-            return InfgramNtdResult(r.prompt_cnt, r.result_by_token_id, r.approx, suffix_len=sl)
+            return InfgramNtdResult(r.prompt_cnt, r.tokens, r.counts, r.approx, suffix_len=sl)
         if op == "longest-match":
             sl = max(p[0] for p in parts)
             if sl == 0:
@@ -470,8 +474,8 @@ def _ntd(parts: list[tuple[int, np.ndarray, np.ndarray]]) -> NtdResult:
     """The groups' next-token histograms added (Index.ntd's answer)."""
     n = sum(p[0] for p in parts)
     if n == 0:
-        return NtdResult(0, {})
+        return NtdResult.empty()
     toks, inv = np.unique(np.concatenate([p[1] for p in parts]), return_inverse=True)
     cnts = np.zeros(len(toks), np.int64)
     np.add.at(cnts, inv, np.concatenate([p[2] for p in parts]).astype(np.int64))
-    return NtdResult(n, {int(t): (int(c), int(c) / n) for t, c in zip(toks, cnts)})
+    return NtdResult(n, toks.astype(np.int64), cnts)

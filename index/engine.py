@@ -5,7 +5,7 @@ Open an index once (everything is memory-mapped; nothing is loaded), then ask:
     idx = Index("idx/")
     idx.count([5, 17])                 -> CountResult(count, approx=False)
     idx.prob([5], 17)                  -> ProbResult(prompt_cnt, cont_cnt, prob)
-    idx.ntd([5])                       -> NtdResult(prompt_cnt, result_by_token_id, approx=False)
+    idx.ntd([5])                       -> NtdResult(prompt_cnt, tokens, counts, approx=False)
     idx.infgram_prob([3, 5], 17)       -> InfgramProbResult(..., suffix_len)
     idx.infgram_ntd([3, 5])            -> InfgramNtdResult(..., suffix_len)
     idx.longest_match([3, 5])          -> LongestMatch(length, cont, count)
@@ -34,6 +34,7 @@ in scorer.py.
 from __future__ import annotations
 
 import dataclasses
+import json
 import mmap
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -168,6 +169,12 @@ class Index:
     def piece(self, token: int) -> str:
         """The text of one token id as the tokenizer writes it ("" for EOS past the vocabulary)."""
         return self.tokenizer.id_to_piece(int(token)) if 0 <= int(token) < self.vocab_size else ""
+
+    @cached_property
+    def piece_json(self) -> list[str]:
+        """Every token id's piece as a JSON string (EOS past the vocabulary: ""), for writing a
+        next-token histogram (results.answer_json)."""
+        return [json.dumps(self.piece(i), ensure_ascii=False) for i in range(max(self.vocab_size, self.eos_id + 1))]
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size])
@@ -359,9 +366,9 @@ class Index:
         prompt_cnt = self._total(len(q), lo, hi)
         segs = list(zip(lo.tolist(), hi.tolist()))
         if prompt_cnt == 0:
-            return NtdResult(0, {})
+            return NtdResult.empty()
         toks, cnts = self._dist(q, segs)
-        return NtdResult(prompt_cnt, {int(t): (int(c), int(c) / prompt_cnt) for t, c in zip(toks, cnts)})
+        return NtdResult(prompt_cnt, np.asarray(toks, np.int64), np.asarray(cnts, np.int64))
 
     def ntd(self, prompt) -> NtdResult:
         return self._ntd(self.check_ids(prompt, allow_empty=True, what="prompt"))
@@ -380,7 +387,7 @@ class Index:
         q = self.check_ids(prompt, allow_empty=True, what="prompt")
         sl, iv = self.suffix_intervals(q)
         r = self._ntd_in(q[len(q) - sl :], iv[0], iv[1])
-        return InfgramNtdResult(r.prompt_cnt, r.result_by_token_id, r.approx, suffix_len=sl)
+        return InfgramNtdResult(r.prompt_cnt, r.tokens, r.counts, r.approx, suffix_len=sl)
 
     def latest_cont(self, segs: list[tuple[int, int]], length: int) -> int:
         """Token after the most recent occurrence (latest shard, largest position)."""

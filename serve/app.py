@@ -34,8 +34,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from teragram.index.engine import Index, with_tokens
+from teragram.index.engine import Index
 from teragram.index.errors import ClusterError, QueryError, TeragramError
+from teragram.index.results import answer_json
 from teragram.model.generation.draft import MAX_DRAFT, DraftStats
 from teragram.serve.guard import Guard, Stats, error
 from teragram.serve.lanes import QUERY_TYPES, SEARCH_QUERIES, Lanes, in_lane, produced, settle
@@ -291,20 +292,19 @@ def _add_index_routes(app: FastAPI, s: Served) -> None:
         ids = _query_ids(s, req.query, req.query_ids)
         qt = req.query_type
         if qt == "count":
-            r = idx.count(ids).to_json()
+            r = idx.count(ids)
         elif qt in ("prob", "infgram_prob"):
             if not ids:
                 raise QueryError(f"{qt} needs at least one token (the last is the continuation)")
-            r = (idx.prob if qt == "prob" else idx.infgram_prob)(ids[:-1], ids[-1]).to_json()
+            r = (idx.prob if qt == "prob" else idx.infgram_prob)(ids[:-1], ids[-1])
         elif qt in ("ntd", "infgram_ntd"):
-            res = (idx.ntd if qt == "ntd" else idx.infgram_ntd)(ids)
-            r = res.to_json()
-            r["result_by_token_id"] = {str(k): v for k, v in r["result_by_token_id"].items()}
+            r = (idx.ntd if qt == "ntd" else idx.infgram_ntd)(ids)
         elif qt == "search_docs":
-            r = idx.docs(ids, max=req.maxnum, context=req.max_disp_len // 2).to_json()
+            r = idx.docs(ids, max=req.maxnum, context=req.max_disp_len // 2)
         else:
             raise QueryError(f"unknown query_type {qt!r}; expected {', '.join(QUERY_TYPES)}")
-        return JSONResponse(with_tokens(idx, r, ids) | {"latency": (time.perf_counter() - t) * 1e3})
+        body = answer_json(idx, r, ids, latency=(time.perf_counter() - t) * 1e3)
+        return Response(body, media_type="application/json")
 
     s.handlers["query"] = query
 

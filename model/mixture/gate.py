@@ -242,8 +242,7 @@ def lookup_estimates(idx, q: np.ndarray, lengths: dict[str, int]) -> tuple[int, 
     for c, k in lengths.items():
         k = min(length, k) if k else length
         r = idx.ntd(q[len(q) - k :] if k else q[:0])
-        toks = np.fromiter(r.result_by_token_id, np.int64, len(r.result_by_token_id))
-        out[c] = (r.prompt_cnt, toks, np.array([c_ for c_, _ in r.result_by_token_id.values()], np.int64))
+        out[c] = (r.prompt_cnt, r.tokens, r.counts)
     return length, out
 
 

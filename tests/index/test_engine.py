@@ -389,3 +389,26 @@ def test_stored_top_samples_are_used_checked_and_optional(tmp_path, tokenizer_mo
     idx = Index(out)
     assert [idx.count(q).count for q in qs] == want and len(built) == len(idx.shards)
     shutil.rmtree(out)
+
+
+def test_answer_json_is_the_json_of_the_answer(real):
+    """The server's body (results.answer_json, next tokens written from arrays) equals, byte for
+    byte, Starlette's JSONResponse of the answer's dict with the token texts: every query type,
+    and the empty prompt's histogram, which holds every piece of the vocabulary (quotes,
+    backslashes and non-ASCII text among them)."""
+    from fastapi.responses import JSONResponse
+    from teragram.index.results import answer_json, with_tokens
+
+    idx, orc = real
+    special = [any(ch in p for ch in '"\\') or not p.isascii() for p in map(idx.piece, idx.ntd([]).tokens)]
+    assert sum(special) > 10  # the empty prompt's next tokens: pieces that JSON escapes
+    for q in _queries(np.random.default_rng(5), orc, 40, idx.vocab_size, max_len=4):
+        answers = [idx.count(q), idx.ntd(q), idx.infgram_ntd(q)]
+        if q:
+            answers += [idx.prob(q[:-1], q[-1]), idx.infgram_prob(q[:-1], q[-1]), idx.docs(q)]
+        for a in answers:
+            r = a.to_json()
+            if "result_by_token_id" in r:
+                r["result_by_token_id"] = {str(k): v for k, v in r["result_by_token_id"].items()}
+            want = JSONResponse(with_tokens(idx, r, q) | {"latency": 0.25}).body
+            assert answer_json(idx, a, q, latency=0.25) == want, (q, type(a).__name__)
