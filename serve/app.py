@@ -193,6 +193,7 @@ def warm(s: Served) -> None:
     at 2.43B tokens, and the first burst of clients waited for it behind each other
     (serve_load_2b: the p99 of every query type was that second); WARM_TEXT's contexts are
     frequent, so a rare one's enumeration is warmed apart. The model's warms itself (warm_model)."""
+    _ = s.idx.piece_json  # the pieces' JSON, read by every next-token answer (results.answer_json)
     for qt in QUERY_TYPES:
         s.handlers["query"](InfinigramRequest(query_type=qt, query=WARM_TEXT))
     for shard in getattr(s.idx, "shards", [])[:1]:  # a context too rare to be stored: enumerated
