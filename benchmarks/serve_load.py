@@ -336,7 +336,7 @@ def main() -> int:
     run = Path(args.run)
     ensure_demo(run)
     from teragram.index.engine import Index
-    from teragram.index.pagecache import warm
+    from teragram.index.pagecache import index_files, warm
 
     idx = Index(run / "idx")
     queries, texts = request_mix(idx)
@@ -354,7 +354,7 @@ def main() -> int:
     if args.cold:  # the index's pages dropped just before the server starts (it maps them afresh)
         from benchmarks.index_scale import evict
 
-        files = [p for p in (run / "idx").resolve().rglob("*.bin")]
+        files = index_files(run / "idx")  # through linked folders: a composed index links its parts' shards
         evict(files, [a for s in idx.shards for a in (s.tok, s.sa.words, s.samax)])
         stats, wall, _ = serve_and_load(run, queries, texts, args.seconds, args.clients)
         c_rows, c_total = endpoint_rows(stats, wall)
