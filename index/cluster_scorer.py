@@ -26,8 +26,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from .engine import top_counts
-from .features import SCORE_DTYPES, Features
+from .features import SCORE_DTYPES, Features, top_counts
 from .results import Occurrence
 from .scorer import Scorer, most_frequent
 

@@ -49,7 +49,7 @@ from . import format as fmt
 from .bulk import continuations
 from .errors import QueryError
 from .fanout import ShardSet
-from .features import Features
+from .features import Features, top_counts
 from .results import (
     CountResult,
     DocHit,
@@ -493,14 +493,3 @@ def _joined(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.
     if len(parts) == 1:
         return parts[0]
     return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
-
-
-def top_counts(toks: np.ndarray, cnts: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """k most frequent (ties: smaller id first), -1/0 padded."""
-    ids = np.full(k, -1, np.int32)
-    cs = np.zeros(k, np.int64)
-    if len(toks):
-        order = np.lexsort((toks, -cnts))[:k]
-        ids[: len(order)] = toks[order]
-        cs[: len(order)] = cnts[order]
-    return ids, cs

@@ -153,3 +153,14 @@ def finish(out: Path, ident: dict, shards: list[dict], positions: int, report: d
     """Write the manifest (identity, shards, positions) and the report."""
     fmt.write_json(out / "manifest.json", ident | {"shards": shards, "positions": positions})
     fmt.write_json(out / "features-report.json", report)
+
+
+def top_counts(toks: np.ndarray, cnts: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """k most frequent (ties: smaller id first), -1/0 padded."""
+    ids = np.full(k, -1, np.int32)
+    cs = np.zeros(k, np.int64)
+    if len(toks):
+        order = np.lexsort((toks, -cnts))[:k]
+        ids[: len(order)] = toks[order]
+        cs[: len(order)] = cnts[order]
+    return ids, cs

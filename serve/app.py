@@ -15,9 +15,8 @@ queries that enumerate (ntd, infgram_ntd, search_docs), and requests that run th
 model, its gate and generation's index lookups run in a process of their own
 (serve/model_worker.py; in this one with --cluster, whose holders keep generation's lookups for
 the process that opened them), so the model's Python never holds this process's interpreter.
-Index queries run concurrently (the kernels release the GIL). A response is encoded to JSON in its
-lane's thread, not on the event loop (a next-token distribution at 2.43B tokens has thousands of
-entries: encoding it there held every request back). Both processes settle (serve/lanes.py).
+Index queries run concurrently (the kernels release the GIL). A response is encoded in its lane's
+thread, a next-token histogram from its arrays (results.answer_json). Both processes settle.
 """
 
 from __future__ import annotations
