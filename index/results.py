@@ -44,6 +44,12 @@ class NtdResult:
     counts: np.ndarray  # int64, > 0
     approx: bool = False
 
+    def __post_init__(self):  # read-only views: the engine keeps large histograms and answers with them
+        for name in ("tokens", "counts"):
+            v = np.asarray(getattr(self, name), np.int64).view()
+            v.flags.writeable = False
+            object.__setattr__(self, name, v)
+
     def __eq__(self, other) -> bool:
         if type(other) is not type(self):
             return NotImplemented
