@@ -478,4 +478,4 @@ def _ntd(parts: list[tuple[int, np.ndarray, np.ndarray]]) -> NtdResult:
     toks, inv = np.unique(np.concatenate([p[1] for p in parts]), return_inverse=True)
     cnts = np.zeros(len(toks), np.int64)
     np.add.at(cnts, inv, np.concatenate([p[2] for p in parts]).astype(np.int64))
-    return NtdResult(n, toks.astype(np.int64), cnts)
+    return NtdResult(n, toks, cnts)

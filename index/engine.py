@@ -368,7 +368,7 @@ class Index:
         if prompt_cnt == 0:
             return NtdResult.empty()
         toks, cnts = self._dist(q, segs)
-        return NtdResult(prompt_cnt, np.asarray(toks, np.int64), np.asarray(cnts, np.int64))
+        return NtdResult(prompt_cnt, toks, cnts)
 
     def ntd(self, prompt) -> NtdResult:
         return self._ntd(self.check_ids(prompt, allow_empty=True, what="prompt"))

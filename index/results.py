@@ -44,7 +44,7 @@ class NtdResult:
     counts: np.ndarray  # int64, > 0
     approx: bool = False
 
-    def __post_init__(self):  # read-only views: the engine keeps large histograms and answers with them
+    def __post_init__(self):  # int64, read-only views: the engine keeps large histograms and answers with them
         for name in ("tokens", "counts"):
             v = np.asarray(getattr(self, name), np.int64).view()
             v.flags.writeable = False
