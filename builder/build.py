@@ -231,25 +231,25 @@ def _finalize(cfg: BuildConfig, out: Path, sp, dtype: np.dtype, markers: list[di
 
 def _merged_contexts(out: Path, manifest: dict) -> dict:
     """The index's frequent short contexts' histograms summed over its shards (index/merged.py):
-    kept from the last run if built for these shards, else (re)built."""
+    kept from the last run if built from these shards (their recorded digests), else (re)built."""
     try:
         last = fmt.read_manifest(out)
     except IndexFormatError:
         last = None
     positions = sum(s["n_positions"] for s in manifest["shards"])
-    rec = merged.current(out, last, len(manifest["shards"]), positions, manifest["tokenizer"]["vocab_size"], contexts.min_count(positions))
+    least = contexts.min_count(positions)
+    rec = merged.current(out, (last or {}).get("contexts"), manifest["shards"], manifest["tokenizer"]["vocab_size"], least)
     return rec or merged.write(out, Index(out, access="normal", manifest=manifest))
 
 
 def _trigrams(out: Path, manifest: dict) -> dict:
-    """The shards' 3-token filters (index/trigrams.py): kept from the last run if built for
-    these shards, else (re)built."""
+    """The shards' 3-token filters (index/trigrams.py): kept from the last run if built from
+    these shards (their recorded digests), else (re)built."""
     try:
         last = fmt.read_manifest(out)
     except IndexFormatError:
         last = None
-    positions = sum(s["n_positions"] for s in manifest["shards"])
-    rec = trigrams.current(out, last, len(manifest["shards"]), positions)
+    rec = trigrams.current(out, (last or {}).get("trigrams"), manifest["shards"])
     return rec or trigrams.write(out, Index(out, access="normal", manifest=manifest))
 
 

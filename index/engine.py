@@ -225,7 +225,7 @@ class Index:
             return None
         from . import merged
 
-        return merged.load(self.path, self.manifest, len(self.shards), self.n_positions, self.vocab_size)
+        return merged.load(self.path, self.manifest, self.vocab_size)
 
     @cached_property
     def trigrams(self) -> np.ndarray | None:
@@ -235,7 +235,7 @@ class Index:
             return None
         from . import trigrams
 
-        return trigrams.load(self.path, self.manifest, len(self.shards), self.n_positions)
+        return trigrams.load(self.path, self.manifest)
 
     @cached_property
     def _groups(self) -> list[tuple[slice, ShardSet]]:

@@ -273,6 +273,31 @@ def file_digest(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+def shards_digest(shards: list[dict]) -> str:
+    """The digest of what an index's derived tables (index/merged.py, index/trigrams.py) are built
+    from: each shard's positions, token stream and suffix array, by the blake2b digests the build
+    recorded of their files (the manifest's shard entries). A table records it when written and is
+    used only while it matches the index it is opened with: a shard rebuilt with other text of the
+    same length changes it."""
+    h = hashlib.blake2b(digest_size=16)
+    for s in shards:
+        files = {Path(f["path"]).name: f["blake2b"] for f in s["files"]}
+        h.update(f"{s['n_positions']}:{files.get('tokens.bin')}:{files.get('sa.bin')};".encode())
+    return h.hexdigest()
+
+
+def marker_of(root: Path, shard: int, where: str | None = None) -> Path | None:
+    """A shard's completion marker: ROOT/shards/NNNNNN.done, or, for a shard linked in from
+    another index (a composed index), the marker beside the folder the link points to; None if
+    neither exists."""
+    own = shard_marker(root, shard)
+    if own.exists():
+        return own
+    d = shard_dir(root, shard, where).resolve()
+    beside = d.parent / f"{d.name}.done"
+    return beside if beside.exists() else None
+
+
 def file_record(root: Path, path: Path) -> FileRecord:
     """Record a file by its path relative to the index root (absolute when it lies elsewhere)."""
     p = Path(path)

@@ -27,7 +27,8 @@ first); contexts.ends.bin, int64, where each key's run ends in contexts.hist.bin
 int64 rows (token, count), tokens ascending, a document's end counted as EOS as bulk scoring
 counts it; contexts.spans.bin, int64 (key, shard, lo/hi): each key's interval in every shard,
 (0, 0) where the shard lacks it. The manifest records them ("contexts") with what they were
-built for: the number of shards and positions, the threshold and the longest context. An index
+built from: the number of shards and positions, the digest of the shards' recorded tokens and
+suffix arrays (format.shards_digest), the threshold and the longest context. An index
 of one shard has its shard's table and none of these; an index opened on some of its shards does
 not use them.
 """
@@ -221,7 +222,8 @@ def build(idx) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
 def write(root, idx) -> dict:
     """Build and write the index's merged histograms (idx: the index at root, opened); returns
     the manifest's record of them. Until the manifest records them, an index whose files are
-    missing or of other sizes than its record's does not use them (current)."""
+    missing or of other sizes than its record's does not use them (current). idx must be opened
+    on all its shards."""
     root = Path(root)
     keys, ends, hist, spans, least = build(idx)
     for n in FILES:  # old ones first: a run stopped while writing leaves none, not a mix
@@ -233,6 +235,7 @@ def write(root, idx) -> dict:
     return {
         "shards": len(idx.shards),
         "positions": idx.n_positions,
+        "built_from": fmt.shards_digest(idx.manifest["shards"]),
         "min_count": least,
         "max_len": max_len(idx.vocab_size),
         "contexts": len(keys),
@@ -241,13 +244,15 @@ def write(root, idx) -> dict:
     }
 
 
-def current(root, manifest: dict | None, n_shards: int, n_positions: int, vocab: int, least: int | None = None) -> dict | None:
-    """The manifest's record of the merged histograms if they were built for this index as it
-    is (its shards and positions; at threshold `least` if given) and their files are there."""
-    rec = (manifest or {}).get("contexts")
+def current(root, rec: dict | None, shards: list[dict], vocab: int, least: int | None = None) -> dict | None:
+    """rec (a manifest's "contexts" record) if the merged histograms were built from these shards
+    (a manifest's shard entries: their positions and recorded digests, fmt.shards_digest; at
+    threshold `least` if given) and their files are there; else None: never used, rebuilt by
+    build-index."""
     if not rec:
         return None
-    want = {"shards": n_shards, "positions": n_positions, "max_len": max_len(vocab)} | ({} if least is None else {"min_count": least})
+    want = {"shards": len(shards), "positions": sum(s["n_positions"] for s in shards), "max_len": max_len(vocab)}
+    want |= {"built_from": fmt.shards_digest(shards)} | ({} if least is None else {"min_count": least})
     if any(rec.get(k) != v for k, v in want.items()):
         return None
     if sorted(Path(f["path"]).name for f in rec["files"]) != sorted(FILES):  # built before the spans
@@ -281,11 +286,12 @@ class Merged:
         return out
 
 
-def load(root, manifest: dict, n_shards: int, n_positions: int, vocab: int) -> Merged | None:
-    """The index's merged histograms, if built for it as it is."""
-    if current(root, manifest, n_shards, n_positions, vocab) is None:
+def load(root, manifest: dict, vocab: int) -> Merged | None:
+    """The index's merged histograms, if built from its shards as they are (current)."""
+    if current(root, manifest.get("contexts"), manifest["shards"], vocab) is None:
         return None
     root = Path(root)
+    n_shards = len(manifest["shards"])
     keys = np.asarray(fmt.open_array(root / KEYS_FILE, "contexts.keys"))
     ends = np.asarray(fmt.open_array(root / ENDS_FILE, "contexts.ends"))
     hist = np.asarray(fmt.open_array(root / HIST_FILE, "contexts.merged")).reshape(-1, 2)

@@ -39,11 +39,18 @@ class Shard:
     @classmethod
     def open(cls, root: Path, entry: dict, token_dtype: str) -> Shard:
         """The shard of the index at root that a manifest entry describes, its arrays memory-mapped
-        (each file's header checked); IndexFormatError if its tokens are not the manifest's."""
+        (each file's header checked); IndexFormatError if its tokens are not the manifest's: of
+        another type or length, or, by its completion marker, rebuilt since the manifest was
+        written (then the index's metadata and derived tables describe the text it held before)."""
         d = fmt.shard_dir(root, entry["shard"], entry.get("dir"))
         tok = fmt.open_array(d / "tokens.bin", "tokens")
         if tok.dtype.name != token_dtype or len(tok) != entry["n_positions"]:
             raise IndexFormatError(f"{d / 'tokens.bin'}: does not match the manifest")
+        marker = fmt.marker_of(root, entry["shard"], entry.get("dir"))
+        if marker is not None and _tokens_digest(fmt.read_json(marker)) != _tokens_digest(entry):
+            raise IndexFormatError(
+                f"{d}: rebuilt after {root}'s manifest was written (other tokens than it records); run build-index on the index again"
+            )
         return cls(
             entry["shard"],
             entry["first_doc"],
@@ -53,7 +60,7 @@ class Shard:
             fmt.open_array(d / "samax.bin", "samax"),
             fmt.open_array(d / "unigram.bin", "unigram"),
             dir=d,
-            marker=fmt.shard_marker(root, entry["shard"]),
+            marker=marker,
         )
 
     @property
@@ -112,6 +119,11 @@ class Shard:
 
     def doc_of(self, pos: int) -> int:
         return int(np.searchsorted(self.starts, pos, side="right")) - 1
+
+
+def _tokens_digest(record: dict) -> str | None:
+    """The digest of tokens.bin that a marker or a manifest's shard entry records."""
+    return next((f["blake2b"] for f in record.get("files", ()) if Path(f["path"]).name == "tokens.bin"), None)
 
 
 def advise(arrays, advice: int) -> None:

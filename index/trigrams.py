@@ -17,8 +17,9 @@ dozen or so of a search.
 Words per shard: a power of two, one per POSITIONS_PER_WORD positions of the largest shard (2^20
 words, 8 MiB, for shards of 210M positions; 96 MiB for the 2.43B-token index in 12 shards), and
 at least MIN_WORDS. Only an index of several shards has them: trigrams.bin, uint64 (shard,
-word), recorded in the manifest's "trigrams" (the shards' count and positions and the words
-per shard it was built for).
+word), recorded in the manifest's "trigrams" (the shards' count and positions, the digest of
+their recorded tokens and suffix arrays, format.shards_digest, and the words per shard), and
+used only while that record matches the index.
 """
 
 from __future__ import annotations
@@ -92,19 +93,21 @@ def holds(filters: np.ndarray, ids: np.ndarray) -> np.ndarray:
 
 
 def write(root, idx) -> dict:
-    """Build and write the filters of an index's shards (idx: the index at root, opened); returns
-    the manifest's record of them."""
+    """Build and write the filters of an index's shards (idx: the index at root, opened on all
+    its shards); returns the manifest's record of them."""
     grams = build(idx.shards)
     fmt.write_array(Path(root) / FILE, "trigrams", grams.reshape(-1))
     rec = {"shards": len(idx.shards), "positions": idx.n_positions, "words": grams.shape[1]}
+    rec |= {"built_from": fmt.shards_digest(idx.manifest["shards"])}
     return rec | {"file": asdict(fmt.file_record(root, Path(root) / FILE))}
 
 
-def current(root, manifest: dict | None, n_shards: int, n_positions: int) -> dict | None:
-    """The manifest's record of the filters if they were built for this index as it is (its
-    shards and positions) and their file is there."""
-    rec = (manifest or {}).get("trigrams")
-    if not rec or rec.get("shards") != n_shards or rec.get("positions") != n_positions:
+def current(root, rec: dict | None, shards: list[dict]) -> dict | None:
+    """rec (a manifest's "trigrams" record) if the filters were built from these shards (a
+    manifest's shard entries: their positions and recorded digests, fmt.shards_digest) and their
+    file is there; else None: never used, rebuilt by build-index."""
+    want = {"shards": len(shards), "positions": sum(s["n_positions"] for s in shards), "built_from": fmt.shards_digest(shards)}
+    if not rec or any(rec.get(k) != v for k, v in want.items()):
         return None
     path = Path(root) / rec["file"]["path"]
     if rec.get("words") is None or not path.exists() or path.stat().st_size != rec["file"]["size"]:
@@ -112,9 +115,9 @@ def current(root, manifest: dict | None, n_shards: int, n_positions: int) -> dic
     return rec
 
 
-def load(root, manifest: dict, n_shards: int, n_positions: int) -> np.ndarray | None:
-    """(S, W) uint64: the index's filters (memory-mapped), if built for it as it is."""
-    rec = current(root, manifest, n_shards, n_positions)
+def load(root, manifest: dict) -> np.ndarray | None:
+    """(S, W) uint64: the index's filters (memory-mapped), if built from its shards as they are."""
+    rec = current(root, manifest.get("trigrams"), manifest["shards"])
     if rec is None:
         return None
-    return np.asarray(fmt.open_array(Path(root) / FILE, "trigrams")).reshape(n_shards, rec["words"])
+    return np.asarray(fmt.open_array(Path(root) / FILE, "trigrams")).reshape(len(manifest["shards"]), rec["words"])
