@@ -113,33 +113,36 @@ def _checkpoint_report(args, opts, model, meta: dict, idx):
     from teragram.index.errors import TokenizerMismatch
     from teragram.index.features import FeatureConfig
     from teragram.index.heldout import compute_held_out
-    from teragram.model.evaluation.perplexity import heldout_report
+    from teragram.model.evaluation.perplexity import Stages, heldout_report
 
     if model.cfg.vocab_size != idx.vocab_size:
         raise TokenizerMismatch(f"checkpoint vocabulary {model.cfg.vocab_size} != index vocabulary {idx.vocab_size}")
+    stages = Stages()
     with tempfile.TemporaryDirectory() as tmp:
         feats = args.features_out or tmp
         cfg = FeatureConfig("held-out", model.cfg.max_match, max(model.cfg.top_k, 1))
-        compute_held_out(idx, feats, cfg, args.corpus)
+        with stages("features"):
+            compute_held_out(idx, feats, cfg, args.corpus)
         if args.save_outputs:  # the model runs once: its outputs are saved, then mixed as asked
             from teragram.model.evaluation.outputs import save_model_outputs
             from teragram.model.evaluation.perplexity import mix_report
 
             hidden = opts.baseline == "knn"
-            res, per_doc = save_model_outputs(
-                args.save_outputs,
-                model,
-                feats,
-                idx,
-                args.device,
-                meta=meta,
-                source=args.checkpoint,
-                hidden=hidden,
-                cont_cache=cont_cache_spec(args.cont_cache_from) if args.cont_cache_from else None,
-            )
-            r, fitted = mix_report(res, per_doc, idx, feats, opts)
+            with stages("model"):
+                res, per_doc = save_model_outputs(
+                    args.save_outputs,
+                    model,
+                    feats,
+                    idx,
+                    args.device,
+                    meta=meta,
+                    source=args.checkpoint,
+                    hidden=hidden,
+                    cont_cache=cont_cache_spec(args.cont_cache_from) if args.cont_cache_from else None,
+                )
+            r, fitted = mix_report(res, per_doc, idx, feats, opts, stages=stages)
         else:
-            r, fitted = heldout_report(model, idx, feats, args.device, opts)
+            r, fitted = heldout_report(model, idx, feats, args.device, opts, stages=stages)
     return r, fitted
 
 

@@ -7,7 +7,8 @@ of the model's context (no window spans two documents); every token is predicted
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
+import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -132,11 +133,25 @@ def gated_eval(
     idx = as_index(index)
     opts = EvalOptions(gate=gate, fit_gate=gate is None, cont_cache=cont_cache, workers=workers)
     r = token_eval(model, heldout, idx.eos_id, idx.sep, device, batch=batch, hidden=needs_states(opts) and cc.KEY)
+    keep = np.ones(len(r["nll"]), bool)
     if needs_states(opts):
-        r["cont_cache"] = cont_cache_of(r, gate.cont_cache if gate is not None else None, device)
+        r["cont_cache"] = cont_cache_of(r, gate.cont_cache if gate is not None else None, device, fit_rows=halves(r["doc"], keep)[0])
     est = heldout_estimates(idx, heldout, workers)
-    mixed, fitted, _ = gated(r, est, np.ones(len(r["nll"]), bool), opts)
+    mixed, fitted, _ = gated(r, est, keep, opts)
     return fitted if fitted is not None else gate, r["nll"], mixed
+
+
+class Stages(dict):
+    """Seconds spent in each stage of an evaluation, by name (`teragram eval --json` reports them
+    under "stages_s"): `with stages("model"): ...` adds the block's wall time."""
+
+    @contextmanager
+    def __call__(self, name: str):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self[name] = self.get(name, 0.0) + time.perf_counter() - t
 
 
 @dataclass(frozen=True)
@@ -153,7 +168,9 @@ class EvalOptions:
     workers: int = 1  # processes for the index estimates
 
 
-def heldout_report(model: GPT, index, heldout, device: str = "cpu", opts: EvalOptions = EvalOptions(), *, batch: int = 16):
+def heldout_report(
+    model: GPT, index, heldout, device: str = "cpu", opts: EvalOptions = EvalOptions(), *, batch: int = 16, stages: Stages | None = None
+):
     """(report, fitted) of held-out features' text: perplexity and bits per byte of the model,
     or of its mixture with the index gate or a peer's interpolation (with the model alone under
     "model"); fitted is what was fit here (a Gate, or the baseline's parameters), else None.
@@ -164,21 +181,13 @@ def heldout_report(model: GPT, index, heldout, device: str = "cpu", opts: EvalOp
     from teragram.index.tokenizer import load
 
     idx = as_index(index)
-    r = token_eval(
-        model,
-        heldout,
-        idx.eos_id,
-        idx.sep,
-        device,
-        batch=batch,
-        hidden=opts.baseline == "knn" or (needs_states(opts) and cc.KEY),
-    )
+    stages = Stages() if stages is None else stages
+    with stages("model"):
+        hidden = opts.baseline == "knn" or (needs_states(opts) and cc.KEY)
+        r = token_eval(model, heldout, idx.eos_id, idx.sep, device, batch=batch, hidden=hidden)
     ev = EvalData(heldout, model.cfg.block_size, idx.eos_id, idx.sep)
     per_doc = doc_bytes(ev, load(Path(heldout) / "tokenizer.model").decode)
-    if needs_states(opts):
-        spec = opts.gate.cont_cache if opts.gate is not None else None
-        r["cont_cache"] = cont_cache_of(r, spec, device)
-    return mix_report(r, per_doc, idx, heldout, opts)
+    return mix_report(r, per_doc, idx, heldout, opts, device=device, stages=stages)
 
 
 def needs_states(opts: EvalOptions) -> bool:
@@ -188,27 +197,45 @@ def needs_states(opts: EvalOptions) -> bool:
     return opts.fit_gate and opts.cont_cache
 
 
-def cont_cache_of(r: dict, spec: cc.ContCache | None, device: str = "cpu") -> tuple[cc.ContCache, np.ndarray]:
+def halves(doc: np.ndarray, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(fit_on, held): row masks of the kept rows split by document, every other kept document
+    (by number) held out. `--fit-gate` fits each candidate (and the continuous cache's scale) on
+    fit_on and compares the candidates on held."""
+    docs = np.unique(doc[keep])
+    held = np.isin(doc, docs[1::2]) & keep
+    return keep & ~held, held
+
+
+def cont_cache_of(
+    r: dict, spec: cc.ContCache | None, device: str = "cpu", *, fit_rows: np.ndarray | None = None
+) -> tuple[cc.ContCache, np.ndarray]:
     """(spec, q (N, len(factors))): the continuous cache's probability of every target of
     token_eval's result r (with its key states under "hidden"); without a spec, the scale is fit
-    on this text (which should then be validation text)."""
+    on this text's rows fit_rows (a mask; all rows if None), which should then be validation
+    text, and, when candidates are compared on it, only their fitting half (halves)."""
     if spec is None:
-        spec = cc.ContCache(cc.fit_scale(r["hidden"], r["doc"], device, window=cc.WINDOW), window=cc.WINDOW)
+        rows = np.ones(len(r["doc"]), bool) if fit_rows is None else fit_rows
+        spec = cc.ContCache(cc.fit_scale(r["hidden"][rows], r["doc"][rows], device, window=cc.WINDOW), window=cc.WINDOW)
     q = cc.target_probs(r["hidden"], r["target"], r["doc"], spec.temperatures, device, window=spec.window)
     return spec, q.astype(np.float32).astype(np.float64)  # as saved outputs keep it: both paths give the same figures
 
 
-def mix_report(r: dict, per_doc: np.ndarray, index, heldout, opts: EvalOptions = EvalOptions()):
+def mix_report(
+    r: dict, per_doc: np.ndarray, index, heldout, opts: EvalOptions = EvalOptions(), *, device: str = "cpu", stages: Stages | None = None
+):
     """heldout_report's mixing half, from a model's per-token outputs r (token_eval's fields:
-    nll, maxp, top, target, doc, and hidden for the kNN baseline) on the documents of `heldout`
-    (held-out features, or saved outputs: model/evaluation/outputs.py), per_doc their UTF-8 bytes;
-    index: its directory, or an opened Index or ClusterIndex."""
+    nll, maxp, top, target, doc, and hidden for the kNN baseline; "cont_cache" as saved, or the
+    continuous cache's key states under "hidden", read here on device) on the documents of
+    `heldout` (held-out features, or saved outputs: model/evaluation/outputs.py), per_doc their
+    UTF-8 bytes; index: its directory, or an opened Index or ClusterIndex. With decontaminate,
+    the mixture over all documents is reported too ("all_documents"); each stage's seconds
+    under "stages_s"."""
     from teragram.index.engine import as_index
     from teragram.index.heldout import DECONTAMINATION_SHARE, contamination
     from teragram.model.mixture import baselines
 
     idx = as_index(index)
-
+    stages = Stages() if stages is None else stages
     if opts.baseline is not None and opts.baseline not in baselines.BASELINES:
         raise TeragramError(f"unknown baseline {opts.baseline!r}; expected {' or '.join(baselines.BASELINES)}")
     if opts.baseline is not None and (opts.gate is not None or opts.fit_gate):
@@ -218,15 +245,22 @@ def mix_report(r: dict, per_doc: np.ndarray, index, heldout, opts: EvalOptions =
     keep_docs = np.ones(len(per_doc), bool)
     extra = {}
     if opts.decontaminate:
-        keep_docs = contamination(heldout, idx) < DECONTAMINATION_SHARE
+        with stages("decontaminate"):
+            keep_docs = contamination(heldout, idx) < DECONTAMINATION_SHARE
         extra["decontaminated"] = {"dropped_docs": int((~keep_docs).sum()), "docs": len(keep_docs)}
     keep = keep_docs[r["doc"].astype(int)]
+    if needs_states(opts) and "cont_cache" not in r:
+        spec = opts.gate.cont_cache if opts.gate is not None else None
+        with stages("cont_cache"):
+            r["cont_cache"] = cont_cache_of(r, spec, device, fit_rows=halves(r["doc"], keep)[0])
     nbytes = int(per_doc[keep_docs].sum())
     alone = summarize(r["nll"][keep], nbytes)
     fitted = None
     if opts.gate is not None or opts.fit_gate:
-        est = heldout_estimates(idx, heldout, opts.workers)
-        mixed, fitted, info = gated(r, est, keep, opts)
+        with stages("estimates"):
+            est = heldout_estimates(idx, heldout, opts.workers)
+        with stages("gate_fit" if opts.fit_gate else "gate"):
+            mixed, fitted, info = gated(r, est, keep, opts)
         extra |= info
     elif opts.baseline == "infini-gram":
         est = heldout_estimates(idx, heldout, opts.workers)
@@ -257,8 +291,10 @@ def mix_report(r: dict, per_doc: np.ndarray, index, heldout, opts: EvalOptions =
         mixed = baselines.knn_nll(r["nll"], dist, vals, y, params)
         extra["knn"] = {"lambda": params["lambda"], "temperature": params["temperature"]}
     else:
-        return alone | extra, None
-    return summarize(mixed[keep], nbytes) | {"model": alone} | extra, fitted
+        return alone | extra | {"stages_s": dict(stages)}, None
+    if opts.decontaminate:
+        extra["all_documents"] = summarize(mixed, int(per_doc.sum())) | {"model": summarize(r["nll"], int(per_doc.sum()))}
+    return summarize(mixed[keep], nbytes) | {"model": alone} | extra | {"stages_s": dict(stages)}, fitted
 
 
 def gated(r: dict, est: dict, keep: np.ndarray, opts: EvalOptions) -> tuple[np.ndarray, Gate | None, dict]:
@@ -279,9 +315,7 @@ def gated(r: dict, est: dict, keep: np.ndarray, opts: EvalOptions) -> tuple[np.n
     candidates = {"gate": (COMPONENTS, None)}
     if spec is not None:
         candidates["gate+cont_cache"] = (COMPONENTS + spec.names, spec)
-    docs = np.unique(r["doc"][keep])
-    held = np.isin(r["doc"], docs[1::2]) & keep  # every other kept document scores the candidates fit on the rest
-    fit_on = keep & ~held
+    fit_on, held = halves(r["doc"], keep)
     scores, logps = {}, {}
     for name, (comps, s) in candidates.items():
         logps[name] = lp = component_logp(est, r["nll"], comps, ccols)

@@ -141,15 +141,19 @@ def test_key_states_are_the_final_states_or_the_last_feed_forwards_input(held_ro
 
 
 def test_fit_gate_compares_the_candidates_and_live_equals_bulk(held_root, plain):
-    from teragram.model.evaluation.perplexity import EvalOptions, cont_cache_of, gated, token_eval
+    from teragram.model.evaluation.perplexity import EvalOptions, cont_cache_of, gated, halves, token_eval
 
     idx = Index(held_root / "idx")
     r = token_eval(plain, held_root / "held", idx.eos_id, idx.sep, hidden=cc.KEY)
-    r["cont_cache"] = cont_cache_of(r, None)
-    spec, q = r["cont_cache"]
-    assert spec.scale == pytest.approx(cc.fit_scale(r["hidden"], r["doc"]))
-    est = estimates.heldout_estimates(held_root / "idx", held_root / "held")
     keep = np.ones(len(r["nll"]), bool)
+    fit_on, held = halves(r["doc"], keep)
+    assert fit_on.any() and held.any() and not (fit_on & held).any() and (fit_on | held).all()
+    assert not np.isin(r["doc"][fit_on], r["doc"][held]).any()  # split by document
+    r["cont_cache"] = cont_cache_of(r, None, fit_rows=fit_on)
+    spec, q = r["cont_cache"]
+    assert spec.scale == pytest.approx(cc.fit_scale(r["hidden"][fit_on], r["doc"][fit_on]))  # the fitting half's documents alone
+    assert spec.scale != pytest.approx(cc.fit_scale(r["hidden"], r["doc"]))
+    est = estimates.heldout_estimates(held_root / "idx", held_root / "held")
     mixed, gate, info = gated(r, est, keep, EvalOptions(fit_gate=True))
     ch = info["gate_choice"]
     assert set(ch["held_out_half_perplexity"]) == {"gate", "gate+cont_cache"}
