@@ -26,8 +26,8 @@ weights per group, by EM: model/mixture/baselines.py); (t-c) the gate over the i
 the gate over both. With outputs saved with the continuous cache (the document's own earlier
 states, as `teragram eval --save-outputs` keeps them): (t+cc) the gate over both and the
 continuous cache, and the product's choice (what `eval --fit-gate` keeps: (t) or (t+cc), chosen
-on half the validation documents, fit on all; `--product-check IDX` runs those commands alone
-and compares). Also reported: the share of targets whose context has a match of >= 8 /
+on half the validation documents, fit on all; `gpu --product` also runs those commands alone
+from the checkpoint, and `eval` compares their figures with (t+cc)). Also reported: the share of targets whose context has a match of >= 8 /
 16 / 32 tokens, the ∞-gram's argmax accuracy by match length, and decontaminated test
 perplexity (documents with >= 80% of their 13-grams in that index removed). The variants are
 fit in benchmarks/lib/index_size_variants.py.
@@ -95,9 +95,10 @@ def stage_prepare(data: Path, carry: Path, max_mb: float) -> None:
     print(f"{carry}: {size / 1e6:.1f} MB")
 
 
-def stage_gpu(carry: Path, work: Path, out: Path, scale: str) -> None:
-    """Index the training text with the carried tokenizer, train (a), save its outputs
-    (scale "cpu": the perplexity benchmark's tiny model, to try the pipeline without a GPU)."""
+def stage_gpu(carry: Path, work: Path, out: Path, scale: str, product: bool = False) -> None:
+    """Index the training text with the carried tokenizer, train (a), save its outputs, and with
+    product, run the product commands from its checkpoint (product_from_checkpoint) (scale "cpu":
+    the perplexity benchmark's tiny model, to try the pipeline without a GPU)."""
     import os
 
     import torch
@@ -131,6 +132,10 @@ def stage_gpu(carry: Path, work: Path, out: Path, scale: str) -> None:
     held = heldout_features(work / "idx", work / "heldout", carry, os.cpu_count() or 1)
     save_outputs_a(work, out, held, s["eval_batch"], device)
     phases["outputs_s"] = time.time() - t
+    if product:
+        t = time.time()
+        product_from_checkpoint(work / "runs" / "a", work / "idx", carry, out, device, os.cpu_count() or 1)
+        phases["product_s"] = time.time() - t
     log = [json.loads(line) for line in open(work / "runs" / "a" / "log.jsonl")]
     info = {
         "train_log": log,
@@ -321,10 +326,24 @@ def report(res: dict, results_name: str = "index_size") -> None:
     if "product_check" in res:
         pc = res["product_check"]
         lines.append(
-            f"- The product commands alone (`teragram eval --outputs VALID --index {pc['index']} --fit-gate G`, then `--outputs TEST --gate G`) "
-            "against this table's choice: "
-            + ", ".join(f"{n} {c['product']:.4g} vs {c['benchmark']:.4g} ({100 * (c['ratio'] - 1):+.2f}%)" for n, c in pc["sets"].items())
-            + " (bar: within 0.5%)."
+            f"- The product commands alone, from the checkpoint on {pc['device']} (`teragram eval --checkpoint RUN --corpus VALID "
+            f"--index {pc['index']} --fit-gate G`, then `--corpus TEST --gate G --decontaminate`), test perplexity all / decontaminated "
+            "against this table's (t+cc): "
+            + "; ".join(
+                f"{n} {c['product']['all']:.4g} / {c['product']['decontaminated']:.4g} vs {c['t+cc']['all']:.4g} / "
+                f"{c['t+cc']['decontaminated']:.4g} ({c['ratio']['all']:.4f}x / {c['ratio']['decontaminated']:.4f}x, chose {c['chosen']})"
+                for n, c in pc["sets"].items()
+            )
+            + f" (bar: within 0.5%: {'met' if pc['within_bar'] else 'missed'})."
+        )
+        lines.append(
+            "- Their end-to-end speed (process start to report, features, model, continuous cache, estimates, gate): "
+            + "; ".join(
+                f"{n} {h} {c['tokens'][h] / c['wall_s'][h]:,.0f} tokens/s ({', '.join(f'{k} {v:.1f} s' for k, v in c['stages_s'][h].items())})"
+                for n, c in pc["sets"].items()
+                for h in c["tokens"]
+            )
+            + "."
         )
     acc = []
     for name in sets:
@@ -348,35 +367,57 @@ def report(res: dict, results_name: str = "index_size") -> None:
     save(results_name, res, "\n\n".join(md) + "\n\n" + "\n".join(lines), fig)
 
 
-def product_check(outputs: Path, index: Path, res: dict, workers: int, max_targets: int | None = None, sets=None) -> dict:
-    """The product commands alone on each set's saved outputs against INDEX (`teragram eval
-    --outputs VALID --fit-gate G`, then `--outputs TEST --gate G`), against this benchmark's
-    "choice" figure for that index: the bar is agreement within 0.5%."""
+def product_from_checkpoint(run: Path, index: Path, carry: Path, out: Path, device: str, workers: int, sets=None) -> dict:
+    """The product commands alone, from the checkpoint RUN and the carried text, with no saved
+    outputs and no benchmark code: on each set `teragram eval --checkpoint RUN --index INDEX
+    --corpus VALID --fit-gate G`, then `--corpus TEST --gate G --decontaminate` (which also
+    reports every document). Their reports (each stage's seconds included) and wall times, in
+    OUT/product.json, for `eval --product` to compare with this benchmark's figures."""
     import subprocess
 
-    row = next(r for r in res["indexes"] if r["index"] == index.name)
-    check = {"index": index.name, "sets": {}}
-    for name, s in row["sets"].items():
-        if sets and name not in sets:
-            continue
-        half = {h: outputs / "unpacked" / (f"first{max_targets}" if max_targets else "") / f"{name}-{h}" for h in HALVES}
-        gate = outputs / "product" / f"{index.name}-{name}.json"
-        gate.parent.mkdir(exist_ok=True)
-        base = [sys.executable, "-m", "teragram.serve.main", "eval", "--index", str(index), "--workers", str(workers), "--json"]
-        for cmd in (
-            [*base, "--outputs", str(half["valid"]), "--fit-gate", str(gate)],
-            [*base, "--outputs", str(half["test"]), "--gate", str(gate)],
-        ):
+    from teragram.index.engine import Index
+
+    res = {"index_tokens": Index(index).manifest["counts"]["tokens"], "device": device, "workers": workers, "sets": {}}
+    base = [sys.executable, "-m", "teragram.serve.main", "eval", "--checkpoint", str(run), "--index", str(index)]
+    base += ["--device", device, "--workers", str(workers), "--json"]
+    for name in sets or carried_sets(carry):
+        gate, runs = out / f"gate-{name}.json", {}
+        for half, extra in (("valid", ["--fit-gate", str(gate)]), ("test", ["--gate", str(gate), "--decontaminate"])):
+            cmd = [*base, "--corpus", str(carry / name / f"{half}.jsonl.zst"), *extra]
             print("+", " ".join(cmd), flush=True)
-            out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
-        ppl = out["perplexity"]
+            t = time.time()
+            p = subprocess.run(cmd, check=True, capture_output=True, text=True)
+            runs[half] = json.loads(p.stdout) | {"wall_s": time.time() - t, "command": " ".join(cmd[2:])}
+            print(f"  {name} {half}: {runs[half]['tokens']:,} tokens in {runs[half]['wall_s']:.1f} s", flush=True)
+        res["sets"][name] = runs
+    (out / "product.json").write_text(json.dumps(res, indent=1))
+    return res
+
+
+def product_check(product: dict, res: dict) -> dict:
+    """The product commands' test perplexity (product_from_checkpoint: from the checkpoint,
+    another path than this benchmark's saved outputs) against this benchmark's (t+cc) and choice
+    on the same documents, all and decontaminated, at the index of the same size: the bar is
+    agreement with (t+cc) within 0.5%. Exits without a report if a set is missing."""
+    row = next((r for r in res["indexes"] if r["index_tokens"] == product["index_tokens"]), None)
+    if row is None:
+        raise SystemExit(f"no index of {product['index_tokens']:,} tokens among --index: the product check needs the one it ran with")
+    check = {"index": row["index"], "device": product["device"], "sets": {}}
+    for name, runs in product["sets"].items():
+        s, test = row["sets"][name], runs["test"]
+        got = {"all": test["all_documents"]["perplexity"], "decontaminated": test["perplexity"]}
+        tcc = {"all": s["ppl"]["t+cc"], "decontaminated": s["ppl_decontaminated"]["t+cc"]}
         check["sets"][name] = {
-            "product": ppl,
-            "benchmark": s["ppl"]["choice"],
-            "ratio": ppl / s["ppl"]["choice"],
-            "commands": "eval --fit-gate; eval --gate",
+            "product": got,
+            "t+cc": tcc,
+            "choice": {"all": s["ppl"]["choice"], "decontaminated": s["ppl_decontaminated"]["choice"]},
+            "ratio": {k: got[k] / tcc[k] for k in got},
+            "chosen": runs["valid"].get("gate_choice", {}).get("chosen"),
+            "tokens": {h: r["tokens"] for h, r in runs.items()},
+            "wall_s": {h: r["wall_s"] for h, r in runs.items()},
+            "stages_s": {h: r.get("stages_s", {}) for h, r in runs.items()},
         }
-        print(f"{name}: product {ppl:.4f}, benchmark {s['ppl']['choice']:.4f}", flush=True)
+    check["within_bar"] = all(abs(r - 1) <= 0.005 for c in check["sets"].values() for r in c["ratio"].values())
     return check
 
 
@@ -412,9 +453,10 @@ def smoke() -> int:
         (work / "idx").symlink_to(smoke_index(tmp).resolve())
         held = heldout_features(work / "idx", work / "heldout", carry, 1)
         save_outputs_a(work, out, held, 4, "cpu", run=smoke_model(tmp))
-        idx = str(work / "idx")
-        check = ["--product-check", idx, "--product-check-sets", "timeshift"]  # one set: the same two commands for each
-        return main(["eval", "--outputs", str(out), "--index", idx, "--workers", "1", "--max-targets", "400", *check])
+        product_from_checkpoint(
+            smoke_model(tmp), work / "idx", carry, out, "cpu", 1, sets=["timeshift"]
+        )  # one set: the same commands for each
+        return main(["eval", "--outputs", str(out), "--index", str(work / "idx"), "--workers", "1"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -433,19 +475,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-mb", type=float, default=1.2, help="prepare: text per held-out half")
     ap.add_argument("--scale", choices=["gpu", "cpu"], default="gpu", help="gpu: the 125M model; cpu: the tiny one")
     ap.add_argument("--name", default="index_size", help="eval: the results' name (benchmarks/results/NAME.md)")
-    ap.add_argument("--product-check", type=Path, help="eval: also run the product commands alone with this index (one of --index)")
-    ap.add_argument("--product-check-sets", help="eval: only these sets (comma-separated) in the product check")
+    ap.add_argument("--product", action="store_true", help="gpu: also run the product commands from the checkpoint (product.json)")
     a = ap.parse_args(argv)
     if a.stage == "prepare":
         stage_prepare(a.data, a.carry, a.max_mb)
     elif a.stage == "gpu":
         a.out.mkdir(parents=True, exist_ok=True)
-        stage_gpu(a.carry, a.work, a.out, a.scale)
+        stage_gpu(a.carry, a.work, a.out, a.scale, a.product)
     else:
         res = stage_eval(a.outputs, a.index, a.workers, a.max_targets)
-        if a.product_check:
-            sets = a.product_check_sets.split(",") if a.product_check_sets else None
-            res["product_check"] = product_check(a.outputs, a.product_check, res, a.workers, a.max_targets, sets)
+        if (a.outputs / "product.json").exists():  # the gpu stage's --product: compared before anything is saved
+            res["product_check"] = product_check(json.loads((a.outputs / "product.json").read_text()), res)
         report(res, a.name)
     return 0
 
