@@ -161,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.contexts:
         rows = contexts_rows(args.contexts, Path(args.workdir) / "contexts-memory", args.baseline)
         md = f"The stored contexts of each shard of {args.contexts}, built again by a process of its own (its files evicted first).\n\n"
-        save(args.name, {"rows": rows, "index": str(args.contexts)}, md + table(rows, list(rows[0])))
+        checks = {f"shard {r['shard']}: the same bytes from every library": r["same_bytes"] for r in rows}
+        save(args.name, {"rows": rows, "index": str(args.contexts)}, md + table(rows, list(rows[0])), checks=checks)
         return 0
     w = Path(args.workdir)
     corpus = [Path(c) for c in args.corpus] if args.corpus else [linux_corpus(w, args.mb, "train")]

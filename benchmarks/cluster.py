@@ -290,6 +290,7 @@ def report(args, idx: Index, groups: list, exact: list[dict], overhead: list[dic
          "bulk": bulk_row, "bulk_bar": BULK_BAR, "generation": gen_row},
         md,
         _plot(overhead),
+        checks={"every cluster answer == the local Index's": all_equal},
     )  # fmt: skip
     return all_equal
 

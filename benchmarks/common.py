@@ -149,9 +149,15 @@ def table(rows: list[dict], cols: list[str]) -> str:
     return "\n".join(lines)
 
 
-def save(name: str, data: dict, markdown: str, fig=None, *, results: Path = RESULTS) -> None:
+def save(name: str, data: dict, markdown: str, fig=None, *, results: Path = RESULTS, checks: dict[str, bool] | None = None) -> None:
     """Write NAME.json (data + provenance), NAME.md (provenance + table), NAME.png (fig) under
-    results_dir(results)."""
+    results_dir(results). checks: the equalities the figures rest on (a description each, e.g.
+    "idx-2b: incremental text == from scratch"); if any is false nothing is written, and the
+    run exits non-zero naming them."""
+    failed = [k for k, ok in (checks or {}).items() if not ok]
+    if failed:
+        print(markdown)
+        raise SystemExit(f"{name}: not saved, these checks failed: {'; '.join(failed)}")
     out = results_dir(results)
     out.mkdir(parents=True, exist_ok=True)
     prov = {

@@ -239,8 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     data = {"features": frows, "features_equal": fequal, "check": check, "pair": prows, "pair_equal": pequal, "cap": args.cap, "load": load}
     data |= fdata
-    save(args.name, data, md)
-    return 0 if fequal and pequal else 1
+    save(args.name, data, md, checks={"features == search's": bool(fequal), "pairwise answers == search's": bool(pequal)})
+    return 0
 
 
 if __name__ == "__main__":

@@ -179,3 +179,26 @@ def test_evaluation_leaves_out_exactly_the_contaminated_documents(random_case, t
     assert {k: v for k, v in got.items() if k != "decontaminated"} == summarize(r["nll"][rows], int(per_doc[keep].sum()))
     everything, _ = mix_report(r, per_doc, idx.path, held, EvalOptions())
     assert "decontaminated" not in everything and everything["tokens"] == len(doc)
+
+
+def test_held_out_features_over_other_shardings_and_orders(tmp_path, tokenizer_model):
+    """The same documents indexed in one shard, in several, and in another order: held-out
+    features are equal but for cont, the continuation of the most recent occurrence, which
+    follows the order of the index's documents (what benchmarks/heldout_speed checks)."""
+    from teragram.index.heldout import held_out_features
+
+    rng = np.random.default_rng(3)
+    alphabet = rng.choice(np.arange(3, 1000), 12, replace=False)
+    docs = [alphabet[rng.integers(0, 12, int(rng.integers(5, 200)))] for _ in range(60)]
+    made = {}
+    for name, order, shard_tokens in (("one", docs, 1 << 20), ("several", docs, 1500), ("reversed", docs[::-1], 1500)):
+        build_from_ids(order, tmp_path / name, tokenizer_model, shard_tokens=shard_tokens)
+        made[name] = Index(tmp_path / name)
+    assert len(made["one"].shards) == 1 and len(made["several"].shards) >= 3
+    held = [alphabet[rng.integers(0, 12, 150)] for _ in range(6)]
+    cfg = ff.FeatureConfig("held-out", 64, 4)
+    got = {n: held_out_features(idx, held, cfg) for n, idx in made.items()}
+    for name in ff.FIELDS:
+        a, b, c = (getattr(got[n], name) for n in ("one", "several", "reversed"))
+        assert np.array_equal(a, b), name  # same order, other sharding: every field
+        assert np.array_equal(a, c) == (name != "cont"), name  # other order: all but cont
