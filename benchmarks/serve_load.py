@@ -261,14 +261,16 @@ def serve_and_load(
 
 
 def endpoint_rows(stats: dict, wall: float) -> tuple[list[dict], dict]:
-    """One table row per endpoint (requests, failures, requests/s, p50 and p99 latency), and the totals."""
+    """One table row per endpoint (requests, failures, requests/s, p50 and p99 latency), and the
+    totals of the load clients (the probe's requests are not counted in them)."""
     rows = []
     total = failed = 0
     for k in sorted(stats):
         lat = np.array([x for x, _ in stats[k]])
         fails = sum(not ok for _, ok in stats[k])
-        total += len(lat)
-        failed += fails
+        if k != PROBE_ROW:
+            total += len(lat)
+            failed += fails
         rows.append(
             {
                 "endpoint": k,
@@ -290,20 +292,21 @@ def report(args: argparse.Namespace, idx, rows: list[dict], data: dict) -> None:
     n_tok = idx.manifest["counts"]["tokens"]
     md += (
         f"\n\n{args.clients} concurrent clients for {wall:.0f} s on loopback against {run / 'idx'} ({n_tok / 1e6:,.0f}M tokens, "
-        f"{len(idx.shards)} shards) and the tiny model {run / 'index-model'} on CPU: {total['requests']:,} requests, {total['failed']} failed, "
-        f"{total['req_per_s']:,.1f} requests/s."
+        f"{len(idx.shards)} shards) and the tiny model {run / 'index-model'} on CPU: the load clients' {total['requests']:,} requests, "
+        f"{total['failed']} failed, {total['req_per_s']:,.1f} requests/s (the probe's requests, in its row, not counted)."
     )
     if "baseline" in data:
         b = data["baseline"]
         md += (
-            f"\n\nThe same load, run first, against the server of the library at {b['commit']}: {b['total']['requests']:,} requests, "
+            f"\n\nThe same load, run first, against the server of the library at {b['commit']}: the load clients' {b['total']['requests']:,} requests, "
             f"{b['total']['failed']} failed, {b['total']['req_per_s']:,.1f} requests/s:\n\n" + table(list(b["endpoints"].values()), cols)
         )
     if "cold" in data:
         c = data["cold"]
         md += (
             f"\n\nCold: the same load, run first, with the index's {c['evicted_files']} files dropped from the page cache just before the server "
-            f"started (posix_fadvise DONTNEED): {c['total']['requests']:,} requests, {c['total']['failed']} failed, {c['total']['req_per_s']:,.1f} requests/s:\n\n"
+            f"started (posix_fadvise DONTNEED): the load clients' {c['total']['requests']:,} requests, {c['total']['failed']} failed, "
+            f"{c['total']['req_per_s']:,.1f} requests/s:\n\n"
             + table(list(c["endpoints"].values()), cols)
         )
     if share:
