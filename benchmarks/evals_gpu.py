@@ -205,7 +205,7 @@ def main() -> int:
     ap.add_argument("--scale", default="gpu", help="the perplexity benchmark's scale (cpu: the tiny model, for a smoke run)")
     ap.add_argument("--steps", type=int, help="override the scale's steps")
     ap.add_argument("--limit", type=int, help="each task's first N examples only (a smoke run)")
-    ap.add_argument("--earlier", default="benchmarks/results/joint_posthoc_refit.json", help="report: the recipe without the part")
+    ap.add_argument("--earlier", help="report: the recipe without the part (its index_size-style results JSON)")
     ap.add_argument("--note", default="", help="report: where and at which commit OUT was made")
     ap.add_argument("--name", default="evals_125m_english_ppl")
     a = ap.parse_args()
@@ -215,6 +215,8 @@ def main() -> int:
     if not a.out:
         raise SystemExit("--out is needed for train, evals and report")
     if a.stage == "report":
+        if not a.earlier:  # the earlier recipe's file left benchmarks/results/ with the joint recipe
+            raise SystemExit("report needs --earlier FILE (e.g. git show 76ffa94:benchmarks/results/joint_posthoc_refit.json > FILE)")
         report(Path(a.out), Path(a.earlier), a.note, a.name)
         return 0
     paths = (Path(a.base), Path(a.carry), Path(a.work), Path(a.out))
