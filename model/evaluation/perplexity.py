@@ -249,7 +249,7 @@ def mix_report(
             keep_docs = contamination(heldout, idx) < DECONTAMINATION_SHARE
         extra["decontaminated"] = {"dropped_docs": int((~keep_docs).sum()), "docs": len(keep_docs)}
     keep = keep_docs[r["doc"].astype(int)]
-    if needs_states(opts) and "cont_cache" not in r:
+    if needs_states(opts) and "cont_cache" not in r and "hidden" in r:  # saved outputs bring theirs, or none
         spec = opts.gate.cont_cache if opts.gate is not None else None
         with stages("cont_cache"):
             r["cont_cache"] = cont_cache_of(r, spec, device, fit_rows=halves(r["doc"], keep)[0])
