@@ -442,7 +442,8 @@ def test_eval_through_the_cluster(cluster, held, model_run, quick_gate_fit, tmp_
     reports = []
     for i, index in enumerate((idx, c)):  # the same features written through either; then the report
         compute_held_out(index, tmp_path / f"feats{i}", FeatureConfig("held-out", 12, 4), [str(text)])
-        reports.append(heldout_report(model, index, tmp_path / f"feats{i}", opts=opts)[0])
+        report = heldout_report(model, index, tmp_path / f"feats{i}", opts=opts)[0]
+        reports.append({k: v for k, v in report.items() if k != "stages_s"})  # the figures, not their timings
     assert reports[1] == reports[0] and reports[0]["decontaminated"]["docs"] == 10
 
 
