@@ -91,7 +91,7 @@ class Index:
     threads: on how many threads the shards are searched (the kernels release the GIL). The
     default, 1, searches all shards in one call, their binary searches interleaved step by
     step (index/fanout.py): on a warm page cache a query takes tens of microseconds, less than
-    handing it to a thread (docs/results.md, section 2). More threads each search a
+    handing it to a thread (docs/research/2026-12-01-index-engine-at-scale.md). More threads each search a
     run of consecutive shards; they pay when searches wait on the disk (a cold or
     larger-than-memory index), where a page fault stalls its thread.
 

@@ -10,7 +10,7 @@ read-ahead, or faulted through a mapping advised MADV_HUGEPAGE, a file is cached
 written by the build and kept cached, or read in small pieces, it is cached in 4 kB pages and
 stays so until evicted. Held-out estimates at 2.43B tokens in 12 shards, the same cached
 pages mapped 4 kB at a time: 37.6-41.8k tokens/s/core; 2 MiB at a time: 52.0-53.5k (3 shards:
-58.5-60.9k and 70.9-83.0k; docs/results.md, section 2).
+58.5-60.9k and 70.9-83.0k; docs/research/2026-12-06-bulk-speed.md).
 
 warm() drops each file's cached pages (POSIX_FADV_DONTNEED: pages that a running process maps
 stay) and reads the file back through a mapping advised MADV_HUGEPAGE (MADV_POPULATE_READ, or a

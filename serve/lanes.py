@@ -72,6 +72,6 @@ def settle() -> None:
     libraries: torch's modules alone are hundreds of thousands of objects) out of the garbage
     collector's full passes, which walked all of it and stalled every request of the process for
     tens of milliseconds (a count's p99 for a client of its own at 2.43B tokens under 64 clients:
-    88-115 ms, 47-49 ms with it; docs/results.md, section 7)."""
+    88-115 ms, 47-49 ms with it; docs/research/2026-12-07-results-history.md)."""
     gc.collect()
     gc.freeze()
