@@ -306,8 +306,7 @@ def report(args: argparse.Namespace, idx, rows: list[dict], data: dict) -> None:
         md += (
             f"\n\nCold: the same load, run first, with the index's {c['evicted_files']} files dropped from the page cache just before the server "
             f"started (posix_fadvise DONTNEED): the load clients' {c['total']['requests']:,} requests, {c['total']['failed']} failed, "
-            f"{c['total']['req_per_s']:,.1f} requests/s:\n\n"
-            + table(list(c["endpoints"].values()), cols)
+            f"{c['total']['req_per_s']:,.1f} requests/s:\n\n" + table(list(c["endpoints"].values()), cols)
         )
     if share:
         md += (
