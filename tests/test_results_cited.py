@@ -11,7 +11,6 @@
   fractions). Not checked: integer percentages and ratios written in prose (8-22%, 13-53x:
   comparisons the README derives), numbers in `code`, index and model sizes (47M, 2.43B, 125M),
   dates, version numbers, the clauses that state a bar (`bar 50 ms`, `moonshot >= 35%`), and ALLOWED.
-- A block marked "(being re-measured)" is checked for its files only: its figures are being rerun.
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ DOCS = [README, REPO / "docs" / "results.md"]
 NOT_RESULTS = {"README.md", "results.md", "cli.md", "semantics.md", "format.md", "STYLE.md", "gate.json", "gate-big.json"}
 # Figures of the setup, not of a result: the 125M's 1,500 steps of 32 x 1,024 tokens.
 ALLOWED = {"1,500", "1,024"}
-REMEASURED = "(being re-measured)"
 
 FILE_TOKEN = re.compile(r"[\w./*{},-]+\.(?:md|json|png|txt)\b")
 NUMBER = re.compile(r"(?<![\w.^/])(?<![A-Za-z]-)(\d+(?:,\d{3})*(?:\.\d+)?)(k|x|%)?(?![\w^/]|\.\d)")
@@ -176,8 +174,6 @@ def test_readme_figures_are_in_their_results_files():
     assert len(checked) >= 5, "README's results tables and limits should name their results files"
     bad = []
     for block, paths in checked:
-        if REMEASURED in block:
-            continue
         missing = [f for f in figures(block) if not found(f, paths)]
         if missing:
             bad.append(f"{[p.name for p in paths]}: {missing} in {block[:120]!r}")

@@ -101,13 +101,13 @@ def save_model_outputs(
     `cont_cache` (a ContCache, e.g. of validation outputs saved earlier), or at one fit on this
     text (which should then be validation text): on the half of its documents that `--fit-gate`
     fits on (perplexity.halves)."""
-    from teragram.model.evaluation.perplexity import cont_cache_of, doc_bytes, halves, token_eval
+    from teragram.model.evaluation.perplexity import cont_cache_of, doc_bytes, token_eval
     from teragram.model.mixture import cont_cache as cc
     from teragram.model.training.data import EvalData
 
     eos, sep = idx.eos_id, idx.sep
     r = token_eval(model, heldout, eos, sep, device, batch=batch, hidden=hidden or cc.KEY)
-    r["cont_cache"] = cont_cache_of(r, cont_cache, device, fit_rows=halves(r["doc"], np.ones(len(r["doc"]), bool))[0])
+    r["cont_cache"] = cont_cache_of(r, cont_cache, device)
     if hidden is not True:
         r.pop("hidden")
     per_doc = doc_bytes(EvalData(heldout, model.cfg.block_size, eos, sep), idx.decode)

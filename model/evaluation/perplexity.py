@@ -133,11 +133,10 @@ def gated_eval(
     idx = as_index(index)
     opts = EvalOptions(gate=gate, fit_gate=gate is None, cont_cache=cont_cache, workers=workers)
     r = token_eval(model, heldout, idx.eos_id, idx.sep, device, batch=batch, hidden=needs_states(opts) and cc.KEY)
-    keep = np.ones(len(r["nll"]), bool)
     if needs_states(opts):
-        r["cont_cache"] = cont_cache_of(r, gate.cont_cache if gate is not None else None, device, fit_rows=halves(r["doc"], keep)[0])
+        r["cont_cache"] = cont_cache_of(r, gate.cont_cache if gate is not None else None, device)
     est = heldout_estimates(idx, heldout, workers)
-    mixed, fitted, _ = gated(r, est, keep, opts)
+    mixed, fitted, _ = gated(r, est, np.ones(len(r["nll"]), bool), opts)
     return fitted if fitted is not None else gate, r["nll"], mixed
 
 
@@ -211,10 +210,11 @@ def cont_cache_of(
 ) -> tuple[cc.ContCache, np.ndarray]:
     """(spec, q (N, len(factors))): the continuous cache's probability of every target of
     token_eval's result r (with its key states under "hidden"); without a spec, the scale is fit
-    on this text's rows fit_rows (a mask; all rows if None), which should then be validation
-    text, and, when candidates are compared on it, only their fitting half (halves)."""
+    on this text's rows fit_rows (a mask; None: the fitting half of every document, halves),
+    which should then be validation text: the half of it that `--fit-gate` fits the candidates
+    on, never the half that compares them."""
     if spec is None:
-        rows = np.ones(len(r["doc"]), bool) if fit_rows is None else fit_rows
+        rows = halves(r["doc"], np.ones(len(r["doc"]), bool))[0] if fit_rows is None else fit_rows
         spec = cc.ContCache(cc.fit_scale(r["hidden"][rows], r["doc"][rows], device, window=cc.WINDOW), window=cc.WINDOW)
     q = cc.target_probs(r["hidden"], r["target"], r["doc"], spec.temperatures, device, window=spec.window)
     return spec, q.astype(np.float32).astype(np.float64)  # as saved outputs keep it: both paths give the same figures
