@@ -175,6 +175,39 @@ def write_array(path: Path, kind: str, arr: np.ndarray) -> None:
     _finish(tmp, path)
 
 
+class ArrayWriter:
+    """A flat array written a part at a time (`append`), for arrays that never sit whole in
+    memory; `close` writes the header with the final count and puts the file in place
+    atomically (until then only a temporary file exists)."""
+
+    def __init__(self, path: Path, kind: str, dtype):
+        self.path, self.kind, self.dtype = Path(path), kind, np.dtype(dtype)
+        if self.dtype.name not in _DTYPES:
+            raise ValueError(f"unsupported dtype {self.dtype.name}")
+        self.count = 0
+        self.tmp = _tmp_name(self.path)
+        self.f = open(self.tmp, "wb")
+        self.f.write(bytes(HEADER_SIZE))
+
+    def append(self, arr) -> None:
+        a = np.ascontiguousarray(arr, self.dtype).reshape(-1)
+        with naming(self.tmp):
+            a.astype(self.dtype.newbyteorder("<"), copy=False).tofile(self.f)
+        self.count += a.size
+
+    def close(self) -> Path:
+        with naming(self.tmp):
+            self.f.seek(0)
+            self.f.write(encode_header(Header(self.kind, self.dtype.name, self.dtype.itemsize * 8, self.count)))
+            self.f.close()
+        _finish(self.tmp, self.path)
+        return self.path
+
+    def abort(self) -> None:
+        self.f.close()
+        self.tmp.unlink(missing_ok=True)
+
+
 def write_packed(path: Path, kind: str, words: np.ndarray, width: int, count: int) -> None:
     """Atomically write a bit-packed array (words from ``packed.pack``)."""
     path = Path(path)

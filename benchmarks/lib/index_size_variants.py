@@ -79,8 +79,9 @@ def product_choice(o: dict, est: dict) -> tuple[dict[str, np.ndarray], dict]:
     """What `teragram eval --outputs VALID --fit-gate G` then `--outputs TEST --gate G` give: the
     product's gate, chosen and fit on every validation target (model/evaluation/perplexity.gated,
     the code eval runs), and applied to the test half. Returns (per-target nll, its choice)."""
+    from teragram.model.evaluation.mixing import gated
     from teragram.model.evaluation.outputs import gated_outputs
-    from teragram.model.evaluation.perplexity import EvalOptions, gated
+    from teragram.model.evaluation.perplexity import EvalOptions
 
     v = o["valid"]
     r = {"nll": v.nll, "maxp": v.maxp, "top": v.top.astype(np.int64), "target": v.target, "doc": v.doc, "cont_cache": v.cont_cache}

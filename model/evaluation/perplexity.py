@@ -14,50 +14,58 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from teragram.index.errors import TeragramError
 from teragram.index.features import Features
+from teragram.model.evaluation.stream import CHUNK_TOKENS, FIT_ROWS
 from teragram.model.gpt import GPT, to_torch
 from teragram.model.mixture import cont_cache as cc
-from teragram.model.mixture.estimates import COMPONENTS, heldout_estimates
-from teragram.model.mixture.gate import Gate, component_logp, gate_inputs, mix_nll_multi
+from teragram.model.mixture.estimates import heldout_docs, heldout_estimates
+from teragram.model.mixture.gate import Gate
 from teragram.model.training.data import EvalData
 
 
+def doc_windows(ids: np.ndarray, f_doc: Features | None, T: int, eos: int, k: int):
+    """(offset, x, y, features) of the windows of one document read as EOS + ids, predicting
+    ids + EOS, T positions each; offset is the window's first target within the document.
+    f_doc: the held-out features of its positions (None: a model without index inputs)."""
+    x_all = np.concatenate([[eos], ids]).astype(np.int64)
+    y_all = np.append(ids, eos).astype(np.int64)
+    f_all = Features.combine([Features.empty(1, k, (np.int64,) * 5), f_doc]) if f_doc is not None else None
+    for s in range(0, len(x_all), T):
+        yield s, x_all[s : s + T], y_all[s : s + T], (f_all.map(lambda v, s=s: v[s : s + T]) if f_all is not None else None)
+
+
 @torch.no_grad()
-def token_eval(
-    model: GPT,
-    heldout: str | Path,
-    eos: int,
-    sep: int,
-    device: str = "cpu",
-    *,
-    batch: int = 16,
-    hidden: bool | str = False,
+def forward_docs(
+    model: GPT, docs, eos: int, device: str = "cpu", *, first: int = 0, feats: Features | None = None, batch: int = 16, hidden=False
 ) -> dict:
-    """Per predicted token: nll (mixture when the model has one), nll_model (the model's own
-    softmax), maxp and top (its most likely token and that token's probability), target, doc
-    (document number), pos (index of the target in EOS+doc+EOS order minus one), and with
-    hidden=True the final hidden state (for kNN-LM queries; hidden="ffn_in": the continuous
-    cache's key states, model/mixture/cont_cache.key_states)."""
-    ev = EvalData(heldout, model.cfg.block_size, eos, sep)
+    """The model over documents (token ids, no separator), each read as EOS + its tokens in
+    windows of the model's context. Per predicted token: nll (mixture when the model has one),
+    nll_model (the model's own softmax), maxp and top (its most likely token and that token's
+    probability), target, doc (document number, from `first`), pos (index of the target in
+    EOS+doc+EOS order minus one), and with hidden=True the final hidden states (for kNN-LM
+    queries; hidden="ffn_in": the continuous cache's key states, cont_cache.key_states) as one
+    float32 tensor on `device`. feats: the documents' held-out features laid out doc0 SEP doc1
+    SEP ... (decoded), for a model with index inputs."""
+    T, k = model.cfg.block_size, max(model.cfg.top_k, 1)
     key = "final" if hidden is True else hidden
     was = model.training
     model.eval()
     cuda = str(device).startswith("cuda")
-    out: dict[str, list] = {k: [] for k in ("nll", "nll_model", "maxp", "top", "target", "doc", "pos", "hidden")}
+    out: dict[str, list] = {n: [] for n in ("nll", "nll_model", "maxp", "top", "target", "doc", "pos", "hidden")}
     buf: list = []
 
     def flush():
-        T = max(len(b[0]) for b in buf)
+        T_ = max(len(b[1]) for b in buf)
         n = len(buf)
-        x = torch.full((n, T), eos, dtype=torch.long)
-        y = torch.full((n, T), eos, dtype=torch.long)
-        mask = torch.zeros((n, T), dtype=torch.bool)
-        padded = []  # each window's features, padded with "nothing found" to T positions
-        for i, (xx, yy, ff, _, _) in enumerate(buf):
+        x = torch.full((n, T_), eos, dtype=torch.long)
+        y = torch.full((n, T_), eos, dtype=torch.long)
+        mask = torch.zeros((n, T_), dtype=torch.bool)
+        padded = []  # each window's features, padded with "nothing found" to T_ positions
+        for i, (_, xx, yy, ff, _, _) in enumerate(buf):
             m = len(xx)
             x[i, :m], y[i, :m], mask[i, :m] = torch.from_numpy(xx), torch.from_numpy(yy), True
-            padded.append(Features.combine([ff, Features.empty(T - m, ev.k, (np.int64,) * 5)]))
+            if ff is not None:
+                padded.append(Features.combine([ff, Features.empty(T_ - m, k, (np.int64,) * 5)]))
         f = to_torch(Features.combine(padded, np.stack), device) if model.cfg.use_index else None
         xd, yd = x.to(device), y.to(device)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda), cc.key_states(model, key) if hidden else nullcontext() as got:
@@ -72,21 +80,43 @@ def token_eval(
         out["top"].append(top[mk].cpu().numpy())
         out["target"].append(y[mask].numpy())
         if hidden:
-            out["hidden"].append(got[0].float()[mk].cpu().numpy())
-        for xx, _, _, d, s in buf:
+            out["hidden"].append(got[0].float()[mk])
+        for s, xx, _, _, d, _ in buf:
             out["doc"].append(np.full(len(xx), d))
             out["pos"].append(np.arange(s, s + len(xx)))
         buf.clear()
 
-    for d, s, xx, yy, ff in ev.windows():
-        buf.append((xx, yy, ff, d, s))
-        if len(buf) == batch:
-            flush()
+    at = 0  # the document's first position in feats
+    for j, ids in enumerate(docs):
+        n = len(ids)
+        f_doc = feats.map(lambda v, a=at, n=n: v[a : a + n]) if model.cfg.use_index else None
+        at += len(ids) + 1
+        for s, xx, yy, ff in doc_windows(np.asarray(ids), f_doc, T, eos, k):
+            buf.append((s, xx, yy, ff, first + j, None))
+            if len(buf) == batch:
+                flush()
     if buf:
         flush()
     model.train(was)
-    res = {k: np.concatenate(v) if v else np.zeros(0) for k, v in out.items()}
+    hid = out.pop("hidden")
+    res = {n: np.concatenate(v) if v else np.zeros(0) for n, v in out.items()}
+    if hidden:
+        res["hidden"] = torch.cat(hid) if hid else torch.zeros((0, model.cfg.n_embd), device=device)
     return res
+
+
+def token_eval(
+    model: GPT, heldout: str | Path, eos: int, sep: int, device: str = "cpu", *, batch: int = 16, hidden: bool | str = False
+) -> dict:
+    """forward_docs over every document of a held-out features directory at once (the hidden
+    states as a numpy array); for text of any size, heldout_report streams it."""
+    from teragram.model.evaluation.stream import heldout_chunks
+
+    (ch,) = heldout_chunks(heldout, 1 << 62, features=model.cfg.use_index)
+    r = forward_docs(model, ch.docs, eos, device, feats=ch.feats, batch=batch, hidden=hidden)
+    if hidden:
+        r["hidden"] = r["hidden"].cpu().numpy()
+    return r
 
 
 def doc_bytes(ev: EvalData, decode) -> np.ndarray:
@@ -97,6 +127,11 @@ def doc_bytes(ev: EvalData, decode) -> np.ndarray:
             for d in range(len(ev.starts) - 1)
         ]
     )
+
+
+def docs_bytes(docs, decode) -> np.ndarray:
+    """UTF-8 bytes of each document's text (token ids)."""
+    return np.array([len(decode(np.asarray(d).tolist()).encode()) for d in docs], np.int64)
 
 
 def summarize(nll: np.ndarray, nbytes: int) -> dict:
@@ -136,13 +171,16 @@ def gated_eval(
     if needs_states(opts):
         r["cont_cache"] = cont_cache_of(r, gate.cont_cache if gate is not None else None, device)
     est = heldout_estimates(idx, heldout, workers)
+    from teragram.model.evaluation.mixing import gated
+
     mixed, fitted, _ = gated(r, est, np.ones(len(r["nll"]), bool), opts)
     return fitted if fitted is not None else gate, r["nll"], mixed
 
 
 class Stages(dict):
     """Seconds spent in each stage of an evaluation, by name (`teragram eval --json` reports them
-    under "stages_s"): `with stages("model"): ...` adds the block's wall time."""
+    under "stages_s"): `with stages("model"): ...` adds the block's wall time. Stages of a
+    streamed evaluation overlap (the model runs a chunk ahead): their sum exceeds the wall time."""
 
     @contextmanager
     def __call__(self, name: str):
@@ -165,6 +203,27 @@ class EvalOptions:
     decontaminate: bool = False  # drop documents with >= 80% of their 13-grams in the index
     dense: str | Path | None = None  # the kNN baseline's dense store (default IDX/dense)
     workers: int = 1  # processes for the index estimates
+    chunk_tokens: int = CHUNK_TOKENS  # targets read, run and mixed at a time (peak memory follows it)
+    fit_rows: int = FIT_ROWS  # tokens a candidate gate (or a baseline's parameters) is fit on at most
+    spill: str | Path | None = None  # where a fit's per-token inputs are spilled (default: the system's temporary directory)
+
+
+def model_chunks(model: GPT, idx, chunks, device: str = "cpu", *, batch: int = 16, hidden=False, stages: Stages | None = None):
+    """Chunks (model/evaluation/stream.py) with the model's outputs and each document's bytes
+    filled in; held-out features computed for a model that reads them (and not given)."""
+    from teragram.index.features import FeatureConfig
+    from teragram.index.heldout import held_out_features
+
+    stages = Stages() if stages is None else stages
+    for ch in chunks:
+        if model.cfg.use_index and ch.feats is None:
+            with stages("features"):
+                ch.feats = held_out_features(idx, ch.docs, FeatureConfig("held-out", model.cfg.max_match, max(model.cfg.top_k, 1)))
+        with stages("model"):
+            ch.r = forward_docs(model, ch.docs, idx.eos_id, device, first=ch.first, feats=ch.feats, batch=batch, hidden=hidden)
+            ch.nbytes = docs_bytes(ch.docs, idx.decode)
+        ch.feats = None
+        yield ch
 
 
 def heldout_report(
@@ -175,18 +234,18 @@ def heldout_report(
     "model"); fitted is what was fit here (a Gate, or the baseline's parameters), else None.
     With decontaminate, documents with >= 80% of their 13-grams in the index are left out of
     everything, fitting included, and the report says how many. index: its directory, or an
-    opened Index or ClusterIndex (index/cluster.py: the estimates computed by its holders)."""
+    opened Index or ClusterIndex (index/cluster.py: the estimates computed by its holders).
+    Streamed a chunk of documents at a time (mix_stream)."""
     from teragram.index.engine import as_index
-    from teragram.index.tokenizer import load
+    from teragram.model.evaluation.mixing import mix_stream
+    from teragram.model.evaluation.stream import heldout_chunks, prefetch
 
     idx = as_index(index)
     stages = Stages() if stages is None else stages
-    with stages("model"):
-        hidden = opts.baseline == "knn" or (needs_states(opts) and cc.KEY)
-        r = token_eval(model, heldout, idx.eos_id, idx.sep, device, batch=batch, hidden=hidden)
-    ev = EvalData(heldout, model.cfg.block_size, idx.eos_id, idx.sep)
-    per_doc = doc_bytes(ev, load(Path(heldout) / "tokenizer.model").decode)
-    return mix_report(r, per_doc, idx, heldout, opts, device=device, stages=stages)
+    hidden = "final" if opts.baseline == "knn" else needs_states(opts) and cc.KEY
+    chunks = heldout_chunks(heldout, opts.chunk_tokens, features=model.cfg.use_index)
+    chunks = prefetch(model_chunks(model, idx, chunks, device, batch=batch, hidden=hidden, stages=stages))
+    return mix_stream(chunks, idx, opts, device=device, stages=stages)
 
 
 def needs_states(opts: EvalOptions) -> bool:
@@ -209,121 +268,29 @@ def cont_cache_of(
     r: dict, spec: cc.ContCache | None, device: str = "cpu", *, fit_rows: np.ndarray | None = None
 ) -> tuple[cc.ContCache, np.ndarray]:
     """(spec, q (N, len(factors))): the continuous cache's probability of every target of
-    token_eval's result r (with its key states under "hidden"); without a spec, the scale is fit
-    on this text's rows fit_rows (a mask; None: the fitting half of every document, halves),
-    which should then be validation text: the half of it that `--fit-gate` fits the candidates
-    on, never the half that compares them."""
+    forward_docs's result r (with its key states under "hidden", an array or a tensor); without
+    a spec, the scale is fit on this text's rows fit_rows (a mask; None: the fitting half of
+    every document, halves), which should then be validation text: the half of it that
+    `--fit-gate` fits the candidates on, never the half that compares them."""
+    h = r["hidden"]
     if spec is None:
         rows = halves(r["doc"], np.ones(len(r["doc"]), bool))[0] if fit_rows is None else fit_rows
-        spec = cc.ContCache(cc.fit_scale(r["hidden"][rows], r["doc"][rows], device, window=cc.WINDOW), window=cc.WINDOW)
-    q = cc.target_probs(r["hidden"], r["target"], r["doc"], spec.temperatures, device, window=spec.window)
+        hr = h[torch.as_tensor(rows, device=h.device)] if torch.is_tensor(h) else h[rows]
+        spec = cc.ContCache(cc.fit_scale(hr, r["doc"][rows], device, window=cc.WINDOW), window=cc.WINDOW)
+    q = cc.target_probs(h, r["target"], r["doc"], spec.temperatures, device, window=spec.window)
     return spec, q.astype(np.float32).astype(np.float64)  # as saved outputs keep it: both paths give the same figures
 
 
 def mix_report(
     r: dict, per_doc: np.ndarray, index, heldout, opts: EvalOptions = EvalOptions(), *, device: str = "cpu", stages: Stages | None = None
 ):
-    """heldout_report's mixing half, from a model's per-token outputs r (token_eval's fields:
-    nll, maxp, top, target, doc, and hidden for the kNN baseline; "cont_cache" as saved, or the
+    """mix_stream of a model's per-token outputs r held in memory (forward_docs's fields: nll,
+    maxp, top, target, doc, and hidden for the kNN baseline; "cont_cache" as saved, or the
     continuous cache's key states under "hidden", read here on device) on the documents of
     `heldout` (held-out features, or saved outputs: model/evaluation/outputs.py), per_doc their
-    UTF-8 bytes; index: its directory, or an opened Index or ClusterIndex. With decontaminate,
-    the mixture over all documents is reported too ("all_documents"); each stage's seconds
-    under "stages_s"."""
-    from teragram.index.engine import as_index
-    from teragram.index.heldout import DECONTAMINATION_SHARE, contamination
-    from teragram.model.mixture import baselines
+    UTF-8 bytes, as one chunk."""
+    from teragram.model.evaluation.mixing import mix_stream
+    from teragram.model.evaluation.stream import Chunk
 
-    idx = as_index(index)
-    stages = Stages() if stages is None else stages
-    if opts.baseline is not None and opts.baseline not in baselines.BASELINES:
-        raise TeragramError(f"unknown baseline {opts.baseline!r}; expected {' or '.join(baselines.BASELINES)}")
-    if opts.baseline is not None and (opts.gate is not None or opts.fit_gate):
-        raise TeragramError("give either the index gate or a baseline, not both")
-    if opts.baseline == "knn" and "hidden" not in r:
-        raise TeragramError("the kNN baseline needs the model's hidden states: evaluate with --checkpoint, not saved outputs")
-    keep_docs = np.ones(len(per_doc), bool)
-    extra = {}
-    if opts.decontaminate:
-        with stages("decontaminate"):
-            keep_docs = contamination(heldout, idx) < DECONTAMINATION_SHARE
-        extra["decontaminated"] = {"dropped_docs": int((~keep_docs).sum()), "docs": len(keep_docs)}
-    keep = keep_docs[r["doc"].astype(int)]
-    if needs_states(opts) and "cont_cache" not in r and "hidden" in r:  # saved outputs bring theirs, or none
-        spec = opts.gate.cont_cache if opts.gate is not None else None
-        with stages("cont_cache"):
-            r["cont_cache"] = cont_cache_of(r, spec, device, fit_rows=halves(r["doc"], keep)[0])
-    nbytes = int(per_doc[keep_docs].sum())
-    alone = summarize(r["nll"][keep], nbytes)
-    fitted = None
-    if opts.gate is not None or opts.fit_gate:
-        with stages("estimates"):
-            est = heldout_estimates(idx, heldout, opts.workers)
-        with stages("gate_fit" if opts.fit_gate else "gate"):
-            mixed, fitted, info = gated(r, est, keep, opts)
-        extra |= info
-    elif opts.baseline == "infini-gram":
-        est = heldout_estimates(idx, heldout, opts.workers)
-        p_inf, groups = est["p_index_infgram"], est["sparse"].astype(int)
-        params = opts.params if opts.params is not None else baselines.fit_lambdas(r["nll"][keep], p_inf[keep], groups[keep])
-        fitted = None if opts.params is not None else params
-        mixed = baselines.apply_lambdas(r["nll"], p_inf, params, groups)
-        extra["lambdas"] = {"non_sparse": params.get(0, 0.0), "sparse": params.get(1, 0.0)}
-    elif opts.baseline == "infini-gram+cache":
-        est = heldout_estimates(idx, heldout, opts.workers)
-        p_inf, p_cache, groups = baselines.infgram_cache_inputs(est)
-        params = (
-            opts.params
-            if opts.params is not None
-            else baselines.fit_cache_weights(r["nll"][keep], p_inf[keep], p_cache[keep], groups[keep])
-        )
-        fitted = None if opts.params is not None else params
-        mixed = baselines.apply_cache_weights(r["nll"], p_inf, p_cache, params, groups)
-        names = ("model", "infgram", "cache")
-        extra["weights"] = {baselines.CACHE_GROUPS[g]: dict(zip(names, w, strict=True)) for g, w in params.items()}
-    elif opts.baseline == "knn":
-        from teragram.index.dense import DenseStore
-
-        dist, vals = DenseStore(opts.dense or Path(idx.path) / "dense").search(r["hidden"], baselines.KNN_NEIGHBOURS)
-        y = r["target"].astype(np.int64)
-        params = opts.params if opts.params is not None else baselines.fit_knn(r["nll"][keep], dist[keep], vals[keep], y[keep])
-        fitted = None if opts.params is not None else params
-        mixed = baselines.knn_nll(r["nll"], dist, vals, y, params)
-        extra["knn"] = {"lambda": params["lambda"], "temperature": params["temperature"]}
-    else:
-        return alone | extra | {"stages_s": dict(stages)}, None
-    if opts.decontaminate:
-        extra["all_documents"] = summarize(mixed, int(per_doc.sum())) | {"model": summarize(r["nll"], int(per_doc.sum()))}
-    return summarize(mixed[keep], nbytes) | {"model": alone} | extra | {"stages_s": dict(stages)}, fitted
-
-
-def gated(r: dict, est: dict, keep: np.ndarray, opts: EvalOptions) -> tuple[np.ndarray, Gate | None, dict]:
-    """(per-target nll of the gated mixture, the gate fit here or None, what to report).
-    With opts.gate, that gate. With opts.fit_gate, the candidates -- the gate over the exact-match
-    estimates (t) and, when the model's states are given, the same gate with the continuous
-    cache (t+cc) -- are each fit on half of the kept documents and scored on the other half; the
-    better one is fit again on all of them and returned, and every candidate's score reported."""
-    spec, q = r.get("cont_cache", (None, None))
-    ccols = (q, cc.first_rows(r["doc"])) if q is not None else None
-    if opts.gate is not None:
-        gate = opts.gate
-        if gate.cont_cache is not None and gate.cont_cache != spec:
-            raise TeragramError("the gate reads the continuous cache at another scale than these outputs were saved with")
-        X = gate_inputs(est, r["maxp"], r["top"], gate.exact_components)
-        return mix_nll_multi(component_logp(est, r["nll"], gate.components, ccols), gate(X)), None, {}
-    X = gate_inputs(est, r["maxp"], r["top"], COMPONENTS)
-    candidates = {"gate": (COMPONENTS, None)}
-    if spec is not None:
-        candidates["gate+cont_cache"] = (COMPONENTS + spec.names, spec)
-    fit_on, held = halves(r["doc"], keep)
-    scores, logps = {}, {}
-    for name, (comps, s) in candidates.items():
-        logps[name] = lp = component_logp(est, r["nll"], comps, ccols)
-        if len(candidates) > 1 and held.any() and fit_on.any():
-            g = Gate.fit(X[fit_on], lp[fit_on], components=COMPONENTS, cont_cache=s)
-            scores[name] = float(math.exp(mix_nll_multi(lp[held], g(X[held])).mean()))
-    best = min(scores, key=scores.get) if scores else next(iter(candidates))
-    comps, s = candidates[best]
-    gate = Gate.fit(X[keep], logps[best][keep], components=COMPONENTS, cont_cache=s)
-    info = {"gate_choice": {"chosen": best, "held_out_half_perplexity": scores}} if scores else {}
-    return mix_nll_multi(logps[best], gate(X)), gate, info
+    ch = Chunk(0, heldout_docs(heldout), r=dict(r), nbytes=np.asarray(per_doc))
+    return mix_stream([ch], index, opts, device=device, stages=stages)

@@ -108,7 +108,7 @@ def _distances(h, qa: int, qb: int, window: int):
 def _centred(hidden, device: str):
     import torch
 
-    h = torch.as_tensor(np.asarray(hidden), device=device).double()
+    h = (hidden if torch.is_tensor(hidden) else torch.as_tensor(np.asarray(hidden))).to(device).double()
     return h - h.mean(0) if len(h) else h  # any shift gives the same distances; centring keeps them precise
 
 

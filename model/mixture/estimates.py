@@ -191,17 +191,36 @@ def heldout_docs(heldout) -> list[np.ndarray]:
     return [tok[st[k] : st[k + 1] - 1] for k in range(len(st) - 1)]
 
 
-def heldout_estimates(index, heldout, workers: int = 1) -> dict[str, np.ndarray]:
-    """estimates (index and document cache) of every document of a held-out feature directory,
-    concatenated in model.evaluate.token_eval's order; the index's on `workers` threads (index:
-    its directory, or an opened Index or ClusterIndex, whose holders compute them)."""
+def docs_estimates(index, docs: list[np.ndarray], workers: int = 1) -> dict[str, np.ndarray]:
+    """estimates (index and document cache) of each document, concatenated in the order of
+    model.evaluation.perplexity.forward_docs; the index's on `workers` threads (index: its
+    directory, or an opened Index or ClusterIndex, whose holders compute them)."""
     from teragram.index.engine import as_index
 
     idx = as_index(index)
-    docs = heldout_docs(heldout)
     est = index_estimates_docs(idx, docs, threads=workers)
     parts = [cache_estimates(ids, idx.eos_id) for ids in docs]
     return est | {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def heldout_estimates(index, heldout, workers: int = 1) -> dict[str, np.ndarray]:
+    """docs_estimates of every document of a held-out feature directory (or saved outputs)."""
+    return docs_estimates(index, heldout_docs(heldout), workers)
+
+
+def infgram_lengths(idx, docs: list[np.ndarray], workers: int = 1) -> np.ndarray:
+    """The ∞-gram's suffix length of each target row of the documents (index_estimates_docs's
+    index_length alone: a document of n tokens has n + 1 rows, the first without context)."""
+    from teragram.index.bulk import continuations
+
+    lens = np.array([len(d) for d in docs], np.int64)
+    starts = np.concatenate([[0], np.cumsum(lens)])
+    ids = np.concatenate([np.asarray(d, np.int64) for d in docs]) if len(docs) else np.zeros(0, np.int64)
+    out = np.zeros(len(ids) + len(docs), np.int64)
+    rest = np.ones(len(out), bool)
+    rest[starts[:-1] + np.arange(len(docs))] = False
+    out[rest] = continuations(idx, ids, starts, [0], threads=workers)[0].length
+    return out
 
 
 def cache_live(q: np.ndarray, V: int, components) -> tuple[dict[str, tuple[np.ndarray, int]], int]:

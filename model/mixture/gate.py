@@ -32,37 +32,64 @@ MAXP_EDGES = np.linspace(0.1, 0.9, 9)  # the model's top probability
 SHARE_EDGES = np.array([0.2, 0.4, 0.6, 0.8, 1.0])  # the top continuation's share; 1.0 = sparse
 
 
-def gate_features(suffix_len: np.ndarray, maxp: np.ndarray, counts, top_shares, agrees, cache_len=None) -> np.ndarray:
+@dataclass
+class GateX:
+    """The gate's design matrix (N, width) of one-hot blocks and binary columns, stored as the
+    columns set in each row: cols (N, B) int32, `width` where a slot is unset (a binary column
+    that is 0). X W is then the sum of B rows of W, so that a fit over millions of rows and a
+    chunk's weights need neither a dense matrix nor its memory (`dense()` gives it)."""
+
+    cols: np.ndarray  # (N, B) int32
+    width: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (len(self.cols), self.width)
+
+    def __len__(self) -> int:
+        return len(self.cols)
+
+    def __getitem__(self, rows) -> GateX:
+        return GateX(self.cols[rows], self.width)
+
+    def dense(self) -> np.ndarray:
+        X = np.zeros((len(self.cols), self.width + 1), np.float32)
+        np.put_along_axis(X, self.cols.astype(np.int64), 1, 1)
+        return X[:, : self.width]
+
+    def matmul(self, W: np.ndarray) -> np.ndarray:
+        """X W (N, W's columns) in float64."""
+        Wp = np.concatenate([np.asarray(W, np.float64), np.zeros((1, W.shape[1]))])
+        out = np.zeros((len(self.cols), W.shape[1]))
+        for b in range(self.cols.shape[1]):  # one slot at a time: no (N, B, M) temporary
+            out += Wp[self.cols[:, b]]
+        return out
+
+
+def gate_features(suffix_len: np.ndarray, maxp: np.ndarray, counts, top_shares, agrees, cache_len=None) -> GateX:
     """Design matrix (N, F) of the gate. Per estimate (the longest-suffix one first, then the
     others): one-hot log2 count of its suffix, one-hot share of its most frequent continuation
     (the last bucket: sparse, a single continuation), and whether that continuation is also
     the model's most likely token. Plus one-hot length of the first estimate's suffix (and its
     copy for sparse positions), of the document cache's longest match (cache_len, when the
     first estimate is the index's), one-hot model confidence, and a bias."""
-    n = len(suffix_len)
     nl, nm, nc, ns = len(LEN_EDGES) + 1, len(MAXP_EDGES) + 1, 21, len(SHARE_EDGES) + 1
-    r = np.arange(n)
     sparse = np.asarray(top_shares[0]) >= 1.0
-    B = np.zeros((n, 2 * nl), np.float32)
     lb = np.searchsorted(LEN_EDGES, suffix_len, side="right")
-    B[r, lb] = 1
-    B[r[sparse], nl + lb[sparse]] = 1
-    blocks = [B]
+    cols, at = [lb, np.where(sparse, nl + lb, -1)], 2 * nl  # -1: unset, made `width` below
     if cache_len is not None:
-        B = np.zeros((n, nl), np.float32)
-        B[r, np.searchsorted(LEN_EDGES, cache_len, side="right")] = 1
-        blocks.append(B)
+        cols.append(at + np.searchsorted(LEN_EDGES, cache_len, side="right"))
+        at += nl
     for c, sh, ag in zip(counts, top_shares, agrees, strict=True):
-        B = np.zeros((n, nc + ns + 1), np.float32)
-        B[r, np.clip(np.floor(np.log2(np.maximum(c, 0) + 1)).astype(int), 0, nc - 1)] = 1
-        B[r, nc + np.searchsorted(SHARE_EDGES, sh, side="right")] = 1
-        B[:, -1] = ag
-        blocks.append(B)
-    B = np.zeros((n, nm + 1), np.float32)
-    B[r, np.searchsorted(MAXP_EDGES, maxp, side="right")] = 1
-    B[:, -1] = 1  # bias
-    blocks.append(B)
-    return np.concatenate(blocks, 1)
+        cols.append(at + np.clip(np.floor(np.log2(np.maximum(c, 0) + 1)).astype(int), 0, nc - 1))
+        cols.append(at + nc + np.searchsorted(SHARE_EDGES, sh, side="right"))
+        cols.append(np.where(np.asarray(ag, bool), at + nc + ns, -1))
+        at += nc + ns + 1
+    cols.append(at + np.searchsorted(MAXP_EDGES, maxp, side="right"))
+    cols.append(np.full(len(suffix_len), at + nm))  # bias
+    width = at + nm + 1
+    C = np.stack(cols, 1).astype(np.int32) if len(suffix_len) else np.zeros((0, len(cols)), np.int32)
+    return GateX(np.where(C < 0, width, C), width)
 
 
 def mix_nll_multi(logp: np.ndarray, weights: np.ndarray) -> np.ndarray:
@@ -72,22 +99,34 @@ def mix_nll_multi(logp: np.ndarray, weights: np.ndarray) -> np.ndarray:
     return -(m + np.log(np.exp(z - m[:, None]).sum(1)))
 
 
-def fit_weights(X: np.ndarray, logp: np.ndarray, *, steps: int = 300, l2: float = 1e-4) -> np.ndarray:
+def fit_weights(X, logp: np.ndarray, *, steps: int = 300, l2: float = 1e-4) -> np.ndarray:
     """W (F, M - 1) of the mixture softmax([0, X W]) with the least mean nll of the targets, by
-    L-BFGS (features X (N, F); logp (N, M): the target's log-probability under the model, then
-    each component), an L2 penalty on every weight but the bias (the last feature). In float32:
-    the same loss as float64 to 1e-5 on the demo's validation text, several times faster on CPU."""
+    L-BFGS (features X (N, F), a GateX or dense; logp (N, M): the target's log-probability under
+    the model, then each component), an L2 penalty on every weight but the bias (the last
+    feature). In float32: the same loss as float64 to 1e-5 on the demo's validation text, several
+    times faster on CPU. A GateX's X W is a sum of rows of W (an embedding bag)."""
     import torch
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    Xt = torch.from_numpy(np.ascontiguousarray(X, np.float32)).to(dev)
     lp = torch.from_numpy(np.maximum(logp, -700.0).astype(np.float32)).to(dev)
     W = torch.zeros((X.shape[1], logp.shape[1] - 1), dtype=torch.float32, device=dev, requires_grad=True)
+    if isinstance(X, GateX):
+        cols = torch.from_numpy(np.asarray(X.cols, np.int64)).to(dev)
+        pad = torch.zeros((1, W.shape[1]), dtype=torch.float32, device=dev)
+
+        def xw():
+            return torch.nn.functional.embedding_bag(cols, torch.cat([W, pad]), mode="sum")
+    else:
+        Xt = torch.from_numpy(np.ascontiguousarray(X, np.float32)).to(dev)
+
+        def xw():
+            return Xt @ W
+
     opt = torch.optim.LBFGS([W], lr=1, max_iter=steps, line_search_fn="strong_wolfe")
 
     def closure():
         opt.zero_grad()
-        z = torch.cat([torch.zeros(len(Xt), 1, dtype=Xt.dtype, device=dev), Xt @ W], 1)
+        z = torch.cat([torch.zeros(len(lp), 1, dtype=lp.dtype, device=dev), xw()], 1)
         nll = -torch.logsumexp(torch.log_softmax(z, 1) + lp, 1)
         loss = nll.mean() + l2 * (W[:-1] ** 2).sum()
         loss.backward()
@@ -99,7 +138,8 @@ def fit_weights(X: np.ndarray, logp: np.ndarray, *, steps: int = 300, l2: float 
 
 def mixture_weights(X: np.ndarray, W: np.ndarray) -> np.ndarray:
     """(N, M) softmax([0, X W]): the model's weight (its logit 0), then each component's."""
-    z = np.concatenate([np.zeros((len(X), 1)), X.astype(np.float64) @ W], 1)
+    xw = X.matmul(W) if isinstance(X, GateX) else X.astype(np.float64) @ W
+    z = np.concatenate([np.zeros((len(X), 1)), xw], 1)
     z -= z.max(1, keepdims=True)
     e = np.exp(z)
     return e / e.sum(1, keepdims=True)

@@ -1,0 +1,260 @@
+"""A model's per-token outputs mixed with the index's and the caches' estimates (the gate) or by a
+peer's interpolation, a chunk of documents at a time (model/evaluation/stream.py), and the fits
+of what is mixed: `mix_stream`, `teragram eval`'s mixing half.
+
+Per chunk: the estimates of its documents, the ∞-gram's match lengths that decontamination
+reads, the continuous cache from the model's key states, then either the mixture (a gate or
+parameters given) or its inputs spilled for the fit. After the last chunk a fit reads the spill:
+the gate's candidates (choose_gate) or a baseline's parameters, and mixes every token with them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from teragram.index.errors import TeragramError
+from teragram.model.evaluation.perplexity import EvalOptions, Stages, cont_cache_of, halves, needs_states
+from teragram.model.evaluation.stream import DocSums, Spill, blocks, sample_rows
+from teragram.model.mixture import cont_cache as cc
+from teragram.model.mixture.estimates import COMPONENTS, docs_estimates, infgram_lengths
+from teragram.model.mixture.gate import Gate, GateX, component_logp, gate_inputs, mix_nll_multi
+
+
+def apply_gate(gate: Gate, r: dict, est: dict) -> np.ndarray:
+    """Per-target nll of the gated mixture of r (the model's outputs, with "cont_cache" when the
+    gate reads it) and the estimates est."""
+    spec, q = r.get("cont_cache", (None, None))
+    if gate.cont_cache is not None and gate.cont_cache != spec:
+        raise TeragramError("the gate reads the continuous cache at another scale than these outputs were saved with")
+    ccols = (q, cc.first_rows(r["doc"])) if q is not None else None
+    X = gate_inputs(est, r["maxp"], r["top"], gate.exact_components)
+    return mix_nll_multi(component_logp(est, r["nll"], gate.components, ccols), gate(X))
+
+
+def fit_inputs(r: dict, est: dict) -> tuple[GateX, np.ndarray, cc.ContCache | None]:
+    """(X, logp, spec) that `--fit-gate` fits on: the gate's features over every exact-match
+    estimate and the log-probabilities of the model, each estimate and, when r has it, the
+    continuous cache (its columns last: (t) is the first 1 + len(COMPONENTS) columns)."""
+    spec, q = r.get("cont_cache", (None, None))
+    ccols = (q, cc.first_rows(r["doc"])) if q is not None else None
+    comps = COMPONENTS + (spec.names if spec is not None else ())
+    return gate_inputs(est, r["maxp"], r["top"], COMPONENTS), component_logp(est, r["nll"], comps, ccols), spec
+
+
+def _mixed(gate: Gate, X: GateX, lp: np.ndarray, rows=None) -> np.ndarray:
+    """The gate's mixture nll of rows (a mask; None: all) of X and logp, a block at a time."""
+    m = len(gate.components) + 1
+    out = []
+    for b in blocks(len(X)):
+        sel = np.arange(b.start, b.stop) if rows is None else b.start + np.flatnonzero(rows[b])
+        out.append(mix_nll_multi(np.asarray(lp[sel])[:, :m], gate(X[sel])))
+    return np.concatenate(out) if out else np.zeros(0)
+
+
+def choose_gate(X: GateX, lp: np.ndarray, keep: np.ndarray, held: np.ndarray, spec, fit_rows: int) -> tuple[Gate, dict]:
+    """The `--fit-gate` choice: the gate over the exact-match estimates (t) and, with the
+    continuous cache's columns in lp (spec), the same gate with it (t+cc), each fit on at most
+    fit_rows tokens of the kept rows not held (a fixed random sample) and scored on every held
+    row; the better one fit again on at most fit_rows of all kept rows."""
+    candidates = {"gate": (1 + len(COMPONENTS), None)}
+    if spec is not None:
+        candidates["gate+cont_cache"] = (lp.shape[1], spec)
+    fit_on = keep & ~held
+    scores = {}
+    if len(candidates) > 1 and held.any() and fit_on.any():
+        rows = sample_rows(fit_on, fit_rows)
+        Xs, lps = X[rows], np.asarray(lp[rows])
+        for name, (m, s) in candidates.items():
+            g = Gate.fit(Xs, lps[:, :m], components=COMPONENTS, cont_cache=s)
+            scores[name] = float(math.exp(_mixed(g, X, lp, held).mean()))
+    best = min(scores, key=scores.get) if scores else next(iter(candidates))
+    m, s = candidates[best]
+    rows = sample_rows(keep, fit_rows)
+    gate = Gate.fit(X[rows], np.asarray(lp[rows])[:, :m], components=COMPONENTS, cont_cache=s)
+    info = {"gate_choice": {"chosen": best, "held_out_half_perplexity": scores}} if scores else {}
+    return gate, info | {"gate_fit_rows": {"fit_on": len(rows), "kept": int(keep.sum())}}
+
+
+def gated(r: dict, est: dict, keep: np.ndarray, opts: EvalOptions) -> tuple[np.ndarray, Gate | None, dict]:
+    """(per-target nll of the gated mixture, the gate fit here or None, what to report) of outputs
+    and estimates held in memory: opts.gate applied, or with opts.fit_gate the choose_gate fit
+    on the kept rows (halves: every other kept document held out)."""
+    if opts.gate is not None:
+        return apply_gate(opts.gate, r, est), None, {}
+    X, lp, spec = fit_inputs(r, est)
+    gate, info = choose_gate(X, lp, keep, halves(r["doc"], keep)[1], spec, opts.fit_rows)
+    return _mixed(gate, X, lp), gate, info
+
+
+# ---- a peer's interpolation (model/mixture/baselines.py) ----------------------------------------
+
+
+def _baseline_inputs(name: str, r: dict, est: dict | None, store) -> dict[str, np.ndarray]:
+    from teragram.model.mixture import baselines
+
+    if name == "infini-gram":
+        return {"nll": r["nll"], "p_inf": est["p_index_infgram"], "groups": est["sparse"].astype(np.uint8)}
+    if name == "infini-gram+cache":
+        p_inf, p_cache, groups = baselines.infgram_cache_inputs(est)
+        return {"nll": r["nll"], "p_inf": p_inf, "p_cache": p_cache, "groups": groups.astype(np.uint8)}
+    h = r["hidden"]
+    dist, vals = store.search(h.cpu().numpy() if hasattr(h, "cpu") else np.asarray(h), baselines.KNN_NEIGHBOURS)
+    return {"nll": r["nll"], "dist": dist, "vals": vals, "y": np.asarray(r["target"], np.int64)}
+
+
+def _baseline_fit(name: str, a: dict, keep: np.ndarray) -> dict:
+    from teragram.model.mixture import baselines
+
+    k = {n: np.asarray(v[keep]) for n, v in a.items() if n not in ("doc", "keep")}
+    if name == "infini-gram":
+        return baselines.fit_lambdas(k["nll"], k["p_inf"], k["groups"].astype(int))
+    if name == "infini-gram+cache":
+        return baselines.fit_cache_weights(k["nll"], k["p_inf"], k["p_cache"], k["groups"].astype(int))
+    return baselines.fit_knn(k["nll"], k["dist"], k["vals"], k["y"])
+
+
+def _baseline_apply(name: str, a: dict, params: dict, rows=slice(None)) -> np.ndarray:
+    from teragram.model.mixture import baselines
+
+    a = {n: np.asarray(v[rows]) for n, v in a.items() if n not in ("doc", "keep")}
+    if name == "infini-gram":
+        return baselines.apply_lambdas(a["nll"], a["p_inf"], params, a["groups"].astype(int))
+    if name == "infini-gram+cache":
+        return baselines.apply_cache_weights(a["nll"], a["p_inf"], a["p_cache"], params, a["groups"].astype(int))
+    return baselines.knn_nll(a["nll"], a["dist"], a["vals"], a["y"], params)
+
+
+def _baseline_info(name: str, params: dict) -> dict:
+    from teragram.model.mixture import baselines
+
+    if name == "infini-gram":
+        return {"lambdas": {"non_sparse": params.get(0, 0.0), "sparse": params.get(1, 0.0)}}
+    if name == "infini-gram+cache":
+        w = {baselines.CACHE_GROUPS[g]: dict(zip(baselines.CACHE_WEIGHTS, v, strict=True)) for g, v in params.items()}
+        return {"weights": w}
+    return {"knn": {"lambda": params["lambda"], "temperature": params["temperature"]}}
+
+
+def _check(opts: EvalOptions) -> None:
+    from teragram.model.mixture import baselines
+
+    if opts.baseline is not None and opts.baseline not in baselines.BASELINES:
+        raise TeragramError(f"unknown baseline {opts.baseline!r}; expected {' or '.join(baselines.BASELINES)}")
+    if opts.baseline is not None and (opts.gate is not None or opts.fit_gate):
+        raise TeragramError("give either the index gate or a baseline, not both")
+
+
+def doc_shares(lengths: np.ndarray, docs) -> np.ndarray:
+    """Per document, the share of its 13-grams in the index (index/heldout.ngram_share) from the
+    ∞-gram's match length of each target row (the estimates' index_length: a document of n
+    tokens has n + 1 rows, the first without context)."""
+    from teragram.index.heldout import ngram_share
+
+    at, out = 0, []
+    for d in docs:
+        out.append(ngram_share(lengths[at + 1 : at + len(d) + 1]))
+        at += len(d) + 1
+    return np.asarray(out)
+
+
+def mix_stream(chunks, index, opts: EvalOptions | None = None, *, device: str = "cpu", stages: Stages | None = None):
+    """(report, fitted) of the chunks' model outputs (stream.Chunk with r and nbytes), mixed as
+    opts asks: perplexity and bits per byte of the model, or of its mixture with the index gate
+    or a peer's interpolation (the model alone under "model"); fitted: what was fit here (a Gate,
+    or a baseline's parameters), else None. With decontaminate, documents with >= 80% of their
+    13-grams in the index are left out of everything, fitting included; the mixture over all
+    documents is reported too ("all_documents"). Each stage's seconds under "stages_s"."""
+    from teragram.index.engine import as_index
+    from teragram.index.heldout import DECONTAMINATION_SHARE
+
+    idx = as_index(index)
+    opts = EvalOptions() if opts is None else opts
+    stages = Stages() if stages is None else stages
+    _check(opts)
+    gating = opts.gate is not None or opts.fit_gate
+    fitting = opts.fit_gate or (opts.baseline is not None and opts.params is None)
+    spec = opts.gate.cont_cache if opts.gate is not None else None
+    store = None
+    sums, spill, kept, width = DocSums(), Spill(opts.spill) if fitting else None, 0, 0
+    try:
+        for ch in chunks:
+            r = ch.r
+            if opts.baseline == "knn" and "hidden" not in r:
+                raise TeragramError("the kNN baseline needs the model's hidden states: evaluate with --checkpoint, not saved outputs")
+            if opts.baseline == "knn" and store is None:
+                from pathlib import Path
+
+                from teragram.index.dense import DenseStore
+
+                store = DenseStore(opts.dense or Path(idx.path) / "dense")
+            local = np.asarray(r["doc"], np.int64) - ch.first
+            est = None
+            if gating or opts.baseline in ("infini-gram", "infini-gram+cache"):
+                with stages("estimates"):
+                    est = docs_estimates(idx, ch.docs, opts.workers)
+            keep_docs = np.ones(len(ch.docs), bool)
+            if opts.decontaminate:
+                with stages("decontaminate"):
+                    lengths = est["index_length"] if est is not None else infgram_lengths(idx, ch.docs, opts.workers)
+                    keep_docs = doc_shares(lengths, ch.docs) < DECONTAMINATION_SHARE
+            rank = kept + np.cumsum(keep_docs) - 1  # halves: every other kept document, counted over the whole text
+            kept += int(keep_docs.sum())
+            keep, held = keep_docs[local], (keep_docs & (rank % 2 == 1))[local]
+            if needs_states(opts) and "cont_cache" not in r and "hidden" in r:  # saved outputs bring theirs, or none
+                with stages("cont_cache"):
+                    r["cont_cache"] = cont_cache_of(r, spec, device, fit_rows=keep & ~held)
+                    spec = r["cont_cache"][0]  # the scale fit on the first chunk's fitting half, kept for the rest
+            mixed = None
+            if opts.gate is not None:
+                with stages("gate"):
+                    mixed = apply_gate(opts.gate, r, est)
+            elif opts.fit_gate:
+                with stages("gate_fit"):
+                    X, lp, spec = fit_inputs(r, est)
+                    width = X.width
+                    spill.add(cols=X.cols.astype(np.uint16), logp=lp, doc=local + ch.first, keep=keep, held=held)
+            elif opts.baseline is not None:
+                with stages("baseline"):
+                    a = _baseline_inputs(opts.baseline, r, est, store)
+                    if opts.params is not None:
+                        mixed = _baseline_apply(opts.baseline, a, opts.params)
+                    else:
+                        spill.add(**a, doc=local + ch.first, keep=keep)
+            sums.add(ch.first, len(ch.docs), local + ch.first, r["nll"], mixed, ch.nbytes, keep_docs)
+            ch.r = None
+        fitted, info = None, {}
+        if spill is not None:
+            a = spill.arrays()
+            n_docs, total = len(sums.get("n")), None
+            with stages("gate_fit" if opts.fit_gate else "baseline"):
+                if opts.fit_gate:
+                    X, lp = GateX(a["cols"], width), a["logp"]
+                    fitted, info = choose_gate(X, lp, a["keep"], a["held"], spec, opts.fit_rows)
+                    total = _by_doc(a["doc"], (_mixed(fitted, X[b], lp[b]) for b in blocks(len(X))), n_docs)
+                else:
+                    fitted = _baseline_fit(opts.baseline, a, a["keep"])
+                    total = _by_doc(a["doc"], (_baseline_apply(opts.baseline, a, fitted, b) for b in blocks(len(a["nll"]))), n_docs)
+            sums.parts["mixed"] = [total]
+    finally:
+        if spill is not None:
+            spill.close()
+    keep_docs = sums.get("keep").astype(bool)
+    extra = {"decontaminated": {"dropped_docs": int((~keep_docs).sum()), "docs": len(keep_docs)}} if opts.decontaminate else {}
+    alone = sums.report("model", keep_docs)
+    if not (gating or opts.baseline is not None):
+        return alone | extra | {"stages_s": dict(stages)}, None
+    if opts.baseline is not None:
+        info = _baseline_info(opts.baseline, opts.params if opts.params is not None else fitted)
+    if opts.decontaminate:
+        extra["all_documents"] = sums.report("mixed") | {"model": sums.report("model")}
+    return sums.report("mixed", keep_docs) | {"model": alone} | extra | info | {"stages_s": dict(stages)}, fitted
+
+
+def _by_doc(doc: np.ndarray, parts, n_docs: int) -> np.ndarray:
+    """Per document, the sum of per-row values given a block of rows at a time (in row order)."""
+    out, at = np.zeros(n_docs), 0
+    for p in parts:
+        out += np.bincount(np.asarray(doc[at : at + len(p)], np.int64), weights=p, minlength=n_docs)
+        at += len(p)
+    return out

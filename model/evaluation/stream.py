@@ -1,0 +1,228 @@
+"""Evaluation streamed over held-out text of any size, in bounded memory.
+
+The text is read a chunk at a time: a run of whole documents of about `chunk_tokens` targets
+(one document longer than that is a chunk of its own). Each chunk is tokenized, given held-out
+features when the model reads them, run through the model, looked up in the index (the
+estimates, and the ∞-gram's match lengths that decontamination reads), and mixed. Only each
+document's sums are kept in memory: its targets, the model's and the mixture's summed loss, its
+UTF-8 bytes and whether decontamination keeps it. What a fit needs from every token (a gate's
+inputs as GateX columns and the components' log-probabilities, a baseline's inputs) is spilled
+to memory-mapped files in a temporary directory and read back a block or a sample at a time.
+
+The model runs one chunk ahead in a background thread (`prefetch`), so that on a GPU its forward
+pass overlaps the index's estimates on the CPU.
+
+Fitting at scale (`--fit-gate`): the continuous cache's scale is fit on the fitting half of the
+first chunk's documents; each candidate gate is fit on a fixed random sample of at most
+`fit_rows` tokens of the fitting half, compared on every token of the held-out half, and the
+better one fit again on a sample of every kept token. With text of at most one chunk and
+`fit_rows` tokens this is exactly the fit on the whole text.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from teragram.index import format as fmt
+
+CHUNK_TOKENS = 262_144  # targets per chunk: ~1 GB at the tiny model's 32k vocabulary on CPU (benchmarks/eval_speed)
+FIT_ROWS = 500_000  # tokens a candidate gate is fit on at most (chosen on validation: benchmarks/eval_speed)
+BLOCK = 1 << 18  # rows scored at a time from a spill
+
+
+@dataclass
+class Chunk:
+    """A run of whole documents: the first one's number in the whole text, their token ids
+    (no separator), their sources, and, as the stream fills them in, their held-out features,
+    the model's per-target outputs `r` (model.evaluation.perplexity.forward_docs's fields, with
+    global document numbers) and each document's UTF-8 bytes."""
+
+    first: int
+    docs: list[np.ndarray]
+    metas: list[dict] | None = None
+    feats: object = None
+    r: dict | None = None
+    nbytes: np.ndarray | None = None
+
+    @property
+    def targets(self) -> int:
+        return sum(len(d) + 1 for d in self.docs)
+
+
+def cut(lengths, chunk_tokens: int) -> list[tuple[int, int]]:
+    """Runs [a, b) of documents of about chunk_tokens targets (len + 1 each), at least one each."""
+    ends = np.cumsum(np.asarray(lengths, np.int64) + 1)
+    out, a = [], 0
+    while a < len(ends):
+        base = ends[a - 1] if a else 0
+        b = max(a + 1, int(np.searchsorted(ends, base + chunk_tokens, side="right")))
+        out.append((a, b))
+        a = b
+    return out
+
+
+def corpus_chunks(idx, corpus: list[str], chunk_tokens: int = CHUNK_TOKENS, skipped: list | None = None) -> Iterator[Chunk]:
+    """Chunks of the readable documents of files or folders, tokenized as they are read; each
+    unreadable record is appended to `skipped` (readers.Skip)."""
+    from teragram.index import readers
+
+    docs, metas, n, first = [], [], 0, 0
+    for path in readers.walk(corpus):
+        for item in readers.read_file(path):
+            if isinstance(item, readers.Skip):
+                if skipped is not None:
+                    skipped.append(item)
+                continue
+            ids = np.asarray(idx.tokenizer.encode(item.text), np.int64)
+            docs.append(ids)
+            metas.append({"source": item.source, "record": item.record, "length": len(ids)})
+            n += len(ids) + 1
+            if n >= chunk_tokens:
+                yield Chunk(first, docs, metas)
+                first += len(docs)
+                docs, metas, n = [], [], 0
+    if docs:
+        yield Chunk(first, docs, metas)
+
+
+def heldout_chunks(heldout, chunk_tokens: int = CHUNK_TOKENS, *, features: bool = False) -> Iterator[Chunk]:
+    """Chunks of a held-out features directory (index/heldout.py) or saved outputs'
+    (model/evaluation/outputs.py) documents, read from its memory-mapped files; with features,
+    each chunk's held-out features too (decoded, laid out doc0 SEP doc1 SEP ...)."""
+    from teragram.index.features import open_features
+
+    heldout = Path(heldout)
+    d = heldout / "000000"
+    m = fmt.read_json(heldout / "manifest.json")
+    tok = fmt.open_array(d / "tokens.bin", "tokens")
+    st = np.asarray(fmt.open_array(d / "docs.bin", "docs")).astype(np.int64)
+    metas = m["docs"] if isinstance(m.get("docs"), list) else fmt.read_json(heldout / "000000.done")["docs"]
+    feats = open_features(d, m["top_k"]) if features else None
+    sep = int(tok[st[1] - 1]) if len(st) > 1 else 0
+    for a, b in cut(np.diff(st) - 1, chunk_tokens):
+        ids = np.asarray(tok[st[a] : st[b]]).astype(np.int64)
+        docs = [ids[st[k] - st[a] : st[k + 1] - 1 - st[a]] for k in range(a, b)]
+        f = feats.map(lambda x, a=a, b=b: x[st[a] : st[b]]).decoded(sep) if feats is not None else None
+        yield Chunk(a, docs, metas[a:b], f)
+
+
+def prefetch(items: Iterable, depth: int = 1) -> Iterator:
+    """The items of an iterable produced `depth` ahead in a background thread (a model's forward
+    pass on the GPU, or the tokenizer, while the caller computes the index's estimates). An
+    exception raised there is raised here, at the item it stopped."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    done = object()
+    stop = threading.Event()
+
+    def run():
+        try:
+            for x in items:
+                if stop.is_set():
+                    return
+                q.put((x, None))
+            q.put((done, None))
+        except BaseException as e:  # noqa: BLE001 -- handed to the consumer
+            q.put((done, e))
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    try:
+        while True:
+            x, err = q.get()
+            if x is done:
+                if err is not None:
+                    raise err
+                return
+            yield x
+    finally:
+        stop.set()
+        while t.is_alive():  # let the producer see stop (a full queue blocks it)
+            try:
+                q.get(timeout=0.1)
+            except queue.Empty:
+                pass
+
+
+@dataclass
+class DocSums:
+    """Per document: targets, summed loss of the model and of the mixture, UTF-8 bytes, and
+    whether decontamination keeps it; a report (perplexity, bits per byte) from any selection."""
+
+    parts: dict[str, list] = field(default_factory=lambda: {k: [] for k in ("n", "model", "mixed", "bytes", "keep")})
+
+    def add(self, first: int, n_docs: int, doc: np.ndarray, nll: np.ndarray, mixed: np.ndarray | None, nbytes, keep) -> None:
+        local = np.asarray(doc, np.int64) - first
+        self.parts["n"].append(np.bincount(local, minlength=n_docs))
+        self.parts["model"].append(np.bincount(local, weights=np.asarray(nll, np.float64), minlength=n_docs))
+        self.parts["mixed"].append(
+            np.bincount(local, weights=np.asarray(mixed, np.float64), minlength=n_docs) if mixed is not None else None
+        )
+        self.parts["bytes"].append(np.asarray(nbytes, np.int64))
+        self.parts["keep"].append(np.asarray(keep, bool))
+
+    def get(self, name: str) -> np.ndarray:
+        return np.concatenate(self.parts[name]) if self.parts[name] else np.zeros(0)
+
+    def report(self, which: str, keep: np.ndarray | None = None) -> dict:
+        k = slice(None) if keep is None else keep
+        n, tot, nbytes = int(self.get("n")[k].sum()), float(self.get(which)[k].sum()), int(self.get("bytes")[k].sum())
+        return {
+            "tokens": n,
+            "loss": tot / max(n, 1),
+            "perplexity": math.exp(tot / max(n, 1)),
+            "bits_per_byte": tot / math.log(2) / max(nbytes, 1),
+            "bytes": nbytes,
+        }
+
+
+class Spill:
+    """Per-token arrays appended chunk by chunk to raw files in a temporary directory (`dir`,
+    default the system's), read back whole as memory maps (`arrays`); removed on close."""
+
+    def __init__(self, dir: str | Path | None = None):
+        self.root = Path(tempfile.mkdtemp(prefix="teragram-spill-", dir=dir))
+        self.files: dict = {}
+        self.kinds: dict[str, tuple[np.dtype, tuple]] = {}
+
+    def add(self, **arrays) -> None:
+        for name, a in arrays.items():
+            a = np.ascontiguousarray(a)
+            if name not in self.files:
+                self.files[name] = open(self.root / f"{name}.bin", "wb")
+                self.kinds[name] = (a.dtype, a.shape[1:])
+            elif (a.dtype, a.shape[1:]) != self.kinds[name]:
+                raise ValueError(f"spill {name}: {a.dtype}{a.shape[1:]} after {self.kinds[name]}")
+            a.tofile(self.files[name])
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        out = {}
+        for name, f in self.files.items():
+            f.close()
+            dtype, shape = self.kinds[name]
+            n = (self.root / f"{name}.bin").stat().st_size // (dtype.itemsize * int(np.prod(shape)))
+            out[name] = np.memmap(self.root / f"{name}.bin", dtype, "r", shape=(n, *shape)) if n else np.zeros((0, *shape), dtype)
+        return out
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def sample_rows(mask: np.ndarray, n: int) -> np.ndarray:
+    """The rows of a mask, or a fixed random sample of n of them (sorted) when there are more."""
+    rows = np.flatnonzero(mask)
+    return rows if len(rows) <= n else np.sort(np.random.default_rng(0).choice(rows, n, replace=False))
+
+
+def blocks(n: int, size: int = BLOCK) -> Iterator[slice]:
+    for a in range(0, n, size):
+        yield slice(a, min(a + size, n))
