@@ -187,8 +187,7 @@ def save_outputs_a(work: Path, out: Path, held: dict, batch: int, device: str, r
     spec = {}
     for (name, h), feats in sorted(held.items(), key=lambda kv: kv[0][1] != "valid"):  # valid halves first
         dst = work / "outputs" / f"{name}-{h}"
-        r, _ = save_model_outputs(dst, model, feats, idx, device, meta=meta, source="a", cont_cache=spec.get(name), batch=batch)
-        spec[name] = r["cont_cache"][0]
+        spec[name] = save_model_outputs(dst, model, feats, idx, device, meta=meta, source="a", cont_cache=spec.get(name), batch=batch)
         with tarfile.open(out / f"outputs-{name}-{h}.tgz", "w:gz") as tar:
             tar.add(dst, arcname=f"{name}-{h}")
 

@@ -96,22 +96,43 @@ class Features:
         return {name: getattr(self, name).tolist() for name in FIELDS}
 
 
+class FeaturesWriter:
+    """One shard's features written a run of positions at a time (`add`); `close` puts the files
+    in place and returns their records. With k = 0 only length and cont (no distribution)."""
+
+    def __init__(self, d: Path, token_dtype: np.dtype, sep: int, k: int):
+        d.mkdir(parents=True, exist_ok=True)
+        self.d, self.sep, self.k, self.dtype = d, sep, k, np.dtype(token_dtype)
+        self.w = {"length": fmt.ArrayWriter(d / "length.bin", "feat.length", np.uint8)}
+        self.w["cont"] = fmt.ArrayWriter(d / "cont.bin", "feat.cont", self.dtype)
+        if k:
+            self.w["count"] = fmt.ArrayWriter(d / "count.bin", "feat.count", np.uint32)
+            self.w["topk_ids"] = fmt.ArrayWriter(d / "topk_ids.bin", "feat.topk_ids", self.dtype)
+            self.w["topk_cnt"] = fmt.ArrayWriter(d / "topk_cnt.bin", "feat.topk_cnt", np.uint32)
+
+    def _tok(self, a: np.ndarray) -> np.ndarray:
+        return np.where(np.asarray(a) < 0, self.sep, a).astype(self.dtype)
+
+    def add(self, f: Features) -> FeaturesWriter:
+        self.w["length"].append(np.asarray(f.length).astype(np.uint8))
+        self.w["cont"].append(self._tok(f.cont))
+        if self.k:
+            self.w["count"].append(np.minimum(f.count, _U32_MAX).astype(np.uint32))
+            self.w["topk_ids"].append(self._tok(f.topk_ids).reshape(-1))
+            self.w["topk_cnt"].append(np.clip(f.topk_cnt, 0, None).astype(np.uint32).reshape(-1))
+        return self
+
+    def close(self) -> list[dict]:
+        return [asdict(fmt.file_record(self.d.parent, w.close())) for w in self.w.values()]
+
+    def abort(self) -> None:
+        for w in self.w.values():
+            w.abort()
+
+
 def write_features(d: Path, f: Features, token_dtype: np.dtype, sep: int, k: int) -> list[dict]:
     """Write one shard's features; with k = 0 only length and cont (no distribution)."""
-    d.mkdir(parents=True, exist_ok=True)
-
-    def tok(a: np.ndarray) -> np.ndarray:
-        return np.where(a < 0, sep, a).astype(token_dtype)
-
-    fmt.write_array(d / "length.bin", "feat.length", f.length.astype(np.uint8))
-    fmt.write_array(d / "cont.bin", "feat.cont", tok(f.cont))
-    names = ["length.bin", "cont.bin"]
-    if k:
-        fmt.write_array(d / "count.bin", "feat.count", np.minimum(f.count, _U32_MAX).astype(np.uint32))
-        fmt.write_array(d / "topk_ids.bin", "feat.topk_ids", tok(f.topk_ids).reshape(-1))
-        fmt.write_array(d / "topk_cnt.bin", "feat.topk_cnt", np.clip(f.topk_cnt, 0, None).astype(np.uint32).reshape(-1))
-        names += ["count.bin", "topk_ids.bin", "topk_cnt.bin"]
-    return [asdict(fmt.file_record(d.parent, d / n)) for n in names]
+    return FeaturesWriter(d, token_dtype, sep, k).add(f).close()
 
 
 def open_features(d: Path, k: int) -> Features:

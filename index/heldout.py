@@ -41,81 +41,92 @@ def held_out_features(idx: Index, docs: list[np.ndarray], cfg: ff.FeatureConfig,
     return f
 
 
-def read_corpus(idx: Index, corpus: list[str]) -> tuple[list[np.ndarray], list[dict], int]:
-    """Token ids of every readable document of the corpus, their sources, and how many
-    records were skipped."""
-    docs, metas, skipped = [], [], 0
+def iter_corpus(idx: Index, corpus: list[str], skipped: list | None = None):
+    """(token ids, source) of every readable document of the corpus, a document at a time; each
+    unreadable record is appended to `skipped`."""
     for path in readers.walk(corpus):
         for item in readers.read_file(path):
             if isinstance(item, readers.Skip):
-                skipped += 1
+                if skipped is not None:
+                    skipped.append(item)
                 continue
             ids = np.asarray(idx.tokenizer.encode(item.text), dtype=np.int64)
-            docs.append(ids)
-            metas.append({"source": item.source, "record": item.record, "length": len(ids)})
-    return docs, metas, skipped
+            yield ids, {"source": item.source, "record": item.record, "length": len(ids)}
+
+
+def read_corpus(idx: Index, corpus: list[str]) -> tuple[list[np.ndarray], list[dict], int]:
+    """Token ids of every readable document of the corpus, their sources, and how many
+    records were skipped."""
+    skipped: list = []
+    pairs = list(iter_corpus(idx, corpus, skipped))
+    return [p[0] for p in pairs], [p[1] for p in pairs], len(skipped)
 
 
 HELD_OUT_CHUNK = 1 << 20  # positions whose features are computed, written and recorded at a time
 
 
-def _chunks(docs: list[np.ndarray]) -> list[tuple[int, int]]:
-    """The documents cut into runs [a, b) of about HELD_OUT_CHUNK positions (at least one each)."""
-    ends = np.cumsum([len(x) + 1 for x in docs])
-    out, a = [], 0
-    while a < len(docs):
-        b = max(a + 1, int(np.searchsorted(ends, (ends[a - 1] if a else 0) + HELD_OUT_CHUNK, side="right")))
-        out.append((a, b))
-        a = b
-    return out
-
-
 def _chunk_features(
     idx: Index, out: Path, i: int, docs: list[np.ndarray], ab: tuple[int, int], cfg: ff.FeatureConfig, workers: int
 ) -> ff.Features:
-    """The features of documents [a, b) as stored in chunk i of `out`: read back when its marker
-    says it holds these documents and its files have the recorded sizes, else computed,
-    written and marked."""
+    """The features of documents [a, b) (docs: those documents) as stored in chunk i of `out`:
+    read back when its marker says it holds these documents and its files have the recorded
+    sizes, else computed, written and marked."""
     d, marker = out / "chunks" / f"{i:06d}", out / "chunks" / f"{i:06d}.done"
     if marker.exists():
         m = fmt.read_json(marker)
         sized = all((out / r["path"]).exists() and (out / r["path"]).stat().st_size == r["size"] for r in m["files"])
         if m["docs"] == list(ab) and sized:
             return ff.open_features(d, cfg.top_k).decoded(idx.sep)
-    f = held_out_features(idx, docs[ab[0] : ab[1]], cfg, threads=workers)
+    f = held_out_features(idx, docs, cfg, threads=workers)
     files = ff.write_features(d, f, np.dtype(idx.manifest["token_dtype"]), idx.sep, cfg.top_k)
     fmt.write_json(marker, {"docs": list(ab), "files": [r | {"path": str(Path("chunks") / r["path"])} for r in files]})
     return f
 
 
-def write_held_out(
-    idx: Index, out: Path, cfg: ff.FeatureConfig, docs: list[np.ndarray], metas: list[dict], *, workers: int = 1, progress: bool = False
-) -> dict:
-    """Write the held-out documents' tokens and features as shard 000000 of `out`. The features
-    are computed HELD_OUT_CHUNK positions at a time, each chunk written and marked under
-    out/chunks/ (a rerun after an interruption reads the marked ones back), then joined."""
-    if not docs:
-        raise BuildError("no readable documents in --corpus")
+def write_held_out(idx: Index, out: Path, cfg: ff.FeatureConfig, docs, metas=None, *, workers: int = 1, progress: bool = False) -> dict:
+    """Write the held-out documents' tokens and features as shard 000000 of `out`, a run of
+    about HELD_OUT_CHUNK positions at a time (docs and metas: lists; or metas None and docs an
+    iterable of (ids, meta), read a document at a time), so that memory stays bounded whatever
+    the text's size. Each run's
+    features are also written and marked under out/chunks/: a rerun after an interruption reads
+    the marked ones back."""
     d = out / "000000"
     d.mkdir(parents=True, exist_ok=True)
     dtype = np.dtype(idx.manifest["token_dtype"])
-    stream = np.concatenate([np.append(x, idx.sep) for x in docs]).astype(dtype)
-    starts = np.cumsum([0] + [len(x) + 1 for x in docs]).astype(np.uint64)
-    fmt.write_array(d / "tokens.bin", "tokens", stream)
-    fmt.write_array(d / "docs.bin", "docs", starts)
-    t = time.time()
-    parts = []
-    with tqdm(total=len(stream), desc="features (held-out)", unit="tok", unit_scale=True, disable=not progress) as bar:
-        for i, ab in enumerate(_chunks(docs)):
-            parts.append(_chunk_features(idx, out, i, docs, ab, cfg, workers))
-            bar.update(len(parts[-1].length))
-    f = ff.Features.combine(parts)
-    dt = time.time() - t
-    files = ff.write_features(d, f, dtype, idx.sep, cfg.top_k)
-    files += [asdict(fmt.file_record(out, d / n)) for n in ("tokens.bin", "docs.bin")]
+    toks, starts = fmt.ArrayWriter(d / "tokens.bin", "tokens", dtype), fmt.ArrayWriter(d / "docs.bin", "docs", np.uint64)
+    fw = ff.FeaturesWriter(d, dtype, idx.sep, cfg.top_k)
+    t, n, kept, buf, i = time.time(), 0, [], [], 0
+
+    def flush(bar):
+        nonlocal i, buf
+        if buf:
+            fw.add(_chunk_features(idx, out, i, buf, (len(kept) - len(buf), len(kept)), cfg, workers))
+            bar.update(sum(len(x) + 1 for x in buf))
+            i, buf = i + 1, []
+
+    try:
+        with tqdm(desc="features (held-out)", unit="tok", unit_scale=True, disable=not progress) as bar:
+            for ids, meta in docs if metas is None else zip(docs, metas, strict=True):
+                if buf and sum(len(x) + 1 for x in buf) + len(ids) + 1 > HELD_OUT_CHUNK:  # runs of at most HELD_OUT_CHUNK (or one document)
+                    flush(bar)
+                starts.append([n])
+                toks.append(np.append(ids, idx.sep))
+                n += len(ids) + 1
+                buf.append(ids)
+                kept.append(meta)
+            flush(bar)
+        if not kept:
+            raise BuildError("no readable documents in --corpus")
+    except BaseException:
+        for w in (toks, starts):
+            w.abort()
+        fw.abort()
+        raise
+    starts.append([n])
+    files = fw.close() + [asdict(fmt.file_record(out, w.close())) for w in (toks, starts)]
     shutil.copyfile(idx.path / "tokenizer.model", out / "tokenizer.model")  # held-out features decode on their own
-    fmt.write_json(out / "000000.done", {"shard": 0, "files": files, "docs": metas})
-    return {"docs": len(docs), "positions": int(len(stream)), "features_s": dt}
+    fmt.write_json(out / "000000.done", {"shard": 0, "files": files, "docs": kept})
+    return {"docs": len(kept), "positions": n, "features_s": time.time() - t}
 
 
 def compute_held_out(index, out: str | Path, cfg: ff.FeatureConfig, corpus: list[str], *, workers: int = 1, progress: bool = False) -> dict:
@@ -129,9 +140,9 @@ def compute_held_out(index, out: str | Path, cfg: ff.FeatureConfig, corpus: list
         cfg = ff.FeatureConfig("held-out", cfg.max_len, cfg.top_k)
     ident = ff.begin(idx.path, out, cfg, corpus)
     t0 = time.time()
-    docs, metas, skipped = read_corpus(idx, corpus)
-    report = write_held_out(idx, out, cfg, docs, metas, workers=workers, progress=progress)
-    report = {"docs": report["docs"], "positions": report["positions"], "skipped": skipped, "features_s": report["features_s"]}
+    skipped: list = []
+    report = write_held_out(idx, out, cfg, iter_corpus(idx, corpus, skipped), workers=workers, progress=progress)
+    report = {"docs": report["docs"], "positions": report["positions"], "skipped": len(skipped), "features_s": report["features_s"]}
     report["total_s"] = time.time() - t0
     ff.finish(out, ident, [fmt.read_json(out / "000000.done")], report["positions"], report)
     shutil.rmtree(out / "chunks", ignore_errors=True)  # the whole is written and marked

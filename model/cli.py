@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from teragram.index.cli import add_cluster_args, opened_index, print_json
+from teragram.model.evaluation.stream import CHUNK_TOKENS, FIT_ROWS
 
 
 def cmd_train(args) -> int:
@@ -27,6 +28,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    from teragram.index.errors import TeragramError
     from teragram.model.evaluation.perplexity import EvalOptions
     from teragram.model.mixture import baselines
     from teragram.model.mixture.gate import Gate
@@ -41,8 +43,18 @@ def cmd_eval(args) -> int:
         cont_cache=not args.no_cont_cache,
         dense=args.dense,
         workers=args.workers,
+        chunk_tokens=args.chunk_tokens,
+        fit_rows=args.fit_rows,
+        spill=args.spill,
     )
-    r, fitted, model_id = _eval_outputs(args, opts) if args.outputs else _eval_checkpoint(args, opts)
+    try:
+        r, fitted, model_id = _eval_outputs(args, opts) if args.outputs else _eval_checkpoint(args, opts)
+    except MemoryError:
+        raise TeragramError(
+            f"out of memory with --chunk-tokens {args.chunk_tokens:,}"
+            + (f" and --fit-rows {args.fit_rows:,}" if args.fit_gate else "")
+            + ": lower it"
+        ) from None
     if args.fit_gate:
         from teragram.model.mixture.gate import index_digest
 
@@ -107,43 +119,51 @@ def _eval_checkpoint(args, opts):
 
 
 def _checkpoint_report(args, opts, model, meta: dict, idx):
-    """(report, fitted) of the loaded model over --corpus against the opened index idx."""
-    import tempfile
-
+    """(report, fitted) of the loaded model over --corpus against the opened index idx, streamed
+    a chunk of documents at a time (model/evaluation/stream.py): read, run, saved (with
+    --save-outputs) and mixed, the model a chunk ahead of the index's estimates."""
     from teragram.index.errors import TokenizerMismatch
-    from teragram.index.features import FeatureConfig
-    from teragram.index.heldout import compute_held_out
-    from teragram.model.evaluation.perplexity import Stages, heldout_report
+    from teragram.model.evaluation import stream
+    from teragram.model.evaluation.mixing import mix_stream
+    from teragram.model.evaluation.perplexity import Stages, model_chunks, needs_states
+    from teragram.model.mixture import cont_cache as cc
 
     if model.cfg.vocab_size != idx.vocab_size:
         raise TokenizerMismatch(f"checkpoint vocabulary {model.cfg.vocab_size} != index vocabulary {idx.vocab_size}")
-    stages = Stages()
-    with tempfile.TemporaryDirectory() as tmp:
-        feats = args.features_out or tmp
-        cfg = FeatureConfig("held-out", model.cfg.max_match, max(model.cfg.top_k, 1))
-        with stages("features"):
-            compute_held_out(idx, feats, cfg, args.corpus)
-        if args.save_outputs:  # the model runs once: its outputs are saved, then mixed as asked
-            from teragram.model.evaluation.outputs import save_model_outputs
-            from teragram.model.evaluation.perplexity import mix_report
+    stages, skipped = Stages(), []
+    if args.features_out:
+        from teragram.index.features import FeatureConfig
+        from teragram.index.heldout import compute_held_out
 
-            hidden = opts.baseline == "knn"
-            with stages("model"):
-                res, per_doc = save_model_outputs(
-                    args.save_outputs,
-                    model,
-                    feats,
-                    idx,
-                    args.device,
-                    meta=meta,
-                    source=args.checkpoint,
-                    hidden=hidden,
-                    cont_cache=cont_cache_spec(args.cont_cache_from) if args.cont_cache_from else None,
-                )
-            r, fitted = mix_report(res, per_doc, idx, feats, opts, stages=stages)
-        else:
-            r, fitted = heldout_report(model, idx, feats, args.device, opts, stages=stages)
+        with stages("features"):
+            compute_held_out(idx, args.features_out, FeatureConfig("held-out", model.cfg.max_match, max(model.cfg.top_k, 1)), args.corpus)
+        chunks = stream.heldout_chunks(args.features_out, opts.chunk_tokens, features=model.cfg.use_index)
+        total, unit = fmt_total(args.features_out), "tok"
+    else:
+        chunks = stream.corpus_chunks(idx, args.corpus, opts.chunk_tokens, skipped)
+        total, unit = (None if args.quiet or args.json else stream.text_size(args.corpus)), "B"
+    knn = opts.baseline == "knn"
+    hidden = "final" if knn else cc.KEY if needs_states(opts) or args.save_outputs else False
+    chunks = model_chunks(model, idx, chunks, args.device, hidden=hidden, stages=stages)
+    if args.save_outputs:
+        from teragram.model.checkpoint import weights_digest
+        from teragram.model.evaluation.outputs import OutputsWriter, saving
+
+        w = OutputsWriter(args.save_outputs, idx, checkpoint=args.checkpoint, step=meta["step"], model=weights_digest(model))
+        spec = cont_cache_spec(args.cont_cache_from) if args.cont_cache_from else None
+        chunks = saving(chunks, w, spec, args.device, keep_hidden=knn)
+    chunks = stream.progress(stream.prefetch(chunks), total, unit=unit, quiet=args.quiet or args.json)
+    r, fitted = mix_stream(chunks, idx, opts, device=args.device, stages=stages)
+    if skipped:
+        r["skipped_records"] = len(skipped)
     return r, fitted
+
+
+def fmt_total(features_dir) -> int:
+    """Targets of a held-out features directory (its positions: each document's tokens + 1)."""
+    from teragram.index import format as fmt
+
+    return int(fmt.read_json(Path(features_dir) / "manifest.json")["positions"])
 
 
 def _print_eval(args, r: dict) -> None:
@@ -224,6 +244,16 @@ def _sample(args, model, idx, gate) -> int:
         if st["lookup_ms_median"] is not None:
             print(f"[index lookups per token: median {st['lookup_ms_median']:.3f} ms, mean {st['lookup_ms_mean']:.3f} ms]", file=sys.stderr)
     return 0
+
+
+def positive(text: str) -> int:
+    try:
+        n = int(text.replace("_", "").replace(",", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n}: expected at least 1")
+    return n
 
 
 def draft_length(text: str) -> int:
@@ -365,6 +395,21 @@ def _register_eval(sub) -> None:
     ev.add_argument("--dense", help="the kNN baseline's dense store (default IDX/dense, from teragram dense)")
     ev.add_argument("--decontaminate", action="store_true", help="drop documents with >= 80%% of their 13-grams in the index")
     ev.add_argument("--workers", type=int, default=1, help="processes for the index estimates")
+    ev.add_argument(
+        "--chunk-tokens",
+        type=positive,
+        default=CHUNK_TOKENS,
+        metavar="N",
+        help="tokens read, run and mixed at a time; peak memory follows it (default %(default)s)",
+    )
+    ev.add_argument(
+        "--fit-rows",
+        type=positive,
+        default=FIT_ROWS,
+        metavar="N",
+        help="with --fit-gate: each candidate gate is fit on a fixed random sample of at most N validation tokens (default %(default)s)",
+    )
+    ev.add_argument("--spill", metavar="DIR", help="where a fit's per-token inputs are spilled (default: the system's temporary directory)")
     add_cluster_args(ev)
     ev.add_argument("--json", action="store_true")
     ev.add_argument("--quiet", action="store_true")

@@ -239,6 +239,8 @@ def mix_stream(chunks, index, opts: EvalOptions | None = None, *, device: str = 
     finally:
         if spill is not None:
             spill.close()
+    if not sums.parts["n"]:
+        raise TeragramError("no readable documents in the held-out text")
     keep_docs = sums.get("keep").astype(bool)
     extra = {"decontaminated": {"dropped_docs": int((~keep_docs).sum()), "docs": len(keep_docs)}} if opts.decontaminate else {}
     alone = sums.report("model", keep_docs)

@@ -92,43 +92,118 @@ def save_outputs(
     return out
 
 
+class OutputsWriter:
+    """Saved outputs written a chunk at a time (model/evaluation/stream.py's chunks, with the
+    model's outputs r and, when kept, the continuous cache's target probabilities under
+    r["cont_cache"]); `close` writes the manifest. The directory is save_outputs's."""
+
+    def __init__(self, out, idx, *, checkpoint: str, step: int, model: str | None = None):
+        self.out, self.idx = Path(out), idx
+        self.d = self.out / "000000"
+        self.d.mkdir(parents=True, exist_ok=True)
+        dtype = np.dtype(idx.manifest["token_dtype"]) if hasattr(idx, "manifest") else np.uint32
+        self.tokens = fmt.ArrayWriter(self.d / "tokens.bin", "tokens", dtype)
+        self.starts = fmt.ArrayWriter(self.d / "docs.bin", "docs", np.uint64)
+        self.fields = {name: fmt.ArrayWriter(self.d / f"out.{name}.bin", f"out.{name}", dt) for name, dt in FIELDS.items()}
+        self.cc: list[fmt.ArrayWriter] = []
+        self.spec = None
+        self.head = {"kind": KIND, "version": VERSION, "checkpoint": str(checkpoint), "step": int(step)}
+        self.head |= {"model": model} if model else {}  # checkpoint.weights_digest: a gate fit on these outputs belongs to it
+        self.docs: list[dict] = []
+        self.n = 0
+
+    def add(self, ch) -> None:
+        r = ch.r
+        for ids in ch.docs:
+            self.starts.append([self.n])
+            self.tokens.append(np.append(np.asarray(ids), self.idx.sep))
+            self.n += len(ids) + 1
+        for name, w in self.fields.items():
+            w.append(np.asarray(r[name]))
+        spec, q = r.get("cont_cache", (None, None))
+        if spec is not None and not self.cc:
+            self.spec = spec
+            self.cc = [fmt.ArrayWriter(self.d / f"out.{name}.bin", f"out.cc{c}", np.float32) for c, name in enumerate(spec.names)]
+        if spec != self.spec:
+            raise TeragramError("saved outputs hold one continuous cache's scale")
+        for c, w in enumerate(self.cc):
+            w.append(q[:, c])
+        metas = ch.metas or [{"source": "", "record": k, "length": len(ids)} for k, ids in enumerate(ch.docs, ch.first)]
+        self.docs += [m | {"bytes": int(b)} for m, b in zip(metas, ch.nbytes, strict=True)]
+
+    def close(self) -> Path:
+        self.starts.append([self.n])
+        for w in [self.tokens, self.starts, *self.fields.values(), *self.cc]:
+            w.close()
+        shutil.copyfile(Path(self.idx.path) / "tokenizer.model", self.out / "tokenizer.model")
+        m = self.head | {"tokenizer": tokenizer.digest(self.out / "tokenizer.model"), "tokens": self.n, "docs": self.docs}
+        fmt.write_json(self.out / "manifest.json", m | ({"cont_cache": self.spec.to_json()} if self.spec is not None else {}))
+        return self.out
+
+
+def saving(chunks, writer: OutputsWriter, spec=None, device: str = "cpu", *, keep_hidden: bool = False):
+    """The chunks, each saved by `writer` on its way, with the continuous cache's target
+    probabilities (r["cont_cache"]) at the scale of `spec` (a ContCache), or at one fit on the
+    first chunk (which should then be validation text): on the half of its documents that
+    `--fit-gate` fits on (perplexity.halves). The key states are dropped unless keep_hidden."""
+    from teragram.model.evaluation.perplexity import cont_cache_of
+
+    for ch in chunks:
+        if "hidden" in ch.r and "cont_cache" not in ch.r:
+            ch.r["cont_cache"] = cont_cache_of(ch.r, spec, device)
+            spec = ch.r["cont_cache"][0]
+            if not keep_hidden:
+                ch.r.pop("hidden")
+        writer.add(ch)
+        yield ch
+    writer.close()
+
+
 def save_model_outputs(
-    out, model, heldout, idx, device: str = "cpu", *, meta: dict, source: str, hidden: bool = False, cont_cache=None, batch: int = 16
+    out, model, heldout, idx, device: str = "cpu", *, meta: dict, source: str, cont_cache=None, batch: int = 16, chunk_tokens=None
 ):
     """Run the model over held-out features' text (made against the index idx) once and save
-    its outputs; returns (token_eval's result, each document's UTF-8 bytes) for the caller to
-    mix as well. The continuous cache's target probabilities are saved too, at the scale of
-    `cont_cache` (a ContCache, e.g. of validation outputs saved earlier), or at one fit on this
-    text (which should then be validation text): on the half of its documents that `--fit-gate`
-    fits on (perplexity.halves)."""
-    from teragram.model.evaluation.perplexity import cont_cache_of, doc_bytes, token_eval
-    from teragram.model.mixture import cont_cache as cc
-    from teragram.model.training.data import EvalData
-
-    eos, sep = idx.eos_id, idx.sep
-    r = token_eval(model, heldout, eos, sep, device, batch=batch, hidden=hidden or cc.KEY)
-    r["cont_cache"] = cont_cache_of(r, cont_cache, device)
-    if hidden is not True:
-        r.pop("hidden")
-    per_doc = doc_bytes(EvalData(heldout, model.cfg.block_size, eos, sep), idx.decode)
+    its outputs, a chunk of documents at a time; returns the continuous cache's settings they
+    were saved with: those of `cont_cache` (a ContCache, e.g. of validation outputs saved
+    earlier), or one fit on this text (which should then be validation text), see `saving`."""
     from teragram.model.checkpoint import weights_digest
+    from teragram.model.evaluation.perplexity import model_chunks
+    from teragram.model.evaluation.stream import CHUNK_TOKENS, heldout_chunks
+    from teragram.model.mixture import cont_cache as cc
 
-    save_outputs(out, r, heldout, checkpoint=source, step=meta["step"], docs_bytes=per_doc.tolist(), model=weights_digest(model))
-    return r, per_doc
+    chunks = heldout_chunks(heldout, chunk_tokens or CHUNK_TOKENS, features=model.cfg.use_index)
+    w = OutputsWriter(out, idx, checkpoint=source, step=meta["step"], model=weights_digest(model))
+    for ch in saving(model_chunks(model, idx, chunks, device, batch=batch, hidden=cc.KEY), w, cont_cache, device):
+        ch.r = None
+    return w.spec
+
+
+def outputs_chunks(outputs: ModelOutputs, chunk_tokens: int, *, cont_cache: bool = True):
+    """Chunks of saved outputs (stream.Chunk with r and nbytes), read from their memory maps."""
+    from teragram.model.evaluation.stream import heldout_chunks
+
+    st = np.asarray(fmt.open_array(outputs.path / "000000" / "docs.bin", "docs")).astype(np.int64)
+    nbytes = outputs.doc_bytes
+    for ch in heldout_chunks(outputs.path, chunk_tokens):
+        a, b = st[ch.first], st[ch.first + len(ch.docs)]
+        r = {name: np.asarray(getattr(outputs, name)[a:b]) for name in ("nll", "maxp", "target", "doc")}
+        r["top"] = np.asarray(outputs.top[a:b]).astype(np.int64)
+        if outputs.cont_cache is not None and cont_cache:
+            r["cont_cache"] = (outputs.cont_cache[0], np.asarray(outputs.cont_cache[1][a:b]))
+        ch.r, ch.nbytes = r, nbytes[ch.first : ch.first + len(ch.docs)]
+        yield ch
 
 
 def outputs_report(outputs: ModelOutputs, index, opts):
-    """`teragram eval --outputs`: model.evaluate.mix_report of saved outputs and an index of
-    the same tokenizer (its directory, or an opened Index or ClusterIndex)."""
+    """`teragram eval --outputs`: model.evaluation.mixing.mix_stream of saved outputs and an
+    index of the same tokenizer (its directory, or an opened Index or ClusterIndex)."""
     from teragram.index.engine import as_index
-    from teragram.model.evaluation.perplexity import mix_report
+    from teragram.model.evaluation.mixing import mix_stream
+    from teragram.model.evaluation.stream import prefetch
 
     idx = as_index(index)
     check_tokenizer(outputs, idx.path)
-    r = {"nll": outputs.nll, "maxp": outputs.maxp, "top": outputs.top.astype(np.int64), "target": outputs.target, "doc": outputs.doc}
-    if outputs.cont_cache is not None and opts.cont_cache:
-        r["cont_cache"] = outputs.cont_cache
-    return mix_report(r, outputs.doc_bytes, idx, outputs.path, opts)
+    return mix_stream(prefetch(outputs_chunks(outputs, opts.chunk_tokens, cont_cache=opts.cont_cache)), idx, opts)
 
 
 def load_outputs(path: str | Path) -> ModelOutputs:
@@ -146,28 +221,50 @@ def load_outputs(path: str | Path) -> ModelOutputs:
     n = m["tokens"]
     if any(len(a) != n for a in arrays.values()):
         raise IndexFormatError(f"{path}: arrays of different lengths (manifest: {n} targets)")
-    tok = np.asarray(fmt.open_array(d / "tokens.bin", "tokens")).astype(np.int64)
+    tok = fmt.open_array(d / "tokens.bin", "tokens")
     st = np.asarray(fmt.open_array(d / "docs.bin", "docs")).astype(np.int64)
     if len(st) - 1 != len(m["docs"]) or n != len(tok):  # every document predicts len(ids) + 1 targets
         raise IndexFormatError(f"{path}: {len(st) - 1} documents and {len(tok)} positions for {n} targets")
-    expect = tok.copy()
-    expect[st[1:] - 1] = -1  # the separator slot: the document's EOS target
-    got = arrays["target"].astype(np.int64)
-    order = st[arrays["doc"].astype(np.int64)] + arrays["pos"].astype(np.int64)
-    if not np.array_equal(np.where(expect[order] < 0, -1, got), expect[order]):
-        raise IndexFormatError(f"{path}: the saved targets are not the documents' tokens")
+    last = np.zeros(len(tok), bool)
+    last[st[1:] - 1] = True  # the separator slot: the document's EOS target
+    for a in range(0, n, 1 << 22):  # a block of targets at a time: memory stays bounded
+        b = min(a + (1 << 22), n)
+        order = st[np.asarray(arrays["doc"][a:b], np.int64)] + np.asarray(arrays["pos"][a:b], np.int64)
+        expect = np.asarray(tok)[order].astype(np.int64)
+        if not np.array_equal(np.where(last[order], expect, arrays["target"][a:b]), expect):
+            raise IndexFormatError(f"{path}: the saved targets are not the documents' tokens")
     ccache = None
     if "cont_cache" in m:
         from teragram.model.mixture.cont_cache import ContCache
 
         spec = ContCache.from_json(m["cont_cache"])
-        q = (
-            np.stack([np.asarray(fmt.open_array(d / f"out.{c}.bin", f"out.cc{k}"), np.float64) for k, c in enumerate(spec.names)], 1)
-            if n
-            else np.zeros((0, len(spec.names)))
-        )
-        ccache = (spec, q)
+        cols = [fmt.open_array(d / f"out.{c}.bin", f"out.cc{k}") for k, c in enumerate(spec.names)]
+        ccache = (spec, Columns(cols, n))
     return ModelOutputs(path, m, **arrays, cont_cache=ccache)
+
+
+class Columns:
+    """The continuous cache's saved probabilities (N, len(factors)) as float64, read from their
+    memory-mapped columns only where indexed (q[rows], q[rows, c], q[:, c])."""
+
+    def __init__(self, cols: list, n: int):
+        self.cols, self.n = cols, n
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n, len(self.cols))
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, key):
+        rows, c = key if isinstance(key, tuple) else (key, None)
+        if c is not None:
+            return np.asarray(self.cols[c][rows], np.float64)
+        return np.stack([np.asarray(col[rows], np.float64) for col in self.cols], 1) if self.cols else np.zeros((0, 0))
+
+    def __array__(self, dtype=None, copy=None):
+        return self[:].astype(dtype or np.float64)
 
 
 def truncate_outputs(outputs: ModelOutputs, dst: str | Path, max_targets: int) -> ModelOutputs:

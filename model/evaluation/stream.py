@@ -151,6 +151,43 @@ def prefetch(items: Iterable, depth: int = 1) -> Iterator:
                 pass
 
 
+def text_size(corpus: list[str]) -> int:
+    """About the bytes of text in the corpus's files, for a progress bar's ETA: a file's size,
+    a gzip file's recorded length, a zstd file's frame content size where it records one."""
+    import struct
+
+    import zstandard
+    from teragram.index import readers
+
+    total = 0
+    for p in readers.walk(corpus):
+        size = p.stat().st_size
+        try:
+            if p.suffix == ".gz" and size >= 4:
+                with open(p, "rb") as f:
+                    f.seek(-4, 2)
+                    size = struct.unpack("<I", f.read(4))[0] or size
+            elif p.suffix == ".zst":
+                with open(p, "rb") as f:
+                    n = zstandard.frame_content_size(f.read(18))
+                size = n if n > 0 else size
+        except (OSError, struct.error, zstandard.ZstdError):  # an estimate only: the file's size stands
+            pass
+        total += size
+    return total
+
+
+def progress(chunks: Iterable[Chunk], total: int | None, *, unit: str = "tok", quiet: bool = False) -> Iterator[Chunk]:
+    """The chunks, with a progress bar (and ETA) on stderr: targets done of `total` (unit "tok"),
+    or UTF-8 bytes of text done of about `total` (unit "B")."""
+    from tqdm import tqdm
+
+    with tqdm(total=total, unit=unit, unit_scale=True, desc="eval", disable=quiet) as bar:
+        for ch in chunks:
+            bar.update(int(np.sum(ch.nbytes)) if unit == "B" else ch.targets)
+            yield ch
+
+
 @dataclass
 class DocSums:
     """Per document: targets, summed loss of the model and of the mixture, UTF-8 bytes, and

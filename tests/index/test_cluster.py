@@ -444,7 +444,8 @@ def test_eval_through_the_cluster(cluster, held, model_run, quick_gate_fit, tmp_
         compute_held_out(index, tmp_path / f"feats{i}", FeatureConfig("held-out", 12, 4), [str(text)])
         report = heldout_report(model, index, tmp_path / f"feats{i}", opts=opts)[0]
         reports.append({k: v for k, v in report.items() if k != "stages_s"})  # the figures, not their timings
-    assert reports[1] == reports[0] and reports[0]["decontaminated"]["docs"] == 10
+    assert reports[1] == reports[0], (reports[0], reports[1])
+    assert reports[0]["decontaminated"]["docs"] == 10
 
 
 # ---- the builder's feature passes through the cluster ---------------------------------------
@@ -509,7 +510,7 @@ def test_heldout_features_through_the_cluster_resume(held, tmp_path, monkeypatch
         heldout.compute_held_out(c, tmp_path / "cluster", cfg, [str(text)])
     assert sorted(p.name for p in (tmp_path / "cluster" / "chunks").glob("*.done")) == ["000000.done", "000001.done"]
     heldout.compute_held_out(c, tmp_path / "cluster", cfg, [str(text)])
-    assert _feature_files(tmp_path / "cluster") == want and len(heldout._chunks([np.zeros(50)] * 7)) > 2
+    assert _feature_files(tmp_path / "cluster") == want  # interrupted at the third of 4 runs of <= 120 positions (2 documents each)
     with pytest.raises(BuildError, match="holds features of another index or configuration"):
         heldout.compute_held_out(c, tmp_path / "cluster", FeatureConfig("held-out", 12, 2), [str(text)])
     assert _feature_files(tmp_path / "cluster") == want

@@ -208,10 +208,18 @@ def test_saved_outputs_keep_the_cache_and_give_the_same_figures(held_root, plain
     from teragram.model.evaluation.perplexity import EvalOptions, heldout_report
 
     idx = Index(held_root / "idx")
-    r, _ = save_model_outputs(tmp_path / "out", plain, held_root / "held", idx, meta={"step": 1}, source="x")
+    from teragram.model.evaluation.perplexity import cont_cache_of, token_eval
+
+    spec = save_model_outputs(tmp_path / "out", plain, held_root / "held", idx, meta={"step": 1}, source="x")
     o = load_outputs(tmp_path / "out")
-    assert o.cont_cache[0] == r["cont_cache"][0] and "hidden" not in r
-    np.testing.assert_array_equal(o.cont_cache[1], r["cont_cache"][1])
+    r = token_eval(plain, held_root / "held", idx.eos_id, idx.sep, hidden=cc.KEY)  # in memory
+    assert o.cont_cache[0] == spec == cont_cache_of(r, None)[0] and len(o.manifest["docs"]) > 1
+    np.testing.assert_array_equal(o.cont_cache[1][:], cont_cache_of(r, spec)[1])
+    np.testing.assert_array_equal(o.nll, r["nll"].astype(np.float32))
+    # saved a few documents at a time (at that scale): the same files
+    save_model_outputs(tmp_path / "out2", plain, held_root / "held", idx, meta={"step": 1}, source="x", cont_cache=spec, chunk_tokens=100)
+    for f in sorted(p.name for p in (tmp_path / "out" / "000000").iterdir()):
+        assert (tmp_path / "out2" / "000000" / f).read_bytes() == (tmp_path / "out" / "000000" / f).read_bytes(), f
     direct, gate = heldout_report(plain, held_root / "idx", held_root / "held", opts=EvalOptions(fit_gate=True))
     split, gate2 = outputs_report(o, held_root / "idx", EvalOptions(fit_gate=True))
     assert split["perplexity"] == pytest.approx(direct["perplexity"], rel=1e-9)
