@@ -34,7 +34,7 @@ import numpy as np
 from teragram.index import format as fmt
 
 CHUNK_TOKENS = 262_144  # targets per chunk: ~1 GB at the tiny model's 32k vocabulary on CPU (benchmarks/eval_speed)
-FIT_ROWS = 500_000  # tokens a candidate gate is fit on at most (chosen on validation: benchmarks/eval_speed)
+FIT_ROWS = 200_000  # tokens a candidate gate is fit on at most: 3 fits in ~1 minute on 2 cores (benchmarks/eval_speed)
 BLOCK = 1 << 18  # rows scored at a time from a spill
 
 

@@ -12,8 +12,6 @@ from teragram.model.checkpoint import load_model
 
 from tests.model.conftest import train_tiny
 
-pytestmark = pytest.mark.xdist_group("held_root")
-
 
 @pytest.fixture(scope="module")
 def plain(held_root):
