@@ -15,7 +15,7 @@ import math
 import numpy as np
 from teragram.index.errors import TeragramError
 from teragram.model.evaluation.perplexity import EvalOptions, Stages, cont_cache_of, halves, needs_states
-from teragram.model.evaluation.stream import DocSums, Spill, blocks, sample_rows
+from teragram.model.evaluation.stream import DocSums, Spill, blocks, prefetch, sample_rows
 from teragram.model.mixture import cont_cache as cc
 from teragram.model.mixture.estimates import COMPONENTS, docs_estimates, infgram_lengths
 from teragram.model.mixture.gate import Gate, GateX, component_logp, gate_inputs, mix_nll_multi
@@ -158,6 +158,22 @@ def doc_shares(lengths: np.ndarray, docs) -> np.ndarray:
     return np.asarray(out)
 
 
+def _looked_up(chunks, idx, opts: EvalOptions, stages: Stages):
+    """The chunks with the index's side filled in: the estimates the mixture reads (ch.est) and,
+    with decontaminate, which documents are kept (ch.keep)."""
+    from teragram.index.heldout import DECONTAMINATION_SHARE
+
+    for ch in chunks:
+        if opts.gate is not None or opts.fit_gate or opts.baseline in ("infini-gram", "infini-gram+cache"):
+            with stages("estimates"):
+                ch.est = docs_estimates(idx, ch.docs, opts.workers)
+        if opts.decontaminate:
+            with stages("decontaminate"):
+                lengths = ch.est["index_length"] if ch.est is not None else infgram_lengths(idx, ch.docs, opts.workers)
+                ch.keep = doc_shares(lengths, ch.docs) < DECONTAMINATION_SHARE
+        yield ch
+
+
 def mix_stream(chunks, index, opts: EvalOptions | None = None, *, device: str = "cpu", stages: Stages | None = None):
     """(report, fitted) of the chunks' model outputs (stream.Chunk with r and nbytes), mixed as
     opts asks: perplexity and bits per byte of the model, or of its mixture with the index gate
@@ -166,7 +182,6 @@ def mix_stream(chunks, index, opts: EvalOptions | None = None, *, device: str = 
     13-grams in the index are left out of everything, fitting included; the mixture over all
     documents is reported too ("all_documents"). Each stage's seconds under "stages_s"."""
     from teragram.index.engine import as_index
-    from teragram.index.heldout import DECONTAMINATION_SHARE
 
     idx = as_index(index)
     opts = EvalOptions() if opts is None else opts
@@ -178,7 +193,7 @@ def mix_stream(chunks, index, opts: EvalOptions | None = None, *, device: str = 
     store = None
     sums, spill, kept, width = DocSums(), Spill(opts.spill) if fitting else None, 0, 0
     try:
-        for ch in chunks:
+        for ch in prefetch(_looked_up(chunks, idx, opts, stages)):  # the index's side a chunk ahead, in a thread of its own
             r = ch.r
             if opts.baseline == "knn" and "hidden" not in r:
                 raise TeragramError("the kNN baseline needs the model's hidden states: evaluate with --checkpoint, not saved outputs")
@@ -189,15 +204,7 @@ def mix_stream(chunks, index, opts: EvalOptions | None = None, *, device: str = 
 
                 store = DenseStore(opts.dense or Path(idx.path) / "dense")
             local = np.asarray(r["doc"], np.int64) - ch.first
-            est = None
-            if gating or opts.baseline in ("infini-gram", "infini-gram+cache"):
-                with stages("estimates"):
-                    est = docs_estimates(idx, ch.docs, opts.workers)
-            keep_docs = np.ones(len(ch.docs), bool)
-            if opts.decontaminate:
-                with stages("decontaminate"):
-                    lengths = est["index_length"] if est is not None else infgram_lengths(idx, ch.docs, opts.workers)
-                    keep_docs = doc_shares(lengths, ch.docs) < DECONTAMINATION_SHARE
+            est, keep_docs = ch.est, ch.keep if ch.keep is not None else np.ones(len(ch.docs), bool)
             rank = kept + np.cumsum(keep_docs) - 1  # halves: every other kept document, counted over the whole text
             kept += int(keep_docs.sum())
             keep, held = keep_docs[local], (keep_docs & (rank % 2 == 1))[local]
@@ -222,7 +229,7 @@ def mix_stream(chunks, index, opts: EvalOptions | None = None, *, device: str = 
                     else:
                         spill.add(**a, doc=local + ch.first, keep=keep)
             sums.add(ch.first, len(ch.docs), local + ch.first, r["nll"], mixed, ch.nbytes, keep_docs)
-            ch.r = None
+            ch.r = ch.est = None
         fitted, info = None, {}
         if spill is not None:
             a = spill.arrays()

@@ -51,6 +51,8 @@ class Chunk:
     feats: object = None
     r: dict | None = None
     nbytes: np.ndarray | None = None
+    est: dict | None = None  # the index's and the document cache's estimates (model/mixture/estimates.py)
+    keep: np.ndarray | None = None  # with decontamination: the documents kept
 
     @property
     def targets(self) -> int:

@@ -84,7 +84,7 @@ def index_estimates_docs(idx, docs: list[np.ndarray], threads: int = 1) -> dict[
     return out
 
 
-@nb.njit(cache=True)
+@nb.njit(cache=True, nogil=True)
 def _running_counts(key, pair, y, n_keys, n_pairs, o_cnt, o_pair, o_top, o_topc):
     """For each target j in order: how often key[j] occurred before (o_cnt), how often followed
     by y[j] (o_pair), and the most frequent follower so far (o_top; count desc, id asc) with
@@ -199,7 +199,13 @@ def docs_estimates(index, docs: list[np.ndarray], workers: int = 1) -> dict[str,
 
     idx = as_index(index)
     est = index_estimates_docs(idx, docs, threads=workers)
-    parts = [cache_estimates(ids, idx.eos_id) for ids in docs]
+    if workers > 1 and len(docs) > 1:  # the cache's kernels and sorts release the GIL
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(workers) as pool:
+            parts = list(pool.map(lambda ids: cache_estimates(ids, idx.eos_id), docs))
+    else:
+        parts = [cache_estimates(ids, idx.eos_id) for ids in docs]
     return est | {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
