@@ -1,7 +1,8 @@
 """Evaluation streamed over held-out text of any size, in bounded memory.
 
-The text is read a chunk at a time: a run of whole documents of about `chunk_tokens` targets
-(one document longer than that is a chunk of its own). Each chunk is tokenized, given held-out
+The text is read a chunk at a time: a run of whole documents of at most `chunk_tokens` targets
+(one document longer than that is a chunk of its own: peak memory follows the chunk size and the
+longest document, not the text's size). Each chunk is tokenized, given held-out
 features when the model reads them, run through the model, looked up in the index (the
 estimates, and the ∞-gram's match lengths that decontamination reads), and mixed. Only each
 document's sums are kept in memory: its targets, the model's and the mixture's summed loss, its
@@ -84,13 +85,13 @@ def corpus_chunks(idx, corpus: list[str], chunk_tokens: int = CHUNK_TOKENS, skip
                     skipped.append(item)
                 continue
             ids = np.asarray(idx.tokenizer.encode(item.text), np.int64)
-            docs.append(ids)
-            metas.append({"source": item.source, "record": item.record, "length": len(ids)})
-            n += len(ids) + 1
-            if n >= chunk_tokens:
+            if docs and n + len(ids) + 1 > chunk_tokens:  # at most chunk_tokens, or one document longer than that
                 yield Chunk(first, docs, metas)
                 first += len(docs)
                 docs, metas, n = [], [], 0
+            docs.append(ids)
+            metas.append({"source": item.source, "record": item.record, "length": len(ids)})
+            n += len(ids) + 1
     if docs:
         yield Chunk(first, docs, metas)
 
