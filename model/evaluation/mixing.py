@@ -21,15 +21,21 @@ from teragram.model.mixture.estimates import COMPONENTS, docs_estimates, infgram
 from teragram.model.mixture.gate import Gate, GateX, component_logp, gate_inputs, mix_nll_multi
 
 
-def apply_gate(gate: Gate, r: dict, est: dict) -> np.ndarray:
+def gate_weights(gate: Gate, r: dict, est: dict) -> np.ndarray:
+    """The gate's mixture weights (N, M) at every target of r (the model's outputs) from the
+    estimates est: what the gate reads before the target is known."""
+    return gate(gate_inputs(est, r["maxp"], r["top"], gate.exact_components))
+
+
+def apply_gate(gate: Gate, r: dict, est: dict, weights: np.ndarray | None = None) -> np.ndarray:
     """Per-target nll of the gated mixture of r (the model's outputs, with "cont_cache" when the
-    gate reads it) and the estimates est."""
+    gate reads it) and the estimates est (weights: gate_weights's, when computed already)."""
     spec, q = r.get("cont_cache", (None, None))
     if gate.cont_cache is not None and gate.cont_cache != spec:
         raise TeragramError("the gate reads the continuous cache at another scale than these outputs were saved with")
     ccols = (q, cc.first_rows(r["doc"])) if q is not None else None
-    X = gate_inputs(est, r["maxp"], r["top"], gate.exact_components)
-    return mix_nll_multi(component_logp(est, r["nll"], gate.components, ccols), gate(X))
+    w = gate_weights(gate, r, est) if weights is None else weights
+    return mix_nll_multi(component_logp(est, r["nll"], gate.components, ccols), w)
 
 
 def fit_inputs(r: dict, est: dict) -> tuple[GateX, np.ndarray, cc.ContCache | None]:
@@ -159,14 +165,17 @@ def doc_shares(lengths: np.ndarray, docs) -> np.ndarray:
 
 
 def _looked_up(chunks, idx, opts: EvalOptions, stages: Stages):
-    """The chunks with the index's side filled in: the estimates the mixture reads (ch.est) and,
-    with decontaminate, which documents are kept (ch.keep)."""
+    """The chunks with the index's side filled in: the estimates the mixture reads (ch.est), a
+    given gate's weights (ch.weights) and, with decontaminate, which documents are kept (ch.keep)."""
     from teragram.index.heldout import DECONTAMINATION_SHARE
 
     for ch in chunks:
         if opts.gate is not None or opts.fit_gate or opts.baseline in ("infini-gram", "infini-gram+cache"):
             with stages("estimates"):
                 ch.est = docs_estimates(idx, ch.docs, opts.workers)
+        if opts.gate is not None:
+            with stages("gate_weights"):
+                ch.weights = gate_weights(opts.gate, ch.r, ch.est)
         if opts.decontaminate:
             with stages("decontaminate"):
                 lengths = ch.est["index_length"] if ch.est is not None else infgram_lengths(idx, ch.docs, opts.workers)
@@ -215,7 +224,7 @@ def mix_stream(chunks, index, opts: EvalOptions | None = None, *, device: str = 
             mixed = None
             if opts.gate is not None:
                 with stages("gate"):
-                    mixed = apply_gate(opts.gate, r, est)
+                    mixed = apply_gate(opts.gate, r, est, ch.weights)
             elif opts.fit_gate:
                 with stages("gate_fit"):
                     X, lp, spec = fit_inputs(r, est)
@@ -229,7 +238,7 @@ def mix_stream(chunks, index, opts: EvalOptions | None = None, *, device: str = 
                     else:
                         spill.add(**a, doc=local + ch.first, keep=keep)
             sums.add(ch.first, len(ch.docs), local + ch.first, r["nll"], mixed, ch.nbytes, keep_docs)
-            ch.r = ch.est = None
+            ch.r = ch.est = ch.weights = None
         fitted, info = None, {}
         if spill is not None:
             a = spill.arrays()

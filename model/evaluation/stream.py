@@ -54,6 +54,7 @@ class Chunk:
     nbytes: np.ndarray | None = None
     est: dict | None = None  # the index's and the document cache's estimates (model/mixture/estimates.py)
     keep: np.ndarray | None = None  # with decontamination: the documents kept
+    weights: np.ndarray | None = None  # a given gate's mixture weights at every target
 
     @property
     def targets(self) -> int:
