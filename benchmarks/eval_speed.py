@@ -362,7 +362,8 @@ def main(argv=None) -> None:
         elif args.cmd == "save":  # a run's JSON from the GPU machine, saved here with its checks made again
             res = json.loads(Path(args.json).read_text())
             res["checks"] = checks_of(res["rows"], res.get("baseline"))
-            res.setdefault("run_on", {"commit": args.run_commit, "machine": args.run_machine, "command": args.run_command})
+            given = {"commit": args.run_commit, "machine": args.run_machine, "command": args.run_command}
+            res["run_on"] = res.get("run_on", {}) | {k: v for k, v in given.items() if v}  # a copy without .git records "unknown"
             report(res, args.name, None)
         else:
             ap.error("give data, run or --smoke")
