@@ -49,7 +49,9 @@ def cmd_eval(args) -> int:
     )
     try:
         r, fitted, model_id = _eval_outputs(args, opts) if args.outputs else _eval_checkpoint(args, opts)
-    except MemoryError:
+    except (MemoryError, RuntimeError) as e:  # torch's out-of-memory errors are RuntimeErrors
+        if not isinstance(e, MemoryError) and "out of memory" not in str(e).lower():
+            raise
         raise TeragramError(
             f"out of memory with --chunk-tokens {args.chunk_tokens:,}"
             + (f" and --fit-rows {args.fit_rows:,}" if args.fit_gate else "")

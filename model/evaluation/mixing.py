@@ -11,14 +11,83 @@ the gate's candidates (choose_gate) or a baseline's parameters, and mixes every 
 from __future__ import annotations
 
 import math
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from teragram.index.errors import TeragramError
-from teragram.model.evaluation.perplexity import EvalOptions, Stages, cont_cache_of, halves, needs_states
-from teragram.model.evaluation.stream import DocSums, Spill, blocks, prefetch, sample_rows
+from teragram.model.evaluation.stream import CHUNK_TOKENS, FIT_ROWS, DocSums, Spill, blocks, prefetch, sample_rows
 from teragram.model.mixture import cont_cache as cc
 from teragram.model.mixture.estimates import COMPONENTS, docs_estimates, infgram_lengths
 from teragram.model.mixture.gate import Gate, GateX, component_logp, gate_inputs, mix_nll_multi
+
+
+class Stages(dict):
+    """Seconds spent in each stage of an evaluation, by name (`teragram eval --json` reports them
+    under "stages_s"): `with stages("model"): ...` adds the block's wall time. Stages of a
+    streamed evaluation overlap (the model runs a chunk ahead): their sum exceeds the wall time."""
+
+    @contextmanager
+    def __call__(self, name: str):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self[name] = self.get(name, 0.0) + time.perf_counter() - t
+
+
+@dataclass(frozen=True)
+class EvalOptions:
+    """What `teragram eval` mixes in and over which documents (see heldout_report)."""
+
+    gate: Gate | None = None  # a fitted index gate to apply
+    fit_gate: bool = False  # fit the gate on this text (validation): the candidates compared, the best kept
+    cont_cache: bool = True  # a fitted gate may read the continuous cache ((t+cc) among the candidates)
+    baseline: str | None = None  # "infini-gram", "infini-gram+cache" or "knn" (baselines.py)
+    params: dict | None = None  # the baseline's fitted parameters to apply
+    decontaminate: bool = False  # drop documents with >= 80% of their 13-grams in the index
+    dense: str | Path | None = None  # the kNN baseline's dense store (default IDX/dense)
+    workers: int = 1  # processes for the index estimates
+    chunk_tokens: int = CHUNK_TOKENS  # targets read, run and mixed at a time (peak memory follows it)
+    fit_rows: int = FIT_ROWS  # tokens a candidate gate (or a baseline's parameters) is fit on at most
+    spill: str | Path | None = None  # where a fit's per-token inputs are spilled (default: the system's temporary directory)
+
+
+def needs_states(opts: EvalOptions) -> bool:
+    """Whether the mixture asked for reads the continuous cache (the model's key states)."""
+    if opts.gate is not None:
+        return opts.gate.cont_cache is not None
+    return opts.fit_gate and opts.cont_cache
+
+
+def halves(doc: np.ndarray, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(fit_on, held): row masks of the kept rows split by document, every other kept document
+    (by number) held out. `--fit-gate` fits each candidate (and the continuous cache's scale) on
+    fit_on and compares the candidates on held."""
+    docs = np.unique(doc[keep])
+    held = np.isin(doc, docs[1::2]) & keep
+    return keep & ~held, held
+
+
+def cont_cache_of(
+    r: dict, spec: cc.ContCache | None, device: str = "cpu", *, fit_rows: np.ndarray | None = None
+) -> tuple[cc.ContCache, np.ndarray]:
+    """(spec, q (N, len(factors))): the continuous cache's probability of every target of
+    forward_docs's result r (with its key states under "hidden", an array or a tensor); without
+    a spec, the scale is fit on this text's rows fit_rows (a mask; None: the fitting half of
+    every document, halves), which should then be validation text: the half of it that
+    `--fit-gate` fits the candidates on, never the half that compares them."""
+    import torch
+
+    h = r["hidden"]
+    if spec is None:
+        rows = halves(r["doc"], np.ones(len(r["doc"]), bool))[0] if fit_rows is None else fit_rows
+        hr = h[torch.as_tensor(rows, device=h.device)] if torch.is_tensor(h) else h[rows]
+        spec = cc.ContCache(cc.fit_scale(hr, r["doc"][rows], device, window=cc.WINDOW), window=cc.WINDOW)
+    q = cc.target_probs(h, r["target"], r["doc"], spec.temperatures, device, window=spec.window)
+    return spec, q.astype(np.float32).astype(np.float64)  # as saved outputs keep it: both paths give the same figures
 
 
 def gate_weights(gate: Gate, r: dict, est: dict) -> np.ndarray:
@@ -207,8 +276,6 @@ def mix_stream(chunks, index, opts: EvalOptions | None = None, *, device: str = 
             if opts.baseline == "knn" and "hidden" not in r:
                 raise TeragramError("the kNN baseline needs the model's hidden states: evaluate with --checkpoint, not saved outputs")
             if opts.baseline == "knn" and store is None:
-                from pathlib import Path
-
                 from teragram.index.dense import DenseStore
 
                 store = DenseStore(opts.dense or Path(idx.path) / "dense")

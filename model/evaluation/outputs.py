@@ -131,6 +131,11 @@ class OutputsWriter:
         metas = ch.metas or [{"source": "", "record": k, "length": len(ids)} for k, ids in enumerate(ch.docs, ch.first)]
         self.docs += [m | {"bytes": int(b)} for m, b in zip(metas, ch.nbytes, strict=True)]
 
+    def abort(self) -> None:
+        """Remove what was written: no partial outputs directory is left to be mistaken for one."""
+        for w in [self.tokens, self.starts, *self.fields.values(), *self.cc]:
+            w.abort()
+
     def close(self) -> Path:
         self.starts.append([self.n])
         for w in [self.tokens, self.starts, *self.fields.values(), *self.cc]:
@@ -148,14 +153,18 @@ def saving(chunks, writer: OutputsWriter, spec=None, device: str = "cpu", *, kee
     `--fit-gate` fits on (perplexity.halves). The key states are dropped unless keep_hidden."""
     from teragram.model.evaluation.perplexity import cont_cache_of
 
-    for ch in chunks:
-        if "hidden" in ch.r and "cont_cache" not in ch.r:
-            ch.r["cont_cache"] = cont_cache_of(ch.r, spec, device)
-            spec = ch.r["cont_cache"][0]
-            if not keep_hidden:
-                ch.r.pop("hidden")
-        writer.add(ch)
-        yield ch
+    try:
+        for ch in chunks:
+            if "hidden" in ch.r and "cont_cache" not in ch.r:
+                ch.r["cont_cache"] = cont_cache_of(ch.r, spec, device)
+                spec = ch.r["cont_cache"][0]
+                if not keep_hidden:
+                    ch.r.pop("hidden")
+            writer.add(ch)
+            yield ch
+    except BaseException:
+        writer.abort()
+        raise
     writer.close()
 
 

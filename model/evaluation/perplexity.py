@@ -7,15 +7,13 @@ of the model's context (no window spans two documents); every token is predicted
 from __future__ import annotations
 
 import math
-import time
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
 import torch
 from teragram.index.features import Features
-from teragram.model.evaluation.stream import CHUNK_TOKENS, FIT_ROWS
+from teragram.model.evaluation.mixing import EvalOptions, Stages, cont_cache_of, mix_stream, needs_states
 from teragram.model.gpt import GPT, to_torch
 from teragram.model.mixture import cont_cache as cc
 from teragram.model.mixture.estimates import heldout_docs, heldout_estimates
@@ -177,37 +175,6 @@ def gated_eval(
     return fitted if fitted is not None else gate, r["nll"], mixed
 
 
-class Stages(dict):
-    """Seconds spent in each stage of an evaluation, by name (`teragram eval --json` reports them
-    under "stages_s"): `with stages("model"): ...` adds the block's wall time. Stages of a
-    streamed evaluation overlap (the model runs a chunk ahead): their sum exceeds the wall time."""
-
-    @contextmanager
-    def __call__(self, name: str):
-        t = time.perf_counter()
-        try:
-            yield
-        finally:
-            self[name] = self.get(name, 0.0) + time.perf_counter() - t
-
-
-@dataclass(frozen=True)
-class EvalOptions:
-    """What `teragram eval` mixes in and over which documents (see heldout_report)."""
-
-    gate: Gate | None = None  # a fitted index gate to apply
-    fit_gate: bool = False  # fit the gate on this text (validation): the candidates compared, the best kept
-    cont_cache: bool = True  # a fitted gate may read the continuous cache ((t+cc) among the candidates)
-    baseline: str | None = None  # "infini-gram", "infini-gram+cache" or "knn" (baselines.py)
-    params: dict | None = None  # the baseline's fitted parameters to apply
-    decontaminate: bool = False  # drop documents with >= 80% of their 13-grams in the index
-    dense: str | Path | None = None  # the kNN baseline's dense store (default IDX/dense)
-    workers: int = 1  # processes for the index estimates
-    chunk_tokens: int = CHUNK_TOKENS  # targets read, run and mixed at a time (peak memory follows it)
-    fit_rows: int = FIT_ROWS  # tokens a candidate gate (or a baseline's parameters) is fit on at most
-    spill: str | Path | None = None  # where a fit's per-token inputs are spilled (default: the system's temporary directory)
-
-
 def model_chunks(model: GPT, idx, chunks, device: str = "cpu", *, batch: int = 16, hidden=False, stages: Stages | None = None):
     """Chunks (model/evaluation/stream.py) with the model's outputs and each document's bytes
     filled in; held-out features computed for a model that reads them (and not given)."""
@@ -227,7 +194,7 @@ def model_chunks(model: GPT, idx, chunks, device: str = "cpu", *, batch: int = 1
 
 
 def heldout_report(
-    model: GPT, index, heldout, device: str = "cpu", opts: EvalOptions = EvalOptions(), *, batch: int = 16, stages: Stages | None = None
+    model: GPT, index, heldout, device: str = "cpu", opts: EvalOptions | None = None, *, batch: int = 16, stages: Stages | None = None
 ):
     """(report, fitted) of held-out features' text: perplexity and bits per byte of the model,
     or of its mixture with the index gate or a peer's interpolation (with the model alone under
@@ -237,10 +204,10 @@ def heldout_report(
     opened Index or ClusterIndex (index/cluster.py: the estimates computed by its holders).
     Streamed a chunk of documents at a time (mix_stream)."""
     from teragram.index.engine import as_index
-    from teragram.model.evaluation.mixing import mix_stream
     from teragram.model.evaluation.stream import heldout_chunks, prefetch
 
     idx = as_index(index)
+    opts = EvalOptions() if opts is None else opts
     stages = Stages() if stages is None else stages
     hidden = "final" if opts.baseline == "knn" else needs_states(opts) and cc.KEY
     chunks = heldout_chunks(heldout, opts.chunk_tokens, features=model.cfg.use_index)
@@ -248,48 +215,14 @@ def heldout_report(
     return mix_stream(chunks, idx, opts, device=device, stages=stages)
 
 
-def needs_states(opts: EvalOptions) -> bool:
-    """Whether the mixture asked for reads the continuous cache (the model's key states)."""
-    if opts.gate is not None:
-        return opts.gate.cont_cache is not None
-    return opts.fit_gate and opts.cont_cache
-
-
-def halves(doc: np.ndarray, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(fit_on, held): row masks of the kept rows split by document, every other kept document
-    (by number) held out. `--fit-gate` fits each candidate (and the continuous cache's scale) on
-    fit_on and compares the candidates on held."""
-    docs = np.unique(doc[keep])
-    held = np.isin(doc, docs[1::2]) & keep
-    return keep & ~held, held
-
-
-def cont_cache_of(
-    r: dict, spec: cc.ContCache | None, device: str = "cpu", *, fit_rows: np.ndarray | None = None
-) -> tuple[cc.ContCache, np.ndarray]:
-    """(spec, q (N, len(factors))): the continuous cache's probability of every target of
-    forward_docs's result r (with its key states under "hidden", an array or a tensor); without
-    a spec, the scale is fit on this text's rows fit_rows (a mask; None: the fitting half of
-    every document, halves), which should then be validation text: the half of it that
-    `--fit-gate` fits the candidates on, never the half that compares them."""
-    h = r["hidden"]
-    if spec is None:
-        rows = halves(r["doc"], np.ones(len(r["doc"]), bool))[0] if fit_rows is None else fit_rows
-        hr = h[torch.as_tensor(rows, device=h.device)] if torch.is_tensor(h) else h[rows]
-        spec = cc.ContCache(cc.fit_scale(hr, r["doc"][rows], device, window=cc.WINDOW), window=cc.WINDOW)
-    q = cc.target_probs(h, r["target"], r["doc"], spec.temperatures, device, window=spec.window)
-    return spec, q.astype(np.float32).astype(np.float64)  # as saved outputs keep it: both paths give the same figures
-
-
 def mix_report(
-    r: dict, per_doc: np.ndarray, index, heldout, opts: EvalOptions = EvalOptions(), *, device: str = "cpu", stages: Stages | None = None
+    r: dict, per_doc: np.ndarray, index, heldout, opts: EvalOptions | None = None, *, device: str = "cpu", stages: Stages | None = None
 ):
     """mix_stream of a model's per-token outputs r held in memory (forward_docs's fields: nll,
     maxp, top, target, doc, and hidden for the kNN baseline; "cont_cache" as saved, or the
     continuous cache's key states under "hidden", read here on device) on the documents of
     `heldout` (held-out features, or saved outputs: model/evaluation/outputs.py), per_doc their
     UTF-8 bytes, as one chunk."""
-    from teragram.model.evaluation.mixing import mix_stream
     from teragram.model.evaluation.stream import Chunk
 
     ch = Chunk(0, heldout_docs(heldout), r=dict(r), nbytes=np.asarray(per_doc))

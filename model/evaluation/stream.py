@@ -34,8 +34,8 @@ from pathlib import Path
 import numpy as np
 from teragram.index import format as fmt
 
-CHUNK_TOKENS = 262_144  # targets per chunk: ~1 GB at the tiny model's 32k vocabulary on CPU (benchmarks/eval_speed)
-FIT_ROWS = 200_000  # tokens a candidate gate is fit on at most: 3 fits in ~1 minute on 2 cores (benchmarks/eval_speed)
+CHUNK_TOKENS = 262_144  # targets per chunk (docs/research/2026-12-07-eval-streaming.md)
+FIT_ROWS = 200_000  # tokens a candidate gate is fit on at most: 3 fits in about a minute on 2 cores
 BLOCK = 1 << 18  # rows scored at a time from a spill
 
 

@@ -141,8 +141,8 @@ def test_key_states_are_the_final_states_or_the_last_feed_forwards_input(held_ro
 
 
 def test_fit_gate_compares_the_candidates_and_live_equals_bulk(held_root, plain):
-    from teragram.model.evaluation.mixing import gated
-    from teragram.model.evaluation.perplexity import EvalOptions, cont_cache_of, halves, token_eval
+    from teragram.model.evaluation.mixing import EvalOptions, cont_cache_of, gated, halves
+    from teragram.model.evaluation.perplexity import token_eval
 
     idx = Index(held_root / "idx")
     r = token_eval(plain, held_root / "held", idx.eos_id, idx.sep, hidden=cc.KEY)

@@ -121,6 +121,28 @@ def test_a_corpus_is_read_in_chunks_with_the_cli(held_root, plain, tmp_path, cap
     assert "expected at least 1" in capsys.readouterr().err
 
 
+def test_out_of_memory_names_the_setting(held_root, plain, monkeypatch, capsys):
+    """A failure to allocate while evaluating is one line naming --chunk-tokens."""
+    from teragram.model.evaluation import perplexity
+    from teragram.serve.main import main
+
+    def oom(*a, **kw):
+        raise MemoryError
+
+    monkeypatch.setattr(perplexity, "forward_docs", oom)
+    args = [
+        "eval",
+        "--checkpoint",
+        str(held_root / "stream-plain"),
+        "--index",
+        str(held_root / "idx"),
+        "--corpus",
+        str(held_root / "held-text"),
+    ]
+    assert main([*args, "--chunk-tokens", "5000", "--quiet"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == ["teragram: error: out of memory with --chunk-tokens 5,000: lower it"]
+
+
 def test_prefetch_hands_on_the_producers_error():
     from teragram.model.evaluation.stream import prefetch
 
