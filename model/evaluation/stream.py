@@ -76,23 +76,17 @@ def cut(lengths, chunk_tokens: int) -> list[tuple[int, int]]:
 def corpus_chunks(idx, corpus: list[str], chunk_tokens: int = CHUNK_TOKENS, skipped: list | None = None) -> Iterator[Chunk]:
     """Chunks of the readable documents of files or folders, tokenized as they are read; each
     unreadable record is appended to `skipped` (readers.Skip)."""
-    from teragram.index import readers
+    from teragram.index.heldout import iter_corpus
 
     docs, metas, n, first = [], [], 0, 0
-    for path in readers.walk(corpus):
-        for item in readers.read_file(path):
-            if isinstance(item, readers.Skip):
-                if skipped is not None:
-                    skipped.append(item)
-                continue
-            ids = np.asarray(idx.tokenizer.encode(item.text), np.int64)
-            if docs and n + len(ids) + 1 > chunk_tokens:  # at most chunk_tokens, or one document longer than that
-                yield Chunk(first, docs, metas)
-                first += len(docs)
-                docs, metas, n = [], [], 0
-            docs.append(ids)
-            metas.append({"source": item.source, "record": item.record, "length": len(ids)})
-            n += len(ids) + 1
+    for ids, meta in iter_corpus(idx, corpus, skipped):
+        if docs and n + len(ids) + 1 > chunk_tokens:  # at most chunk_tokens, or one document longer than that
+            yield Chunk(first, docs, metas)
+            first += len(docs)
+            docs, metas, n = [], [], 0
+        docs.append(ids)
+        metas.append(meta)
+        n += len(ids) + 1
     if docs:
         yield Chunk(first, docs, metas)
 
