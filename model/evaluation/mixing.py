@@ -6,6 +6,7 @@ Per chunk: the estimates of its documents, the ∞-gram's match lengths that dec
 reads, the continuous cache from the model's key states, then either the mixture (a gate or
 parameters given) or its inputs spilled for the fit. After the last chunk a fit reads the spill:
 the gate's candidates (choose_gate) or a baseline's parameters, and mixes every token with them.
+What an evaluation is asked to mix (EvalOptions) and its stage timer (Stages) live here too.
 """
 
 from __future__ import annotations

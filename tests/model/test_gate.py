@@ -170,3 +170,23 @@ def test_gates_saved_with_the_old_component_names_load_under_the_new(tmp_path):
 def test_component_names_say_their_context():
     assert [estimates.context_length(c) for c in estimates.INDEX] == [0, *estimates.ORDERS]
     assert [estimates.context_length(c) for c in estimates.CACHE] == [0, *estimates.ORDERS]
+
+
+def test_gate_columns_are_the_dense_design_matrix():
+    """GateX (the columns set in each row) gives the dense matrix's product exactly, and each
+    row of the dense matrix has one 1 per one-hot block plus its set binary columns."""
+    rng = np.random.default_rng(3)
+    n, comps = 500, estimates.COMPONENTS
+    X = gate_mod.gate_features(
+        rng.integers(0, 200, n),
+        rng.random(n),
+        [rng.integers(0, 10**6, n) for _ in comps],
+        [rng.random(n) for _ in comps],
+        [rng.random(n) < 0.5 for _ in comps],
+        rng.integers(0, 70, n),
+    )
+    D = X.dense()
+    W = rng.standard_normal((X.width, 4))
+    np.testing.assert_allclose(X.matmul(W), D.astype(np.float64) @ W, rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(D.sum(1), (X.cols < X.width).sum(1))
+    np.testing.assert_array_equal(X[10:20].dense(), D[10:20])
