@@ -6,7 +6,6 @@ of the model's context (no window spans two documents); every token is predicted
 
 from __future__ import annotations
 
-import math
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import numpy as np
 import torch
 from teragram.index.features import Features
 from teragram.model.evaluation.mixing import EvalOptions, Stages, cont_cache_of, mix_stream, needs_states
+from teragram.model.evaluation.stream import figures
 from teragram.model.gpt import GPT, to_torch
 from teragram.model.mixture import cont_cache as cc
 from teragram.model.mixture.estimates import heldout_docs, heldout_estimates
@@ -59,7 +59,7 @@ def forward_docs(
         y = torch.full((n, T_), eos, dtype=torch.long)
         mask = torch.zeros((n, T_), dtype=torch.bool)
         padded = []  # each window's features, padded with "nothing found" to T_ positions
-        for i, (_, xx, yy, ff, _, _) in enumerate(buf):
+        for i, (_, xx, yy, ff, _) in enumerate(buf):
             m = len(xx)
             x[i, :m], y[i, :m], mask[i, :m] = torch.from_numpy(xx), torch.from_numpy(yy), True
             if ff is not None:
@@ -79,7 +79,7 @@ def forward_docs(
         out["target"].append(y[mask].numpy())
         if hidden:
             out["hidden"].append(got[0].float()[mk])
-        for s, xx, _, _, d, _ in buf:
+        for s, xx, _, _, d in buf:
             out["doc"].append(np.full(len(xx), d))
             out["pos"].append(np.arange(s, s + len(xx)))
         buf.clear()
@@ -90,7 +90,7 @@ def forward_docs(
         f_doc = feats.map(lambda v, a=at, n=n: v[a : a + n]) if model.cfg.use_index else None
         at += len(ids) + 1
         for s, xx, yy, ff in doc_windows(np.asarray(ids), f_doc, T, eos, k):
-            buf.append((s, xx, yy, ff, first + j, None))
+            buf.append((s, xx, yy, ff, first + j))
             if len(buf) == batch:
                 flush()
     if buf:
@@ -133,15 +133,7 @@ def docs_bytes(docs, decode) -> np.ndarray:
 
 
 def summarize(nll: np.ndarray, nbytes: int) -> dict:
-    n = len(nll)
-    tot = float(np.sum(nll))
-    return {
-        "tokens": n,
-        "loss": tot / max(n, 1),
-        "perplexity": math.exp(tot / max(n, 1)),
-        "bits_per_byte": tot / math.log(2) / max(nbytes, 1),
-        "bytes": int(nbytes),
-    }
+    return figures(len(nll), float(np.sum(nll)), nbytes)
 
 
 def evaluate(model: GPT, heldout: str | Path, eos: int, sep: int, device: str = "cpu", batch: int = 16) -> dict:

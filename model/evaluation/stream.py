@@ -208,14 +208,18 @@ class DocSums:
 
     def report(self, which: str, keep: np.ndarray | None = None) -> dict:
         k = slice(None) if keep is None else keep
-        n, tot, nbytes = int(self.get("n")[k].sum()), float(self.get(which)[k].sum()), int(self.get("bytes")[k].sum())
-        return {
-            "tokens": n,
-            "loss": tot / max(n, 1),
-            "perplexity": math.exp(tot / max(n, 1)),
-            "bits_per_byte": tot / math.log(2) / max(nbytes, 1),
-            "bytes": nbytes,
-        }
+        return figures(int(self.get("n")[k].sum()), float(self.get(which)[k].sum()), int(self.get("bytes")[k].sum()))
+
+
+def figures(n: int, total: float, nbytes: int) -> dict:
+    """Tokens, mean loss, perplexity and bits per byte of n targets of summed loss `total`."""
+    return {
+        "tokens": n,
+        "loss": total / max(n, 1),
+        "perplexity": math.exp(total / max(n, 1)),
+        "bits_per_byte": total / math.log(2) / max(nbytes, 1),
+        "bytes": int(nbytes),
+    }
 
 
 class Spill:

@@ -81,8 +81,8 @@ def _slice_features(f: Features, a: int, b: int, sep: int) -> Features:
 
 
 class EvalData:
-    """Held-out documents (a features directory made with `teragram features --corpus`),
-    cut into windows: each document is read as EOS + tokens, predicting tokens + EOS."""
+    """Held-out documents (a features directory made with `teragram features --corpus`): their
+    tokens, starts and features (model/evaluation/perplexity.forward_docs cuts them into windows)."""
 
     def __init__(self, features_dir: str | Path, block_size: int, eos: int, sep: int):
         d = Path(features_dir) / "000000"
@@ -94,22 +94,6 @@ class EvalData:
         self.starts = np.asarray(fmt.open_array(d / "docs.bin", "docs")).astype(np.int64)
         self.feats = open_features(d, self.k)
         self.block_size, self.eos, self.sep = block_size, eos, sep
-
-    def windows(self):
-        """(document, offset, x, y, features) of every window, one document at a time, no
-        window spanning two; offset is the window's first target within the document."""
-        T = self.block_size
-        for d in range(len(self.starts) - 1):
-            a, e = int(self.starts[d]), int(self.starts[d + 1])  # e - 1 is the separator
-            ids = np.asarray(self.tokens[a:e]).astype(np.int64)
-            ids[-1] = self.eos
-            x_all = np.concatenate([[self.eos], ids[:-1]])
-            y_all = ids
-            # features of the EOS slot: none; then those of the document's positions
-            f_doc = _slice_features(self.feats, a, e - 1, self.sep)
-            f_all = Features.combine([Features.empty(1, self.k, (np.int64,) * 5), f_doc])
-            for s in range(0, len(x_all), T):
-                yield d, s, x_all[s : s + T], y_all[s : s + T], f_all.map(lambda v, s=s: v[s : s + T])
 
     def text_bytes(self, decode) -> int:
         """UTF-8 bytes of the held-out text (for bits per byte)."""
