@@ -9,6 +9,7 @@ last call had not brought back, not the run.
     python -m tools.device_pipeline start --home /tmp/jr --out-dir o --skip 'knnest-*' -- \\
         python -m benchmarks.joint gpu --carry .carry15 --work w --out o --stage all ...
     python -m tools.device_pipeline wait --home /tmp/jr            # the next call, at once
+    python -m tools.device_pipeline feed --home /tmp/jr --into w/spool --seconds 5 .carry/next/*  # a call bringing input
 
 The command runs in HOME (the repository's copy, the carried folders included), so relative
 paths in it land there. Each call prints the pipeline's log tail and what it ships; MANIFEST.txt
@@ -123,6 +124,19 @@ def _ship(home: Path, dest: Path, again: bool = False) -> None:
     print(f"shipped {len(placed)} files ({total / 2**20:.1f} MiB) in {n_files} files; {len(left)} left for the next call", flush=True)
 
 
+def feed(home: Path, into: str, files: list[Path]) -> None:
+    """Files this call carried, into HOME/INTO for the running command (a trainer's next shards):
+    each copied under a temporary name, then renamed, so that the command sees only whole files."""
+    _state(home)
+    dest = home / into
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        tmp = dest / (f.name + ".part")
+        shutil.copyfile(f, tmp)
+        tmp.replace(dest / f.name)
+        print(f"fed {f.name} ({f.stat().st_size / 2**20:.1f} MiB) into {dest}", flush=True)
+
+
 def wait(home: Path, seconds: float, again: bool = False) -> int:
     """Wait for the pipeline up to `seconds`, print its log's tail, ship what is new to $OUT.
     Returns 0 while it runs or once it ended well, 1 if it failed."""
@@ -141,21 +155,28 @@ def wait(home: Path, seconds: float, again: bool = False) -> int:
 
 
 def smoke() -> int:
-    """start and wait on a tiny working tree (one module) in a temporary folder: the command
-    imports the copy's package, writes two files, and both are shipped to $OUT."""
+    """start, feed and wait on a tiny working tree (one module) in a temporary folder: the command
+    imports the copy's package, waits for the file fed to it, writes two files, and both are
+    shipped to $OUT."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="teragram-smoke-") as tmp:
         tree, home = Path(tmp) / "tree", Path(tmp) / "home"
         (tree / "model").mkdir(parents=True)
         (tree / "model" / "mark.py").write_text("X = 41\n")
+        (Path(tmp) / "fed.txt").write_text("fed")
         os.environ["OUT"] = str(Path(tmp) / "out")
         os.chdir(tree)
-        code = "import os; from teragram.model.mark import X; os.makedirs('o'); open('o/a.txt', 'w').write(str(X)); open('o/b.txt', 'w').write('b')"
+        code = (
+            "import os, time; from teragram.model.mark import X; os.makedirs('o')\n"
+            "while not os.path.exists('spool/fed.txt'): time.sleep(0.1)\n"
+            "open('o/a.txt', 'w').write(str(X) + open('spool/fed.txt').read()); open('o/b.txt', 'w').write('b')"
+        )
         start(home, "o", [], [sys.executable, "-c", code])
+        feed(home, "spool", [Path(tmp) / "fed.txt"])
         rc = wait(home, 60)
         shipped = (Path(tmp) / "out" / "MANIFEST.txt").read_text()
-        if rc or "a.txt" not in shipped:
+        if rc or "a.txt" not in shipped or (home / "o" / "a.txt").read_text() != "41fed":
             raise SystemExit(f"smoke: the pipeline ended with {rc}, shipped: {shipped}")
     return 0
 
@@ -164,12 +185,14 @@ def main(argv: list[str] | None = None) -> int:
     if "--smoke" in (argv if argv is not None else sys.argv[1:]):
         return smoke()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("verb", choices=["start", "wait"])
+    ap.add_argument("verb", choices=["start", "wait", "feed"])
     ap.add_argument("--home", type=Path, required=True)
     ap.add_argument("--out-dir", default="o", help="start: the command's output directory, relative to HOME")
     ap.add_argument("--skip", action="append", default=[], help="start: names (glob) never shipped")
     ap.add_argument("--seconds", type=float, default=560, help="how long this call waits before shipping")
     ap.add_argument("--again", action="store_true", help="wait: ship every file again (a call whose files were lost)")
+    ap.add_argument("--into", help="feed: the folder, relative to HOME, that the files go into")
+    ap.add_argument("files", nargs="*", type=Path, help="feed: the files this call carried")
     argv = sys.argv[1:] if argv is None else argv
     cmd = argv[argv.index("--") + 1 :] if "--" in argv else []
     a = ap.parse_args(argv[: len(argv) - len(cmd) - (1 if "--" in argv else 0)])
@@ -177,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
         if not cmd:
             raise SystemExit("start: the command to run follows --")
         start(a.home, a.out_dir, a.skip, cmd)
+    if a.verb == "feed":
+        if not a.into or not a.files:
+            raise SystemExit("feed: give --into and the files")
+        feed(a.home, a.into, a.files)
     return wait(a.home, a.seconds, a.again)
 
 

@@ -5,32 +5,42 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Iterator
 
 import torch
 from teragram.index.features import Features
 from teragram.model.gpt import blinded, to_device
 from teragram.model.training.config import TrainConfig
-from teragram.model.training.data import TrainData
 
 
-def prefetch(data: TrainData, cfg: TrainConfig, rank: int, start: int, pin: bool) -> Iterator[tuple]:
-    """Batches (x, y, features) for steps start.. in order, one per micro-step,
-    prepared by a background thread (a few ahead)."""
-    q: queue.Queue = queue.Queue(maxsize=4)
+class prefetch:
+    """Batches (x, y, features) for steps start.. in order, one per micro-step, prepared by a
+    background thread (a few ahead); wait_s: the seconds the trainer spent waiting for one."""
 
-    def work():
-        for step in range(start, cfg.max_steps):
-            for micro in range(cfg.grad_accum):
-                x, y, f = data.batch(step * cfg.grad_accum + micro, cfg.batch_size, seed=cfg.seed, rank=rank)
-                if pin:
-                    x, y = x.pin_memory(), y.pin_memory()
-                    f = None if f is None else f.map(lambda t: t.pin_memory())
-                q.put((x, y, f))
+    def __init__(self, data, cfg: TrainConfig, rank: int, start: int, pin: bool):
+        self.q: queue.Queue = queue.Queue(maxsize=4)
+        self.wait_s = 0.0
 
-    threading.Thread(target=work, daemon=True).start()
-    while True:
-        yield q.get()
+        def work():
+            for step in range(start, cfg.max_steps):
+                for micro in range(cfg.grad_accum):
+                    x, y, f = data.batch(step * cfg.grad_accum + micro, cfg.batch_size, seed=cfg.seed, rank=rank)
+                    if pin:
+                        x, y = x.pin_memory(), y.pin_memory()
+                        f = None if f is None else f.map(lambda t: t.pin_memory())
+                    self.q.put((x, y, f))
+
+        threading.Thread(target=work, daemon=True).start()
+
+    def __iter__(self) -> Iterator[tuple]:
+        return self
+
+    def __next__(self) -> tuple:
+        t = time.perf_counter()
+        b = self.q.get()
+        self.wait_s += time.perf_counter() - t
+        return b
 
 
 def blind(f: Features, p: float, gen: torch.Generator) -> Features:

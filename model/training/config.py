@@ -17,6 +17,7 @@ from teragram.model.training import lowp
 @dataclass(frozen=True)
 class TrainConfig:
     index: str = ""
+    data: str | None = None  # token shards (model/training/shards.py) to train on instead of the index's text
     features: str | None = None  # training features (None: baseline without index inputs)
     heldout: str | None = None  # held-out features (teragram features --corpus) for evaluation
     out: str = "runs/train"
@@ -86,6 +87,10 @@ CHOICES = {
 
 def check(cfg: TrainConfig) -> None:
     """Refuse, with one line, a setting or a combination that cannot work, before any work."""
+    if cfg.data is not None and cfg.features is not None and cfg.use_index:
+        raise ConfigError("data (token shards) trains a model without index inputs: leave features unset")
+    if not cfg.index and (cfg.data is None or cfg.evals):
+        raise ConfigError("index is required (the training text and tokenizer; with data, for evals' tokenizer)")
     for key, allowed in CHOICES.items():
         if getattr(cfg, key) not in allowed:
             raise ConfigError(f"{key} must be one of {', '.join(allowed)}, not {getattr(cfg, key)!r}")

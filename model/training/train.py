@@ -52,6 +52,7 @@ from teragram.model.training.config import CHOICES, TrainConfig, agree, check, l
 from teragram.model.training.data import TrainData
 from teragram.model.training.offload import CPUOffloadAdamW
 from teragram.model.training.plot import plot_log
+from teragram.model.training.shards import TokenShards, read_manifest
 from tqdm import tqdm
 
 # The settings (config.py), the batches (batches.py) and the log's figure (plot.py) are
@@ -87,7 +88,7 @@ def train(cfg: TrainConfig) -> dict:
                 took = local.exchange(step // cfg.outer_every)  # collective
         if took is not None or ((step + 1) % cfg.log_every == 0 or step == start or step + 1 == cfg.max_steps) and not skip:
             el = time.time() - t0
-            last = _log_row(run, step, loss_sum, lr, el, tokens_per_step, took, skip)
+            last = _log_row(run, step, loss_sum, lr, el, tokens_per_step, took, skip, batches.wait_s)
         _checkpoint_and_evaluate(run, step)
         if took is not None:
             local.restart()  # the evaluation and checkpoint are not the next round's time
@@ -110,7 +111,7 @@ class _Run:
     device: str
     out: Path
     model: GPT
-    data: TrainData
+    data: TrainData | TokenShards
     opt: torch.optim.Optimizer
     comm: ranks.Wrapped
     start: int  # the step it starts (or resumes) at
@@ -133,7 +134,10 @@ def _start(cfg: TrainConfig, rank: int, world: int, device: str) -> _Run:
     their preparation counts in the run's elapsed time.)"""
     master = rank == 0
     mcfg = _model_config(cfg)
-    data = TrainData(cfg.index, cfg.features if cfg.use_index and cfg.features is not None else None, mcfg.block_size)
+    if cfg.data is not None:
+        data = TokenShards(cfg.data, mcfg.block_size, world)
+    else:
+        data = TrainData(cfg.index, cfg.features if cfg.use_index and cfg.features is not None else None, mcfg.block_size)
     out = Path(cfg.out)
     model = GPT(mcfg).to(device)
     model.set_recompute(cfg.recompute, cfg.recompute_blocks)
@@ -158,7 +162,10 @@ def _start(cfg: TrainConfig, rank: int, world: int, device: str) -> _Run:
 def _model_config(cfg: TrainConfig) -> GPTConfig:
     """The model's configuration (its vocabulary the index's, its top-k the features')."""
     use_index = cfg.use_index and cfg.features is not None
-    vocab = fmt.read_json(Path(cfg.index) / "manifest.json")["tokenizer"]["vocab_size"]
+    if cfg.data is not None:
+        vocab = read_manifest(Path(cfg.data))["vocab_size"]
+    else:
+        vocab = fmt.read_json(Path(cfg.index) / "manifest.json")["tokenizer"]["vocab_size"]
     top_k = fmt.read_json(Path(cfg.features) / "manifest.json")["top_k"] if use_index else 0
     return model_config(cfg, vocab, top_k)
 
@@ -241,11 +248,12 @@ def _step(run: _Run, step: int, lr: float, batches) -> tuple[float, bool]:
     return loss_sum, skip
 
 
-def _log_row(run: _Run, step: int, loss_sum: float, lr: float, el: float, tokens_per_step: int, took, skip: bool) -> dict:
-    """The log row after step (written by rank 0, with the progress bar's figures)."""
+def _log_row(run: _Run, step: int, loss_sum: float, lr: float, el: float, tokens_per_step: int, took, skip: bool, wait_s: float) -> dict:
+    """The log row after step (written by rank 0, with the progress bar's figures); input_wait_s:
+    the seconds so far the steps waited for their batches (text not read or not there yet)."""
     done_tokens = tokens_per_step // run.world * (step + 1 - run.start)  # this rank's
     tps = tokens_per_step * (step + 1 - run.start) / max(el, 1e-9)
-    last = {"step": step + 1, "loss": loss_sum, "lr": lr, "tokens_per_s": tps, "elapsed_s": el}
+    last = {"step": step + 1, "loss": loss_sum, "lr": lr, "tokens_per_s": tps, "elapsed_s": el, "input_wait_s": wait_s}
     if run.world > 1:
         link = run.comm.link
         last |= {"comm_bytes": link.sent, "comm_bytes_per_token": link.sent / max(1, done_tokens)}
