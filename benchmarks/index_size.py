@@ -231,7 +231,7 @@ def stage_eval(outputs: Path, indexes: list[Path], workers: int, max_targets: in
         if (
             old.get("manifest_sha256") == key
             and set(old["sets"]) == set(sets)
-            and all(names <= set(s["ppl"]) for s in old["sets"].values())
+            and all(names <= set(s["ppl"]) and "test_doc_nll" in s for s in old["sets"].values())
         ):
             results.append(old)
             print(f"{root.name}: evaluated before ({saved})", flush=True)
@@ -244,7 +244,7 @@ def stage_eval(outputs: Path, indexes: list[Path], workers: int, max_targets: in
             est = {h: outputs_estimates(o[h], root, workers=workers) for h in HALVES}
             est_s = time.time() - t
             nll, weights = variants(o, est, cache_only.get(name))
-            cache_only[name] = nll["a+c"]
+            cache_only[name] = {v: nll[v] for v in ("a+c", "a+cc") if v in nll}
             test = o["test"]
             clean_docs = clean_documents(test, est["test"])
             clean = clean_docs[test.doc.astype(np.int64)]
@@ -265,6 +265,11 @@ def stage_eval(outputs: Path, indexes: list[Path], workers: int, max_targets: in
                 "ppl_valid": {v: _ppl(n["valid"]) for v, n in nll.items()},
                 "ppl_decontaminated": {v: _ppl(n["test"][clean]) for v, n in nll.items()},
                 "weights": weights,
+                "test_doc_tokens": np.bincount(test.doc.astype(np.int64), minlength=len(clean_docs)).tolist(),
+                "test_doc_nll": {
+                    v: np.bincount(test.doc.astype(np.int64), weights=n["test"], minlength=len(clean_docs)).tolist() for v, n in nll.items()
+                },
+                "test_clean_docs": clean_docs.astype(int).tolist(),
                 "match_share": {str(k): float((L >= k).mean()) for k in (8, 16, 32)},
                 "infgram_accuracy_by_length": acc,
                 "estimates_s": est_s,

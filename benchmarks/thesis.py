@@ -9,8 +9,8 @@ at 47M, ~500M and 2.43B index tokens.
     python -m tools.device_pipeline start --home /tmp/t62 --out-dir o --seconds 20 -- \\
         python -m benchmarks.thesis gpu --carry .carry62 --work w --out o         # GPU, call 1
     python -m tools.device_pipeline feed --home /tmp/t62 --into w/spool --seconds 5 .carry62/feed/*   # GPU, calls 2.., at once
-    python -m benchmarks.thesis eval --data DATA --a47 DATA/out66 --a500 DATA/out62 [--workers 2]      # here
-    python -m benchmarks.thesis report --data DATA --a47 DATA/out66 --a500 DATA/out62                  # here
+    python -m benchmarks.thesis eval   --data DATA --outputs DATA/out66 DATA/out62 [--workers 2]      # here
+    python -m benchmarks.thesis report --data DATA --outputs DATA/out66 DATA/out62                    # here
 
 The text of (a500) is idx-050m's (the 47M tokens (a47) trained on) and every document of the extra
 corpus whose bucket (index_size_data's hash of its path) is < BUCKETS, read from idx-2b's shards
@@ -68,8 +68,8 @@ def selected_docs(index, buckets: int) -> np.ndarray:
     return np.array(keep, dtype=np.int64)
 
 
-def stage_text(data: Path, buckets: int, carry: Path, seed: int, level: int, shard_tokens: int = SHARD_TOKENS) -> dict:
-    """(a500)'s shards under DATA/a500-shards (and each compressed), the plan in CARRY/plan.json."""
+def stage_text(data: Path, buckets: int, carry: Path, seed: int, level: int, shard_tokens: int = SHARD_TOKENS, name: str = "a500") -> dict:
+    """(a500)'s shards under DATA/NAME-shards (and each compressed), the plan in CARRY/plan.json."""
     from teragram.index import format as fmt
     from teragram.index.engine import Index
     from teragram.model.training.shards import documents, write_shards
@@ -77,7 +77,7 @@ def stage_text(data: Path, buckets: int, carry: Path, seed: int, level: int, sha
     idx = Index(data / "idx-2b")
     docs = selected_docs(idx, buckets)
     order = np.random.default_rng(seed).permutation(docs)
-    out = data / "a500-shards"
+    out = data / f"{name}-shards"
     t = time.time()
     tok = idx.manifest["tokenizer"]
     m = write_shards(
@@ -94,6 +94,7 @@ def stage_text(data: Path, buckets: int, carry: Path, seed: int, level: int, sha
     for s in m["shards"]:
         pack(out / s["name"], level)
     plan = schedule(m, SCALES["gpu"]) | {
+        "name": name,
         "buckets": buckets,
         "seed": seed,
         "docs": len(docs),
@@ -148,27 +149,27 @@ def stage_calls(data: Path, carry: Path, call: int) -> None:
     if call > len(todo):
         raise SystemExit(f"{len(todo)} calls carry every shard; call {call} has none")
     for name in todo[call - 1]:
-        shutil.copyfile(data / "a500-shards" / (name + ".zst"), feed / (name + ".zst"))
+        shutil.copyfile(data / f"{plan['name']}-shards" / (name + ".zst"), feed / (name + ".zst"))
     if call == len(todo):  # the last also brings the text the held-out sets' index needs, and HellaSwag's set
         shutil.copyfile(data / "ppl" / "train-english.jsonl.zst", feed / "train-english.jsonl.zst")
-        if (data / "a500-shards" / "hellaswag.tar.zst").exists():
-            shutil.copyfile(data / "a500-shards" / "hellaswag.tar.zst", feed / "hellaswag.tar.zst")
+        if (data / "hellaswag.tar.zst").exists():
+            shutil.copyfile(data / "hellaswag.tar.zst", feed / "hellaswag.tar.zst")
     size = sum(p.stat().st_size for p in feed.iterdir())
     print(f"call {call} of {len(todo)}: {', '.join(todo[call - 1])} ({size / 2**20:.1f} MiB)")
 
 
-def stage_index(data: Path, buckets: int, workers: int) -> dict:
+def stage_index(data: Path, buckets: int, workers: int, name: str = "a500") -> dict:
     """idx-a500: idx-050m and the extra corpus's buckets < buckets, built as index_size_data builds
     its parts (in DATA/parts-a500, apart from idx-2b's), composed; then checked to hold exactly
     the shards' documents (the same multiset of token sequences)."""
     from benchmarks.index_size_data import EXTRA, Stage, build_part, compose
 
-    part = data / "parts-a500" / f"b00-b{buckets:02d}"
+    part = data / f"parts-{name}" / f"b00-b{buckets:02d}"
     if not (part / "part.json").exists():
-        build_part(data, 0, buckets, 1 << 28, workers, Stage("extra", EXTRA, "parts-a500"))
-    m = compose(data / "idx-a500", [data / "idx-050m", part])
-    check = same_documents(data / "idx-a500", data / "a500-shards")
-    (data / "idx-a500" / "selection.json").write_text(json.dumps({"buckets": buckets, "check": check}, indent=1))
+        build_part(data, 0, buckets, 1 << 28, workers, Stage("extra", EXTRA, f"parts-{name}"))
+    m = compose(data / f"idx-{name}", [data / "idx-050m", part])
+    check = same_documents(data / f"idx-{name}", data / f"{name}-shards")
+    (data / f"idx-{name}" / "selection.json").write_text(json.dumps({"buckets": buckets, "check": check}, indent=1))
     print(json.dumps(check))
     return m
 
@@ -208,7 +209,7 @@ def schedule(manifest: dict, sc: dict) -> dict:
     return {"steps": steps, "warmup": max(1, round(WARMUP_SHARE * steps)), "trained_tokens": steps * sc["batch"] * sc["block"]}
 
 
-def stage_gpu(carry: Path, work: Path, out: Path, scale: str = "gpu") -> None:
+def stage_gpu(carry: Path, work: Path, out: Path, scale: str = "gpu", max_steps: int | None = None) -> None:
     """Train (a500) from the shards that reach WORK/spool (call 1's from CARRY/feed), meanwhile
     index train-english (its tokenizer is all the outputs need of an index) and compute the held-out
     sets' features on the CPU; then (a500)'s outputs, as the index-size benchmark's, and HellaSwag's."""
@@ -218,10 +219,10 @@ def stage_gpu(carry: Path, work: Path, out: Path, scale: str = "gpu") -> None:
 
     from benchmarks.index_size import heldout_features, save_outputs_a
 
-    sc = SCALES[scale]
+    sc = SCALES[scale] | ({"max_steps": max_steps} if max_steps else {})
     plan = json.loads((carry / "plan.json").read_text())
     sched = schedule(json.loads((carry / "shards" / "manifest.json").read_text()), sc)
-    if scale == "gpu" and sched["steps"] != plan["steps"]:
+    if scale == "gpu" and not max_steps and sched["steps"] != plan["steps"]:
         raise SystemExit(f"the plan's {plan['steps']} steps are not the shards' epoch ({sched['steps']})")
     spool = work / "spool"
     spool.mkdir(parents=True, exist_ok=True)
@@ -246,7 +247,19 @@ def stage_gpu(carry: Path, work: Path, out: Path, scale: str = "gpu") -> None:
         time.sleep(2)
     t = time.time()
     py, n = sys.executable, os.cpu_count() or 1
-    sh(py, "-m", "teragram.builder.cli", english, "--out", work / "idx", "--tokenizer", carry / "tokenizer.model", "--workers", n, "--quiet")
+    sh(
+        py,
+        "-m",
+        "teragram.builder.cli",
+        english,
+        "--out",
+        work / "idx",
+        "--tokenizer",
+        carry / "tokenizer.model",
+        "--workers",
+        n,
+        "--quiet",
+    )
     held = heldout_features(work / "idx", work / "heldout", carry, n)
     phases["index_and_features_s"] = time.time() - t
     if trainer.wait():
@@ -279,6 +292,140 @@ def stage_gpu(carry: Path, work: Path, out: Path, scale: str = "gpu") -> None:
     print(json.dumps(info["phases"]), flush=True)
 
 
+# ---- here: the mixing, the table ----------------------------------------------------------------
+
+INDEXES = ("idx-050m", "idx-a350", "idx-a500", "idx-2b")  # those present are mixed; idx-2b is the largest
+VARIANTS = {
+    "a": "alone",
+    "a+cc": "cache-only gate (document + continuous cache, no index)",
+    "choice": "product (eval --fit-gate's choice)",
+    "c+c": "infini-gram interpolation + document cache",
+}
+
+
+def trained_tokens(out: Path) -> int:
+    """The tokens a model's run trained on (its gpu.json; index_size gpu's: an epoch of its index's)."""
+    g = json.loads((out / "gpu.json").read_text())
+    return g["schedule"]["trained_tokens"] if "schedule" in g else g["index_tokens"]
+
+
+def model_label(out: Path) -> str:
+    """aN: the model trained on N million tokens (N thousand, written Nk, below a million)."""
+    t = trained_tokens(out)
+    return f"a{t / 1e6:.0f}" if t >= 1e6 else f"a{t / 1e3:.0f}k"
+
+
+def stage_eval(data: Path, outs: list[Path], workers: int) -> dict:
+    """Each model's outputs mixed with each index present (benchmarks/index_size.py eval: every
+    variant fit on validation; kept in OUTPUTS/eval/, so that a stopped run resumes)."""
+    from benchmarks.index_size import stage_eval as mix
+
+    indexes = [data / i for i in INDEXES if (data / i / "manifest.json").exists()]
+    return {model_label(o): mix(o, indexes, workers) for o in outs}
+
+
+def _ppl(s: dict, v: str, docs: np.ndarray) -> float:
+    """Perplexity of variant v over the test documents `docs` (a mask) of one set's figures."""
+    tok = np.asarray(s["test_doc_tokens"], dtype=np.float64)[docs]
+    return float(np.exp(np.asarray(s["test_doc_nll"][v])[docs].sum() / tok.sum()))
+
+
+def figures(res: dict) -> tuple[list[str], list[str], dict]:
+    """(sets, indexes, {(set, model, variant, index): {"all", "clean", "index_tokens"}}): test
+    perplexity over all documents and over those decontaminated against the largest index (fewer
+    than 80% of their 13-grams in it; the indexes nest, so these are clean of every smaller one):
+    one document set for every row of a set."""
+    by = {m: {r["index"]: r for r in res[m]["indexes"]} for m in res}
+    first = next(iter(by.values()))
+    indexes = sorted(first, key=lambda i: first[i]["index_tokens"])
+    big = first[indexes[-1]]["sets"]
+    out: dict = {}
+    for name in big:
+        clean = np.asarray(big[name]["test_clean_docs"], bool)
+        every = np.ones_like(clean)
+        for m in res:
+            for idx, r in by[m].items():
+                s = r["sets"][name]
+                for v in VARIANTS:
+                    out[name, m, v, idx] = {"all": _ppl(s, v, every), "clean": _ppl(s, v, clean), "index_tokens": r["index_tokens"]}
+        out[name, "docs"] = {"all": int(every.sum()), "clean": int(clean.sum()), "tokens": big[name]["test_tokens"]}
+    return list(big), indexes, out
+
+
+def bars(sets: list[str], indexes: list[str], f: dict, small: str, large: str) -> tuple[list[str], dict]:
+    """The issue's bars, on decontaminated test perplexity (lines, and each bar's verdict)."""
+    top = indexes[-1]
+    alone = {s: f[s, large, "a", top]["clean"] < f[s, small, "a", top]["clean"] for s in sets}
+    cut = {s: 1 - f[s, large, "choice", top]["clean"] / f[s, large, "a+cc", top]["clean"] for s in sets}
+    moon = {s: f[s, small, "choice", top]["clean"] / f[s, large, "a+cc", top]["clean"] for s in sets}
+    shifted = [s for s in ("timeshift", "prose", "packages") if s in sets]
+    verdict = {
+        "alone": all(alone.values()),
+        "cut_20pct": all(cut[s] >= 0.2 for s in shifted),
+        "moonshot": all(m < 1 for m in moon.values()),
+    }
+    lines = [
+        f"- ({large}) alone below ({small}) alone on every set: {'met' if verdict['alone'] else 'missed'} ("
+        + ", ".join(f"{s} {f[s, large, 'a', top]['clean']:.4g} vs {f[s, small, 'a', top]['clean']:.4g}" for s in sets)
+        + ")",
+        f"- At {top} the product cuts ({large})'s perplexity against its cache-only gate by "
+        + ", ".join(f"{s} {100 * cut[s]:.1f}%" for s in sets)
+        + f" (bar: >= 20% on {', '.join(shifted)}: {'met' if verdict['cut_20pct'] else 'missed'})",
+        f"- Moonshot, ({small}) + {top} (product) against ({large}) with the cache-only gate: "
+        + ", ".join(f"{s} {f[s, small, 'choice', top]['clean']:.4g} vs {f[s, large, 'a+cc', top]['clean']:.4g}" for s in sets)
+        + f" (bar: below on every set: {'met' if verdict['moonshot'] else 'missed'})",
+    ]
+    return lines, verdict
+
+
+def stage_report(data: Path, outs: list[Path], workers: int, name: str = "thesis") -> dict:
+    """The table (one per held-out set), the bars and the plot: benchmarks/results/NAME.*."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from benchmarks.common import save, table
+
+    outs = sorted(outs, key=trained_tokens)
+    res = stage_eval(data, outs, workers)
+    small, large = model_label(outs[0]), model_label(outs[-1])
+    sets, indexes, f = figures(res)
+    md = []
+    for s in sets:
+        trs = []
+        for m in (small, large):
+            for v, what in VARIANTS.items():
+                for idx in indexes if v == "choice" else indexes[-1:]:
+                    index = "-" if v in ("a", "a+cc") else f"{idx} ({f[s, m, v, idx]['index_tokens'] / 1e6:,.0f}M)"
+                    c = f[s, m, v, idx]
+                    trs.append({"model": f"({m})", "mixture": what, "index": index, "all": c["all"], "decontaminated": c["clean"]})
+        d = f[s, "docs"]
+        md.append(
+            f"**{s}** ({d['all']} test documents, {d['tokens']:,} tokens; {d['clean']} decontaminated against {indexes[-1]}): "
+            "test perplexity\n\n" + table(trs, list(trs[0]))
+        )
+    lines, verdict = bars(sets, indexes, f, small, large)
+    fig, axes = plt.subplots(1, len(sets), figsize=(4.5 * len(sets), 4), squeeze=False)
+    for ax, s in zip(axes[0], sets, strict=True):
+        for m, col in ((small, "C0"), (large, "C1")):
+            xs = [f[s, m, "choice", i]["index_tokens"] for i in indexes]
+            ax.plot(xs, [f[s, m, "choice", i]["clean"] for i in indexes], marker="o", color=col, label=f"({m}) + index (product)")
+            ax.axhline(f[s, m, "a+cc", indexes[-1]]["clean"], color=col, ls="--", label=f"({m}) cache-only gate")
+            ax.axhline(f[s, m, "a", indexes[-1]]["clean"], color=col, ls=":", label=f"({m}) alone")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("index tokens")
+        ax.set_ylabel("test perplexity (decontaminated)")
+        ax.set_title(s)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    gpu = {m: json.loads((o / "gpu.json").read_text()) for m, o in zip((model_label(o) for o in outs), outs, strict=True)}
+    rows = {"|".join(k): v for k, v in f.items()}
+    save(name, {"figures": rows, "bars": verdict, "sets": sets, "indexes": indexes, "gpu": gpu}, "\n\n".join([*md, "\n".join(lines)]), fig)
+    return verdict
+
+
 # ---- main -----------------------------------------------------------------------------------------
 
 
@@ -288,12 +435,13 @@ def main(argv: list[str] | None = None) -> int:
     if ap.parse_known_args(argv)[0].smoke:
         return smoke()
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for c in ("text", "index", "calls", "gpu"):
+    for c in ("text", "index", "calls", "gpu", "eval", "report"):
         p = sub.add_parser(c)
         if c != "gpu":
             p.add_argument("--data", type=Path, required=True)
         if c in ("text", "index"):
             p.add_argument("--buckets", type=int, required=True, help="the extra corpus's buckets < this (of 100)")
+            p.add_argument("--name", default="a500", help="DATA/NAME-shards, DATA/idx-NAME")
         if c in ("text", "calls", "gpu"):
             p.add_argument("--carry", type=Path, required=True)
         if c == "text":
@@ -303,19 +451,27 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--call", type=int, required=True)
         if c == "index":
             p.add_argument("--workers", type=int, default=2)
+        if c in ("eval", "report"):
+            p.add_argument("--outputs", type=Path, nargs="+", required=True, help="each model's outputs (gpu's OUT, or index_size gpu's)")
+            p.add_argument("--workers", type=int, default=2)
         if c == "gpu":
             p.add_argument("--work", type=Path, required=True)
             p.add_argument("--out", type=Path, required=True)
             p.add_argument("--scale", choices=list(SCALES), default="gpu")
+            p.add_argument(
+                "--max-steps", type=int, help="fewer steps than an epoch (the first windows of the epoch's order; the schedule fit to them)"
+            )
     a = ap.parse_args(argv)
     if a.cmd == "text":
-        stage_text(a.data, a.buckets, a.carry, a.seed, a.level)
+        stage_text(a.data, a.buckets, a.carry, a.seed, a.level, name=a.name)
     elif a.cmd == "index":
-        stage_index(a.data, a.buckets, a.workers)
+        stage_index(a.data, a.buckets, a.workers, a.name)
     elif a.cmd == "calls":
         stage_calls(a.data, a.carry, a.call)
     elif a.cmd == "gpu":
-        stage_gpu(a.carry, a.work, a.out, a.scale)
+        stage_gpu(a.carry, a.work, a.out, a.scale, a.max_steps)
+    else:
+        stage_eval(a.data, a.outputs, a.workers) if a.cmd == "eval" else stage_report(a.data, a.outputs, a.workers)
     return 0
 
 
@@ -325,15 +481,17 @@ def smoke() -> int:
     call by call as the device calls feed them, then eval and report on its outputs."""
     import threading
 
-    from benchmarks.common import smoke_context, smoke_data
+    from benchmarks.common import smoke_context, smoke_data, smoke_short_fits
     from benchmarks.index_size import main as index_size
 
+    smoke_short_fits()
     with smoke_context(True) as tmp:
         data, carry, work, out = smoke_data(tmp), tmp / "carry", tmp / "work", tmp / "out"
         (data / "idx-2b").symlink_to((data / "idx-050m").resolve())
         index_size(["prepare", "--data", str(data), "--carry", str(carry), "--max-mb", "0.02"])
         plan = stage_text(data, 1, carry, 62, 3, shard_tokens=3000)
         same_documents(data / "idx-050m", data / "a500-shards")
+        (data / "idx-2b").unlink()  # the same index twice: the mixing below takes idx-050m alone
         stage_calls(data, carry, 1)
         gpu = threading.Thread(target=stage_gpu, args=(carry, work, out, "smoke"))
         gpu.start()
@@ -348,6 +506,10 @@ def smoke() -> int:
         gpu.join()
         if not (out / "gpu.json").exists():
             raise SystemExit("smoke: the gpu stage saved nothing")
+        small = tmp / "small"  # the same outputs as a smaller model's, as index_size gpu records it
+        shutil.copytree(out, small, ignore=shutil.ignore_patterns("eval", "unpacked"))
+        (small / "gpu.json").write_text(json.dumps({"index_tokens": 1000}))
+        stage_report(data, [small, out], 1)
     return 0
 
 

@@ -18,6 +18,7 @@ NAMES = {
 }
 # with outputs saved with the continuous cache (the gpu stage's since issue 46)
 CC_NAMES = {
+    "a+cc": "(a+c+cc) cache gate + continuous cache, no index",
     "t+cc": "(t+cc) index + cache gate + continuous cache",
     "choice": "product: eval --fit-gate's choice",
 }
@@ -44,10 +45,10 @@ def clean_documents(o, est: dict) -> np.ndarray:
     return contamination_share(est, starts) < DECONTAMINATION_SHARE
 
 
-def variants(o: dict, est: dict, cache_only: dict | None) -> tuple[dict[str, dict[str, np.ndarray]], dict]:
+def variants(o: dict, est: dict, cache_only: dict | None) -> tuple[dict[str, dict[str, np.ndarray]], dict]:  # noqa: C901
     """Per-target nll of each variant on valid and test, and the peers' fitted weights; λ, weights
-    and gates fit on valid. The cache-only gate reads no index: it is fit once per set
-    (cache_only, when given, is that result)."""
+    and gates fit on valid. The cache-only gates (a+c; a+cc with the continuous cache) read no
+    index: each is fit once per set (cache_only, when given, holds those results by name)."""
     from teragram.model.evaluation.outputs import gated_outputs
     from teragram.model.mixture import baselines, estimates
 
@@ -59,8 +60,8 @@ def variants(o: dict, est: dict, cache_only: dict | None) -> tuple[dict[str, dic
     cw = baselines.fit_cache_weights(nll["a"]["valid"], *mix["valid"])
     nll["c+c"] = {h: baselines.apply_cache_weights(nll["a"][h], *mix[h][:2], cw, mix[h][2]) for h in HALVES}
     for v, comps in (("t-c", estimates.INDEX), ("a+c", estimates.CACHE), ("t", estimates.COMPONENTS)):
-        if v == "a+c" and cache_only is not None:
-            nll[v] = cache_only
+        if cache_only and v in cache_only:
+            nll[v] = cache_only[v]
             continue
         gate, nll_valid = gated_outputs(o["valid"], est["valid"], components=comps, fit_rows=FIT_ROWS)
         nll[v] = {"valid": nll_valid, "test": gated_outputs(o["test"], est["test"], gate)[1]}
@@ -71,6 +72,11 @@ def variants(o: dict, est: dict, cache_only: dict | None) -> tuple[dict[str, dic
     if o["valid"].cont_cache is not None:
         gate, nll_valid = gated_outputs(o["valid"], est["valid"], cont_cache=True, fit_rows=FIT_ROWS)
         nll["t+cc"] = {"valid": nll_valid, "test": gated_outputs(o["test"], est["test"], gate)[1]}
+        if cache_only and "a+cc" in cache_only:
+            nll["a+cc"] = cache_only["a+cc"]
+        else:
+            gate, nll_valid = gated_outputs(o["valid"], est["valid"], components=estimates.CACHE, cont_cache=True, fit_rows=FIT_ROWS)
+            nll["a+cc"] = {"valid": nll_valid, "test": gated_outputs(o["test"], est["test"], gate)[1]}
         nll["choice"], weights["choice"] = product_choice(o, est)
     return nll, weights
 
