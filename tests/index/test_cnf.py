@@ -1,9 +1,10 @@
 """AND/OR (CNF) queries against the infini-gram package on the same token ids in the same shards:
-counts, the ranges each count is made of, and the documents listed; the errors; the verb and the
-HTTP endpoint."""
+counts, the ranges each count is made of, and the documents listed; the errors; the verb (the
+HTTP endpoint: tests/serve/test_cnf_http.py)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -111,10 +112,15 @@ def test_random_cnf_queries_equal_infini_gram(engines):
     assert compared >= 500 and nonzero >= 150 and multi >= 50 and sampled >= 5
 
 
+def _frequent(idx) -> list[list[list[int]]]:
+    """The two most frequent tokens, ANDed."""
+    a, b = (int(t) for t in np.argsort(idx.unigram[: idx.vocab_size])[-2:])
+    return [[[a]], [[b]]]
+
+
 def test_documents_are_listed_in_corpus_order_with_the_match(engines):
     idx, _ = engines
-    a, b = (int(t) for t in np.argsort(idx.unigram[: idx.vocab_size])[-2:])  # the two most frequent tokens
-    r = idx.search_docs_cnf([[[a]], [[b]]], maxnum=3, context=5, max_clause_freq=10**8)
+    r = idx.search_docs_cnf(_frequent(idx), maxnum=3, context=5, max_clause_freq=10**8)
     assert r.count > 0 and len(r.docs) == 3
     assert [h.doc_id for h in r.docs] == sorted({h.doc_id for h in r.docs})
     assert all("source" in h.metadata and h.snippet for h in r.docs)
@@ -154,3 +160,20 @@ def test_bad_queries_are_one_line_errors(engines, cnf, kw, msg):
         idx.count_cnf(cnf, **kw)
     with pytest.raises(QueryError, match="maxnum must be a positive integer"):
         idx.search_docs_cnf([[[5]]], maxnum=0)
+
+
+def test_query_verb(engines, real_index, capsys):
+    from teragram.serve.main import main
+
+    idx, _ = engines
+    ids = C.tokenize_cnf(idx, "the OR a AND kernel")
+    assert main(["query", str(real_index), "--cnf", "the OR a AND kernel", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out == C.cnf_json(idx, idx.count_cnf(ids).to_json(), ids)
+    ids = _frequent(idx)
+    args = [str(real_index), "docs", "--cnf-ids", json.dumps(ids), "--max-diff-tokens", "20", "--json"]
+    code = "import sys; from teragram.serve.main import main; sys.exit(main(['query', *sys.argv[1:]]))"
+    out = json.loads(subprocess.run([sys.executable, "-c", code, *args], check=True, capture_output=True, text=True).stdout)  # its own LMDB
+    assert out["cnt"] == idx.count_cnf(ids, max_diff_tokens=20).count and 0 < len(out["documents"]) <= 10
+    assert main(["query", str(real_index), "ntd", "--cnf", "the AND a"]) == 2
+    assert "count and docs only" in capsys.readouterr().err
