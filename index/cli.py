@@ -210,9 +210,38 @@ def cmd_query(args) -> int:
         return _query(idx, args)
 
 
+def _cnf_query(idx, args) -> dict:
+    """The answer to an AND/OR query (--cnf TEXT or --cnf-ids JSON): count (the default) or docs."""
+    from . import cnf
+    from .cluster import ClusterIndex
+
+    op = (args.op or "count").replace("_", "-")
+    if op not in ("count", "docs"):
+        raise QueryError(f"AND/OR queries (--cnf, --cnf-ids) are for count and docs only, not {op}")
+    if isinstance(idx, ClusterIndex):
+        raise QueryError("AND/OR queries are not answered through --cluster; query the index directory itself")
+    if args.cnf is not None:
+        ids = cnf.tokenize_cnf(idx, args.cnf)
+    else:
+        try:
+            ids = json.loads(args.cnf_ids)
+        except json.JSONDecodeError as e:
+            raise QueryError(f"--cnf-ids must be JSON, a list of clauses of terms of token ids ({e.msg})") from None
+    kw = dict(max_clause_freq=args.max_clause_freq, max_diff_tokens=args.max_diff_tokens)
+    r = idx.count_cnf(ids, **kw) if op == "count" else idx.search_docs_cnf(ids, maxnum=10, **kw)
+    return cnf.cnf_json(idx, r.to_json(), ids)
+
+
 def _query(idx, args) -> int:
     from .cluster import ClusterIndex
 
+    if args.cnf is not None or args.cnf_ids is not None:
+        ans = _cnf_query(idx, args)
+        if args.json:
+            print_json(ans)
+        else:
+            _print_text(ans)
+        return 0
     if args.batch:
         try:
             lines = open(args.batch) if args.batch != "-" else sys.stdin
@@ -290,5 +319,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--cont", type=int, help="continuation token id for prob / infgram-prob")
     q.add_argument("--json", action="store_true", help="infini-gram's field names, as JSON")
     q.add_argument("--batch", help="JSONL file of queries {op, ids, cont}; one JSON answer per line")
+    q.add_argument(
+        "--cnf", metavar="TEXT", help='AND/OR query for count or docs, infini-gram\'s syntax: "a b OR c AND d" (OR binds tighter)'
+    )
+    q.add_argument("--cnf-ids", metavar="JSON", help="AND/OR query as token ids: a list of clauses, each a list of terms (lists of ids)")
+    q.add_argument("--max-clause-freq", type=int, default=50_000, help="with --cnf: a clause's occurrences read before they are sampled")
+    q.add_argument("--max-diff-tokens", type=int, default=100, help="with --cnf: how far apart the clauses' matches may start")
     add_cluster_args(q)
     q.set_defaults(run=cmd_query)

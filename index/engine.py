@@ -10,6 +10,7 @@ Open an index once (everything is memory-mapped; nothing is loaded), then ask:
     idx.infgram_ntd([3, 5])            -> InfgramNtdResult(..., suffix_len)
     idx.longest_match([3, 5])          -> LongestMatch(length, cont, count)
     idx.docs([3, 5], max=10)           -> DocsResult(count, docs=[...])
+    idx.count_cnf([[[3, 5], [9]], [[7]]]), idx.search_docs_cnf(...)  -> AND/OR queries (cnf.py)
     idx.score(ids)                     -> Features: per-position features in one pass
 
 Semantics are infini-gram's (its package is the test oracle) on the same token stream:
@@ -45,6 +46,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from . import cnf
 from . import format as fmt
 from .bulk import continuations
 from .errors import QueryError
@@ -418,6 +420,9 @@ class Index:
                 hits += found
                 approx |= cut
         return DocsResult(cnt, hits, approx)
+
+    count_cnf = cnf.count_cnf
+    search_docs_cnf = cnf.search_docs_cnf
 
     def shard_docs(self, place: int, a: int, b: int, length: int, n: int, context: int = 20) -> tuple[list[DocHit], bool]:
         """The first n documents (in corpus order) holding a length-token match whose interval

@@ -3,7 +3,7 @@
     teragram serve --index IDX [--checkpoint CKPT] [--host 127.0.0.1] [--port 8080] [--api-key KEY]
                    [--cluster ADDRESS]
 
-Endpoints: POST / (infini-gram's request/response shape), POST /v1/completions (prompt,
+Endpoints: POST / (infini-gram's request/response shape, AND/OR queries too), POST /v1/completions (prompt,
 max_tokens, temperature, top_p, stop, stream as server-sent events; draft: up to N tokens
 drafted from exact matches and verified in one pass; provenance: each token's indexed document),
 POST /v1/score, GET /health, GET /stats. Every bad request gets a 4xx with {"error": "<one line>"}.
@@ -38,6 +38,7 @@ from teragram.index.errors import ClusterError, QueryError, TeragramError
 from teragram.index.results import answer_json
 from teragram.model.generation.draft import MAX_DRAFT, DraftStats
 from teragram.serve.guard import Guard, Stats, error
+from teragram.serve.index_query import InfinigramRequest, answer_cnf
 from teragram.serve.lanes import QUERY_TYPES, SEARCH_QUERIES, Lanes, in_lane, produced, settle
 
 
@@ -59,15 +60,6 @@ class ServeConfig:
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-class InfinigramRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")  # infini-gram clients send index/corpus/source/timestamp too
-    query_type: str
-    query: str | None = None
-    query_ids: list[int] | None = None
-    maxnum: int = Field(default=1, ge=1, le=100)
-    max_disp_len: int = Field(default=100, ge=1, le=10000)
 
 
 class CompletionRequest(_Strict):
@@ -288,6 +280,8 @@ def _add_index_routes(app: FastAPI, s: Served) -> None:
         }
 
     def query(req: InfinigramRequest) -> dict:
+        if req.is_cnf():  # AND/OR (serve/index_query.py)
+            return answer_cnf(idx, req, cfg.max_query_tokens)
         t = time.perf_counter()
         ids = _query_ids(s, req.query, req.query_ids)
         qt = req.query_type
@@ -313,7 +307,7 @@ def _add_index_routes(app: FastAPI, s: Served) -> None:
         qt = req.query_type
         t, ok = time.perf_counter(), False
         try:
-            out = await in_lane(s.lanes.search if qt in SEARCH_QUERIES else s.lanes.enumerate, query, req)
+            out = await in_lane(s.lanes.search if qt in SEARCH_QUERIES and not req.is_cnf() else s.lanes.enumerate, query, req)
             ok = True
             return out
         finally:  # each query type's own latency, waiting for its lane included
