@@ -37,7 +37,7 @@ from teragram.index.engine import Index
 from teragram.index.errors import ClusterError, QueryError, TeragramError
 from teragram.index.results import answer_json
 from teragram.model.generation.draft import MAX_DRAFT, DraftStats
-from teragram.serve.guard import Guard, Stats, error
+from teragram.serve.guard import Guard, Stats, check_bind, error
 from teragram.serve.index_query import InfinigramRequest, answer_cnf
 from teragram.serve.lanes import QUERY_TYPES, SEARCH_QUERIES, Lanes, in_lane, produced, settle
 
@@ -489,6 +489,7 @@ def _add_score(app: FastAPI, s: Served) -> None:
 def serve(cfg: ServeConfig) -> None:
     import uvicorn
 
+    check_bind(cfg.host, cfg.api_key)
     app = create_app(cfg)
     settle()
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", loop="uvloop", http="httptools")

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
+
+from .guard import API_KEY_ENV
 
 
 def cmd_serve(args) -> int:
@@ -31,7 +34,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     se.add_argument("--gate", help="index gate (teragram eval --fit-gate) mixed into completions and /v1/score")
     se.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     se.add_argument("--port", type=int, default=8080)
-    se.add_argument("--api-key", help="require Authorization: Bearer KEY on every request")
+    se.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"require Authorization: Bearer KEY on every request (default ${API_KEY_ENV}); needed to bind a public address",
+    )
     se.add_argument("--device", default="cpu")
     se.add_argument("--cluster", metavar="ADDRESS", help="the index's shards held by actors on this Ray cluster (every endpoint)")
     se.add_argument("--replicas", type=int, default=1, help="with --cluster: holders of each group of shards, each on another node")

@@ -80,3 +80,16 @@ class Guard:
             await (refused or self.app)(scope, receive, sent)
         finally:
             self.stats.add(scope["path"], (time.perf_counter() - t) * 1e3, status[0] < 400)
+
+
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+API_KEY_ENV = "TERAGRAM_API_KEY"
+
+
+def check_bind(host: str, api_key: str | None) -> None:
+    """Refuse, in one line, to bind a public address without an API key: such a server would
+    answer anyone who reaches it."""
+    from teragram.index.errors import TeragramError
+
+    if host not in LOOPBACK and not host.startswith("127.") and not api_key:
+        raise TeragramError(f"serving on {host} needs --api-key (or ${API_KEY_ENV}): a public bind without a key answers anyone")

@@ -100,3 +100,19 @@ def test_stats(real_index):
     s = json.loads(r.stdout)
     assert s["counts"]["tokens"] == Index(real_index).n_tokens
     assert 2.0 < s["bytes_per_token"]["tokens+sa"] < 6.0
+
+
+def test_a_public_bind_needs_an_api_key(real_index, tmp_path):
+    """serve refuses a public address without a key, in one line before any work; the key may come
+    from $TERAGRAM_API_KEY (then the next problem met is the missing index's, not the key's)."""
+    import os
+
+    r = _teragram("serve", "--index", str(real_index), "--host", "0.0.0.0", "--port", "0")
+    assert r.returncode != 0 and "needs --api-key" in r.stderr and "Traceback" not in r.stderr
+    env = os.environ | {"TERAGRAM_API_KEY": "k"}
+    missing = str(tmp_path / "none")
+    r = subprocess.run(
+        [sys.executable, "-m", "teragram.serve.main", "serve", "--index", missing, "--host", "0.0.0.0", "--port", "0"],
+        capture_output=True, text=True, cwd=REPO, env=env, timeout=120,
+    )  # fmt: skip
+    assert r.returncode != 0 and "needs --api-key" not in r.stderr and "none" in r.stderr
