@@ -127,22 +127,25 @@ def pack(path: Path, level: int) -> None:
     tmp.replace(path.with_name(path.name + ".zst"))
 
 
-def calls(plan: dict, first_room: int) -> list[list[str]]:
-    """The shards each call carries, in order: as many as fit CALL_BYTES (call 1: first_room)."""
-    out, room = [[]], first_room
+FIRST_ROOM = CALL_BYTES - (26 << 20)  # call 1 also carries the wheels (8 MB) and the held-out sets
+
+
+def calls(plan: dict, room: int = CALL_BYTES, first_room: int = FIRST_ROOM) -> list[list[str]]:
+    """The shards each call carries, in order: as many as fit `room` bytes (call 1: first_room)."""
+    out, left = [[]], first_room
     for name, size in plan["packed_bytes"].items():
-        if out[-1] and size > room:
+        if out[-1] and size > left:
             out.append([])
-            room = CALL_BYTES
+            left = room
         out[-1].append(name)
-        room -= size
+        left -= size
     return out
 
 
-def stage_calls(data: Path, carry: Path, call: int) -> None:
+def stage_calls(data: Path, carry: Path, call: int, room: int = CALL_BYTES, first_room: int = FIRST_ROOM) -> None:
     """CARRY/feed/ holds what call `call` (1..) carries, nothing else."""
     plan = json.loads((carry / "plan.json").read_text())
-    todo = calls(plan, CALL_BYTES - (26 << 20))
+    todo = calls(plan, room, first_room)
     feed = carry / "feed"
     shutil.rmtree(feed, ignore_errors=True)
     feed.mkdir()
@@ -381,14 +384,18 @@ def smoke() -> int:
         plan = stage_text(data, 1, carry, 62, 3, shard_tokens=3000)
         same_documents(data / "idx-050m", data / "a500-shards")
         (data / "idx-2b").unlink()  # the same index twice: the mixing below takes idx-050m alone
-        stage_calls(data, carry, 1)
-        gpu = threading.Thread(target=stage_gpu, args=(carry, work, out, "smoke"))
+        room = 3000  # a shard a call: the feed across calls runs too
+        n_calls = len(calls(plan, room, room))
+        if n_calls < 3:
+            raise SystemExit(f"smoke: {n_calls} calls carry the shards (3 or more wanted)")
+        stage_calls(data, carry, 1, room, room)
+        gpu = threading.Thread(target=stage_gpu, args=(carry, work, out, "smoke"), daemon=True)
         gpu.start()
         while not (work / "spool" / "manifest.json").exists():
             time.sleep(0.1)
         time.sleep(1)  # the stage copies call 1's shards first
-        for call in range(2, len(calls(plan, CALL_BYTES - (26 << 20))) + 1):
-            stage_calls(data, carry, call)
+        for call in range(2, n_calls + 1):
+            stage_calls(data, carry, call, room, room)
             for f in sorted((carry / "feed").iterdir()):
                 shutil.copyfile(f, work / "spool" / (f.name + ".part"))
                 (work / "spool" / (f.name + ".part")).replace(work / "spool" / f.name)
