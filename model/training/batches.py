@@ -16,20 +16,24 @@ from teragram.model.training.config import TrainConfig
 
 class prefetch:
     """Batches (x, y, features) for steps start.. in order, one per micro-step, prepared by a
-    background thread (a few ahead); wait_s: the seconds the trainer spent waiting for one."""
+    background thread (a few ahead); wait_s: the seconds the trainer spent waiting for one. An
+    error in the thread (a damaged shard) is raised by the next batch asked for, not left to hang."""
 
     def __init__(self, data, cfg: TrainConfig, rank: int, start: int, pin: bool):
         self.q: queue.Queue = queue.Queue(maxsize=4)
         self.wait_s = 0.0
 
         def work():
-            for step in range(start, cfg.max_steps):
-                for micro in range(cfg.grad_accum):
-                    x, y, f = data.batch(step * cfg.grad_accum + micro, cfg.batch_size, seed=cfg.seed, rank=rank)
-                    if pin:
-                        x, y = x.pin_memory(), y.pin_memory()
-                        f = None if f is None else f.map(lambda t: t.pin_memory())
-                    self.q.put((x, y, f))
+            try:
+                for step in range(start, cfg.max_steps):
+                    for micro in range(cfg.grad_accum):
+                        x, y, f = data.batch(step * cfg.grad_accum + micro, cfg.batch_size, seed=cfg.seed, rank=rank)
+                        if pin:
+                            x, y = x.pin_memory(), y.pin_memory()
+                            f = None if f is None else f.map(lambda t: t.pin_memory())
+                        self.q.put((x, y, f))
+            except BaseException as e:  # noqa: BLE001 (handed to the trainer's thread)
+                self.q.put(e)
 
         threading.Thread(target=work, daemon=True).start()
 
@@ -40,6 +44,8 @@ class prefetch:
         t = time.perf_counter()
         b = self.q.get()
         self.wait_s += time.perf_counter() - t
+        if isinstance(b, BaseException):
+            raise b
         return b
 
 

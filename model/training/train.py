@@ -44,6 +44,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from teragram.index import format as fmt
 from teragram.model.checkpoint import check_resume, commit, save_checkpoint
+from teragram.model.config import ConfigError
 from teragram.model.evaluation.perplexity import evaluate
 from teragram.model.gpt import GPT, GPTConfig
 from teragram.model.training import lowp, optim, ranks
@@ -136,6 +137,8 @@ def _start(cfg: TrainConfig, rank: int, world: int, device: str) -> _Run:
     mcfg = _model_config(cfg)
     if cfg.data is not None:
         data = TokenShards(cfg.data, mcfg.block_size, world)
+        if cfg.index and data.tokenizer not in (None, fmt.read_json(Path(cfg.index) / "manifest.json")["tokenizer"]["file"]["blake2b"]):
+            raise ConfigError(f"{cfg.data}: token shards of another tokenizer than {cfg.index}'s")
     else:
         data = TrainData(cfg.index, cfg.features if cfg.use_index and cfg.features is not None else None, mcfg.block_size)
     out = Path(cfg.out)
@@ -254,6 +257,8 @@ def _log_row(run: _Run, step: int, loss_sum: float, lr: float, el: float, tokens
     done_tokens = tokens_per_step // run.world * (step + 1 - run.start)  # this rank's
     tps = tokens_per_step * (step + 1 - run.start) / max(el, 1e-9)
     last = {"step": step + 1, "loss": loss_sum, "lr": lr, "tokens_per_s": tps, "elapsed_s": el, "input_wait_s": wait_s}
+    if isinstance(run.data, TokenShards):
+        last["shard_wait_s"] = run.data.waited_s  # the reader's own waits for shards not there yet
     if run.world > 1:
         link = run.comm.link
         last |= {"comm_bytes": link.sent, "comm_bytes_per_token": link.sent / max(1, done_tokens)}

@@ -130,6 +130,11 @@ def test_train_from_shards_without_an_index(tmp_path, held_root):
     assert r["step"] == 12 and np.isfinite(r["loss"]) and r["eval"]["perplexity"] > 1
     rows = [json.loads(line) for line in open(tmp_path / "run" / "log.jsonl") if '"tokens_per_s"' in line]
     assert all(row["input_wait_s"] >= 0 for row in rows) and m["tokens"] == sum(len(s.tok) for s in idx.shards)
+    damaged = tmp_path / "damaged"  # a shard damaged on its way: the run stops with its one line
+    write_shards(damaged, docs, shard_tokens=20000, vocab_size=tok["vocab_size"], eos_id=tok["eos_id"], separator=idx.manifest["separator"])
+    (damaged / "shard0000.bin").write_bytes(b"\0" * 100)
+    with pytest.raises(TeragramError, match="digest is not the manifest's"):
+        train(TrainConfig(**(cfg | {"data": str(damaged), "out": str(tmp_path / "run2")})))
     with pytest.raises(ConfigError, match="leave features unset"):
         train(TrainConfig(**(cfg | {"features": str(held_root / "held")})))
     with pytest.raises(ConfigError, match="index is required"):
