@@ -21,7 +21,9 @@ a call: `gpu` starts the trainer on what call 1 brought (`teragram train --data`
 shard not there yet and logs the seconds it waited), and each next call feeds it the next shards
 while it trains. The schedule is fixed before the first step: one epoch over the shards' windows,
 (a47)'s batch (32 x 1,024 tokens), peak and final learning rates, warmup the share of the run
-llm.c's GPT-2 124M gives it (700 of 19,073 steps). Its outputs on the four held-out sets come back
+llm.c's GPT-2 124M gives it (700 of 19,073 steps). One difference stays: (a47) drew its
+windows at random from its index (1,500 x 32 windows over 47M tokens, some read twice, some never),
+(a500) reads each of its windows once. Its outputs on the four held-out sets come back
 as the index-size benchmark's do (benchmarks/index_size.py: same carried halves, continuous cache)
 and are mixed here with each index; (a47)'s are that benchmark's saved outputs.
 """
