@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from .guard import API_KEY_ENV
+API_KEY_ENV = "TERAGRAM_API_KEY"  # (here, not in guard.py: registering the verb must not import fastapi)
 
 
 def cmd_serve(args) -> int:

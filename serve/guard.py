@@ -83,7 +83,6 @@ class Guard:
 
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
-API_KEY_ENV = "TERAGRAM_API_KEY"
 
 
 def check_bind(host: str, api_key: str | None) -> None:
@@ -92,4 +91,4 @@ def check_bind(host: str, api_key: str | None) -> None:
     from teragram.index.errors import TeragramError
 
     if host not in LOOPBACK and not host.startswith("127.") and not api_key:
-        raise TeragramError(f"serving on {host} needs --api-key (or ${API_KEY_ENV}): a public bind without a key answers anyone")
+        raise TeragramError(f"serving on {host} needs --api-key (or $TERAGRAM_API_KEY): a public bind without a key answers anyone")

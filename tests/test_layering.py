@@ -167,3 +167,19 @@ def test_no_import_circle_in_the_package():
 
 def test_the_circle_check_sees_a_circle():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_cli_parser_builds_without_the_server_packages():
+    """`teragram train | eval | ...` run where FastAPI is not installed (the GPU machine): building
+    the parser, every verb registered, imports none of it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "for m in ('fastapi', 'uvicorn', 'starlette'): sys.modules[m] = None\n"
+        "from teragram.serve.main import build_parser\n"
+        "build_parser().parse_args(['train', '--config', 'x'])\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("files", nargs="*", type=Path, help="feed: the files this call carried")
     argv = sys.argv[1:] if argv is None else argv
     cmd = argv[argv.index("--") + 1 :] if "--" in argv else []
-    a = ap.parse_args(argv[: len(argv) - len(cmd) - (1 if "--" in argv else 0)])
+    a = ap.parse_intermixed_args(argv[: len(argv) - len(cmd) - (1 if "--" in argv else 0)])  # feed's files anywhere
     if a.verb == "start":
         if not cmd:
             raise SystemExit("start: the command to run follows --")

@@ -88,3 +88,16 @@ def test_wait_without_a_pipeline_is_one_line(tmp_path):
     """A machine given back between calls holds no pipeline: wait says so in one line, no traceback."""
     with pytest.raises(SystemExit, match="no pipeline started here"):
         dp.main(["wait", "--home", str(tmp_path / "gone"), "--seconds", "0"])
+
+
+def test_feed_takes_its_files_after_the_options(tmp_path, monkeypatch):
+    """`feed --home H --into D --seconds S FILE...` (files last, as a call writes it) puts each file
+    whole into HOME/D for the running command, which sees it and ends."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("OUT", raising=False)
+    home, fed = tmp_path / "home", tmp_path / "x.txt"
+    fed.write_text("fed")
+    code = "import os, time\nwhile not os.path.exists('spool/x.txt'): time.sleep(0.1)\nopen('got', 'w').write(open('spool/x.txt').read())"
+    assert dp.main(["start", "--home", str(home), "--seconds", "0", "--", sys.executable, "-c", code]) == 0
+    assert dp.main(["feed", "--home", str(home), "--into", "spool", "--seconds", "30", str(fed)]) == 0
+    assert (home / "got").read_text() == "fed" and not list((home / "spool").glob("*.part"))
