@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import sh
+from tools.device_pipeline import place
 
 BLOCK, BATCH, LR, MIN_LR, SEED = 1024, 32, 6e-4, 6e-5, 7  # (a47)'s: benchmarks/perplexity.py SCALES["gpu"]
 WARMUP_SHARE = 700 / 19073  # llm.c's GPT-2 124M
@@ -232,9 +233,7 @@ def stage_gpu(carry: Path, work: Path, out: Path, scale: str = "gpu", max_steps:
     spool = work / "spool"
     spool.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(carry / "shards" / "manifest.json", spool / "manifest.json")
-    for f in sorted((carry / "feed").iterdir()):
-        shutil.copyfile(f, spool / (f.name + ".part"))
-        (spool / (f.name + ".part")).replace(spool / f.name)
+    place(sorted((carry / "feed").iterdir()), spool)
     out.mkdir(parents=True, exist_ok=True)
     run = work / "runs" / "a500"
     cmd = [
@@ -398,9 +397,7 @@ def smoke() -> int:
         time.sleep(1)  # the stage copies call 1's shards first
         for call in range(2, n_calls + 1):
             stage_calls(data, carry, call, room, room)
-            for f in sorted((carry / "feed").iterdir()):
-                shutil.copyfile(f, work / "spool" / (f.name + ".part"))
-                (work / "spool" / (f.name + ".part")).replace(work / "spool" / f.name)
+            place(sorted((carry / "feed").iterdir()), work / "spool")  # as device_pipeline feed does
         gpu.join()
         if not (out / "gpu.json").exists():
             raise SystemExit("smoke: the gpu stage saved nothing")

@@ -82,7 +82,7 @@ class Guard:
             self.stats.add(scope["path"], (time.perf_counter() - t) * 1e3, status[0] < 400)
 
 
-LOOPBACK = ("127.0.0.1", "::1", "localhost")
+LOOPBACK = ("::1", "localhost")  # and 127.0.0.0/8
 
 
 def check_bind(host: str, api_key: str | None) -> None:

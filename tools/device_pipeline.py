@@ -124,17 +124,22 @@ def _ship(home: Path, dest: Path, again: bool = False) -> None:
     print(f"shipped {len(placed)} files ({total / 2**20:.1f} MiB) in {n_files} files; {len(left)} left for the next call", flush=True)
 
 
-def feed(home: Path, into: str, files: list[Path]) -> None:
-    """Files this call carried, into HOME/INTO for the running command (a trainer's next shards):
-    each copied under a temporary name, then renamed, so that the command sees only whole files."""
-    _state(home)
-    dest = home / into
+def place(files: list[Path], dest: Path) -> None:
+    """Copy files into dest, each under a temporary name, then renamed: a command watching dest
+    sees only whole files."""
     dest.mkdir(parents=True, exist_ok=True)
     for f in files:
         tmp = dest / (f.name + ".part")
         shutil.copyfile(f, tmp)
         tmp.replace(dest / f.name)
-        print(f"fed {f.name} ({f.stat().st_size / 2**20:.1f} MiB) into {dest}", flush=True)
+
+
+def feed(home: Path, into: str, files: list[Path]) -> None:
+    """Files this call carried, into HOME/INTO for the running command (a trainer's next shards)."""
+    _state(home)
+    place(files, home / into)
+    for f in files:
+        print(f"fed {f.name} ({f.stat().st_size / 2**20:.1f} MiB) into {home / into}", flush=True)
 
 
 def wait(home: Path, seconds: float, again: bool = False) -> int:

@@ -45,7 +45,7 @@ def clean_documents(o, est: dict) -> np.ndarray:
     return contamination_share(est, starts) < DECONTAMINATION_SHARE
 
 
-def variants(o: dict, est: dict, cache_only: dict | None) -> tuple[dict[str, dict[str, np.ndarray]], dict]:  # noqa: C901
+def variants(o: dict, est: dict, cache_only: dict | None) -> tuple[dict[str, dict[str, np.ndarray]], dict]:
     """Per-target nll of each variant on valid and test, and the peers' fitted weights; λ, weights
     and gates fit on valid. The cache-only gates (a+c; a+cc with the continuous cache) read no
     index: each is fit once per set (cache_only, when given, holds those results by name)."""
@@ -59,24 +59,20 @@ def variants(o: dict, est: dict, cache_only: dict | None) -> tuple[dict[str, dic
     mix = {h: baselines.infgram_cache_inputs(est[h]) for h in HALVES}  # (p_inf, p_cache, groups)
     cw = baselines.fit_cache_weights(nll["a"]["valid"], *mix["valid"])
     nll["c+c"] = {h: baselines.apply_cache_weights(nll["a"][h], *mix[h][:2], cw, mix[h][2]) for h in HALVES}
-    for v, comps in (("t-c", estimates.INDEX), ("a+c", estimates.CACHE), ("t", estimates.COMPONENTS)):
+    gated = {"t-c": dict(components=estimates.INDEX), "a+c": dict(components=estimates.CACHE), "t": dict(components=estimates.COMPONENTS)}
+    if o["valid"].cont_cache is not None:
+        gated |= {"t+cc": dict(cont_cache=True), "a+cc": dict(components=estimates.CACHE, cont_cache=True)}
+    for v, kw in gated.items():
         if cache_only and v in cache_only:
             nll[v] = cache_only[v]
             continue
-        gate, nll_valid = gated_outputs(o["valid"], est["valid"], components=comps, fit_rows=FIT_ROWS)
+        gate, nll_valid = gated_outputs(o["valid"], est["valid"], fit_rows=FIT_ROWS, **kw)
         nll[v] = {"valid": nll_valid, "test": gated_outputs(o["test"], est["test"], gate)[1]}
     weights = {
         "c": {"non-sparse": lam.get(0, 0.0), "sparse": lam.get(1, 0.0)},
         "c+c": {baselines.CACHE_GROUPS[g]: dict(zip(baselines.CACHE_WEIGHTS, wg, strict=True)) for g, wg in cw.items()},
     }
     if o["valid"].cont_cache is not None:
-        gate, nll_valid = gated_outputs(o["valid"], est["valid"], cont_cache=True, fit_rows=FIT_ROWS)
-        nll["t+cc"] = {"valid": nll_valid, "test": gated_outputs(o["test"], est["test"], gate)[1]}
-        if cache_only and "a+cc" in cache_only:
-            nll["a+cc"] = cache_only["a+cc"]
-        else:
-            gate, nll_valid = gated_outputs(o["valid"], est["valid"], components=estimates.CACHE, cont_cache=True, fit_rows=FIT_ROWS)
-            nll["a+cc"] = {"valid": nll_valid, "test": gated_outputs(o["test"], est["test"], gate)[1]}
         nll["choice"], weights["choice"] = product_choice(o, est)
     return nll, weights
 

@@ -95,7 +95,6 @@ class TokenShards:
         self.sep, self.eos, self.vocab_size = m["separator"], m["eos_id"], m["vocab_size"]
         self.tokenizer = m.get("tokenizer")
         self.block_size, self.world = block_size, world
-        self.k = 0
         self.shards = m["shards"]
         self.windows = np.array([max(0, (s["tokens"] - 1) // block_size) for s in self.shards], dtype=np.int64)
         if not self.windows.sum():
@@ -104,10 +103,6 @@ class TokenShards:
         self.waited_s = 0.0  # seconds spent waiting for shards not there yet
         self._open: dict[int, np.ndarray] = {}
         self._order: dict[tuple[int, int], np.ndarray] = {}
-
-    @property
-    def n_tokens(self) -> int:
-        return sum(s["tokens"] for s in self.shards)
 
     @property
     def epoch_windows(self) -> int:
