@@ -79,15 +79,17 @@ def train(cfg: TrainConfig) -> dict:
         run.tasks = _tasks(cfg)
     for step in range(start, cfg.max_steps):
         lr = lr_at(cfg, step)
-        loss_sum, skip = _step(run, step, lr, batches)
+        local = run.comm.local
+        outer = local is not None and ((step + 1) % cfg.outer_every == 0 or step + 1 == cfg.max_steps)
+        logged = outer or logs_step(cfg, step, start)
+        loss_sum, skip = _step(run, step, lr, batches, read_loss=logged)
         run.bar.update(1)
         took = None
-        local = run.comm.local
         if local is not None:
             local.done += not skip
-            if (step + 1) % cfg.outer_every == 0 or step + 1 == cfg.max_steps:
+            if outer:
                 took = local.exchange(step // cfg.outer_every)  # collective
-        if took is not None or ((step + 1) % cfg.log_every == 0 or step == start or step + 1 == cfg.max_steps) and not skip:
+        if took is not None or logged and not skip:
             el = time.time() - t0
             last = _log_row(run, step, loss_sum, lr, el, tokens_per_step, took, skip, batches.wait_s)
         _checkpoint_and_evaluate(run, step)
@@ -213,10 +215,15 @@ def _tasks(cfg: TrainConfig) -> dict:
     return prepare(cfg.evals, cfg.evals_limit, Index(cfg.index).tokenize)
 
 
-def _step(run: _Run, step: int, lr: float, batches) -> tuple[float, bool]:
-    """One optimizer step over grad_accum micro-batches: (the loss summed over them, read only
-    where it is logged on CUDA; whether this worker skipped the step, its local-SGD round being
-    out of time)."""
+def logs_step(cfg: TrainConfig, step: int, start: int) -> bool:
+    """Whether the log gets a row after step: every log_every steps, the run's first and its last."""
+    return (step + 1) % cfg.log_every == 0 or step == start or step + 1 == cfg.max_steps
+
+
+def _step(run: _Run, step: int, lr: float, batches, *, read_loss: bool) -> tuple[float, bool]:
+    """One optimizer step over grad_accum micro-batches: (the loss summed over them, read on CUDA
+    only where read_loss says the step is logged; whether this worker skipped the step, its
+    local-SGD round being out of time)."""
     cfg, opt, c = run.cfg, run.opt, run.comm
     for g in opt.param_groups:
         g["lr"] = lr * g.get("lr_scale", 1.0)
@@ -237,7 +244,7 @@ def _step(run: _Run, step: int, lr: float, batches) -> tuple[float, bool]:
             loss, _ = c.fwd(x, y, f)
             loss = loss.mean() / cfg.grad_accum
         loss.backward()
-        loss_sum += loss.item() if not run.cuda or (step + 1) % cfg.log_every == 0 else 0.0
+        loss_sum += loss.item() if not run.cuda or read_loss else 0.0
     if not skip:
         if isinstance(opt, CPUOffloadAdamW):
             opt.step(cfg.grad_clip)  # clips the fp32 gradients on the CPU

@@ -15,7 +15,7 @@ import zstandard
 from teragram.index.errors import TeragramError
 from teragram.model.config import ConfigError
 from teragram.model.training.shards import TokenShards, documents, write_shards
-from teragram.model.training.train import TrainConfig, train
+from teragram.model.training.train import TrainConfig, logs_step, train
 
 from tests.model.conftest import TINY
 
@@ -125,11 +125,20 @@ def test_train_from_shards_without_an_index(tmp_path, held_root):
         eos_id=tok["eos_id"],
         separator=idx.manifest["separator"],
     )
-    cfg = TINY | {"data": str(tmp_path / "shards"), "out": str(tmp_path / "run"), "max_steps": 12, "heldout": str(held_root / "held")}
+    cfg = TINY | {
+        "data": str(tmp_path / "shards"),
+        "out": str(tmp_path / "run"),
+        "max_steps": 12,
+        "log_every": 5,
+        "heldout": str(held_root / "held"),
+    }
     r = train(TrainConfig(**cfg))
     assert r["step"] == 12 and np.isfinite(r["loss"]) and r["eval"]["perplexity"] > 1
     rows = [json.loads(line) for line in open(tmp_path / "run" / "log.jsonl") if '"tokens_per_s"' in line]
     assert all(row["input_wait_s"] >= 0 for row in rows) and m["tokens"] == sum(len(s.tok) for s in idx.shards)
+    # a row after the first step, every log_every-th and the last, each with the loss it read (CUDA reads only those)
+    assert [row["step"] for row in rows] == [s + 1 for s in range(12) if logs_step(TrainConfig(**cfg), s, 0)] == [1, 5, 10, 12]
+    assert all(row["loss"] > 0 for row in rows)
     damaged = tmp_path / "damaged"  # a shard damaged on its way: the run stops with its one line
     write_shards(damaged, docs, shard_tokens=20000, vocab_size=tok["vocab_size"], eos_id=tok["eos_id"], separator=idx.manifest["separator"])
     (damaged / "shard0000.bin").write_bytes(b"\0" * 100)
