@@ -161,9 +161,10 @@ class Index:
 
     @cached_property
     def tokenizer(self):
+        """The index's tokenizer (index/tokenizer.py: sentencepiece or Hugging Face), its EOS the manifest's."""
         from . import tokenizer
 
-        return tokenizer.load(self.path / "tokenizer.model")
+        return tokenizer.load(self.path / self.manifest["tokenizer"]["file"]["path"], eos_id=self.eos_id)
 
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text))
