@@ -34,15 +34,15 @@ def _encode(texts: list[str]) -> list[np.ndarray]:
 
 
 def _encode_with(model: bytes, texts: list[str]) -> list[np.ndarray]:
-    """A Ray task: encode with the given model (loaded once per worker process)."""
-    global _SP, _SP_MODEL
-    if _SP is None or _SP_MODEL != model:
+    """A Ray task: encode with the given tokenizer file's bytes (loaded once per worker process)."""
+    global _TOK_MODEL
+    if _TOK is None or _TOK_MODEL != model:
         _init_worker(model)
-        _SP_MODEL = model
+        _TOK_MODEL = model
     return _encode(texts)
 
 
-_SP_MODEL: bytes | None = None
+_TOK_MODEL: bytes | None = None
 
 
 class Encoder:
