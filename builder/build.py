@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import resource
-import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import asdict
@@ -50,6 +49,7 @@ __all__ = ["BuildConfig", "Cursor", "SkipStats", "build", "build_from_ids", "fin
 
 _ENCODER_RSS = 256 << 20  # resident memory of one tokenizer worker with its in-flight batches
 _REPORT = "build-report.json"
+ROUND_TRIP_BYTES = 4 << 20  # text encoded and decoded back to check the tokenizer's round trip
 
 
 def _peak_rss_mb() -> float:
@@ -67,26 +67,53 @@ def _doc_stream(files: list[Path], start: Cursor) -> Iterator[tuple[Cursor, read
             yield Cursor(fi, item.record, 0), item
 
 
-def _train_tokenizer(cfg: BuildConfig, files: list[Path], dst: Path) -> None:
+def _place_tokenizer(cfg: BuildConfig, files: list[Path], out: Path) -> tok_mod.Tokenizer:
+    """The index's tokenizer, its file placed in `out` (tokenizer.model or tokenizer.json): a
+    copy of --tokenizer, byte for byte, or (on the first run) one trained on a bounded sample of
+    the corpus. EOS: a Hugging Face model directory's tokenizer_config.json names it."""
     if cfg.tokenizer:
-        tok_mod.load(cfg.tokenizer)  # validates
-        shutil.copyfile(cfg.tokenizer, dst.with_name(".tokenizer.model.tmp"))
-        os.replace(dst.with_name(".tokenizer.model.tmp"), dst)
-        return
-    total = min(cfg.tokenizer_sample_bytes, sum(f.stat().st_size for f in files))
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenizer sample", disable=not cfg.progress)
+        tok = tok_mod.load(cfg.tokenizer)  # validates
+        dst = out / tok.file_name
+        if not dst.exists():
+            tmp = dst.with_name(f".{dst.name}.tmp")
+            tmp.write_bytes(tok.data)
+            os.replace(tmp, dst)
+        return tok
+    dst = out / tok_mod.FILES["sentencepiece"]
+    if not dst.exists():
+        total = min(cfg.tokenizer_sample_bytes, sum(f.stat().st_size for f in files))
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenizer sample", disable=not cfg.progress)
 
-    def texts() -> Iterator[str]:
-        for _, doc in _doc_stream(files, Cursor()):
-            if isinstance(doc, readers.Doc):
-                bar.update(len(doc.text))
-                yield doc.text
+        def texts() -> Iterator[str]:
+            for _, doc in _doc_stream(files, Cursor()):
+                if isinstance(doc, readers.Doc):
+                    bar.update(len(doc.text))
+                    yield doc.text
 
-    model = tok_mod.train(texts(), cfg.vocab_size, sample_bytes=cfg.tokenizer_sample_bytes, threads=max(1, cfg.workers))
-    bar.close()
-    tmp = dst.with_name(".tokenizer.model.tmp")
-    tmp.write_bytes(model)
-    os.replace(tmp, dst)
+        model = tok_mod.train(texts(), cfg.vocab_size, sample_bytes=cfg.tokenizer_sample_bytes, threads=max(1, cfg.workers))
+        bar.close()
+        tmp = dst.with_name(".tokenizer.model.tmp")
+        tmp.write_bytes(model)
+        os.replace(tmp, dst)
+    return tok_mod.load(dst)
+
+
+def _sample_docs(files: list[Path], budget: int = ROUND_TRIP_BYTES, max_files: int = 64) -> Iterator[tuple[str, str]]:
+    """(source, text) of a sample of the corpus for the round-trip check: the first documents of
+    up to max_files files spread evenly over the input, about budget bytes of text in all."""
+    picked = [
+        files[i]
+        for i in sorted({int(k * len(files) / max_files) for k in range(max_files)} if len(files) > max_files else range(len(files)))
+    ]
+    each = max(1, budget // len(picked))
+    for f in picked:
+        used = 0
+        for item in readers.read_file(f):
+            if isinstance(item, readers.Doc):
+                yield (item.source if item.record < 0 else f"{item.source}#{item.record}"), item.text
+                used += len(item.text)
+                if used >= each:
+                    break
 
 
 def _batches(stream: Iterator[tuple[Cursor, readers.Doc | readers.Skip]], batch_chars: int = 1 << 20) -> Iterator[tuple[list, list[str]]]:
@@ -117,13 +144,12 @@ def build(cfg: BuildConfig) -> dict:
     out, lock = prepare_out(cfg)
     timings: dict[str, float] = {}
 
-    tok_path = out / "tokenizer.model"
-    if not tok_path.exists():
-        _train_tokenizer(cfg, files, tok_path)
+    tok = _place_tokenizer(cfg, files, out)
     timings["tokenizer_s"] = time.time() - t0
-    sp = tok_mod.load(tok_path)
-    vocab = sp.get_piece_size()
-    dtype = fmt.token_dtype(vocab)
+    round_trip = tok_mod.round_trip(tok, _sample_docs(files))
+    timings["round_trip_s"] = time.time() - t0 - timings["tokenizer_s"]
+    vocab = tok.vocab_size
+    dtype = fmt.token_dtype(max(vocab, tok.eos_id + 1))
 
     # phase 2: resume after the last contiguous completed shard
     done = completed_shards(out)
@@ -154,7 +180,7 @@ def build(cfg: BuildConfig) -> dict:
     total_bytes = sum(f.stat().st_size for f in files)
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenize+index", disable=not cfg.progress)
     bar.update(sum(f.stat().st_size for f in files[: start.file]))
-    enc = Encoder(tok_path.read_bytes(), cfg.workers, ray=cfg.executor == "ray")
+    enc = Encoder(tok.data, cfg.workers, ray=cfg.executor == "ray")
     last_file = start.file
     try:
         for tags, encoded in enc.map(_batches(_doc_stream(files, start))):
@@ -183,7 +209,7 @@ def build(cfg: BuildConfig) -> dict:
     # phase 3: metadata and manifest, from scratch
     t2 = time.time()
     markers = completed_shards(out)
-    manifest = _finalize(cfg, out, sp, dtype, markers, skips)
+    manifest = _finalize(cfg, out, tok, dtype, markers, skips, round_trip)
     timings["finalize_s"] = time.time() - t2
     timings["total_s"] = time.time() - t0
     report = {
@@ -193,13 +219,17 @@ def build(cfg: BuildConfig) -> dict:
         "resumed_from_shard": len(done),
         "counts": manifest["counts"],
         "skipped": manifest["skipped"],
+        "tokenizer": {k: manifest["tokenizer"][k] for k in ("kind", "digest", "vocab_size", "round_trip")},
+        "token_dtype": manifest["token_dtype"],
     }
     fmt.write_json(out / _REPORT, report)
     lock.close()  # (an exception closes it with the frame)
     return report
 
 
-def _finalize(cfg: BuildConfig, out: Path, sp, dtype: np.dtype, markers: list[dict], skips: SkipStats) -> dict:
+def _finalize(
+    cfg: BuildConfig, out: Path, tok: tok_mod.Tokenizer, dtype: np.dtype, markers: list[dict], skips: SkipStats, round_trip=None
+) -> dict:
     shards = []
     first_doc = 0
     for m in markers:
@@ -208,10 +238,11 @@ def _finalize(cfg: BuildConfig, out: Path, sp, dtype: np.dtype, markers: list[di
             | {"first_doc": first_doc}
         )
         first_doc += m["n_docs"]
-    tok_rec = asdict(fmt.file_record(out, out / "tokenizer.model"))
+    tok_rec = asdict(fmt.file_record(out, out / tok.file_name))
+    tokenizer = {"file": tok_rec, "kind": tok.kind, "digest": tok.digest, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id}
     manifest = {
         "format_version": fmt.FORMAT_VERSION,
-        "tokenizer": {"file": tok_rec, "vocab_size": sp.get_piece_size(), "eos_id": tok_mod.eos_id(sp)},
+        "tokenizer": tokenizer | ({"round_trip": round_trip.to_json()} if round_trip is not None else {}),
         "token_dtype": dtype.name,
         "separator": fmt.separator(dtype),
         "counts": fmt.manifest_counts(shards, first_doc),
@@ -256,7 +287,7 @@ def _trigrams(out: Path, manifest: dict) -> dict:
 def build_from_ids(
     docs: list[np.ndarray],
     out: str | Path,
-    tokenizer_model: str | Path,
+    tokenizer: str | Path,
     *,
     shard_tokens: int = 1 << 30,
     workers: int = 1,
@@ -266,18 +297,20 @@ def build_from_ids(
     """Index already-tokenized documents (ids in the tokenizer's vocabulary) into a fresh `out`.
 
     For tests and measurements that need an index of exact token sequences (random texts with a
-    small alphabet, or the same ids given to infini-gram's indexer). Not resumable.
+    small alphabet, or the same ids given to infini-gram's indexer). tokenizer: a sentencepiece
+    .model or a tokenizer.json (or a directory, as --tokenizer takes it); its vocabulary sets the
+    token width. Not resumable.
     """
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise BuildError(f"output directory {out} is not empty")
     out.mkdir(parents=True, exist_ok=True)
     (out / "shards").mkdir()
-    shutil.copyfile(tokenizer_model, out / "tokenizer.model")
-    sp = tok_mod.load(out / "tokenizer.model")
-    vocab = sp.get_piece_size()
-    dtype = fmt.token_dtype(vocab)
-    cfg = BuildConfig(inputs=("<ids>",), out=str(out), tokenizer=str(tokenizer_model), shard_tokens=shard_tokens, progress=False)
+    tok = tok_mod.load(tokenizer)
+    (out / tok.file_name).write_bytes(tok.data)
+    vocab = tok.vocab_size
+    dtype = fmt.token_dtype(max(vocab, tok.eos_id + 1))
+    cfg = BuildConfig(inputs=("<ids>",), out=str(out), tokenizer=str(tokenizer), shard_tokens=shard_tokens, progress=False)
     fmt.write_json(out / STATE, cfg.identity())
     skips = SkipStats()
     executor = LocalExecutor(workers)
@@ -293,4 +326,4 @@ def build_from_ids(
         executor.results()
     finally:
         executor.close()
-    return _finalize(cfg, out, sp, dtype, completed_shards(out), skips)
+    return _finalize(cfg, out, tok, dtype, completed_shards(out), skips)

@@ -14,7 +14,11 @@ from teragram.index.errors import TeragramError, os_error_line
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("corpus", nargs="+", help="files or directories (recursive): txt, jsonl, parquet, optionally .gz/.zst")
     p.add_argument("--out", required=True, help="index directory to create (or resume)")
-    p.add_argument("--tokenizer", help="existing sentencepiece .model to use instead of training one")
+    p.add_argument(
+        "--tokenizer",
+        help="use this tokenizer instead of training one: a sentencepiece .model, a Hugging Face tokenizer.json, "
+        "or a model directory holding tokenizer.json (its tokenizer_config.json names the EOS)",
+    )
     p.add_argument("--vocab-size", type=int, default=32000, help="vocabulary of the trained tokenizer (default 32000)")
     p.add_argument("--shard-tokens", type=int, default=1 << 30, help="max token positions per shard (default 2^30)")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizer processes (default: all cores)")
@@ -30,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from teragram.index.tokenizer import RoundTrip
+
     from .build import BuildConfig, build
 
     cfg = BuildConfig(
@@ -50,10 +56,15 @@ def run(args: argparse.Namespace) -> int:
     report = build(cfg)
     c = report["counts"]
     t = report["timings"]
+    tk = report["tokenizer"]
     print(
-        f"built {args.out}: {c['docs']} documents, {c['tokens']} tokens in {c['shards']} shard(s); "
+        f"built {args.out}: {c['docs']} documents, {c['tokens']} tokens in {c['shards']} shard(s) "
+        f"({report['token_dtype']} ids, {tk['kind']} tokenizer of {tk['vocab_size']:,}); "
         f"{t['total_s']:.1f}s, peak RSS {report['peak_rss_mb']:.0f} MiB"
     )
+    warning = RoundTrip(**tk["round_trip"]).warning(args.tokenizer or "(trained)")
+    if warning:
+        print(f"build-index: warning: {warning}", file=sys.stderr)
     sk = report["skipped"]
     if sk["counts"]:
         print("skipped: " + ", ".join(f"{k}={v}" for k, v in sk["counts"].items()))

@@ -11,32 +11,38 @@ import numpy as np
 
 from .executors import die_with_parent
 
-_SP = None  # the worker's tokenizer, set by _init_worker from the model bytes it is given
+_TOK = None  # the worker's tokenizer, set by _init_worker from the file's bytes it is given
 
 
-def _init_worker(model: bytes) -> None:
-    global _SP
-    import sentencepiece as spm
+def _init_worker(model: bytes, threads: bool = False) -> None:
+    """Load the tokenizer (sentencepiece or Hugging Face: index/tokenizer.py) in this worker.
+    threads: whether a Hugging Face tokenizer may encode a batch on threads of its own (the
+    build's one process does; a pool of worker processes, one core each, does not)."""
+    global _TOK
+    import os
+
+    from teragram.index.tokenizer import Tokenizer
 
     die_with_parent()
-    _SP = spm.SentencePieceProcessor()
-    _SP.LoadFromSerializedProto(model)
+    if not threads:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _TOK = Tokenizer(model)
 
 
 def _encode(texts: list[str]) -> list[np.ndarray]:
-    return [np.asarray(ids, dtype=np.uint32) for ids in _SP.encode(texts)]  # type: ignore[union-attr]
+    return _TOK.encode_batch(texts)  # type: ignore[union-attr]
 
 
 def _encode_with(model: bytes, texts: list[str]) -> list[np.ndarray]:
-    """A Ray task: encode with the given model (loaded once per worker process)."""
-    global _SP, _SP_MODEL
-    if _SP is None or _SP_MODEL != model:
+    """A Ray task: encode with the given tokenizer file's bytes (loaded once per worker process)."""
+    global _TOK_MODEL
+    if _TOK is None or _TOK_MODEL != model:
         _init_worker(model)
-        _SP_MODEL = model
+        _TOK_MODEL = model
     return _encode(texts)
 
 
-_SP_MODEL: bytes | None = None
+_TOK_MODEL: bytes | None = None
 
 
 class Encoder:
@@ -56,7 +62,7 @@ class Encoder:
         elif workers > 1:
             self.pool = mp.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=(model,))
         else:
-            _init_worker(model)
+            _init_worker(model, threads=True)
 
     def _submit(self, texts: list[str]):
         if self.ray is not None:

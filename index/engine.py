@@ -67,6 +67,7 @@ from .results import (
 )
 from .scorer import Scorer
 from .shard import Shard, advise
+from .tokenizer import load as load_tokenizer
 
 # The answer types and their JSON (results.py), the shard (shard.py) and the incremental scorer
 # (scorer.py) are importable from here, as they were before they had modules of their own.
@@ -161,9 +162,8 @@ class Index:
 
     @cached_property
     def tokenizer(self):
-        from . import tokenizer
-
-        return tokenizer.load(self.path / "tokenizer.model")
+        """The index's tokenizer (index/tokenizer.py: sentencepiece or Hugging Face), its EOS the manifest's."""
+        return load_tokenizer(self.path / self.manifest["tokenizer"]["file"]["path"], eos_id=self.eos_id)
 
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text))

@@ -20,12 +20,20 @@ Writes go to a temporary name in the same directory, are fsynced, then renamed i
 callers then write a completion marker (``write_json`` is atomic too). Resume trusts markers
 and recorded sizes, never the mere existence of a file.
 
-Index directory layout (FORMAT_VERSION 1):
+Format versions: 2 (written now) and 1 (read). Version 2 indexes hold uint16 token ids when the
+vocabulary, EOS included, has at most 65,535 ids (token_dtype), else uint32, so SEP (the dtype's
+largest value) is never an id; the width is in tokens.bin's header (dtype, width) and the
+manifest (token_dtype); the tokenizer is a sentencepiece model or a Hugging Face tokenizer.json,
+its kind and digest in the manifest (tokenizer.kind, tokenizer.digest). Version 1 indexes (a
+sentencepiece tokenizer, manifest without kind and digest) open unchanged.
+
+Index directory layout (FORMAT_VERSION 2):
 
     IDX/manifest.json              build manifest (mirrors the LMDB copy), for humans
-    IDX/tokenizer.model            sentencepiece model
+    IDX/tokenizer.model            sentencepiece model, or
+    IDX/tokenizer.json             Hugging Face tokenizer (index/tokenizer.py)
     IDX/meta.lmdb/                 LMDB: per-document metadata + manifest
-    IDX/shards/NNNNNN/tokens.bin   token stream: doc0 SEP doc1 SEP ... (SEP = dtype max)
+    IDX/shards/NNNNNN/tokens.bin   token stream: doc0 SEP doc1 SEP ... (uint16 or uint32; SEP = dtype max)
     IDX/shards/NNNNNN/docs.bin     uint64 start offset of each document, then total length
     IDX/shards/NNNNNN/sa.bin       packed suffix array over the non-SEP positions
     IDX/shards/NNNNNN/samax.bin    uint32 block maxima of the suffix array (range-max queries)
@@ -58,7 +66,8 @@ import numpy as np
 from . import packed
 from .errors import IndexFormatError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what this code writes
+READ_VERSIONS = (1, 2)  # what it reads (module docstring)
 MAGIC = b"TERAGRAM"
 HEADER_SIZE = 64
 _HEADER = struct.Struct("<8s16sI8sIQ12s")  # 60 bytes, then the CRC
@@ -116,8 +125,8 @@ def decode_header(raw: bytes, name: str) -> Header:
     (crc,) = struct.unpack("<I", raw[60:64])
     if crc != zlib.crc32(raw[:60]):
         raise IndexFormatError(f"{name}: header checksum mismatch")
-    if version != FORMAT_VERSION:
-        raise IndexFormatError(f"{name}: format version {version}, this teragram reads {FORMAT_VERSION}")
+    if version not in READ_VERSIONS:
+        raise IndexFormatError(f"{name}: format version {version}, this teragram reads {', '.join(map(str, READ_VERSIONS))}")
     dt = dtype.rstrip(b"\0").decode()
     if dt != "packed" and dt not in _DTYPES:
         raise IndexFormatError(f"{name}: unknown dtype {dt!r}")
@@ -359,12 +368,18 @@ def read_json(path: Path) -> Any:
 
 
 def read_manifest(root: Path) -> dict:
-    """An index's manifest.json, of the format version this code reads (else IndexFormatError)."""
+    """An index's manifest.json, of a format version this code reads (else IndexFormatError); a
+    version 1 manifest gets the tokenizer kind and digest that version 2 records."""
     if not (root / "manifest.json").exists():
         raise IndexFormatError(f"{root}: not a teragram index (no manifest.json)")
     manifest = read_json(root / "manifest.json")
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise IndexFormatError(f"{root}: format version {manifest.get('format_version')}, expected {FORMAT_VERSION}")
+    if manifest.get("format_version") not in READ_VERSIONS:
+        raise IndexFormatError(
+            f"{root}: format version {manifest.get('format_version')}, this teragram reads {', '.join(map(str, READ_VERSIONS))}"
+        )
+    tk = manifest.get("tokenizer")
+    if manifest["format_version"] == 1 and isinstance(tk, dict) and "file" in tk:
+        manifest["tokenizer"] = {"kind": "sentencepiece", "digest": tk["file"]["blake2b"]} | tk
     return manifest
 
 
@@ -385,9 +400,10 @@ def features_dir(root: Path, mode: str, shard: int) -> Path:
     return Path(root) / "features" / mode / f"{shard:06d}"
 
 
-def token_dtype(vocab_size: int) -> np.dtype:
-    """u16 when every id and the separator (dtype max) fit, else u32."""
-    return np.dtype(np.uint16) if vocab_size < 0xFFFF else np.dtype(np.uint32)
+def token_dtype(n_ids: int) -> np.dtype:
+    """The token stream's type for ids 0..n_ids-1 (the vocabulary and EOS): uint16 when they all
+    fit below the separator (the dtype's largest value, 65,535), so up to 65,535 ids, else uint32."""
+    return np.dtype(np.uint16) if n_ids <= 0xFFFF else np.dtype(np.uint32)
 
 
 def manifest_counts(shards: list[dict], docs: int) -> dict:

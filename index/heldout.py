@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from . import features as ff
 from . import format as fmt
-from . import readers
+from . import readers, tokenizer
 from .bulk import continuations
 from .engine import Index, as_index
 from .errors import BuildError
@@ -124,7 +124,7 @@ def write_held_out(idx: Index, out: Path, cfg: ff.FeatureConfig, docs, metas=Non
         raise
     starts.append([n])
     files = fw.close() + [asdict(fmt.file_record(out, w.close())) for w in (toks, starts)]
-    shutil.copyfile(idx.path / "tokenizer.model", out / "tokenizer.model")  # held-out features decode on their own
+    tokenizer.copy(idx.path, out)  # held-out features decode on their own
     fmt.write_json(out / "000000.done", {"shard": 0, "files": files, "docs": kept})
     return {"docs": len(kept), "positions": n, "features_s": time.time() - t}
 

@@ -72,6 +72,31 @@ def tokenizer_model(tmp_path_factory) -> Path:
     return p
 
 
+def train_bpe(texts, vocab: int, path: Path, *, lowercase: bool = False, special: tuple[str, ...] = ("<|endoftext|>",)) -> Path:
+    """A byte-level BPE (GPT-2's scheme) trained with `tokenizers` on the texts, saved as a
+    tokenizer.json; lowercase: with a normalizer that lowercases (it does not round-trip)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    if lowercase:
+        tok.normalizer = normalizers.Lowercase()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok.train_from_iterator(
+        texts, trainers.BpeTrainer(vocab_size=vocab, special_tokens=list(special), initial_alphabet=alphabet, show_progress=False)
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(tmp_path_factory) -> Path:
+    """A 2000-id byte-level BPE trained with `tokenizers` on real text (its tokenizer.json)."""
+    return train_bpe((t for _, t in real_texts(60)), 2000, tmp_path_factory.mktemp("hf") / "tokenizer.json")
+
+
 @pytest.fixture(scope="session")
 def real_index(tmp_path_factory, corpus_dir, tokenizer_model) -> Path:
     """The small real corpus indexed in several shards."""

@@ -89,3 +89,33 @@ class Oracle:
         d = self.docs[dd]
         cont = int(d[p + L]) if p + L < len(d) else self.eos
         return L, cont, len(occ), top
+
+
+def infinigram_engine(docs: list[np.ndarray], save_dir, eos: int, dtype: str = "u16", shards: list[list[np.ndarray]] | None = None):
+    """infini-gram's engine over the same documents (`shards`: one index directory per list of
+    documents, for its per-shard CNF), in its own layout: per document the separator (every byte
+    0xff) then little-endian ids of the width (u16 or u32), u64 document offsets."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from infini_gram.engine import InfiniGramEngine
+
+    width = {"u16": 2, "u32": 4}[dtype]
+    dirs = []
+    for i, part in enumerate(shards if shards is not None else [docs]):
+        S = Path(save_dir) / f"{i}" / "S"
+        S.mkdir(parents=True)
+        offsets, pos = [], 0
+        with open(S / "tokenized.0", "wb") as f:
+            for d in part:
+                offsets.append(pos)
+                b = b"\xff" * width + np.asarray(d, dtype=f"<u{width}").tobytes()
+                f.write(b)
+                pos += len(b)
+        np.asarray(offsets, dtype="<u8").tofile(S / "offset.0")
+        args = ["--data_dir", str(S.parent), "--save_dir", str(S), "--token_dtype", dtype, "--cpus", "1", "--mem", "1", "--ulimit", "1024"]
+        subprocess.run([sys.executable, "-m", "infini_gram.indexing", *args], check=True, capture_output=True)
+        dirs.append(str(S))
+    vocab = 65535 if dtype == "u16" else 2**32 - 1
+    return InfiniGramEngine(index_dir=dirs, eos_token_id=eos, vocab_size=vocab, version=4, token_dtype=dtype)

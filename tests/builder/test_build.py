@@ -69,7 +69,7 @@ def test_suffix_array_u32_tokens():
     tok[[50, 120, 299]] = sep
     sa = suffix_array(tok, sep)
     assert sa.tolist() == brute_sa(tok, sep)
-    assert fmt.token_dtype(65534) == np.uint16 and fmt.token_dtype(65535) == np.uint32
+    assert fmt.token_dtype(65535) == np.uint16 and fmt.token_dtype(65536) == np.uint32
 
 
 def test_report_counts_skips(real_index):

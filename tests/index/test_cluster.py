@@ -274,6 +274,37 @@ def test_bulk_features_equal_the_local_ones_and_brute_force(held, heavy, monkeyp
     _check_bulk(got, docs, starts, orc, 3)
 
 
+def test_a_u32_index_through_the_cluster(cluster, tmp_path):
+    """A 32-bit index (a vocabulary over 65,535 ids: tests/index/test_widths.py) held by the
+    cluster: every kind of query and the bulk features equal the local index's and brute force."""
+    from teragram.index.bulk import continuations
+
+    from tests.index.test_engine import _check_bulk
+    from tests.index.test_widths import ALPHABET, word_tokenizer
+
+    rng = np.random.default_rng(43)
+    docs = [np.array(ALPHABET)[rng.integers(0, len(ALPHABET), size=int(rng.integers(1, 50)))] for _ in range(80)]
+    docs += [np.concatenate([docs[3], docs[4]])]
+    build_from_ids(docs, tmp_path / "idx", word_tokenizer(tmp_path / "tok" / "tokenizer.json"), shard_tokens=500)
+    idx, orc = Index(tmp_path / "idx"), Oracle(docs, Index(tmp_path / "idx").eos_id)
+    assert idx.manifest["token_dtype"] == "uint32" and len(idx.shards) >= NODES
+    with ClusterIndex.open(idx.path) as c:
+        queries = _queries(rng, orc, 40, idx.vocab_size)
+        for q, r in zip(queries, c.batch(queries)):
+            assert r == _local(idx, q), q
+            if q.op == "count":
+                assert r.count == orc.count(q.ids)
+        held = [docs[-1][:60], rng.choice(ALPHABET, size=30)]
+        starts = np.cumsum([0] + [len(x) for x in held])
+        got = c.continuations(np.concatenate(held), starts, (0, 3), top_k=2)
+        want = continuations(idx, np.concatenate(held), starts, (0, 3), top_k=2)
+        for cap in (0, 3):
+            assert all(
+                np.array_equal(getattr(got[cap], n), getattr(want[cap], n)) for n in ("length", "cont", "count", "topk_ids", "topk_cnt")
+            )
+        _check_bulk(got, held, starts, orc, 2)
+
+
 def test_heldout_estimates_through_the_cluster(held):
     """The gates' held-out index estimates (model.mixture.estimates.index_estimates_docs, which
     read index/bulk.py) of a ClusterIndex equal those of the local index."""
