@@ -37,13 +37,13 @@ def teragram(*args) -> tuple[dict | None, float]:
     return (json.loads(r.stdout) if "--json" in args else None), wall
 
 
-def run_path(name: str, model_args: list, index: Path, valid: Path, sets: dict[str, Path], out: Path, device: str) -> list[dict]:
-    """The product path through one model: the gate fit on valid, applied to each set."""
+def run_path(name: str, model_args: list, index: Path, valid: Path, sets: dict, out: Path, device: str, fit_rows: int) -> list[dict]:
+    """The product path through one model: the gate fit on valid (on at most fit_rows tokens), applied to each set."""
     gate = out / f"gate-{name}.json"
     rows = []
     common = ["--index", index, "--device", device, "--quiet", "--json"]
     for set_name, corpus in [("valid", valid), *sets.items()]:
-        how = ["--fit-gate", gate] if set_name == "valid" else ["--gate", gate]
+        how = ["--fit-gate", gate, "--fit-rows", fit_rows] if set_name == "valid" else ["--gate", gate]
         r, wall = teragram("eval", *model_args, *common, "--corpus", corpus, *how)
         model_s = r["stages_s"]["model"]
         rows.append(
@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sets", nargs="+", default=[], metavar="NAME=DIR", help="held-out sets the gates are applied to")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtypes", help="the transformers model's dtypes (default: float32 on a CPU, bfloat16,float32 on a GPU)")
+    p.add_argument("--fit-rows", type=int, default=200_000, help="eval --fit-rows (default 200,000, eval's own)")
     p.add_argument("--name", default="hf_model_cpu")
     p.add_argument("--out", type=Path, help="where the export and the gates go (default: RUN/hf-bench)")
     p.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.smoke:
             held = smoke_corpus(tmp, heldout=True)
             args.run, args.index, args.valid = smoke_model(tmp), smoke_index(tmp), held / "valid"
-            args.sets, args.out = [f"test={held / 'test'}"], tmp / "hf-bench"
+            args.sets, args.out, args.fit_rows = [f"test={held / 'test'}"], tmp / "hf-bench", 2000
         if not (args.run and args.index and args.valid):
             p.error("give --run, --index and --valid (or --smoke)")
         sets = dict(s.split("=", 1) for s in args.sets)
@@ -136,11 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         _, export_s = teragram("export", "--hf", out / "hf", "--checkpoint", args.run, "--index", args.index)
         dtypes = (args.dtypes or ("bfloat16,float32" if args.device.startswith("cuda") else "float32")).split(",")
-        rows = run_path("native", ["--checkpoint", args.run], args.index, args.valid, sets, out, args.device)
-        for dt in dtypes:
-            rows += run_path(
-                f"transformers {dt}", ["--hf-model", out / "hf", "--dtype", dt], args.index, args.valid, sets, out, args.device
-            )
+        paths = [("native", ["--checkpoint", args.run])] + [
+            (f"transformers {dt}", ["--hf-model", out / "hf", "--dtype", dt]) for dt in dtypes
+        ]
+        rows = [row for name, how in paths for row in run_path(name, how, args.index, args.valid, sets, out, args.device, args.fit_rows)]
         cmp = compare(rows)
         md = table(cmp, list(cmp[0]))
         md += f"\n\nExport: {export_s:.1f} s (a fresh process). Tokens/s: the model's stage of `eval` (its forward passes), per path."
