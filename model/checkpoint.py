@@ -114,3 +114,23 @@ def weights_digest(model: GPT) -> str:
         h.update(name.encode())
         h.update(np.ascontiguousarray(p.detach().float().cpu().numpy()))
     return h.hexdigest()
+
+
+def load_lm(checkpoint=None, hf_model=None, *, index=None, device: str = "cpu", dtype: str | None = None, context: int | None = None):
+    """(model, meta) of a verb's model: a native checkpoint, or a transformers causal LM
+    (model/hf/adapter.py: dtype, context). With `index` (an opened index) a model that cannot read
+    its ids is refused with one line, a transformers model's tokenizer before its weights are read."""
+    from teragram.index.errors import TokenizerMismatch
+
+    if (checkpoint is None) == (hf_model is None):
+        raise TeragramError("give --checkpoint (a teragram run) or --hf-model (a transformers model), one of them")
+    if hf_model is not None:
+        from teragram.model.hf.adapter import load_hf
+
+        return load_hf(hf_model, index=index, device=device, dtype=dtype, context=context)
+    if dtype or context:
+        raise TeragramError("--dtype and --context go with --hf-model (a native checkpoint runs under autocast on a GPU)")
+    model, meta = load_model(checkpoint, device)
+    if index is not None and model.cfg.vocab_size != index.vocab_size:
+        raise TokenizerMismatch(f"checkpoint vocabulary {model.cfg.vocab_size} != index vocabulary {index.vocab_size}")
+    return model, meta

@@ -1,4 +1,4 @@
-"""The model's verbs: `teragram train | eval | sample | dense` (registered as index/cli.py's)."""
+"""The model's verbs: `teragram train | eval | sample | dense | export` (registered as index/cli.py's)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 
 from teragram.index.cli import add_cluster_args, opened_index, print_json
 from teragram.model.evaluation.stream import CHUNK_TOKENS, FIT_ROWS
+from teragram.model.hf.cli import add_hf_args
 
 
 def cmd_train(args) -> int:
@@ -86,10 +87,10 @@ def _check_eval_args(args) -> None:
         raise TeragramError("--no-cont-cache goes with --fit-gate (a fitted gate says itself whether it reads the continuous cache)")
     if args.cont_cache_from and not args.save_outputs:
         raise TeragramError("--cont-cache-from goes with --save-outputs")
-    if args.outputs and (args.checkpoint or args.corpus or args.save_outputs):
-        raise TeragramError("--outputs replaces --checkpoint and --corpus (the model already ran)")
-    if not args.outputs and not (args.checkpoint and args.corpus):
-        raise TeragramError("give --checkpoint and --corpus (or --outputs from an earlier --save-outputs)")
+    if args.outputs and (args.checkpoint or args.hf_model or args.corpus or args.save_outputs):
+        raise TeragramError("--outputs replaces --checkpoint / --hf-model and --corpus (the model already ran)")
+    if not args.outputs and not ((args.checkpoint or args.hf_model) and args.corpus):
+        raise TeragramError("give --checkpoint (or --hf-model) and --corpus (or --outputs from an earlier --save-outputs)")
 
 
 def _eval_outputs(args, opts):
@@ -109,10 +110,13 @@ def _eval_outputs(args, opts):
 def _eval_checkpoint(args, opts):
     """(report, fitted, the model's digest) of a checkpoint run over held-out text, against the
     index (local, or held by a cluster's holders: --cluster); the checkpoint is read first, so
-    that one it cannot load is refused before the index is opened."""
-    from teragram.model.checkpoint import load_model, weights_digest
+    that one it cannot load is refused before the index is opened (a transformers model's
+    tokenizer is checked against the index's before its weights are read)."""
+    from teragram.index.engine import Index
+    from teragram.model.checkpoint import weights_digest
+    from teragram.model.hf.cli import model_of
 
-    model, meta = load_model(args.checkpoint, args.device)
+    model, meta = model_of(args, Index(args.index) if args.hf_model else None)
     model_id = weights_digest(model)
     if opts.gate is not None:
         opts.gate.check(model=model_id, index_dir=args.index, name=args.gate)
@@ -146,12 +150,13 @@ def _checkpoint_report(args, opts, model, meta: dict, idx):
         total, unit = (None if args.quiet or args.json else stream.text_size(args.corpus)), "B"
     knn = opts.baseline == "knn"
     hidden = "final" if knn else cc.KEY if needs_states(opts) or args.save_outputs else False
-    chunks = model_chunks(model, idx, chunks, args.device, hidden=hidden, stages=stages)
+    chunks = model_chunks(model, idx, chunks, args.device, batch=args.batch_size, hidden=hidden, stages=stages)
     if args.save_outputs:
         from teragram.model.checkpoint import weights_digest
         from teragram.model.evaluation.outputs import OutputsWriter, saving
 
-        w = OutputsWriter(args.save_outputs, idx, checkpoint=args.checkpoint, step=meta["step"], model=weights_digest(model))
+        source = args.checkpoint or args.hf_model
+        w = OutputsWriter(args.save_outputs, idx, checkpoint=source, step=meta["step"], model=weights_digest(model))
         spec = cont_cache_spec(args.cont_cache_from) if args.cont_cache_from else None
         chunks = saving(chunks, w, spec, args.device, keep_hidden=knn)
     chunks = stream.progress(stream.prefetch(chunks), total, unit=unit, quiet=args.quiet or args.json)
@@ -169,7 +174,7 @@ def fmt_total(features_dir) -> int:
 
 
 def _print_eval(args, r: dict) -> None:
-    source = args.outputs or args.checkpoint
+    source = args.outputs or args.checkpoint or args.hf_model
     if args.json:
         print_json(r)
     else:
@@ -204,10 +209,12 @@ def cont_cache_spec(path: str):
 
 
 def cmd_sample(args) -> int:
-    from teragram.model.checkpoint import load_model, weights_digest
+    from teragram.index.engine import Index
+    from teragram.model.checkpoint import weights_digest
+    from teragram.model.hf.cli import model_of
     from teragram.model.mixture.gate import Gate
 
-    model, _ = load_model(args.checkpoint, args.device)
+    model, _ = model_of(args, Index(args.index) if args.hf_model else None)
     gate = Gate.load(args.gate) if args.gate else None
     if gate is not None:
         gate.check(model=weights_digest(model), index_dir=args.index, name=args.gate)
@@ -348,11 +355,14 @@ def cmd_dense(args) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """The model's verbs, each parser beside its handler."""
+    from teragram.model.hf.cli import register as register_export
+
     _register_train(sub)
     _register_eval(sub)
     _register_evals(sub)
     _register_sample(sub)
     _register_dense(sub)
+    register_export(sub)
 
 
 def _register_train(sub) -> None:
@@ -363,7 +373,11 @@ def _register_train(sub) -> None:
 
 def _register_eval(sub) -> None:
     ev = sub.add_parser("eval", help="held-out perplexity and bits per byte of a checkpoint")
-    ev.add_argument("--checkpoint", help="run directory or checkpoint directory (or --outputs)")
+    ev.add_argument("--checkpoint", help="run directory or checkpoint directory (or --hf-model, or --outputs)")
+    add_hf_args(ev)
+    ev.add_argument(
+        "--batch-size", type=positive, default=16, metavar="N", help="windows of the model's context run at a time (default 16)"
+    )
     ev.add_argument("--index", required=True)
     ev.add_argument("--corpus", nargs="+", help="held-out text (with --checkpoint)")
     ev.add_argument("--save-outputs", metavar="OUT", help="also save the model's per-token outputs here, to mix with any index later")
@@ -447,7 +461,8 @@ def _register_evals(sub) -> None:
 
 def _register_sample(sub) -> None:
     sa = sub.add_parser("sample", help="generate text with live index lookups")
-    sa.add_argument("--checkpoint", required=True)
+    sa.add_argument("--checkpoint", help="run directory or checkpoint directory (or --hf-model)")
+    add_hf_args(sa)
     sa.add_argument("--index", required=True)
     sa.add_argument("prompt")
     sa.add_argument("--max-tokens", type=int, default=100)

@@ -323,6 +323,11 @@ class GPT(nn.Module):
             new_kv.append(c)
         return self.transformer.ln_f(x), new_kv
 
+    @staticmethod
+    def crop_cache(kv, n: int):
+        """The key/value cache kept to its first n positions (drafted tokens rejected)."""
+        return [(k[:, :, :n], v[:, :, :n]) for k, v in kv]
+
     def _gate_and_index(self, h: torch.Tensor, f: Features):
         """Mixture weight g (B, T) and the index distribution's top-k probabilities (B, T, k)."""
         L = f.length.clamp(0, self.cfg.max_match)

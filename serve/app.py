@@ -46,6 +46,9 @@ from teragram.serve.lanes import QUERY_TYPES, SEARCH_QUERIES, Lanes, in_lane, pr
 class ServeConfig:
     index: str
     checkpoint: str | None = None
+    hf_model: str | None = None  # a transformers causal LM instead of a checkpoint (model/hf/adapter.py)
+    dtype: str | None = None  # its weights' dtype (default bfloat16 on a GPU, float32 on a CPU)
+    context: int | None = None  # its context, when shorter than its positions
     gate: str | None = None  # index gate (model/mixture/gate.py) mixed into completions and scores
     host: str = "127.0.0.1"
     port: int = 8080
@@ -110,14 +113,12 @@ def load(cfg: ServeConfig, *, with_model: bool = True) -> Served:
         idx = Index(cfg.index)
     model = None
     model_meta: dict = {}
-    if cfg.gate and not cfg.checkpoint:
-        raise TeragramError("--gate needs --checkpoint")
-    if cfg.checkpoint and with_model:
-        from teragram.model.checkpoint import load_model
+    if cfg.gate and not (cfg.checkpoint or cfg.hf_model):
+        raise TeragramError("--gate needs --checkpoint or --hf-model")
+    if (cfg.checkpoint or cfg.hf_model) and with_model:
+        from teragram.model.checkpoint import load_lm
 
-        model, model_meta = load_model(cfg.checkpoint, cfg.device)
-        if model.cfg.vocab_size != idx.vocab_size:
-            raise TeragramError(f"checkpoint vocabulary {model.cfg.vocab_size} != index vocabulary {idx.vocab_size}")
+        model, model_meta = load_lm(cfg.checkpoint, cfg.hf_model, index=idx, device=cfg.device, dtype=cfg.dtype, context=cfg.context)
     gate = None
     if cfg.gate and with_model:
         from teragram.model.checkpoint import weights_digest
@@ -130,7 +131,7 @@ def load(cfg: ServeConfig, *, with_model: bool = True) -> Served:
 
 def create_app(cfg: ServeConfig) -> FastAPI:
     """The server; its model in a process of its own (serve/model_worker.py), but with --cluster (module doc)."""
-    own = cfg.checkpoint is not None and cfg.cluster is None
+    own = (cfg.checkpoint or cfg.hf_model) is not None and cfg.cluster is None
     s = load(cfg, with_model=not own)
     if own:
         from teragram.serve.model_worker import ModelWorker
@@ -213,7 +214,7 @@ def _on_model(s: Served, kind: str, here):
 
 def _need_model(s: Served) -> None:
     if s.model is None and s.worker is None:
-        raise StarletteHTTPException(404, "no model loaded: start the server with --checkpoint")
+        raise StarletteHTTPException(404, "no model loaded: start the server with --checkpoint or --hf-model")
 
 
 def _query_ids(s: Served, req_text: str | None, req_ids: list[int] | None) -> list[int]:
@@ -262,9 +263,9 @@ def _add_index_routes(app: FastAPI, s: Served) -> None:
     async def get_stats():
         m, drafts = None, None
         if model is not None:
-            m, drafts = {"checkpoint": cfg.checkpoint} | _model_info(s), draft_stats.to_json()
+            m, drafts = {"checkpoint": cfg.checkpoint or cfg.hf_model} | _model_info(s), draft_stats.to_json()
         elif s.worker is not None:
-            m, drafts = {"checkpoint": cfg.checkpoint} | s.worker.info, s.worker.drafts or DraftStats().to_json()
+            m, drafts = {"checkpoint": cfg.checkpoint or cfg.hf_model} | s.worker.info, s.worker.drafts or DraftStats().to_json()
         return {
             "index": {
                 "path": cfg.index,

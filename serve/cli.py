@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from teragram.model.hf.cli import add_hf_args
+
 API_KEY_ENV = "TERAGRAM_API_KEY"  # (here, not in guard.py: registering the verb must not import fastapi)
 
 
@@ -15,6 +17,9 @@ def cmd_serve(args) -> int:
         ServeConfig(
             index=args.index,
             checkpoint=args.checkpoint,
+            hf_model=args.hf_model,
+            dtype=args.dtype,
+            context=args.context,
             gate=args.gate,
             host=args.host,
             port=args.port,
@@ -30,7 +35,8 @@ def cmd_serve(args) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     se = sub.add_parser("serve", help="HTTP server: index queries, completions, scoring")
     se.add_argument("--index", required=True)
-    se.add_argument("--checkpoint", help="model run or checkpoint (without: index queries only)")
+    se.add_argument("--checkpoint", help="model run or checkpoint (without it or --hf-model: index queries only)")
+    add_hf_args(se)
     se.add_argument("--gate", help="index gate (teragram eval --fit-gate) mixed into completions and /v1/score")
     se.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     se.add_argument("--port", type=int, default=8080)

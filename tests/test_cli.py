@@ -14,7 +14,22 @@ import pytest
 from teragram.index.engine import Index
 from teragram.serve.main import build_parser, main
 
-VERBS = ("build", "features", "verify", "warm", "stats", "tokenize", "query", "train", "eval", "evals", "sample", "dense", "serve")
+VERBS = (
+    "build",
+    "features",
+    "verify",
+    "warm",
+    "stats",
+    "tokenize",
+    "query",
+    "train",
+    "eval",
+    "evals",
+    "sample",
+    "dense",
+    "export",
+    "serve",
+)
 
 
 def test_every_verb_is_registered_with_help(capsys):

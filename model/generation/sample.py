@@ -165,7 +165,7 @@ def stream(
                 cache.add(len(ids) - 1 + n_ok, cache_states[n_ok], nxt)
             cached += len(pending) + n_ok
             if n_ok < len(dt):
-                kv = [(k[:, :, :cached], v[:, :, :cached]) for k, v in kv]
+                kv = model.crop_cache(kv, cached)
             new = dt[:n_ok] + [nxt]
             stats.record(d, n_ok, len(new))
             drafter.stats.record(d, n_ok, len(new))

@@ -72,9 +72,12 @@ def key_states(model, key: str):
     the last block's ln_2, its feed-forward's input)."""
     if key not in KEY_STATES:
         raise TeragramError(f"key states {key!r}: one of {', '.join(KEY_STATES)}")
-    mod = model.transformer.ln_f if key == "final" else model.transformer.h[-1].ln_2
     got: list = []
-    hook = mod.register_forward_hook(lambda m, i, o: got.append(o))
+    if hasattr(model, "hook_key_states"):  # a transformers model (model/hf/adapter.py) finds its own
+        hook = model.hook_key_states(key, got.append)
+    else:
+        mod = model.transformer.ln_f if key == "final" else model.transformer.h[-1].ln_2
+        hook = mod.register_forward_hook(lambda m, i, o: got.append(o))
     try:
         yield got
     finally:
