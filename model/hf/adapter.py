@@ -59,7 +59,9 @@ def check_tokenizer(tok, idx, name: str, *, model_vocab: int | None = None) -> N
     """Refuse (TokenizerMismatch, one line) a transformers tokenizer that is not the index's: one
     giving other ids on PROBE than the index's tokenizer, another end-of-text id where both have
     one, or a model whose output has fewer rows than the index has ids."""
-    ids = tok.encode(PROBE, add_special_tokens=False)
+    # the index encodes a special token's text in a document as text (index/tokenizer.py), where a
+    # transformers tokenizer by default gives the special id: compared as the index encodes
+    ids = tok(PROBE, add_special_tokens=False, split_special_tokens=True)["input_ids"]
     want = idx.tokenize(PROBE)
     if ids != want:
         at = next((i for i, (a, b) in enumerate(zip(ids, want)) if a != b), min(len(ids), len(want)))
