@@ -208,9 +208,13 @@ def find(directory: Path | str) -> Path:
 
 
 def copy(src_dir: Path | str, dst_dir: Path | str) -> Path:
-    """Copy the tokenizer file of one teragram directory into another (same name); its path there."""
+    """Copy the tokenizer file of one teragram directory into another (same name); its path there.
+    A tokenizer file of the other kind already there is removed: a directory holds one."""
     src = find(src_dir)
     dst = Path(dst_dir) / src.name
+    for name in FILES.values():
+        if name != src.name:
+            (Path(dst_dir) / name).unlink(missing_ok=True)
     shutil.copyfile(src, dst)
     return dst
 

@@ -16,11 +16,9 @@ from teragram.index.engine import Index
 from teragram.index.errors import TokenizerMismatch
 from teragram.serve.main import main
 
-from tests.conftest import DEFAULT, train_bpe
+from tests.conftest import DEFAULT, tiny_hf_model
 
 transformers = pytest.importorskip("transformers")
-
-EOS = "<|endoftext|>"
 
 
 @pytest.fixture(autouse=True)
@@ -41,19 +39,12 @@ def _copy_gz(files, out):
 
 @pytest.fixture(scope="module")
 def own(tmp_path_factory):
-    """(model directory, its index, valid text, test text): the BPE trained on the corpus the
-    index holds (part of data/default/train), the index built by `build-index --tokenizer DIR`."""
+    """(model directory, its index, valid text, test text): the model's BPE trained on the corpus
+    the index holds (part of data/default/train), the index built by `build-index --tokenizer DIR`."""
     root = tmp_path_factory.mktemp("own")
     train = sorted((DEFAULT / "train" / "linux-doc").glob("[lps]*/**/*.rst.gz"))[:40]  # locking/, process/, scheduler/
     corpus = _copy_gz(train, root / "corpus")
-    model = root / "model"
-    train_bpe((p.read_text() for p in sorted(corpus.iterdir())), 1200, model / "tokenizer.json", special=(EOS,))
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(model / "tokenizer.json"), eos_token=EOS)
-    cfg = transformers.GPT2Config(
-        vocab_size=len(tok), n_positions=64, n_embd=32, n_layer=2, n_head=2, bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id
-    )
-    transformers.GPT2LMHeadModel(cfg).save_pretrained(model)  # random weights: safetensors
-    tok.save_pretrained(model)
+    model = tiny_hf_model(root / "model", (p.read_text() for p in sorted(corpus.iterdir())))
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {p.name for p in model.iterdir()}
     assert main(["build", str(corpus), "--out", str(root / "idx"), "--tokenizer", str(model), "--workers", "1", "--quiet"]) == 0
     held = sorted((DEFAULT / "heldout").rglob("*.rst.gz"))
