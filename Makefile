@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 RUN ?= runs/default
 
-.PHONY: demo test lint clean
+.PHONY: demo test lint clean browser
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -29,7 +29,12 @@ demo: $(VENV)/.installed
 	$(BIN)/teragram eval --checkpoint $(RUN)/lm --index $(RUN)/idx --corpus $(DEMO_TEST) --gate $(RUN)/gate.json --decontaminate --quiet
 	$(BIN)/teragram sample --checkpoint $(RUN)/lm --index $(RUN)/idx "The kernel" --max-tokens 40 --gate $(RUN)/gate.json --verbose
 
-test: $(VENV)/.installed
+# The page's tests (tests/serve/test_page.py) drive Debian's headless Chromium and its driver: installed when missing.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+browser:
+	@test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || { $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends chromium chromium-driver; }
+
+test: $(VENV)/.installed browser
 	$(BIN)/python -m pytest -n 2 --dist loadgroup
 
 lint: $(VENV)/.installed

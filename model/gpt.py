@@ -32,6 +32,9 @@ N_CNT_BUCKETS = 33  # floor(log2(count + 1)) for counts below 2^32
 # a time (0.5 GiB), against several GiB for the whole head of 16 x 1024 tokens. A (2097, C) x
 # (C, V) product still fills a GPU; the cost is one more of them per chunk, in backward.
 HEAD_CHUNK_BYTES = 2**28
+# In evaluation on a CPU the head's logits are made and reduced this many rows at a time: a
+# (512, V) float32 block (16 MB at V = 8000) is reduced while in cache.
+HEAD_EVAL_ROWS = 512
 
 
 @dataclass(frozen=True)
@@ -348,6 +351,38 @@ class GPT(nn.Module):
         mixture when the model has one) and the model's own log-softmax (B, T, V), float32."""
         logp = F.log_softmax(self.lm_head(h).float(), dim=-1)
         return self._final_nll(h, targets, logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), f), logp
+
+    def head_stats(self, h: torch.Tensor, targets: torch.Tensor, f: Features | None = None):
+        """What evaluation reads of the head, from final hidden states (B, T, C): the per-token
+        loss (B, T) under the final distribution, and the model's own log-probability of the
+        targets, of its most likely token and that token (each (B, T)). The logits are made a
+        block of rows at a time and reduced there; the (B, T, V) log-softmax is never made. On a
+        CPU a block is HEAD_EVAL_ROWS rows, reduced in place by numpy while it is in cache
+        (numpy's argmax is vectorized where torch's CPU argmax is not). No gradient."""
+        B, T, C = h.shape
+        hf, yf = h.reshape(-1, C), targets.reshape(-1)
+        cpu = h.device.type == "cpu"
+        rows = HEAD_EVAL_ROWS if cpu else max(1, HEAD_CHUNK_BYTES // (4 * self.cfg.vocab_size))
+        lp_y, lp_max = torch.empty(len(hf), device=h.device), torch.empty(len(hf), device=h.device)
+        top = torch.empty(len(hf), dtype=torch.long, device=h.device)
+        w = self.lm_head.weight
+        buf = torch.empty((min(rows, len(hf)), self.cfg.vocab_size)) if cpu and w.dtype == h.dtype == torch.float32 else None
+        with torch.no_grad():
+            for a in range(0, len(hf), rows):
+                b = min(a + rows, len(hf))
+                if buf is not None:  # one buffer for every block: blocks allocated in turn fragment the C heap (GBs)
+                    lg, r = torch.mm(hf[a:b], w.T, out=buf[: b - a]).numpy(), np.arange(b - a)  # (rows, V)
+                    t = lg.argmax(-1)
+                    m, g = lg[r, t], lg[r, yf[a:b].numpy()]
+                    lse = m + np.log(np.exp(np.subtract(lg, m[:, None], out=lg), out=lg).sum(-1))
+                    top[a:b], lp_y[a:b], lp_max[a:b] = torch.from_numpy(t), torch.from_numpy(g - lse), torch.from_numpy(m - lse)
+                else:
+                    logits = self.lm_head(hf[a:b]).float()  # (rows, V)
+                    m, top[a:b] = logits.max(-1)
+                    lse = torch.logsumexp(logits, -1)
+                    lp_y[a:b], lp_max[a:b] = logits.gather(-1, yf[a:b, None])[:, 0] - lse, m - lse
+            lp_y = lp_y.view(B, T)
+            return self._final_nll(h, targets, lp_y, f), lp_y, lp_max.view(B, T), top.view(B, T)
 
     def _model_logp(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The model's log-probability of the targets (B, T) from final hidden states (B, T, C).

@@ -21,25 +21,24 @@ thread, a next-token histogram from its arrays (results.answer_json). Both proce
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from teragram.index.engine import Index
 from teragram.index.errors import ClusterError, QueryError, TeragramError
 from teragram.index.results import answer_json
-from teragram.model.generation.draft import MAX_DRAFT, DraftStats
-from teragram.serve.guard import Guard, Stats, check_bind, error
-from teragram.serve.index_query import InfinigramRequest, answer_cnf
-from teragram.serve.lanes import QUERY_TYPES, SEARCH_QUERIES, Lanes, in_lane, produced, settle
+from teragram.model.generation.draft import DraftStats
+from teragram.serve.guard import Guard, Stats, Streams, body_error, check_bind, error
+from teragram.serve.index_query import InfinigramRequest, answer_cnf, limits, query_ids
+from teragram.serve.lanes import QUERY_TYPES, SEARCH_QUERIES, Lanes, in_lane, settle
+from teragram.serve.model_routes import CompletionRequest, ScoreRequest, add_completions, add_score
+from teragram.serve.page import add_page
 
 
 @dataclass(frozen=True)
@@ -59,28 +58,7 @@ class ServeConfig:
     max_query_tokens: int = 4096  # cap on tokens of a query / scored text
     cluster: str | None = None  # a Ray cluster's address: the shards held by its actors (index/cluster.py)
     replicas: int = 1  # with cluster: holders of each group of shards
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class CompletionRequest(_Strict):
-    prompt: str
-    model: str | None = None
-    max_tokens: int = Field(default=16, ge=0)
-    temperature: float = Field(default=1.0, ge=0.0, le=10.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    stop: str | list[str] | None = None
-    stream: bool = False
-    seed: int = 0
-    draft: int = Field(default=0, ge=0, le=MAX_DRAFT)  # draft up to this many tokens from exact matches (model/generation/draft.py)
-    provenance: bool = False  # each token's indexed document, where its context matches >= 8 tokens
-
-
-class ScoreRequest(_Strict):
-    text: str | None = None
-    ids: list[int] | None = None
+    max_streams_per_client: int = 4  # streamed completions open at once from one client address
 
 
 @dataclass
@@ -99,6 +77,7 @@ class Served:
     lanes: Lanes = field(default_factory=Lanes)
     handlers: dict = field(default_factory=dict)  # the routes' work, by name (query, complete, score): warm() calls them
     worker: object = None  # the model's process (serve/model_worker.py), when the model is not in this one
+    streams: Streams = field(default_factory=Streams)  # open streams per client (max_streams_per_client)
 
 
 def load(cfg: ServeConfig, *, with_model: bool = True) -> Served:
@@ -148,8 +127,9 @@ def create_app(cfg: ServeConfig) -> FastAPI:
     app.state.served = s
     _add_guards(app, s)
     _add_index_routes(app, s)
-    _add_completions(app, s)
-    _add_score(app, s)
+    add_completions(app, s)
+    add_score(app, s)
+    add_page(app)
     warm(s)
     return app
 
@@ -165,8 +145,8 @@ def _model_process(cfg: ServeConfig, conn) -> None:
     try:
         s = load(cfg)
         app = FastAPI()
-        _add_completions(app, s)
-        _add_score(app, s)
+        add_completions(app, s)
+        add_score(app, s)
         warm_model(s)
     except Exception as e:  # noqa: BLE001  (the parent raises it as its one-line error)
         conn.send(("failed", str(e) if isinstance(e, TeragramError) else f"{type(e).__name__}: {e}"))
@@ -207,26 +187,6 @@ def _model_info(s: Served) -> dict:
     return {"params": s.model.num_params(), "use_index": s.model.cfg.use_index, "config": s.model_meta.get("model")}
 
 
-def _on_model(s: Served, kind: str, here):
-    """A model request's work: here(req) with the model in this process, else the model's process's."""
-    return (lambda req: s.worker.call(kind, req)) if s.worker else here
-
-
-def _need_model(s: Served) -> None:
-    if s.model is None and s.worker is None:
-        raise StarletteHTTPException(404, "no model loaded: start the server with --checkpoint or --hf-model")
-
-
-def _query_ids(s: Served, req_text: str | None, req_ids: list[int] | None) -> list[int]:
-    """A request's token ids, from its text or its ids, within the query cap."""
-    if (req_text is None) == (req_ids is None):
-        raise QueryError("give exactly one of query (text) and query_ids")
-    ids = s.idx.tokenize(req_text) if req_text is not None else list(req_ids)
-    if len(ids) > s.cfg.max_query_tokens:
-        raise QueryError(f"query of {len(ids)} tokens is over the cap of {s.cfg.max_query_tokens}")
-    return ids
-
-
 def _add_guards(app: FastAPI, s: Served) -> None:
     """API key, content type and body size checks, per-endpoint statistics, and errors as JSON."""
     cfg, stats = s.cfg, s.stats
@@ -248,7 +208,7 @@ def _add_guards(app: FastAPI, s: Served) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
-        return error(exc.status_code, str(exc.detail))
+        return error(exc.status_code, (exc.status_code == 400 and body_error(exc)) or str(exc.detail))
 
 
 def _add_index_routes(app: FastAPI, s: Served) -> None:
@@ -276,6 +236,7 @@ def _add_index_routes(app: FastAPI, s: Served) -> None:
             },
             "model": m,
             "drafts": drafts,
+            "limits": limits(cfg),
             "uptime_s": time.time() - stats.start,
             "endpoints": stats.summary(),
         }
@@ -284,7 +245,7 @@ def _add_index_routes(app: FastAPI, s: Served) -> None:
         if req.is_cnf():  # AND/OR (serve/index_query.py)
             return answer_cnf(idx, req, cfg.max_query_tokens)
         t = time.perf_counter()
-        ids = _query_ids(s, req.query, req.query_ids)
+        ids = query_ids(idx, req.query, req.query_ids, cfg.max_query_tokens)
         qt = req.query_type
         if qt == "count":
             r = idx.count(ids)
@@ -295,7 +256,7 @@ def _add_index_routes(app: FastAPI, s: Served) -> None:
         elif qt in ("ntd", "infgram_ntd"):
             r = (idx.ntd if qt == "ntd" else idx.infgram_ntd)(ids)
         elif qt == "search_docs":
-            r = idx.docs(ids, max=req.maxnum, context=req.max_disp_len // 2)
+            r = req.page(idx.docs(ids, max=req.offset + req.maxnum, context=req.max_disp_len // 2))
         else:
             raise QueryError(f"unknown query_type {qt!r}; expected {', '.join(QUERY_TYPES)}")
         body = answer_json(idx, r, ids, latency=(time.perf_counter() - t) * 1e3)
@@ -314,177 +275,6 @@ def _add_index_routes(app: FastAPI, s: Served) -> None:
         finally:  # each query type's own latency, waiting for its lane included
             if qt in QUERY_TYPES:
                 stats.add(f"/ ({qt})", (time.perf_counter() - t) * 1e3, ok)
-
-
-def _add_completions(app: FastAPI, s: Served) -> None:
-    """/v1/completions: generation with live index lookups, drafts and provenance, streamed or not."""
-    cfg, idx, model, gate, model_lock = s.cfg, s.idx, s.model, s.gate, s.model_lock
-    draft_stats = s.draft_stats
-
-    def _prompt_ids(prompt: str) -> list[int]:
-        ids = idx.tokenize(prompt)
-        if len(ids) >= model.cfg.block_size:
-            raise QueryError(f"prompt of {len(ids)} tokens does not fit the context of {model.cfg.block_size}")
-        return ids
-
-    def _prov(tok) -> dict:
-        """A generated token with the indexed document its context matches (null below 8 tokens)."""
-        return {"token": tok.id, "text": idx.piece(tok.id), "document": tok.provenance.to_json() if tok.provenance else None}
-
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
-        out = await in_lane(s.lanes.model, _on_model(s, "complete", complete), req)
-        if isinstance(out, Response):
-            return out
-        # a stream from the model's process holds the model's lock: read in a lane of its own, not the model's
-        return StreamingResponse(produced(lambda: out, s.lanes.stream if s.worker else s.lanes.model), media_type="text/event-stream")
-
-    def complete(req: CompletionRequest):
-        _need_model(s)
-        if req.max_tokens > cfg.max_tokens:
-            raise QueryError(f"max_tokens {req.max_tokens} is over the cap of {cfg.max_tokens}")
-        from teragram.model.generation.draft import Drafter
-        from teragram.model.generation.sample import stream
-
-        ids = _prompt_ids(req.prompt)
-        stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
-        stop_ids = [idx.tokenize(s) for s in stops if s]
-        drafter = Drafter(max_tokens=req.draft, stats=draft_stats)
-        kw = dict(
-            max_new_tokens=req.max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            stop=stop_ids,
-            seed=req.seed,
-            gate=gate,
-            draft=drafter,
-            provenance=req.provenance,
-        )
-        created = int(time.time())
-        name = req.model or "teragram"
-
-        def run():
-            state: dict = {}
-            with model_lock:
-                yield from stream(model, idx, ids, state=state, **kw)
-            run.state = state  # type: ignore[attr-defined]
-
-        if not req.stream:
-            out = list(run())
-            new = [t.id for t in out]
-            text = idx.decode(new)
-            for stop_text in stops:
-                if stop_text and stop_text in text:
-                    text = text[: text.index(stop_text)]
-            finish = "stop" if run.state["stopped"] in ("eos", "stop") else "length"  # type: ignore[attr-defined]
-            long = sum(int(t.features.length[0]) >= 16 for t in out[:-1]) + (
-                1 if ids and out and int(run.state["features"][len(ids) - 1].length[0]) >= 16 else 0
-            )  # type: ignore[attr-defined]
-            return JSONResponse(
-                {
-                    "id": f"cmpl-{created}",
-                    "object": "text_completion",
-                    "created": created,
-                    "model": name,
-                    "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
-                    "usage": {"prompt_tokens": len(ids), "completion_tokens": len(new), "total_tokens": len(ids) + len(new)},
-                    "index_matches": {"long_match_tokens": long, "min_match": 16},
-                }
-                | ({"provenance": [_prov(t) for t in out]} if req.provenance else {})
-            )
-
-        def sse():
-            prev = ""
-            new: list[int] = []
-            for tok in run():
-                new.append(tok.id)
-                text = idx.decode(new)
-                delta, prev = text[len(prev) :], text
-                chunk = {
-                    "id": f"cmpl-{created}",
-                    "object": "text_completion",
-                    "created": created,
-                    "model": name,
-                    "choices": [{"index": 0, "text": delta, "finish_reason": None}],
-                } | ({"provenance": _prov(tok)} if req.provenance else {})
-                yield f"data: {json.dumps(chunk)}\n\n"
-            finish = "stop" if run.state["stopped"] in ("eos", "stop") else "length"  # type: ignore[attr-defined]
-            yield f"data: {json.dumps({'id': f'cmpl-{created}', 'object': 'text_completion', 'choices': [{'index': 0, 'text': '', 'finish_reason': finish}]})}\n\n"
-            yield "data: [DONE]\n\n"
-
-        return sse()
-
-    s.handlers["complete"] = complete
-
-
-def _add_score(app: FastAPI, s: Served) -> None:
-    """/v1/score: per-token log-probabilities with and without the index, and through the gate."""
-    cfg, idx, model, gate, model_lock = s.cfg, s.idx, s.model, s.gate, s.model_lock
-
-    @app.post("/v1/score")
-    async def score_route(req: ScoreRequest):
-        return await in_lane(s.lanes.model, _on_model(s, "score", score), req)
-
-    def score(req: ScoreRequest):
-        _need_model(s)
-        import torch
-        from teragram.index.features import Features
-        from teragram.model.gpt import blinded, to_torch
-
-        ids = _query_ids(s, req.text, req.ids)
-        if not ids:
-            raise QueryError("nothing to score")
-        if len(ids) > model.cfg.block_size:
-            raise QueryError(f"text of {len(ids)} tokens is over the context of {model.cfg.block_size}")
-        x = [idx.eos_id] + ids[:-1]  # the text is read as a document: EOS, then its tokens
-        r = idx.score(ids, top_k=model.cfg.top_k, max_len=model.cfg.max_match)
-        # features of x's positions: none for the EOS slot, then those of ids[:-1]
-        fx = Features.combine([Features.empty(1, model.cfg.top_k, (np.int64,) * 5), r.map(lambda a: a[:-1])])
-
-        def t(a):
-            return torch.as_tensor(np.asarray(a, dtype=np.int64)).unsqueeze(0).to(cfg.device)
-
-        f = to_torch(fx.map(lambda a: a[None]), cfg.device) if model.cfg.use_index else None
-        X, Y = t(x), t(ids)
-        reads_cc = gate is not None and gate.cont_cache is not None
-        with model_lock, torch.no_grad():
-            if reads_cc:  # the continuous cache compares the model's key states of the text's positions
-                from teragram.model.mixture.cont_cache import key_states
-
-                with key_states(model, gate.cont_cache.key) as got:
-                    h = model.hidden(X, f)[0]
-                keys = got[-1][0].double().cpu().numpy()
-            else:
-                h = model.hidden(X, f)[0]
-            with_idx, logp = model.head_losses(h, Y, f)  # the final distribution's nll (the index inputs' mixture, if any)
-            without = model(X, Y, blinded(f))[0] if f is not None else with_idx  # a model without index inputs: the same
-        out = {
-            "tokens": [idx.tokenizer.id_to_piece(int(i)) for i in ids],
-            "token_ids": ids,
-            "logprobs_with_index": (-with_idx[0]).tolist(),
-            "logprobs_without_index": (-without[0]).tolist(),
-            "features": [
-                {"match_length": int(fx.length[i]), "continuation": int(fx.cont[i]), "count": int(fx.count[i])} for i in range(len(ids))
-            ],
-        }
-        if gate is not None:  # the model's distribution mixed with the index's and the cache's estimates
-            from teragram.model.mixture import cont_cache as cc
-            from teragram.model.mixture.estimates import estimates
-            from teragram.model.mixture.gate import component_logp, gate_inputs, mix_nll_multi
-
-            maxlp, top = logp[0].max(-1)
-            est = {k: v[: len(ids)] for k, v in estimates(idx, ids).items()}  # targets: ids (no final EOS)
-            X_g = gate_inputs(est, maxlp.exp().cpu().numpy(), top.cpu().numpy(), gate.components)
-            ccols = None
-            if reads_cc:  # one document: the first target has no history
-                doc = np.zeros(len(ids), np.int64)
-                q = cc.target_probs(keys, np.asarray(ids), doc, gate.cont_cache.temperatures, window=gate.cont_cache.window)
-                ccols = (q.astype(np.float32).astype(np.float64), cc.first_rows(doc))
-            nll = mix_nll_multi(component_logp(est, with_idx[0].cpu().numpy(), gate.components, ccols), gate(X_g))
-            out["logprobs_with_gate"] = (-nll).tolist()
-        return JSONResponse(out)
-
-    s.handlers["score"] = score
 
 
 def serve(cfg: ServeConfig) -> None:

@@ -32,7 +32,7 @@ def doc_windows(ids: np.ndarray, f_doc: Features | None, T: int, eos: int, k: in
         yield s, x_all[s : s + T], y_all[s : s + T], (f_all.map(lambda v, s=s: v[s : s + T]) if f_all is not None else None)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def forward_docs(
     model: GPT, docs, eos: int, device: str = "cpu", *, first: int = 0, feats: Features | None = None, batch: int = 16, hidden=False
 ) -> dict:
@@ -68,9 +68,8 @@ def forward_docs(
         xd, yd = x.to(device), y.to(device)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda), cc.key_states(model, key) if hidden else nullcontext() as got:
             h, _ = model.hidden(xd, f)
-            nll, logp = model.head_losses(h, yd, f)
-        nll_model = -logp.gather(-1, yd.unsqueeze(-1)).squeeze(-1)
-        maxlp, top = logp.max(-1)
+            nll, lp_y, maxlp, top = model.head_stats(h, yd, f)
+        nll_model = -lp_y
         mk = mask.to(device)
         out["nll"].append(nll[mk].cpu().numpy())
         out["nll_model"].append(nll_model[mk].cpu().numpy())

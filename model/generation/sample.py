@@ -16,13 +16,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from teragram.index.engine import Index, Provenance
 from teragram.index.features import Features
 from teragram.model.generation.draft import Draft, Drafter, DraftStats
 from teragram.model.gpt import GPT, to_torch
 from teragram.model.mixture.cont_cache import LiveCache, key_states
-from teragram.model.mixture.gate import index_lengths, next_distribution
+from teragram.model.mixture.gate import index_lengths, next_mixture
 
 PROVENANCE_MIN = 8  # a token's provenance is reported when its context matches this many tokens
 
@@ -33,6 +34,7 @@ class Token:
     features: Features  # the index features of the new position (one row)
     provenance: Provenance | None  # the document of its longest match (>= PROVENANCE_MIN), when asked for
     drafted: bool  # an accepted draft token (else the model's own pick)
+    gate_weights: np.ndarray | None = None  # with a gate: its weights when this token was drawn (the model, then gate.components)
 
 
 @dataclass
@@ -158,7 +160,7 @@ def stream(
             f = _batch(feats[len(feats) - len(pending) :] + drows, device) if use_index else None
             mix["ests"] = [est, *dests] if lengths else None
             h, kv, cache_states = _forward(model, x, f, kv, cached, cache, start + cached, ids + dt, len(dt) + 1)
-            p = _distributions(model, idx, h[0, -(len(dt) + 1) :], [feats[-1], *drows], ids + dt, cache_states=cache_states, **mix)
+            p, weights = _distributions(model, idx, h[0, -(len(dt) + 1) :], [feats[-1], *drows], ids + dt, cache_states=cache_states, **mix)
             n_ok, nxt = _verify(p, dt, temperature, top_k, top_p, gen)
             if cache is not None:  # keep the accepted positions; the last one's next token is nxt
                 cache.truncate(len(ids) - 1 + n_ok)
@@ -175,7 +177,7 @@ def stream(
                 occ = sc.occurrence() if want_occ else None
                 prov = idx.provenance(occ) if provenance and occ is not None and occ.length >= PROVENANCE_MIN else None
                 made += 1
-                yield Token(tok, feats[-1], prov, j < n_ok)
+                yield Token(tok, feats[-1], prov, j < n_ok, weights[j] if weights else None)
                 if tok == idx.eos_id:
                     state["stopped"] = "eos"
                     return
@@ -214,8 +216,8 @@ def _distributions(
     cache,
     cache_states,
     ests,
-) -> torch.Tensor:
-    """Next-token distributions (n, V) from the last n hidden states h (n, C), rows their
+) -> tuple[torch.Tensor, list[np.ndarray]]:
+    """Next-token distributions (n, V), and the gate's weights for each (none without a gate), from the last n hidden states h (n, C), rows their
     positions' features, toks the text up to the first of them (greedy: what is argmaxed);
     the continuous cache (a LiveCache, if the gate reads it) holds the positions before the last
     of them, cache_states their key states; ests the gate's index estimates of each row (the
@@ -223,20 +225,22 @@ def _distributions(
     device = h.device
     use_index = model.cfg.use_index
     if temperature <= 0 and gate is None and not (use_index and model.cfg.mixture):
-        return model.lm_head(h)  # greedy from the model alone: its logits have the same argmax
+        return model.lm_head(h), []  # greedy from the model alone: its logits have the same argmax
     f = to_torch(Features.combine(rows).map(lambda a: a[:, None]), device) if use_index else None
     p = model.next_distribution(h, f)
     if gate is None:
-        return p
+        return p, []
     soft = torch.softmax(model.lm_head(h).float(), -1).cpu().double().numpy()
-    out = []
+    out, weights = [], []
     for j in range(len(h)):
         n = len(toks) - len(h) + 1 + j  # the tokens before this row's prediction
         doc = _doc(toks, n, idx.eos_id)
         ccd = cache.distributions(cache_states[j], upto=n - 1) if cache is not None else None
         e = ests[j] if ests is not None else None
-        out.append(torch.from_numpy(next_distribution(idx, doc, p[j].cpu().double().numpy(), gate, soft[j], ccd, e)).float())
-    return torch.stack(out)
+        mixed, w = next_mixture(idx, doc, p[j].cpu().double().numpy(), gate, soft[j], ccd, e)
+        out.append(torch.from_numpy(mixed).float())
+        weights.append(w)
+    return torch.stack(out), weights
 
 
 def _forward(model: GPT, x, f, kv, cached: int, cache: LiveCache | None, p0: int, known: list[int], n_rows: int):

@@ -180,6 +180,12 @@ class Gate:
     def __call__(self, X: np.ndarray) -> np.ndarray:
         return mixture_weights(X, self.W)
 
+    def shares(self, w: np.ndarray) -> dict[str, float]:
+        """One row of weights (the model, then self.components) summed by kind: the model, the
+        index's estimates, and the caches' (the document cache's and the continuous cache's)."""
+        index = sum(float(x) for x, c in zip(w[1:], self.components) if c in INDEX)
+        return {"model": float(w[0]), "index": index, "cache": float(sum(w[1:])) - index}
+
     def check(self, *, model: str | None, index_dir, name: str = "the gate") -> None:
         """Refuse a gate fit for another model or another index (digests; a gate saved without
         them is taken as it is): its weights mean nothing for another model's probabilities,
@@ -298,7 +304,21 @@ def next_distribution(
     cont_cache: np.ndarray | None = None,
     index_estimates: tuple[int, dict] | None = None,
 ) -> np.ndarray:
-    """The gated next-token distribution (V,) after `context` (a document's tokens so far, EOS
+    """The gated next-token distribution (V,) after `context`: next_mixture's distribution."""
+    return next_mixture(idx, context, p_model, gate, p_softmax, cont_cache, index_estimates)[0]
+
+
+def next_mixture(
+    idx,
+    context,
+    p_model: np.ndarray,
+    gate: Gate,
+    p_softmax: np.ndarray | None = None,
+    cont_cache: np.ndarray | None = None,
+    index_estimates: tuple[int, dict] | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The gated next-token distribution (V,) and the gate's weights (M + 1,: the model, then
+    gate.components; Gate.shares sums them by kind) after `context` (a document's tokens so far, EOS
     not included), for generation: the same mixture estimates + gate give in bulk.
     p_model is the model's final distribution; p_softmax its own softmax when the model has
     a mixture head (the gate's confidence and agreement features read the softmax, as in
@@ -335,4 +355,4 @@ def next_distribution(
     mix = w[0] * p_model + sum(wi * (dists[c] if counts[c] > 0 else p_model) for wi, c in zip(w[1 : 1 + len(comps)], comps, strict=True))
     for c, wi in enumerate(w[1 + len(comps) :]):
         mix = mix + wi * (cont_cache[c] if cont_cache is not None else p_model)
-    return mix
+    return mix, w

@@ -42,6 +42,31 @@ def test_mixture_is_a_distribution_and_matches_the_loss(arch):
             assert float(-torch.log(p[y[b, t]])) == pytest.approx(float(loss[b, t].detach()), abs=1e-4)
 
 
+@pytest.mark.parametrize("use_index", [False, True])
+def test_head_stats_equal_the_whole_log_softmax(use_index, monkeypatch):
+    """Evaluation's blockwise head (numpy reductions on a CPU, a block smaller than the rows here)
+    against the (B, T, V) log-softmax: the loss, the targets' and the top token's log-probability."""
+    import teragram.model.gpt as gpt
+
+    monkeypatch.setattr(gpt, "HEAD_EVAL_ROWS", 7)
+    g = torch.Generator().manual_seed(1)
+    m = GPT(GPTConfig.preset("tiny", vocab_size=300, block_size=16, use_index=use_index))
+    with torch.no_grad():
+        m.lm_head.weight.mul_(4)  # sharper distributions than at initialization: a wrong max or normalizer shows
+    x, y = torch.randint(0, 300, (3, 16), generator=g), torch.randint(0, 300, (3, 16), generator=g)
+    f = rand_feats(3, 16, 300, 4, g) if use_index else None
+    with torch.inference_mode():
+        h, _ = m.hidden(x, f)
+        nll, logp = m.head_losses(h, y, f)
+        got_nll, lp_y, lp_max, top = m.head_stats(h, y, f)
+    torch.testing.assert_close(got_nll, nll, rtol=0, atol=1e-4)
+    torch.testing.assert_close(lp_y, logp.gather(-1, y[..., None])[..., 0], rtol=0, atol=1e-4)
+    want_max, want_top = logp.max(-1)
+    torch.testing.assert_close(lp_max, want_max, rtol=0, atol=1e-4)
+    assert torch.equal(top, want_top)
+    assert float(logp.exp().max(-1).values.min()) < 0.9  # not every row is certain: the test can tell the tokens apart
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "modern"])
 def test_kv_cache_matches_full_forward(arch):
     g = torch.Generator().manual_seed(1)

@@ -224,7 +224,9 @@ def test_searches_are_answered_while_the_model_is_busy(real_index, checkpoint):
     timed out before lanes), and every waiting request completes once the model is free."""
     from concurrent.futures import ThreadPoolExecutor
 
-    app = create_app(ServeConfig(index=str(real_index), checkpoint=str(checkpoint), max_tokens=64))
+    app = create_app(
+        ServeConfig(index=str(real_index), checkpoint=str(checkpoint), max_tokens=64, max_streams_per_client=12)
+    )  # its 12 streams come from one client
     idx, lock = app.state.served.idx, app.state.served.model_lock
     gen = {"prompt": "The", "max_tokens": 4, "seed": 1}
     with TestClient(app) as c, ThreadPoolExecutor(64) as ex:  # one event loop, as under uvicorn
