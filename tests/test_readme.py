@@ -10,8 +10,8 @@ without a test fails CI:
   directory, at tiny scale: the README's placeholders mapped onto the embedded corpus
   (`my_corpus/` -> data/default/train; `heldout/valid`, `heldout/test` -> a few documents of
   data/default/heldout/valid and .../test, copied under those relative names), `--vocab-size 4000`,
-  train capped with `--max_steps` (appended overrides), each `serve` in the background on a free
-  port. The commands naming `my-model/` ("Your own model") run in a directory of their own, where
+  train capped with `--max_steps` and gate fits with `--fit-rows` (appended overrides), each
+  `serve` in the background on a free port. The commands naming `my-model/` ("Your own model") run in a directory of their own, where
   `my-model/` is a tiny random GPT-2 made with `transformers` with a byte-level BPE trained with
   `tokenizers` on the embedded corpus (tests/conftest.py tiny_hf_model).
 - `python -m benchmarks.X ...` / `python -m experiments.X ...`: the module exists and its --help
@@ -42,6 +42,7 @@ README = REPO / "README.md"
 DEFAULT = REPO / "data" / "default"
 HELD_DOCS = 6  # documents of each held-out half the quick start reads (the whole halves take minutes)
 TRAIN_OVERRIDES = ["--max_steps=10", "--progress=false", "--batch_size=8"]
+FIT_OVERRIDES = ["--fit-rows", "3000"]  # each of --fit-gate's three fits on 3,000 tokens, not eval's 200,000
 TIMEOUT = 300  # seconds per command
 OWN_MODEL = "my-model"  # the README's "Your own model": commands naming it run in OWN_DIR, beside it
 OWN_DIR = "own"
@@ -149,6 +150,8 @@ def _substitute(argv: list[str], port: int) -> list[str]:
         out.append(a)
     if argv[:2] == ["teragram", "train"]:
         out += TRAIN_OVERRIDES
+    if argv[:2] == ["teragram", "eval"] and "--fit-gate" in argv:
+        out += FIT_OVERRIDES
     return _entry(out[0]) + out[1:]
 
 
