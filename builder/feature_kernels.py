@@ -484,7 +484,7 @@ def heavy_groups(T, sa, doc, starts, length, mode, sep, eos, k, vocab1, ht, ha, 
     counts = np.zeros(vocab1, np.int64)
     top_ids = np.empty(k if k > 0 else 1, np.int64)
     top_cnt = np.empty(k if k > 0 else 1, np.int64)
-    g = 0
+    g = np.int64(0)  # an int64, not a literal 0: the kernels it is passed to compile once (a literal compiles its own)
     while g < nq:
         e = g
         while e < nq and key[order[e]] == key[order[g]]:

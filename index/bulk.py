@@ -86,7 +86,7 @@ def _histograms(
     bestc = np.empty(k, np.int64)
     for ui in range(us.shape[0]):
         u = us[ui]
-        nt = 0
+        nt = np.int64(0)  # an int64, not a literal 0: the kernels it is passed to compile once (a literal compiles its own)
         cont = -1
         last = -1
         for e in range(run[u, 0], run[u, 1]):  # none where not merged (-1, -1)

@@ -42,7 +42,7 @@ def _context_histograms(
     token after its most recent occurrence there (cont[u]). A document's end (SEP) counts as
     EOS; scratch is zero on entry and exit."""
     for u in range(lo.shape[0]):
-        nt = 0
+        nt = np.int64(0)  # an int64, not a literal 0: the kernels it is passed to compile once (a literal compiles its own)
         for s in range(len(toks)):
             a = lo[u, s]
             b = hi[u, s]

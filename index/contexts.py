@@ -77,9 +77,9 @@ def _first_blocks(tok, words, w, n, sep, min_count):
     (intervals with one token in common), rows (lo, hi, depth 1), the first block on top."""
     rows = np.empty((1024, 3), np.int64)
     k = 0
-    r = 0
+    r = np.int64(0)  # an int64, not a literal 0: the kernels it is passed to compile once (a literal compiles its own)
     while r < n:
-        b = K.block_end(tok, words, w, r, n, 0)
+        b = K.block_end(tok, words, w, r, n, np.int64(0))
         if b - r >= min_count and tok[get(words, w, r)] != sep:
             rows = _grow(rows, k + 1)
             rows[k, 0], rows[k, 1], rows[k, 2] = r, b, 1
@@ -246,7 +246,7 @@ def count_shard(tk, wd, w, node, hist, min_count, sep, eos, a, b, d, scratch, to
             r = np.int64(hist[e, 1])
     if b - r <= LINEAR:
         for q in range(r, b):
-            nt = add(np.int64(tk[get(wd, w, q) + d]), 1, sep, eos, scratch, touched, nt)
+            nt = add(np.int64(tk[get(wd, w, q) + d]), np.int64(1), sep, eos, scratch, touched, nt)
         return nt
     while r < b:
         e = K.block_end(tk, wd, w, r, b, d)

@@ -283,7 +283,7 @@ def narrow(table, first_rank, pos, prefix, step_log2, pat, lo, hi, out_lo, out_h
     S = table.shape[0]
     d = pat.shape[0] - 1
     st = np.empty((2 * S, N_STATE), np.int64)
-    J = 0
+    J = np.int64(0)  # an int64, not a literal 0: the kernels it is passed to compile once (a literal compiles its own)
     for s in range(S):
         out_lo[s] = 0
         out_hi[s] = 0
@@ -321,7 +321,7 @@ def longest_suffix(table, first_rank, pos, prefix, step_log2, q, cont, out):
     gallop = True
     while lo_l < hi_l:
         n_tok = min(max(2 * lo_l, 1), hi_l) if gallop else (lo_l + hi_l + 1) >> 1
-        J = 0
+        J = np.int64(0)
         for s in range(S):
             if fails_at[s] > n_tok:
                 set_search(st, J, s, m - n_tok, m, 0, table[s, N], 0, 0)
@@ -340,7 +340,7 @@ def longest_suffix(table, first_rank, pos, prefix, step_log2, q, cont, out):
             hi_l = n_tok - 1
             gallop = False
     sl = lo_l
-    J = 0
+    J = np.int64(0)
     for s in range(S):
         if sl == 0:
             out[0, s] = 0

@@ -85,7 +85,7 @@ def _search(table, first_rank, pos, prefix, step_log2, ctx, known, ids, st, lo, 
     w, bits = np.int64(-1), np.uint64(0)
     if grams.shape[1] > 0 and end - start >= 3:
         w, bits = word_of(grams, ids, end)
-    J = 0
+    J = np.int64(0)  # an int64, not a literal 0: the kernels it is passed to compile once (a literal compiles its own)
     found = False
     for s in range(S):
         a, b, k = lo[s], hi[s], d
@@ -117,7 +117,7 @@ def _search(table, first_rank, pos, prefix, step_log2, ctx, known, ids, st, lo, 
     search_bounds(table, first_rank, pos, prefix, step_log2, ids, st, J)
     if probe:
         m = end - start
-        K = 0
+        K = np.int64(0)
         for j in range(J):
             if st[j, L] < st[j, HI] and st[j, RLCP] == m:  # an occurrence: the upper bound is past it
                 s = st[j, SHARD]
@@ -182,7 +182,9 @@ def _probe(table, first_rank, pos, prefix, step_log2, ctx, known, ids, st, lo, h
                 hi[:] = rows[r, 4 + S : 4 + 2 * S]
                 return rows[r, 3] != 0
         b = (b + 1) & mask
-    ok = _search(table, first_rank, pos, prefix, step_log2, ctx, known, ids, st, lo, hi, start, end, 0, True, True)
+    ok = _search(
+        table, first_rank, pos, prefix, step_log2, ctx, known, ids, st, lo, hi, start, end, np.int64(0), np.bool_(True), np.bool_(True)
+    )
     if rows[0, 0] < rows.shape[0] - 1:  # the empty bucket the search ended at takes it
         r = rows[0, 0] + 1
         rows[0, 0] = r
@@ -203,7 +205,9 @@ def extend(table, first_rank, pos, prefix, step_log2, ctx, known, ids, i, t, st,
     same string probed again."""
     S = table.shape[0]
     if 0 <= ids[t] < first_rank.shape[1] - 1:
-        if _search(table, first_rank, pos, prefix, step_log2, ctx, known, ids, st, lo, hi, i, t + 1, t - i, False):
+        if _search(
+            table, first_rank, pos, prefix, step_log2, ctx, known, ids, st, lo, hi, i, t + 1, t - i, np.bool_(False), np.bool_(False)
+        ):
             return i
         most = longest_bound(known, ids, i, t)
         for j in range(max(i + 1, t + 1 - most), t + 1):  # no shard holds ids[i:t+1]: the longest shorter one, from scratch
@@ -251,7 +255,7 @@ def narrow_starts(table, first_rank, pos, prefix, step_log2, ctx, known, ids, js
         for s in range(S):
             lo[s] = in_lo[j + cp - 1, s] if cp > 0 else 0
             hi[s] = in_hi[j + cp - 1, s] if cp > 0 else table[s, N]
-        _search(table, first_rank, pos, prefix, step_log2, ctx, known, ids, st, lo, hi, j, j + c, cp, False)
+        _search(table, first_rank, pos, prefix, step_log2, ctx, known, ids, st, lo, hi, j, j + c, cp, np.bool_(False), np.bool_(False))
         for s in range(S):
             out_lo[j + c - 1, s] = lo[s]
             out_hi[j + c - 1, s] = hi[s]

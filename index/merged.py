@@ -134,7 +134,7 @@ def _histograms(toks, words, widths, nodes, hists, mins, sep, eos, lo, hi, d, sc
     shard) into out, rows (token, count) in token order; ends[u]: where context u's rows end."""
     e = 0
     for u in range(lo.shape[0]):
-        nt = 0
+        nt = np.int64(0)  # an int64, not a literal 0: the kernels it is passed to compile once (a literal compiles its own)
         for s in range(len(toks)):
             if hi[u, s] > lo[u, s]:
                 nt = contexts.count_shard(

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import sentencepiece as spm
 
-from .errors import BuildError
+from .errors import BuildError, TokenizerMismatch
 
 FILES = {"sentencepiece": "tokenizer.model", "hf": "tokenizer.json"}  # kind -> its file in an index
 # End-of-document tokens by name, for a Hugging Face tokenizer given without a tokenizer_config.json
@@ -186,6 +186,18 @@ def digest(path: Path | str) -> str:
         raise BuildError(f"cannot read tokenizer model {p}: {e.strerror}") from None
 
 
+def check_same(directory: Path | str, index_dir: Path | str, *, recorded: str | None = None) -> None:
+    """Refuse (TokenizerMismatch, one line) ids made with another tokenizer than the index's: a
+    directory teragram wrote (held-out features, saved outputs) read against an index. The rule is
+    the digest of the tokenizer's file (`digest`), that the directory holds a copy of or records
+    (`recorded`, its manifest's): a tokenizer.json converted from a sentencepiece model is another
+    tokenizer, even where it gives the same ids. (A transformers model's tokenizer is another
+    thing and is checked by its ids: model/hf/adapter.py check_tokenizer.)"""
+    mine, theirs = recorded or digest(directory), digest(index_dir)
+    if mine != theirs:
+        raise TokenizerMismatch(f"{directory} was made with another tokenizer than {index_dir} ({mine[:12]} vs {theirs[:12]})")
+
+
 def find(directory: Path | str) -> Path:
     """The tokenizer file a directory written by teragram holds (an index, held-out features,
     saved outputs): tokenizer.model or tokenizer.json."""
@@ -196,9 +208,13 @@ def find(directory: Path | str) -> Path:
 
 
 def copy(src_dir: Path | str, dst_dir: Path | str) -> Path:
-    """Copy the tokenizer file of one teragram directory into another (same name); its path there."""
+    """Copy the tokenizer file of one teragram directory into another (same name); its path there.
+    A tokenizer file of the other kind already there is removed: a directory holds one."""
     src = find(src_dir)
     dst = Path(dst_dir) / src.name
+    for name in FILES.values():
+        if name != src.name:
+            (Path(dst_dir) / name).unlink(missing_ok=True)
     shutil.copyfile(src, dst)
     return dst
 

@@ -91,6 +91,24 @@ def train_bpe(texts, vocab: int, path: Path, *, lowercase: bool = False, special
     return path
 
 
+def tiny_hf_model(out: Path, texts, vocab: int = 1200, eos: str = "<|endoftext|>") -> Path:
+    """A model directory as a user brings one (config.json, model.safetensors, tokenizer.json,
+    tokenizer_config.json): a tiny GPT-2 of random weights made with `transformers`, and a
+    byte-level BPE trained with `tokenizers` on the texts, its EOS `eos`."""
+    import torch
+    import transformers
+
+    train_bpe(texts, vocab, out / "tokenizer.json", special=(eos,))
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(out / "tokenizer.json"), eos_token=eos)
+    cfg = transformers.GPT2Config(
+        vocab_size=len(tok), n_positions=64, n_embd=32, n_layer=2, n_head=2, bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id
+    )
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
 @pytest.fixture(scope="session")
 def hf_tokenizer(tmp_path_factory) -> Path:
     """A 2000-id byte-level BPE trained with `tokenizers` on real text (its tokenizer.json)."""

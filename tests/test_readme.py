@@ -10,7 +10,10 @@ without a test fails CI:
   directory, at tiny scale: the README's placeholders mapped onto the embedded corpus
   (`my_corpus/` -> data/default/train; `heldout/valid`, `heldout/test` -> a few documents of
   data/default/heldout/valid and .../test, copied under those relative names), `--vocab-size 4000`,
-  train capped with `--max_steps` (appended overrides), `serve` in the background on a free port.
+  train capped with `--max_steps` and gate fits with `--fit-rows` (appended overrides), each
+  `serve` in the background on a free port. The commands naming `my-model/` ("Your own model") run in a directory of their own, where
+  `my-model/` is a tiny random GPT-2 made with `transformers` with a byte-level BPE trained with
+  `tokenizers` on the embedded corpus (tests/conftest.py tiny_hf_model).
 - `python -m benchmarks.X ...` / `python -m experiments.X ...`: the module exists and its --help
   (and its subcommand's, when the README names one) exits 0; their --smoke modes run in
   tests/benchmarks/test_smoke.py.
@@ -39,7 +42,10 @@ README = REPO / "README.md"
 DEFAULT = REPO / "data" / "default"
 HELD_DOCS = 6  # documents of each held-out half the quick start reads (the whole halves take minutes)
 TRAIN_OVERRIDES = ["--max_steps=10", "--progress=false", "--batch_size=8"]
+FIT_OVERRIDES = ["--fit-rows", "3000"]  # each of --fit-gate's three fits on 3,000 tokens, not eval's 200,000
 TIMEOUT = 300  # seconds per command
+OWN_MODEL = "my-model"  # the README's "Your own model": commands naming it run in OWN_DIR, beside it
+OWN_DIR = "own"
 
 
 def fenced_blocks(lang: str) -> list[str]:
@@ -144,6 +150,8 @@ def _substitute(argv: list[str], port: int) -> list[str]:
         out.append(a)
     if argv[:2] == ["teragram", "train"]:
         out += TRAIN_OVERRIDES
+    if argv[:2] == ["teragram", "eval"] and "--fit-gate" in argv:
+        out += FIT_OVERRIDES
     return _entry(out[0]) + out[1:]
 
 
@@ -157,26 +165,44 @@ def _held_out(root: Path) -> None:
             (dst / p.name.removesuffix(".gz")).write_bytes(gzip.decompress(p.read_bytes()))
 
 
+def _own_model(root: Path) -> Path:
+    """The "Your own model" commands' directory: held-out text and `my-model/` (module doc)."""
+    from tests.conftest import tiny_hf_model
+
+    own = root / OWN_DIR
+    _held_out(own)
+    texts = (gzip.open(p, "rt", encoding="utf-8").read() for p in sorted((DEFAULT / "train").rglob("*.gz")))
+    tiny_hf_model(own / OWN_MODEL, texts)
+    return own
+
+
+def _names_own_model(argv: list[str]) -> bool:
+    return any(a.rstrip("/") == OWN_MODEL for a in argv)
+
+
 @pytest.fixture(scope="module")
 def quick_start(tmp_path_factory):
-    """The README's quick start, run in order in a temp directory (serve excepted: test_serve);
-    yields (the directory, [(argv, stdout + stderr)], the serve command)."""
+    """The README's quick start and its "Your own model", run in order in a temp directory (serve
+    excepted: test_serve); yields (the directory, [(argv, stdout + stderr)], [(serve command, the
+    directory it runs in)])."""
     root = tmp_path_factory.mktemp("quickstart")
     _held_out(root)
-    ran, serve = [], None
+    own = _own_model(root)
+    ran, serves = [], []
     for argv in commands("quickstart"):
+        cwd = own if _names_own_model(argv) else root
         if argv[:2] == ["teragram", "serve"]:
-            serve = argv
+            serves.append((argv, cwd))
             continue
         real = _substitute(argv, 0)
         t = time.perf_counter()
-        r = subprocess.run(real, cwd=root, capture_output=True, text=True, timeout=TIMEOUT)
+        r = subprocess.run(real, cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT)
         assert r.returncode == 0, (
             f"README command failed: {shlex.join(argv)}\nran: {shlex.join(real)}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
         )
         ran.append((argv, r.stdout + r.stderr))
         print(f"{time.perf_counter() - t:6.1f} s  {shlex.join(argv)}")  # seen with pytest -s
-    return root, ran, serve
+    return root, ran, serves
 
 
 def test_quick_start(quick_start):
@@ -184,11 +210,12 @@ def test_quick_start(quick_start):
     verbs = [tuple(a[:2]) for a, _ in ran]
     for verb in (("build-index",), ("teragram", "query"), ("teragram", "train"), ("teragram", "eval"), ("teragram", "sample")):
         assert any(v[: len(verb)] == verb for v in verbs), f"the README's quick start has no {' '.join(verb)}"
+    assert any(_names_own_model(a) and "--hf-model" in a for a, _ in ran), "the README shows no --hf-model command"
     for argv, out in ran:
         if argv[:2] == ["teragram", "eval"]:
             assert "perplexity" in out, f"{shlex.join(argv)} printed no perplexity:\n{out[-2000:]}"
         if "--fit-gate" in argv:
-            assert (root / argv[argv.index("--fit-gate") + 1]).is_file()
+            assert ((root / OWN_DIR) if _names_own_model(argv) else root).joinpath(argv[argv.index("--fit-gate") + 1]).is_file()
         if argv[:2] == ["teragram", "query"] and "--json" in argv:
             json.loads(out.strip().splitlines()[-1])
 
@@ -202,12 +229,20 @@ def _request(url: str, body: dict | None = None) -> dict:
 
 
 def test_serve(quick_start):
-    root, _, serve = quick_start
-    assert serve is not None, "the README's quick start has no teragram serve"
+    """Each README `serve` (the quick start's, and the one of "Your own model" through --hf-model)
+    answers queries, and scores text with its model and gate."""
+    _, _, serves = quick_start
+    assert serves, "the README's quick start has no teragram serve"
+    for serve, cwd in serves:
+        _serve_answers(serve, cwd)
+
+
+def _serve_answers(serve: list[str], cwd: Path) -> None:
     port = _free_port()
     real = _substitute(serve, port)
-    proc = subprocess.Popen(real, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(real, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
+    has_model = "--checkpoint" in serve or "--hf-model" in serve
     try:
         deadline = time.time() + 120
         while True:
@@ -218,10 +253,10 @@ def test_serve(quick_start):
             except OSError:
                 assert time.time() < deadline, f"{shlex.join(serve)}: no /health answer in 120 s"
                 time.sleep(0.5)
-        assert health["status"] == "ok" and health["model"] is ("--checkpoint" in serve)
+        assert health["status"] == "ok" and health["model"] is has_model
         count = _request(f"{base}/", {"query_type": "count", "query": "static int"})
         assert count["count"] > 0
-        if "--checkpoint" in serve:
+        if has_model:
             score = _request(f"{base}/v1/score", {"text": "static int main(void)"})
             n = len(score["token_ids"])
             assert n and len(score["logprobs_with_index"]) == n

@@ -12,7 +12,8 @@ Directory layout (written with index/format.py's headers, checked on open):
 
     OUT/manifest.json          kind "model-outputs", checkpoint, tokenizer digest, counts,
                                per-document source, record and UTF-8 bytes
-    OUT/tokenizer.model        the tokenizer the ids were made with
+    OUT/tokenizer.model        the tokenizer the ids were made with (the index's file, copied:
+      or tokenizer.json        tokenizer.model or tokenizer.json, index/tokenizer.py)
     OUT/000000/tokens.bin      the documents' ids: doc0 SEP doc1 SEP ... (as held-out features)
     OUT/000000/docs.bin        document start offsets, then the total length
     OUT/000000/out.*.bin       per target, in the order of model.evaluate.token_eval:
@@ -66,7 +67,7 @@ def save_outputs(
     d.mkdir(parents=True, exist_ok=True)
     for name in ("tokens.bin", "docs.bin"):
         shutil.copyfile(heldout / "000000" / name, d / name)
-    shutil.copyfile(heldout / "tokenizer.model", out / "tokenizer.model")
+    tokenizer.copy(heldout, out)
     for name, dtype in FIELDS.items():
         fmt.write_array(d / f"out.{name}.bin", f"out.{name}", np.asarray(r[name]).astype(dtype))
     spec, q = r.get("cont_cache", (None, None))
@@ -83,7 +84,7 @@ def save_outputs(
             "checkpoint": str(checkpoint),
             "step": int(step),
             **({"model": model} if model else {}),  # checkpoint.weights_digest: a gate fit on these outputs belongs to it
-            "tokenizer": tokenizer.digest(out / "tokenizer.model"),
+            "tokenizer": tokenizer.digest(out),
             "tokens": int(len(r["nll"])),
             "docs": [m | {"bytes": int(b)} for m, b in zip(metas, docs_bytes, strict=True)],
         }
@@ -140,8 +141,8 @@ class OutputsWriter:
         self.starts.append([self.n])
         for w in [self.tokens, self.starts, *self.fields.values(), *self.cc]:
             w.close()
-        shutil.copyfile(Path(self.idx.path) / "tokenizer.model", self.out / "tokenizer.model")
-        m = self.head | {"tokenizer": tokenizer.digest(self.out / "tokenizer.model"), "tokens": self.n, "docs": self.docs}
+        tokenizer.copy(self.idx.path, self.out)
+        m = self.head | {"tokenizer": tokenizer.digest(self.out), "tokens": self.n, "docs": self.docs}
         fmt.write_json(self.out / "manifest.json", m | ({"cont_cache": self.spec.to_json()} if self.spec is not None else {}))
         return self.out
 
@@ -294,18 +295,19 @@ def truncate_outputs(outputs: ModelOutputs, dst: str | Path, max_targets: int) -
         spec, q = outputs.cont_cache
         for c, name in enumerate(spec.names):
             fmt.write_array(d / f"out.{name}.bin", f"out.cc{c}", q[:n, c].astype(np.float32))
-    shutil.copyfile(outputs.path / "tokenizer.model", dst / "tokenizer.model")
+    tokenizer.copy(outputs.path, dst)
     fmt.write_json(dst / "manifest.json", outputs.manifest | {"tokens": n, "docs": outputs.manifest["docs"][:k]})
     return load_outputs(dst)
 
 
 def check_tokenizer(outputs: ModelOutputs, index_dir: str | Path) -> None:
-    """Outputs are mixed only with an index of the same tokenizer."""
-    theirs_file = Path(index_dir) / "tokenizer.model"
+    """Outputs are mixed only with an index of the same tokenizer (its file's digest:
+    index/tokenizer.py check_same)."""
     if "tokenizer" in outputs.manifest:
-        mine, theirs = outputs.manifest["tokenizer"], tokenizer.digest(theirs_file)
-    else:  # outputs saved before the one digest: they recorded the file's sha256
-        mine, theirs = outputs.manifest["tokenizer_sha256"], hashlib.sha256(theirs_file.read_bytes()).hexdigest()
+        tokenizer.check_same(outputs.path, index_dir, recorded=outputs.manifest["tokenizer"])
+        return
+    # outputs saved before the one digest recorded the file's sha256
+    mine, theirs = outputs.manifest["tokenizer_sha256"], hashlib.sha256(tokenizer.find(index_dir).read_bytes()).hexdigest()
     if mine != theirs:
         raise TokenizerMismatch(f"{outputs.path} was made with another tokenizer than {index_dir} ({mine[:12]} vs {theirs[:12]})")
 

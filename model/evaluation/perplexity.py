@@ -141,7 +141,7 @@ def evaluate(model: GPT, heldout: str | Path, eos: int, sep: int, device: str = 
 
     r = token_eval(model, heldout, eos, sep, device, batch=batch)
     ev = EvalData(heldout, model.cfg.block_size, eos, sep)
-    sp = load(Path(heldout) / "tokenizer.model")
+    sp = load(heldout)  # the held-out directory's tokenizer file (tokenizer.model or tokenizer.json)
     return summarize(r["nll"], int(doc_bytes(ev, sp.decode).sum()))
 
 
@@ -195,9 +195,11 @@ def heldout_report(
     opened Index or ClusterIndex (index/cluster.py: the estimates computed by its holders).
     Streamed a chunk of documents at a time (mix_stream)."""
     from teragram.index.engine import as_index
+    from teragram.index.tokenizer import check_same
     from teragram.model.evaluation.stream import heldout_chunks, prefetch
 
     idx = as_index(index)
+    check_same(heldout, idx.path)
     opts = EvalOptions() if opts is None else opts
     stages = Stages() if stages is None else stages
     hidden = "final" if opts.baseline == "knn" else needs_states(opts) and cc.KEY

@@ -316,12 +316,10 @@ def run_task(
     """One task: accuracy of the model (and of the gated mixture), and contamination. The
     model's outputs are computed (model), or read from outputs_dir (saved by an earlier call
     with save_dir, e.g. on a GPU machine); index_side=False stops at the model's accuracy."""
-    from teragram.index.tokenizer import digest as tokenizer_digest
-
     examples = load_task(name, limit)
     tok = idx.tokenize
     docs = candidates(examples, tok)
-    digest = tokenizer_digest(idx.path / "tokenizer.model")
+    digest = idx.manifest["tokenizer"]["digest"]  # the tokenizer's identity: its file's digest (index/tokenizer.py)
     if outputs_dir is not None:
         outs = load_outputs(Path(outputs_dir) / f"{name}.npz", task=name, limit=limit, tokenizer=digest)
         if len(outs) != len(docs):

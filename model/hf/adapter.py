@@ -1,6 +1,6 @@
 """A transformers causal LM (`AutoModelForCausalLM`) behind the interface that evaluation,
 generation and the server use of the native GPT (model/gpt.py): `hidden` (the last hidden states
-and a key/value cache, for incremental decoding), `head_losses`, `next_distribution`, `lm_head`,
+and a key/value cache, for incremental decoding), `head_losses`, `head_stats`, `next_distribution`, `lm_head`,
 `cfg` (vocabulary, context) and the continuous cache's key states (`hook_key_states`).
 
     teragram eval | sample | serve --hf-model DIR [--dtype bfloat16] ...
@@ -24,6 +24,7 @@ from teragram.index.errors import TeragramError, TokenizerMismatch
 from teragram.model.gpt import GPTConfig
 from teragram.model.hf import DTYPES
 
+EVAL_BLOCK_BYTES = 2**26  # head_stats makes its logits a block of rows at a time: 64 MB of float32 each
 FEED_FORWARD_NAMES = ("mlp", "feed_forward", "ffn")  # a decoder layer's feed-forward, by the names transformers models give it
 # What a transformers tokenizer must encode as the index's does: prose, code, digits, runs of
 # spaces and newlines, tabs, punctuation, non-Latin scripts and text that looks like special tokens
@@ -59,7 +60,9 @@ def check_tokenizer(tok, idx, name: str, *, model_vocab: int | None = None) -> N
     """Refuse (TokenizerMismatch, one line) a transformers tokenizer that is not the index's: one
     giving other ids on PROBE than the index's tokenizer, another end-of-text id where both have
     one, or a model whose output has fewer rows than the index has ids."""
-    ids = tok.encode(PROBE, add_special_tokens=False)
+    # the index encodes a special token's text in a document as text (index/tokenizer.py), where a
+    # transformers tokenizer by default gives the special id: compared as the index encodes
+    ids = tok(PROBE, add_special_tokens=False, split_special_tokens=True)["input_ids"]
     want = idx.tokenize(PROBE)
     if ids != want:
         at = next((i for i, (a, b) in enumerate(zip(ids, want)) if a != b), min(len(ids), len(want)))
@@ -165,6 +168,24 @@ class HFModel(torch.nn.Module):
         """The per-token loss (B, T) and the model's log-softmax (B, T, V), float32."""
         logp = F.log_softmax(self._logits(h).float(), dim=-1)
         return -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), logp
+
+    def head_stats(self, h: torch.Tensor, targets: torch.Tensor, f=None):
+        """What evaluation reads of the head (GPT.head_stats): the per-token loss (B, T), the
+        log-probability of the targets, of the most likely token and that token (each (B, T)),
+        float32, a block of rows at a time (the (B, T, V) log-softmax is never made)."""
+        B, T, C = h.shape
+        hf, yf = h.reshape(-1, C), targets.reshape(-1)
+        rows = max(1, EVAL_BLOCK_BYTES // (4 * self.cfg.vocab_size))
+        lp_y, lp_max, top = [], [], []
+        with torch.no_grad():
+            for a in range(0, len(hf), rows):
+                logp = F.log_softmax(self._logits(hf[a : a + rows]).float(), dim=-1)  # (rows, V)
+                m, t = logp.max(-1)
+                lp_y.append(logp.gather(-1, yf[a : a + rows, None])[:, 0])
+                lp_max.append(m)
+                top.append(t)
+        lp_y = torch.cat(lp_y).view(B, T)
+        return -lp_y, lp_y, torch.cat(lp_max).view(B, T), torch.cat(top).view(B, T)
 
     @torch.no_grad()
     def next_distribution(self, h_last: torch.Tensor, f_last=None) -> torch.Tensor:

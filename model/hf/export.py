@@ -11,8 +11,9 @@ standard architecture exactly and is refused. A model with index inputs has none
 
 The tokenizer is the index's: a sentencepiece model converted by transformers' own converter
 (`SpmConverter.build_tokenizer_from_spm_proto`, which follows the model's normalizer settings),
-a Hugging Face tokenizer.json copied; either way checked to give the index's ids on PROBE and on
-a sample of the index's documents (`verify_tokenizer`), and refused if not.
+a Hugging Face tokenizer.json copied byte for byte; either way the written tokenizer, loaded back
+with AutoTokenizer, is checked to give the index's ids on PROBE and on a sample of the index's
+documents (`verify_tokenizer`), and refused if not.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from teragram.index import tokenizer
 from teragram.index.errors import TeragramError, TokenizerMismatch
 from teragram.model.hf.adapter import PROBE, _transformers
 
@@ -31,13 +33,13 @@ VERIFY_TOKENS = 200_000  # the index's tokens (whole documents from its first sh
 GPT2_LINEAR = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")  # Conv1D in transformers' GPT-2: weight (in, out)
 
 
-def fast_tokenizer(index_dir: Path, eos_id: int):
-    """The index's tokenizer as a transformers fast tokenizer that never matches special tokens
-    in text (the index's tokenizer never emits them: split_special_tokens)."""
+def fast_tokenizer(path: Path, eos_id: int):
+    """The index's tokenizer file (a tokenizer.json, or a sentencepiece tokenizer.model converted)
+    as a transformers fast tokenizer that never matches special tokens in text (the index's
+    tokenizer never emits them: split_special_tokens)."""
     tf = _transformers()
-    names = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
-    if (index_dir / "tokenizer.json").exists():
-        tok = tf.PreTrainedTokenizerFast(tokenizer_file=str(index_dir / "tokenizer.json"), split_special_tokens=True)
+    if path.name == tokenizer.FILES["hf"]:
+        tok = tf.PreTrainedTokenizerFast(tokenizer_file=str(path), split_special_tokens=True)
         eos = tok.convert_ids_to_tokens(eos_id) if 0 <= eos_id < len(tok) else None
         if eos is not None:
             tok.add_special_tokens({"eos_token": eos})
@@ -45,13 +47,13 @@ def fast_tokenizer(index_dir: Path, eos_id: int):
     from transformers.convert_slow_tokenizer import SpmConverter, import_protobuf
 
     proto = import_protobuf().ModelProto()
-    proto.ParseFromString((index_dir / "tokenizer.model").read_bytes())
+    proto.ParseFromString(path.read_bytes())
     vocab = {p.piece: i for i, p in enumerate(proto.pieces)}
     backend = SpmConverter.build_tokenizer_from_spm_proto(proto, vocab, legacy=False)
     if backend is None:
-        raise TeragramError(f"{index_dir}/tokenizer.model: transformers cannot convert this sentencepiece model")
+        raise TeragramError(f"{path}: transformers cannot convert this sentencepiece model")
     pieces = [p.piece for p in proto.pieces]
-    names = {k: v for k, v in names.items() if v in vocab}
+    names = {k: v for k, v in {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}.items() if v in vocab}
     if 0 <= eos_id < len(pieces):
         names["eos_token"] = pieces[eos_id]
     return tf.PreTrainedTokenizerFast(tokenizer_object=backend, split_special_tokens=True, **names)
@@ -137,17 +139,27 @@ def export_hf(checkpoint, out, *, index=None) -> dict:
     idx = Index(index)
     if model.cfg.vocab_size != idx.vocab_size:
         raise TokenizerMismatch(f"checkpoint vocabulary {model.cfg.vocab_size} != index vocabulary {idx.vocab_size}")
-    tok = fast_tokenizer(Path(index), idx.eos_id)
-    checked = verify_tokenizer(tok, idx)
+    src = tokenizer.find(index)
+    tok = fast_tokenizer(src, idx.eos_id)
+    verify_tokenizer(tok, idx, n_tokens=0)  # the probe text first: a tokenizer that cannot be the index's costs no export
     hf = gpt2_model(model, idx.eos_id)
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    hf.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    cfg_file = tmp / "tokenizer_config.json"  # a class transformers 4 knows too (5 writes its backend's name)
-    cfg_file.write_text(json.dumps(json.loads(cfg_file.read_text()) | {"tokenizer_class": "PreTrainedTokenizerFast"}, indent=1))
-    (tmp / "teragram.json").write_text(json.dumps({"checkpoint": str(checkpoint), "step": meta.get("step"), "index": str(index)}, indent=1))
+    try:
+        hf.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        if src.name == tokenizer.FILES["hf"]:
+            shutil.copyfile(src, tmp / src.name)  # the index's tokenizer.json byte for byte: build-index --tokenizer OUT gives its digest
+        cfg_file = tmp / "tokenizer_config.json"  # a class transformers 4 knows too (5 writes its backend's name)
+        cfg_file.write_text(json.dumps(json.loads(cfg_file.read_text()) | {"tokenizer_class": "PreTrainedTokenizerFast"}, indent=1))
+        checked = verify_tokenizer(_transformers().AutoTokenizer.from_pretrained(tmp), idx)  # what a user will load
+        (tmp / "teragram.json").write_text(
+            json.dumps({"checkpoint": str(checkpoint), "step": meta.get("step"), "index": str(index)}, indent=1)
+        )
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # no half-written model is left to be loaded
+        raise
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return {"out": str(out), "architecture": type(hf).__name__, "params": sum(p.numel() for p in hf.parameters()), "texts_checked": checked}

@@ -210,8 +210,14 @@ def docs_estimates(index, docs: list[np.ndarray], workers: int = 1) -> dict[str,
 
 
 def heldout_estimates(index, heldout, workers: int = 1) -> dict[str, np.ndarray]:
-    """docs_estimates of every document of a held-out feature directory (or saved outputs)."""
-    return docs_estimates(index, heldout_docs(heldout), workers)
+    """docs_estimates of every document of a held-out feature directory (or saved outputs),
+    made with the index's tokenizer (else TokenizerMismatch: index/tokenizer.py check_same)."""
+    from teragram.index.engine import as_index
+    from teragram.index.tokenizer import check_same
+
+    idx = as_index(index)
+    check_same(heldout, idx.path)
+    return docs_estimates(idx, heldout_docs(heldout), workers)
 
 
 def infgram_lengths(idx, docs: list[np.ndarray], workers: int = 1) -> np.ndarray:
