@@ -129,26 +129,11 @@ def add_completions(app: FastAPI, s: Served) -> None:
 
         if not req.stream:
             out = list(run())
-            new = [t.id for t in out]
-            text = idx.decode(new)
-            for stop_text in stops:
-                if stop_text and stop_text in text:
-                    text = text[: text.index(stop_text)]
-            finish = "stop" if run.state["stopped"] in ("eos", "stop") else "length"  # type: ignore[attr-defined]
-            long = sum(int(t.features.length[0]) >= 16 for t in out[:-1]) + (
-                1 if ids and out and int(run.state["features"][len(ids) - 1].length[0]) >= 16 else 0
-            )  # type: ignore[attr-defined]
             return JSONResponse(
-                {
-                    "id": f"cmpl-{created}",
-                    "object": "text_completion",
-                    "created": created,
-                    "model": name,
-                    "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
-                    "usage": {"prompt_tokens": len(ids), "completion_tokens": len(new), "total_tokens": len(ids) + len(new)},
-                    "index_matches": {"long_match_tokens": long, "min_match": 16},
-                }
-                | ({"provenance": [_prov(t) for t in out]} if req.provenance else {})
+                _completion(idx, ids, out, run.state, stops, created, name)
+                | (  # type: ignore[attr-defined]
+                    {"provenance": [_prov(t) for t in out]} if req.provenance else {}
+                )
             )
 
         def sse():
@@ -174,6 +159,29 @@ def add_completions(app: FastAPI, s: Served) -> None:
         return sse()
 
     s.handlers["complete"] = complete
+
+
+def _completion(idx, ids: list[int], out: list, state: dict, stops: list[str], created: int, name: str) -> dict:
+    """A non-streamed completion's answer (OpenAI's text_completion), with the count of generated
+    tokens that continued a match of >= 16 tokens in the index."""
+    new = [t.id for t in out]
+    text = idx.decode(new)
+    for stop_text in stops:
+        if stop_text and stop_text in text:
+            text = text[: text.index(stop_text)]
+    finish = "stop" if state["stopped"] in ("eos", "stop") else "length"
+    long = sum(int(t.features.length[0]) >= 16 for t in out[:-1]) + (
+        1 if ids and out and int(state["features"][len(ids) - 1].length[0]) >= 16 else 0
+    )
+    return {
+        "id": f"cmpl-{created}",
+        "object": "text_completion",
+        "created": created,
+        "model": name,
+        "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
+        "usage": {"prompt_tokens": len(ids), "completion_tokens": len(new), "total_tokens": len(ids) + len(new)},
+        "index_matches": {"long_match_tokens": long, "min_match": 16},
+    }
 
 
 def add_score(app: FastAPI, s: Served) -> None:

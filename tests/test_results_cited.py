@@ -28,7 +28,18 @@ RESULTS = REPO / "benchmarks" / "results"
 README = REPO / "README.md"
 DOCS = [README, REPO / "docs" / "results.md"]
 # Files the docs name that are not results files: other documents, a user's own outputs and a tokenizer's file.
-NOT_RESULTS = {"README.md", "results.md", "cli.md", "semantics.md", "format.md", "STYLE.md", "gate.json", "gate-big.json", "tokenizer.json"}
+NOT_RESULTS = {
+    "README.md",
+    "results.md",
+    "cli.md",
+    "semantics.md",
+    "format.md",
+    "page.md",
+    "STYLE.md",
+    "gate.json",
+    "gate-big.json",
+    "tokenizer.json",
+}
 # Figures of the setup, not of a result: the 125M's 1,500 steps of 32 x 1,024 tokens.
 ALLOWED = {"1,500", "1,024"}
 
