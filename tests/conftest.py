@@ -166,8 +166,12 @@ def torchrun(script: Path, nproc: int = 2, timeout: float = 900) -> None:
 RAY_FILES = {"test_ray.py", "test_cluster.py"}
 ONE_BY_ONE = {"tests/benchmarks/test_smoke.py"}
 LONGEST_FIRST = [
-    "tests/model/test_model.py",
     "tests/test_readme.py",
+    "tests/model/test_model.py",
+    "tests/index/test_widths.py",
+    "tests/serve/test_page.py",
+    "tests/model/test_own_model.py",
+    "tests/model/test_hf.py",
     "tests/index/test_cluster.py",
     "tests/builder/test_ray.py",
     "tests/model/test_sample.py",

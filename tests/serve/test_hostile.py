@@ -18,7 +18,7 @@ from teragram.serve.app import ServeConfig, create_app
 from teragram.serve.model_routes import MAX_STOPS
 
 from tests.serve.test_app import checkpoint  # noqa: F401 (the tiny model the server runs)
-from tools.browser import server
+from tools.page.browser import server
 
 J = {"content-type": "application/json"}
 

@@ -1,4 +1,4 @@
-"""The page at / (serve/static/) in headless Chromium (tools/browser.py; `make browser` installs
+"""The page at / (serve/static/) in headless Chromium (tools/page/browser.py; `make browser` installs
 it), against a real server process with the tiny model, a gate and an API key, on the real-text
 index: every view loads, its numbers are the API's (the Python API as oracle), a generation
 renders token by token, errors render as messages, and a cancelled stream stops the server's
@@ -18,7 +18,7 @@ from teragram.model.mixture.estimates import COMPONENTS
 from teragram.model.mixture.gate import Gate, gate_features
 
 from tests.serve.test_app import checkpoint  # noqa: F401 (the tiny model the server runs)
-from tools.browser import chromium, server
+from tools.page.browser import chromium, server
 
 KEY = "page-key"
 H = {"Authorization": f"Bearer {KEY}"}

@@ -1,9 +1,9 @@
 """Screenshots of the page (serve/static/), one PNG per view, from a real server on a real run:
 
-    python -m tools.screenshots --run runs/default [--out docs/img]
+    python -m tools.page.screenshots --run runs/default [--out docs/img]
 
 RUN holds idx/, lm/ and gate.json, as `make demo` leaves them. The server starts with the gate,
-headless Chromium (tools/browser.py) drives each view with a query of the embedded corpus, and
+headless Chromium (tools/page/browser.py) drives each view with a query of the embedded corpus, and
 each view is saved at 1200 px wide, in 256 colours (small enough to commit)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
-from tools.browser import chromium, server
+from tools.page.browser import chromium, server
 
 REPO = Path(__file__).resolve().parents[1]
 HELDOUT = REPO / "data" / "default" / "heldout" / "test"

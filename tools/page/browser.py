@@ -1,5 +1,5 @@
 """Headless Debian Chromium driven by Selenium, offline: the page's tests (tests/serve/test_page.py)
-and its screenshots (tools/screenshots.py). The driver is the system's (/usr/bin/chromedriver,
+and its screenshots (tools/page/screenshots.py). The driver is the system's (/usr/bin/chromedriver,
 from `make browser`), named explicitly so that Selenium Manager never looks for one online."""
 
 from __future__ import annotations
