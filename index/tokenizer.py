@@ -219,11 +219,6 @@ def copy(src_dir: Path | str, dst_dir: Path | str) -> Path:
     return dst
 
 
-def eos_id(tok: Tokenizer) -> int:
-    """The id reported for "end of document" (Tokenizer.eos_id)."""
-    return tok.eos_id
-
-
 @dataclass(frozen=True)
 class RoundTrip:
     """How many sampled documents decode back to their text: `failed` of `docs` do not."""

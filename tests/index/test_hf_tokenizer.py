@@ -17,6 +17,7 @@ from teragram.index import readers
 from teragram.index import tokenizer as tok_mod
 from teragram.index.engine import Index
 from teragram.index.errors import BuildError
+from teragram.model.training.shards import documents
 from tokenizers import Tokenizer
 
 from tests.conftest import real_texts, train_bpe
@@ -26,11 +27,7 @@ SPECIAL_DOC = "<|endoftext|>A document that writes <|endoftext|> out, twice:<|en
 
 
 def _docs(idx: Index) -> list[np.ndarray]:
-    out = []
-    for s in idx.shards:
-        tok, st = np.asarray(s.tok), np.asarray(s.starts)
-        out += [tok[st[k] : st[k + 1] - 1].astype(np.int64) for k in range(len(st) - 1)]
-    return out
+    return [d.astype(np.int64) for d in documents(idx)]
 
 
 @pytest.fixture(scope="module")
