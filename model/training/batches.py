@@ -17,11 +17,23 @@ from teragram.model.training.config import TrainConfig
 class prefetch:
     """Batches (x, y, features) for steps start.. in order, one per micro-step, prepared by a
     background thread (a few ahead); wait_s: the seconds the trainer spent waiting for one. An
-    error in the thread (a damaged shard) is raised by the next batch asked for, not left to hang."""
+    error in the thread (a damaged shard) is raised by the next batch asked for, not left to hang.
+    Used as a context manager: on leaving, the thread is stopped and joined, so that no thread is
+    inside torch when the interpreter exits (which aborts the process)."""
 
     def __init__(self, data, cfg: TrainConfig, rank: int, start: int, pin: bool):
         self.q: queue.Queue = queue.Queue(maxsize=4)
         self.wait_s = 0.0
+        self.stop = threading.Event()
+
+        def put(item) -> bool:
+            while not self.stop.is_set():
+                try:
+                    self.q.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    pass
+            return False
 
         def work():
             try:
@@ -31,11 +43,20 @@ class prefetch:
                         if pin:
                             x, y = x.pin_memory(), y.pin_memory()
                             f = None if f is None else f.map(lambda t: t.pin_memory())
-                        self.q.put((x, y, f))
+                        if not put((x, y, f)):
+                            return
             except BaseException as e:  # noqa: BLE001 (handed to the trainer's thread)
-                self.q.put(e)
+                put(e)
 
-        threading.Thread(target=work, daemon=True).start()
+        self.thread = threading.Thread(target=work, daemon=True)
+        self.thread.start()
+
+    def __enter__(self) -> prefetch:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
 
     def __iter__(self) -> Iterator[tuple]:
         return self

@@ -74,27 +74,27 @@ def train(cfg: TrainConfig) -> dict:
     tokens_per_step = cfg.batch_size * run.model.cfg.block_size * cfg.grad_accum * world
     t0 = time.time()
     last = {"step": start}
-    batches = prefetch(run.data, cfg, rank, start, pin=run.cuda)
     if run.master and cfg.evals:
         run.tasks = _tasks(cfg)
-    for step in range(start, cfg.max_steps):
-        lr = lr_at(cfg, step)
-        local = run.comm.local
-        outer = local is not None and ((step + 1) % cfg.outer_every == 0 or step + 1 == cfg.max_steps)
-        logged = outer or logs_step(cfg, step, start)
-        loss_sum, skip = _step(run, step, lr, batches, read_loss=logged)
-        run.bar.update(1)
-        took = None
-        if local is not None:
-            local.done += not skip
-            if outer:
-                took = local.exchange(step // cfg.outer_every)  # collective
-        if took is not None or logged and not skip:
-            el = time.time() - t0
-            last = _log_row(run, step, loss_sum, lr, el, tokens_per_step, took, skip, batches.wait_s)
-        _checkpoint_and_evaluate(run, step)
-        if took is not None:
-            local.restart()  # the evaluation and checkpoint are not the next round's time
+    with prefetch(run.data, cfg, rank, start, pin=run.cuda) as batches:
+        for step in range(start, cfg.max_steps):
+            lr = lr_at(cfg, step)
+            local = run.comm.local
+            outer = local is not None and ((step + 1) % cfg.outer_every == 0 or step + 1 == cfg.max_steps)
+            logged = outer or logs_step(cfg, step, start)
+            loss_sum, skip = _step(run, step, lr, batches, read_loss=logged)
+            run.bar.update(1)
+            took = None
+            if local is not None:
+                local.done += not skip
+                if outer:
+                    took = local.exchange(step // cfg.outer_every)  # collective
+            if took is not None or logged and not skip:
+                el = time.time() - t0
+                last = _log_row(run, step, loss_sum, lr, el, tokens_per_step, took, skip, batches.wait_s)
+            _checkpoint_and_evaluate(run, step)
+            if took is not None:
+                local.restart()  # the evaluation and checkpoint are not the next round's time
     run.bar.close()
     result = _finish(run, last)
     if world > 1:

@@ -11,6 +11,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
+import torch
 import zstandard
 from teragram.index.errors import TeragramError
 from teragram.model.config import ConfigError
@@ -148,3 +149,24 @@ def test_train_from_shards_without_an_index(tmp_path, held_root):
         train(TrainConfig(**(cfg | {"features": str(held_root / "held")})))
     with pytest.raises(ConfigError, match="index is required"):
         train(TrainConfig(**(TINY | {"out": str(tmp_path / "x")})))
+
+
+def test_the_batch_thread_stops_when_the_trainer_leaves_early():
+    """A run that stops mid-way (an error, the last step) leaves no thread making batches: one
+    still inside torch when the interpreter exits aborts the process."""
+    from types import SimpleNamespace
+
+    from teragram.model.training.batches import prefetch
+
+    made = []
+
+    class Data:
+        def batch(self, i, b, seed, rank):
+            made.append(i)
+            return torch.zeros(b, 4), torch.zeros(b, 4), None
+
+    cfg = SimpleNamespace(max_steps=10_000, grad_accum=2, batch_size=3, seed=0)
+    with prefetch(Data(), cfg, rank=0, start=5, pin=False) as batches:
+        x, _, _ = next(batches)
+        assert x.shape == (3, 4) and made[0] == 10  # step 5, micro-step 0
+    assert not batches.thread.is_alive() and len(made) < 100  # a few ahead, not the whole run
