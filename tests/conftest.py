@@ -152,7 +152,9 @@ def torchrun(script: Path, nproc: int = 2, timeout: float = 900) -> None:
         "--redirects=3",
         str(script),
     ]
-    r = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1"), capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run(
+        cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1"), capture_output=True, text=True, timeout=timeout
+    )
     if r.returncode:
         ranks = "\n".join(f"--- {p.relative_to(logs)}\n{p.read_text()[-2000:]}" for p in sorted(logs.rglob("std*.log")))
         pytest.fail(f"torchrun exited {r.returncode}\n{ranks}\n--- launcher\n{r.stderr[-1000:]}", pytrace=False)
