@@ -213,13 +213,10 @@ def cmd_query(args) -> int:
 def _cnf_query(idx, args) -> dict:
     """The answer to an AND/OR query (--cnf TEXT or --cnf-ids JSON): count (the default) or docs."""
     from . import cnf
-    from .cluster import ClusterIndex
 
     op = (args.op or "count").replace("_", "-")
     if op not in ("count", "docs"):
         raise QueryError(f"AND/OR queries (--cnf, --cnf-ids) are for count and docs only, not {op}")
-    if isinstance(idx, ClusterIndex):
-        raise QueryError("AND/OR queries are not answered through --cluster; query the index directory itself")
     if args.cnf is not None:
         ids = cnf.tokenize_cnf(idx, args.cnf)
     else:

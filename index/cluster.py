@@ -4,6 +4,7 @@
     idx.count([5, 17])                        -> CountResult, exactly Index("idx/").count([5, 17])
     idx.batch([Query("count", [5, 17]), Query("infgram-prob", [3, 5], 17)])
                                               -> [CountResult, InfgramProbResult]
+    idx.count_cnf(cnf), idx.search_docs_cnf(cnf, maxnum=10)    -> AND/OR queries, as Index's
 
 The shards are split into groups of consecutive shards; each group is held by `replicas` holders
 (Ray actors, cluster_holder.py; replica r of group g on node (g + r) mod the nodes), each an
@@ -47,7 +48,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from . import cluster_bulk
+from . import cluster_bulk, cnf
 from .cluster_holder import ShardHolder, pack
 from .cluster_scorer import ClusterScorer
 from .engine import OPS, Index
@@ -160,6 +161,9 @@ class ClusterIndex:
 
     def decode(self, ids) -> str:
         return self.head.decode(ids)
+
+    def check_ids(self, ids, *, allow_empty: bool, what: str = "ids") -> np.ndarray:
+        return self.head.check_ids(ids, allow_empty=allow_empty, what=what)
 
     def placement(self) -> list[tuple[list[int], list[str]]]:
         """Each group's shard places and the Ray node ids of its live holders, in the order they
@@ -413,6 +417,15 @@ class ClusterIndex:
 
     def docs(self, ids, *, max: int = 10, context: int = 20) -> DocsResult:
         return self.batch([Query("docs", ids, max=max, context=context)])[0]
+
+    count_cnf = cnf.count_cnf
+    search_docs_cnf = cnf.search_docs_cnf
+
+    def cnf_parts(self, terms, *, max_clause_freq: int, max_diff_tokens: int, maxnum: int = 0, context: int = 20) -> list:
+        """As Index.cnf_parts: each group's part of a checked AND/OR query, from one call to a holder of it."""
+        limit = cnf.shard_limit(max_clause_freq, len(self.shard_ids))
+        got = self.run_all(("cnf_part", terms, limit, max_diff_tokens, maxnum, context))
+        return [got[g] for g in range(len(self.groups))]
 
     @cached_property
     def unigram(self) -> np.ndarray:

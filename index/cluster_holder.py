@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from . import cluster_bulk, cluster_scorer
+from . import cluster_bulk, cluster_scorer, cnf
 from .engine import Index
 from .results import Occurrence, Provenance
 
@@ -48,6 +48,10 @@ class ShardHolder:
 
     def provenance(self, place: int, pos: int, length: int) -> Provenance:
         return self.idx.provenance(Occurrence(self.places.index(place), pos, length))
+
+    def cnf_part(self, terms: list, limit: int, diff: int, maxnum: int, context: int) -> cnf.ShardsPart:
+        """These shards' part of a checked AND/OR query (index/cnf.py's shards_part, as the local Index runs it)."""
+        return cnf.shards_part(self.idx, terms, self.places, limit, diff, maxnum=maxnum, context=context)
 
     def call(self, fn, *args):
         """fn(self, *args) here, beside these shards: a pass that is not the index's own (the

@@ -26,9 +26,16 @@ Under the limit the answer is exact and equal to infini-gram's on the same shard
 
 search_docs_cnf lists the first maxnum documents (in corpus order) holding a range, as Index.docs
 does for an n-gram; infini-gram samples them at random.
+
+The pass over the shards (shards_part) is one function wherever the shards are: count_cnf and
+search_docs_cnf check the query and merge (merge) the parts of the index's cnf_parts, one part of
+every shard for a local Index (local_parts), one per group of shards for a ClusterIndex, each
+computed by a holder beside its shards (index/cluster.py): the same answers either way.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -80,40 +87,93 @@ def _limit(value, name: str) -> int:
     return int(value)
 
 
-def find_cnf(idx, cnf, *, max_clause_freq: int = MAX_CLAUSE_FREQ, max_diff_tokens: int = MAX_DIFF_TOKENS):
-    """(count, approx, ranges): ranges[s] is (lo, hi), two (k,) int64 arrays of token positions in
-    shard s (its place in idx.shards), one entry per range counted (module doc)."""
-    terms = check_cnf(idx, cnf)
-    limit_all = _limit(max_clause_freq, "max_clause_freq")
-    diff = _limit(max_diff_tokens, "max_diff_tokens")
-    n_shards = len(idx.shards)
-    none = [(np.zeros(0, np.int64), np.zeros(0, np.int64)) for _ in range(n_shards)]
-    # every term's interval in every shard: segs[c][t][s] = (lo, hi)
-    segs = [[idx.count_intervals(q)[1] for q in clause] for clause in terms]
-    per_shard = np.array([[sum(seg[s][1] - seg[s][0] for seg in clause) for s in range(n_shards)] for clause in segs], np.int64)
-    if (per_shard.sum(axis=1) == 0).any():
-        return 0, False, none
-    limit = -(-limit_all // n_shards)
-    count, approx, ranges = 0, False, []
-    for s in range(n_shards):
-        n, factor, lr = _shard_ranges(idx, s, segs, per_shard[:, s], limit, diff)
-        count += int(n * factor)
-        approx |= factor != 1.0
+def shard_limit(max_clause_freq: int, n_shards: int) -> int:
+    """A clause's occurrences read in one shard before they are sampled: max_clause_freq spread
+    over every shard of the whole index (module doc)."""
+    return -(-max_clause_freq // max(n_shards, 1))
+
+
+@dataclass(frozen=True)
+class ShardsPart:
+    """One run of shards' part of a query (shards_part), merged with the other runs' by merge.
+    Per shard, in the order of the index the part was computed on (idx.shards):"""
+
+    clause_counts: np.ndarray  # (C, S) int64: each clause's occurrences (its terms' summed) in each shard
+    ranges_left: list[int]  # the ranges counted in each shard (before scaling)
+    factors: list[float]  # each shard's scale factor (1.0: nothing sampled)
+    hits: list[DocHit]  # the first maxnum documents of these shards holding a range, in corpus order
+    ranges: list[tuple[np.ndarray, np.ndarray]] | None  # each shard's (lo, hi), when asked for (find_cnf)
+
+
+def shards_part(idx, terms, places, limit: int, diff: int, *, maxnum: int = 0, context: int = 20, keep_ranges: bool = False) -> ShardsPart:
+    """The part of a checked query (terms: check_cnf's) that the shards of `idx` answer, computed
+    beside them: all the shards of a local Index (local_parts), or a cluster holder's group
+    (index/cluster_holder.py). places: each shard's place in the whole index (it seeds the
+    sampling); limit: the whole index's per-shard limit (shard_limit); maxnum: documents listed."""
+    segs = [[idx.count_intervals(q)[1] for q in clause] for clause in terms]  # segs[c][t][i]: term t's interval in shard i
+    n = len(idx.shards)
+    clause_counts = np.array([[sum(seg[i][1] - seg[i][0] for seg in clause) for i in range(n)] for clause in segs], np.int64)
+    ranges_left, factors, ranges = [], [], []
+    for i in range(n):
+        k, factor, lr = _shard_ranges(
+            idx.shards[i], places[i], [[seg[i] for seg in clause] for clause in segs], clause_counts[:, i], limit, diff
+        )
+        ranges_left.append(k)
+        factors.append(factor)
         ranges.append(lr)
-    return count, approx, ranges
+    hits: list[DocHit] = []
+    for i in sorted(range(n), key=lambda i: places[i]):  # corpus order
+        if len(hits) < maxnum and ranges_left[i]:
+            hits += _shard_hits(idx, idx.shards[i], *ranges[i], maxnum - len(hits), context)
+    return ShardsPart(clause_counts.reshape(len(terms), n), ranges_left, factors, hits, ranges if keep_ranges else None)
 
 
-def _shard_ranges(idx, s: int, segs, counts: np.ndarray, limit: int, diff: int):
-    """(ranges left, scale factor, (lo, hi)) of one shard."""
-    shard = idx.shards[s]
+def merge(parts: list[ShardsPart], maxnum: int = 0) -> tuple[int, bool, list[DocHit]]:
+    """(count, approx, the first maxnum documents) of the whole index from its runs' parts: a
+    clause that occurs nowhere makes the count 0 and exact; else the shards' scaled counts add."""
+    totals = sum(p.clause_counts.sum(axis=1) for p in parts)
+    if (totals == 0).any():
+        return 0, False, []
+    count = sum(int(k * f) for p in parts for k, f in zip(p.ranges_left, p.factors))
+    approx = any(f != 1.0 for p in parts for f in p.factors)
+    return count, approx, sorted((h for p in parts for h in p.hits), key=lambda h: h.doc_id)[:maxnum]
+
+
+def local_parts(idx, terms, *, max_clause_freq: int, max_diff_tokens: int, maxnum: int = 0, context: int = 20) -> list[ShardsPart]:
+    """Index.cnf_parts: every shard of a local Index as one part (ClusterIndex.cnf_parts asks its holders)."""
+    n = len(idx.shards)
+    return [shards_part(idx, terms, range(n), shard_limit(max_clause_freq, n), max_diff_tokens, maxnum=maxnum, context=context)]
+
+
+def _checked(idx, cnf, max_clause_freq, max_diff_tokens) -> tuple[list[list[np.ndarray]], int, int]:
+    return check_cnf(idx, cnf), _limit(max_clause_freq, "max_clause_freq"), _limit(max_diff_tokens, "max_diff_tokens")
+
+
+def find_cnf(idx, cnf, *, max_clause_freq: int = MAX_CLAUSE_FREQ, max_diff_tokens: int = MAX_DIFF_TOKENS):
+    """(count, approx, ranges) of a local Index: ranges[s] is (lo, hi), two (k,) int64 arrays of
+    token positions in shard s (its place in idx.shards), one entry per range counted (module doc)."""
+    terms, limit_all, diff = _checked(idx, cnf, max_clause_freq, max_diff_tokens)
+    n = len(idx.shards)
+    part = shards_part(idx, terms, range(n), shard_limit(limit_all, n), diff, keep_ranges=True)
+    count, approx, _ = merge([part])
+    return count, approx, part.ranges
+
+
+def _shard_ranges(shard, s: int, segs, counts: np.ndarray, limit: int, diff: int):
+    """(ranges left, scale factor, (lo, hi)) of one shard, s its place in the whole index;
+    segs[c] holds clause c's terms' intervals in it."""
     factor = 1.0
     lo = hi = None
     for c in sorted(range(len(segs)), key=lambda c: counts[c]):  # stable: ties in query order, as infini-gram's sort of <= 16
-        pos, f = _clause_positions(shard, [seg[s] for seg in segs[c]], int(counts[c]), limit, s)
+        blocks, f = _clause_blocks(segs[c], int(counts[c]), limit, s)
         factor *= f
         if lo is None:
-            lo, hi = pos, pos.copy()
+            lo = _positions(shard, blocks)
+            hi = lo.copy()
             continue
+        if not len(lo):  # no range left: the later clauses only scale (their factors), nothing to read
+            continue
+        pos = _positions(shard, blocks)
         if not len(pos):
             lo, hi = lo[:0], hi[:0]
             continue
@@ -134,25 +194,49 @@ def _shard_ranges(idx, s: int, segs, counts: np.ndarray, limit: int, diff: int):
     return int(same_doc.sum()), factor, (lo[same_doc], hi[same_doc])
 
 
-def _clause_positions(shard, segs: list[tuple[int, int]], count: int, limit: int, s: int) -> tuple[np.ndarray, float]:
-    """Start positions of a clause's terms in one shard (a sampled block of each past the limit),
-    and the factor that scales a count of the sample to the whole."""
+def _clause_blocks(segs: list[tuple[int, int]], count: int, limit: int, s: int) -> tuple[list[tuple[int, int]], float]:
+    """The suffix-array blocks of a clause's terms read in one shard (a sampled block of each past
+    the limit, at offsets seeded by the shard's place s), and the factor that scales a count of
+    the sample to the whole."""
     if count <= limit:
-        parts = [shard.sa.to_numpy(a, b) for a, b in segs if b > a]
-        return (np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)), 1.0
+        return [(a, b) for a, b in segs if b > a], 1.0
     rng = np.random.default_rng([SAMPLE_SEED, s])
-    parts, sampled = [], 0
+    blocks, sampled = [], 0
     for a, b in segs:
         n = (b - a) * limit // count + ((b - a) * limit % count > 0)  # ceil((b - a) * limit / count)
         lo = a + int(rng.integers(0, b - a - n + 1))
-        parts.append(shard.sa.to_numpy(lo, lo + n))
+        blocks.append((lo, lo + n))
         sampled += n
-    return np.concatenate(parts).astype(np.int64), count / sampled
+    return blocks, count / sampled
+
+
+def _positions(shard, blocks: list[tuple[int, int]]) -> np.ndarray:
+    """The start positions in the suffix-array blocks: (k,) int64."""
+    parts = [shard.sa.to_numpy(a, b) for a, b in blocks]
+    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+
+
+def _shard_hits(idx, shard, lo: np.ndarray, hi: np.ndarray, n: int, context: int) -> list[DocHit]:
+    """The first n documents of a shard holding one of its ranges, each with the offset of its
+    first range and the text around that range."""
+    order = np.lexsort((hi, lo))
+    lo, hi = lo[order], hi[order]
+    docs = np.searchsorted(np.asarray(shard.starts, np.int64), lo, side="right") - 1
+    _, first = np.unique(docs, return_index=True)
+    hits = []
+    for j in np.sort(first)[:n]:
+        d, a, b = int(docs[j]), int(lo[j]), int(hi[j])
+        ds, de = int(shard.starts[d]), int(shard.starts[d + 1]) - 1
+        text = idx.decode(shard.tok[max(ds, a - context) : min(de, b + context)])
+        hits.append(DocHit(shard.first_doc + d, shard.id, a - ds, idx.meta.doc(shard.first_doc + d), text))
+    return hits
 
 
 def count_cnf(idx, cnf, *, max_clause_freq: int = MAX_CLAUSE_FREQ, max_diff_tokens: int = MAX_DIFF_TOKENS) -> CountResult:
-    """How often the query's clauses co-occur (module doc); approx past max_clause_freq."""
-    count, approx, _ = find_cnf(idx, cnf, max_clause_freq=max_clause_freq, max_diff_tokens=max_diff_tokens)
+    """How often the query's clauses co-occur (module doc); approx past max_clause_freq. idx: an
+    Index, or a ClusterIndex (its holders compute their shards' parts)."""
+    terms, limit_all, diff = _checked(idx, cnf, max_clause_freq, max_diff_tokens)
+    count, approx, _ = merge(idx.cnf_parts(terms, max_clause_freq=limit_all, max_diff_tokens=diff))
     return CountResult(count, approx)
 
 
@@ -162,20 +246,9 @@ def search_docs_cnf(
     """The query's count and the first maxnum documents (in corpus order) where its clauses
     co-occur, each with the offset of its first range and the text around that range."""
     maxnum = _limit(maxnum, "maxnum")
-    count, approx, ranges = find_cnf(idx, cnf, max_clause_freq=max_clause_freq, max_diff_tokens=max_diff_tokens)
-    hits: list[DocHit] = []
-    for shard, (lo, hi) in zip(idx.shards, ranges):
-        if len(hits) >= maxnum or not len(lo):
-            continue
-        order = np.lexsort((hi, lo))
-        lo, hi = lo[order], hi[order]
-        docs = np.searchsorted(np.asarray(shard.starts, np.int64), lo, side="right") - 1
-        _, first = np.unique(docs, return_index=True)
-        for j in np.sort(first)[: maxnum - len(hits)]:
-            d, a, b = int(docs[j]), int(lo[j]), int(hi[j])
-            ds, de = int(shard.starts[d]), int(shard.starts[d + 1]) - 1
-            text = idx.decode(shard.tok[max(ds, a - context) : min(de, b + context)])
-            hits.append(DocHit(shard.first_doc + d, shard.id, a - ds, idx.meta.doc(shard.first_doc + d), text))
+    terms, limit_all, diff = _checked(idx, cnf, max_clause_freq, max_diff_tokens)
+    parts = idx.cnf_parts(terms, max_clause_freq=limit_all, max_diff_tokens=diff, maxnum=maxnum, context=context)
+    count, approx, hits = merge(parts, maxnum)
     return DocsResult(count, hits, approx)
 
 

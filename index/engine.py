@@ -76,7 +76,6 @@ __all__ += ["NtdResult", "Occurrence", "ProbResult", "Provenance", "Scorer", "Sh
 
 T = TypeVar("T")
 
-
 OPS = ("count", "prob", "ntd", "infgram-prob", "infgram-ntd", "longest-match", "docs")
 DOCS_SCAN = 100_000  # occurrences examined to list matching documents
 DIST_CACHE_ELEMENTS = 1 << 25  # next-token histogram entries kept across queries (~0.5 GiB with their counts)
@@ -423,6 +422,7 @@ class Index:
 
     count_cnf = cnf.count_cnf
     search_docs_cnf = cnf.search_docs_cnf
+    cnf_parts = cnf.local_parts  # what count_cnf and search_docs_cnf merge (ClusterIndex's: its holders')
 
     def shard_docs(self, place: int, a: int, b: int, length: int, n: int, context: int = 20) -> tuple[list[DocHit], bool]:
         """The first n documents (in corpus order) holding a length-token match whose interval

@@ -10,7 +10,6 @@ from typing import Annotated
 from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from teragram.index import cnf
-from teragram.index.cluster import ClusterIndex
 from teragram.index.errors import QueryError
 from teragram.index.results import DocsResult
 
@@ -81,8 +80,6 @@ def answer_cnf(idx, req: InfinigramRequest, max_query_tokens: int) -> JSONRespon
     t = time.perf_counter()
     if req.query_type not in CNF_QUERY_TYPES:
         raise QueryError(f"AND/OR queries are for count and search_docs only, not {req.query_type}")
-    if isinstance(idx, ClusterIndex):
-        raise QueryError("AND/OR queries are not answered through --cluster")
     if req.query is not None and req.query_ids is not None:
         raise QueryError("give exactly one of query (text) and query_ids")
     ids = cnf.tokenize_cnf(idx, req.query) if req.query is not None else req.query_ids

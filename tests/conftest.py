@@ -133,6 +133,24 @@ def random_docs(rng: np.random.Generator, n_docs: int, alphabet: int, max_len: i
     return [ids[rng.integers(0, alphabet, size=int(rng.integers(1, max_len)))] for _ in range(n_docs)]
 
 
+def random_cnf(rng, docs, vocab) -> list[list[list[int]]]:
+    """An AND/OR query (index/cnf.py) of 1-3 clauses of 1-3 terms: n-grams of 1-3 tokens from the
+    documents, a few (random ids) absent."""
+    out = []
+    for _ in range(int(rng.integers(1, 4))):
+        clause = []
+        for _ in range(int(rng.integers(1, 4))):
+            if rng.random() < 0.1:
+                clause.append([int(x) for x in rng.integers(3, vocab, size=int(rng.integers(2, 4)))])
+                continue
+            d = docs[rng.integers(len(docs))]
+            m = int(rng.integers(1, 4))
+            p = int(rng.integers(0, max(1, len(d) - m + 1)))
+            clause.append([int(x) for x in d[p : p + m]] or [int(rng.integers(3, vocab))])
+        out.append(clause)
+    return out
+
+
 def copytree(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst

@@ -1,19 +1,23 @@
 """An index held by Ray actors on a local cluster of several nodes (index/cluster.py) answers
-every kind of query exactly as one process holding every shard: compared with a local Index of
-the same shards and with brute force. A lost holder is a one-line error naming its shards, or,
+every kind of query exactly as one process holding every shard (AND/OR queries included):
+compared with a local Index of the same shards and with brute force. A lost holder is a one-line error naming its shards, or,
 with replicas, the same exact answer from another copy, also when the node dies mid-batch."""
 
+import contextlib
 import json
+import re
 import threading
 import time
 
 import numpy as np
 import pytest
 from teragram.builder.build import build_from_ids
+from teragram.index.cnf import cnf_json
 from teragram.index.engine import Index
 from teragram.index.errors import ClusterError, QueryError
+from teragram.index.results import CountResult
 
-from tests.conftest import copytree, random_docs
+from tests.conftest import copytree, random_cnf, random_docs
 from tests.oracle import Oracle
 
 ray = pytest.importorskip("ray")
@@ -128,8 +132,44 @@ def test_every_query_equals_the_local_index_and_brute_force(held):
     assert c.count_intervals(np.asarray(q)) == idx.count_intervals(np.asarray(q))
 
 
+def _check_cnf(c: ClusterIndex, idx: Index, rng, docs: list, n: int, mcf: list[int], diff: list[int]) -> tuple[int, int]:
+    """n random AND/OR queries answer through the cluster as through the local Index: counts,
+    approx flags and documents (all of them, or the first few); (how many sampled, how many nonzero)."""
+    sampled = nonzero = 0
+    for _ in range(n):
+        q = random_cnf(rng, docs, idx.vocab_size)
+        kw = dict(max_clause_freq=int(rng.choice(mcf)), max_diff_tokens=int(rng.choice(diff)))
+        more = dict(maxnum=int(rng.choice([1, 3, 10_000])), context=int(rng.integers(0, 8)))
+        r = c.search_docs_cnf(q, **more, **kw)
+        assert r == idx.search_docs_cnf(q, **more, **kw), (q, kw, more)
+        assert c.count_cnf(q, **kw) == idx.count_cnf(q, **kw) == CountResult(r.count, r.approx), (q, kw)
+        sampled += r.approx
+        nonzero += r.count > 0
+    return sampled, nonzero
+
+
+def test_and_or_queries_equal_the_local_index(held, monkeypatch):
+    """AND/OR queries, sampled ones too (a small max_clause_freq: the holders seed each shard's
+    sample by its place in the whole index and read the whole index's per-shard limit), each
+    answered in one call to a holder of every group."""
+    c, idx, orc = held
+    sampled, nonzero = _check_cnf(c, idx, np.random.default_rng(64), orc.docs, 50, [10, 60, 50_000], [2, 10, 100])
+    assert sampled >= 10 and nonzero >= 25
+    calls = []
+    monkeypatch.setattr(c, "run_each", lambda tasks, **kw: calls.append(tasks) or ClusterIndex.run_each(c, tasks, **kw))
+    q = [[[int(orc.docs[0][0])]], [[int(orc.docs[0][1])]]]
+    assert c.search_docs_cnf(q, maxnum=5) == idx.search_docs_cnf(q, maxnum=5)
+    assert len(calls) == 1 and sorted(calls[0]) == list(range(NODES))
+    for bad, kw in (([[[5]]] * 5, {}), ([[[5, idx.vocab_size]]], {}), ([[[5]]], {"max_clause_freq": 0})):
+        with pytest.raises(QueryError) as local:
+            idx.count_cnf(bad, **kw)
+        with pytest.raises(QueryError, match=f"^{re.escape(str(local.value))}$"):
+            c.count_cnf(bad, **kw)
+
+
 def test_uneven_groups_on_real_text(cluster, real_index):
-    """Real text, groups of one and of several shards, one group on two nodes' holders."""
+    """Real text, groups of one and of several shards (not in shard order), each group on two
+    nodes' holders."""
     idx = Index(real_index)
     n = len(idx.shards)
     assert n >= 3
@@ -138,8 +178,9 @@ def test_uneven_groups_on_real_text(cluster, real_index):
         tok, st = np.asarray(s.tok), np.asarray(s.starts)
         docs += [tok[st[k] : st[k + 1] - 1].astype(np.int64) for k in range(len(st) - 1)]
     orc = Oracle(docs, idx.eos_id)
-    with ClusterIndex.open(real_index, groups=[[0], list(range(1, n))], replicas=2) as c:
+    with ClusterIndex.open(real_index, groups=[list(range(1, n)), [0]], replicas=2) as c:  # the first group holds the later shards
         _check_exact(c, idx, _queries(np.random.default_rng(5), orc, 40, idx.vocab_size))
+        _check_cnf(c, idx, np.random.default_rng(6), docs, 10, [200, 50_000], [100])
 
 
 def test_malformed_queries_fail_as_locally(held):
@@ -204,9 +245,10 @@ def _wait_dead(actor, seconds: float = 30.0) -> None:
     pytest.fail(f"the actor still answers {seconds:.0f} s after ray.kill")
 
 
-def test_query_through_the_cluster(cluster, random_index, tmp_path, capsys):
-    """`teragram query --cluster` (one query, and a batch file with malformed lines) gives the
-    local index's answers."""
+def test_query_through_the_cluster(cluster, random_index, held, tmp_path, capsys, monkeypatch):
+    """`teragram query --cluster` (one query, an AND/OR query, and a batch file with malformed
+    lines) gives the local index's answers."""
+    from teragram.index import cli
     from teragram.index.cli import _answer
     from teragram.serve.main import main
 
@@ -229,6 +271,12 @@ def test_query_through_the_cluster(cluster, random_index, tmp_path, capsys):
     # could not open its document metadata (LMDB refuses an environment open twice in a process)
     assert out[0] == json.dumps(_answer(idx, "count", lines[0]["ids"], None)) and "needs a continuation token" in out[1]
     assert out[2] == json.dumps(_answer(idx, "docs", lines[2]["ids"], None)) and "malformed JSON" in out[3]
+    cnf = [[[int(t)] for t in orc.docs[4][:2]], [[int(orc.docs[4][3])]]]
+    args = ["query", str(idx.path), "docs", "--cnf-ids", json.dumps(cnf), "--max-clause-freq", "30", "--json", "--cluster", cluster.address]
+    monkeypatch.setattr(cli, "opened_index", lambda _: contextlib.nullcontext(held[0]))  # the module's holders: opening is tested above
+    assert main(args) == 0
+    want = idx.search_docs_cnf(cnf, maxnum=10, max_clause_freq=30)  # the fixture's index (an LMDB opens once in a process: below)
+    assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(cnf_json(idx, want.to_json(), cnf))) and want.approx
 
 
 def test_a_holder_that_cannot_open_its_shards(cluster, random_index, tmp_path):
@@ -400,17 +448,21 @@ def test_incremental_scorer_with_a_lost_holder(cluster, random_index):
 
 
 def test_serve_through_the_cluster(cluster, random_index):
-    """`teragram serve --cluster` answers infini-gram's API as the local server does."""
+    """`teragram serve --cluster` answers infini-gram's API (AND/OR queries too) as the local server does."""
     from fastapi.testclient import TestClient
     from teragram.serve.app import ServeConfig, create_app
 
     idx, orc = random_index
     body = {"query_type": "infgram_prob", "query_ids": [int(t) for t in orc.docs[6][:4]]}
-    answers = [
-        TestClient(create_app(ServeConfig(index=str(idx.path), **kw))).post("/", json=body).json()
-        for kw in ({}, {"cluster": cluster.address})
-    ]
+    local, remote = (TestClient(create_app(ServeConfig(index=str(idx.path), **kw))) for kw in ({}, {"cluster": cluster.address}))
+    answers = [c.post("/", json=body).json() for c in (local, remote)]
     assert {k: v for k, v in answers[0].items() if k != "latency"} == {k: v for k, v in answers[1].items() if k != "latency"}
+    cnf = [[[int(orc.docs[6][0])]], [[int(orc.docs[6][2])]]]
+    body = {"query_type": "search_docs", "query_ids": cnf, "maxnum": 3, "max_diff_tokens": 5, "max_disp_len": 10}
+    got = remote.post("/", json=body).json()
+    want = idx.search_docs_cnf(cnf, maxnum=3, max_diff_tokens=5, context=5)  # the fixture's index: its LMDB is open in this process
+    assert {k: v for k, v in got.items() if k != "latency"} == json.loads(json.dumps(cnf_json(idx, want.to_json(), cnf)))
+    assert len(got["documents"]) == 3
 
 
 # ---- the model's verbs with the index held by the cluster -------------------------------------

@@ -14,6 +14,7 @@ from teragram.index import cnf as C
 from teragram.index.engine import Index
 from teragram.index.errors import QueryError
 
+from tests.conftest import random_cnf
 from tests.index.test_infinigram import write_infinigram_tokens
 
 pytest.importorskip("infini_gram")
@@ -44,23 +45,6 @@ def engines(real_index, tmp_path_factory):
     return idx, ig
 
 
-def _random_cnf(rng, docs, vocab) -> list[list[list[int]]]:
-    """1-3 clauses of 1-3 terms: n-grams of 1-3 tokens from the indexed text, a few absent."""
-    out = []
-    for _ in range(int(rng.integers(1, 4))):
-        clause = []
-        for _ in range(int(rng.integers(1, 4))):
-            if rng.random() < 0.1:
-                clause.append([int(x) for x in rng.integers(3, vocab, size=int(rng.integers(2, 4)))])
-                continue
-            d = docs[rng.integers(len(docs))]
-            m = int(rng.integers(1, 4))
-            p = int(rng.integers(0, max(1, len(d) - m + 1)))
-            clause.append([int(x) for x in d[p : p + m]] or [int(rng.integers(3, vocab))])
-        out.append(clause)
-    return out
-
-
 def _sampled(idx, cnf, max_clause_freq) -> bool:
     """Whether some clause passes the per-shard limit in some shard (both engines then sample)."""
     limit = -(-max_clause_freq // len(idx.shards))
@@ -85,7 +69,7 @@ def test_random_cnf_queries_equal_infini_gram(engines):
     rng = np.random.default_rng(64)
     compared, sampled, nonzero, multi = 0, 0, 0, 0
     for i in range(640):
-        cnf = _random_cnf(rng, docs, idx.vocab_size)
+        cnf = random_cnf(rng, docs, idx.vocab_size)
         mcf = 50_000 if i % 8 else int(rng.choice([200, 2_000]))
         diff = 100 if i % 3 else int(rng.integers(1, 300))
         kw = dict(max_clause_freq=mcf, max_diff_tokens=diff)
