@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .cancel import check_cancelled
 from .errors import QueryError
 from .results import CountResult, DocHit, DocsResult
 
@@ -96,6 +97,7 @@ def find_cnf(idx, cnf, *, max_clause_freq: int = MAX_CLAUSE_FREQ, max_diff_token
     limit = -(-limit_all // n_shards)
     count, approx, ranges = 0, False, []
     for s in range(n_shards):
+        check_cancelled()  # a cancelled query stops between shards (index/cancel.py)
         n, factor, lr = _shard_ranges(idx, s, segs, per_shard[:, s], limit, diff)
         count += int(n * factor)
         approx |= factor != 1.0
@@ -109,6 +111,7 @@ def _shard_ranges(idx, s: int, segs, counts: np.ndarray, limit: int, diff: int):
     factor = 1.0
     lo = hi = None
     for c in sorted(range(len(segs)), key=lambda c: counts[c]):  # stable: ties in query order, as infini-gram's sort of <= 16
+        check_cancelled()
         pos, f = _clause_positions(shard, [seg[s] for seg in segs[c]], int(counts[c]), limit, s)
         factor *= f
         if lo is None:
@@ -172,6 +175,7 @@ def search_docs_cnf(
         docs = np.searchsorted(np.asarray(shard.starts, np.int64), lo, side="right") - 1
         _, first = np.unique(docs, return_index=True)
         for j in np.sort(first)[: maxnum - len(hits)]:
+            check_cancelled()
             d, a, b = int(docs[j]), int(lo[j]), int(hi[j])
             ds, de = int(shard.starts[d]), int(shard.starts[d + 1]) - 1
             text = idx.decode(shard.tok[max(ds, a - context) : min(de, b + context)])
