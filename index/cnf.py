@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .cancel import check_cancelled
 from .errors import QueryError
 from .results import CountResult, DocHit, DocsResult
 
@@ -115,6 +116,7 @@ def shards_part(idx, terms, places, limit: int, diff: int, *, maxnum: int = 0, c
     clause_counts = np.array([[sum(seg[i][1] - seg[i][0] for seg in clause) for i in range(n)] for clause in segs], np.int64)
     ranges_left, factors, ranges = [], [], []
     for i in range(n):
+        check_cancelled()  # a cancelled query stops between shards (index/cancel.py)
         k, factor, lr = _shard_ranges(
             idx.shards[i], places[i], [[seg[i] for seg in clause] for clause in segs], clause_counts[:, i], limit, diff
         )
@@ -165,6 +167,7 @@ def _shard_ranges(shard, s: int, segs, counts: np.ndarray, limit: int, diff: int
     factor = 1.0
     lo = hi = None
     for c in sorted(range(len(segs)), key=lambda c: counts[c]):  # stable: ties in query order, as infini-gram's sort of <= 16
+        check_cancelled()
         blocks, f = _clause_blocks(segs[c], int(counts[c]), limit, s)
         factor *= f
         if lo is None:
@@ -225,6 +228,7 @@ def _shard_hits(idx, shard, lo: np.ndarray, hi: np.ndarray, n: int, context: int
     _, first = np.unique(docs, return_index=True)
     hits = []
     for j in np.sort(first)[:n]:
+        check_cancelled()
         d, a, b = int(docs[j]), int(lo[j]), int(hi[j])
         ds, de = int(shard.starts[d]), int(shard.starts[d + 1]) - 1
         text = idx.decode(shard.tok[max(ds, a - context) : min(de, b + context)])

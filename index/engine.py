@@ -49,6 +49,7 @@ import numpy as np
 from . import cnf
 from . import format as fmt
 from .bulk import continuations
+from .cancel import check_cancelled
 from .errors import QueryError
 from .fanout import ShardSet
 from .features import Features, top_counts
@@ -69,8 +70,6 @@ from .scorer import Scorer
 from .shard import Shard, advise
 from .tokenizer import load as load_tokenizer
 
-# The answer types and their JSON (results.py), the shard (shard.py) and the incremental scorer
-# (scorer.py) are importable from here, as they were before they had modules of their own.
 __all__ = ["DOCS_SCAN", "OPS", "CountResult", "DocHit", "DocsResult", "Index", "InfgramNtdResult", "InfgramProbResult", "LongestMatch"]
 __all__ += ["NtdResult", "Occurrence", "ProbResult", "Provenance", "Scorer", "Shard", "advise", "as_index", "with_tokens"]
 
@@ -246,9 +245,10 @@ class Index:
         return [(slice(a, b), ShardSet.of(self.shards[a:b], self.vocab_size)) for a, b in zip(edges[:-1], edges[1:])]
 
     def _per_group(self, fn: Callable[[slice, ShardSet], T]) -> list[T]:
-        """fn over every group of shards, in shard order: in the thread pool when there is one."""
+        """fn over every group of shards, in shard order, in the thread pool if there is one; a cancelled query stops between groups."""
         if self._pool is None:
-            return [fn(*g) for g in self._groups]
+            return [check_cancelled() or fn(*g) for g in self._groups]
+        check_cancelled()
         return list(self._pool.map(lambda g: fn(*g), self._groups))
 
     def _find(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -350,7 +350,7 @@ class Index:
         hit = self._dist_cache.get(key)
         if hit is not None:
             return hit
-        parts = [self.shard_dist(s, a, b, d) for s, a, b in held]
+        parts = [check_cancelled() or self.shard_dist(s, a, b, d) for s, a, b in held]
         toks = np.concatenate([p[0] for p in parts])
         cnts = np.concatenate([p[1] for p in parts])
         u, inv = np.unique(toks, return_inverse=True)
@@ -433,6 +433,7 @@ class Index:
         _, first = np.unique(docs, return_index=True)
         hits = []
         for j in np.sort(first)[:n]:
+            check_cancelled()  # a cancelled query stops here, in each shard it reads
             p, d = int(pos[j]), int(docs[j])
             ds, de = int(s.starts[d]), int(s.starts[d + 1]) - 1
             lo, hi = max(ds, p - context), min(de, p + length + context)

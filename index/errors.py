@@ -25,6 +25,11 @@ class TokenizerMismatch(TeragramError):
     """The tokenizer given does not match the one the index was built with."""
 
 
+class Cancelled(TeragramError):
+    """A query stopped before its end because whoever asked for it cancelled it (index/cancel.py):
+    a server's client that went away."""
+
+
 class BuildError(TeragramError):
     """The build cannot proceed (missing input, output holds another index, bad tokenizer)."""
 

@@ -31,12 +31,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from teragram.index.engine import Index
-from teragram.index.errors import ClusterError, QueryError, TeragramError
+from teragram.index.errors import Cancelled, ClusterError, QueryError, TeragramError
 from teragram.index.results import answer_json
 from teragram.model.generation.draft import DraftStats
-from teragram.serve.guard import Guard, Stats, Streams, body_error, check_bind, error
+from teragram.serve.guard import CLIENT_GONE, Guard, Stats, Streams, body_error, check_bind, error
 from teragram.serve.index_query import InfinigramRequest, answer_cnf, limits, query_ids
-from teragram.serve.lanes import QUERY_TYPES, SEARCH_QUERIES, Lanes, in_lane, settle
+from teragram.serve.lanes import QUERY_TYPES, SEARCH_QUERIES, Lanes, settle, unless_gone
 from teragram.serve.model_routes import CompletionRequest, ScoreRequest, add_completions, add_score
 from teragram.serve.page import add_page
 
@@ -203,6 +203,8 @@ def _add_guards(app: FastAPI, s: Served) -> None:
 
     @app.exception_handler(TeragramError)
     async def _teragram(request: Request, exc: TeragramError):
+        if isinstance(exc, Cancelled):  # its client has gone (lanes.unless_gone): counted apart from errors
+            return error(CLIENT_GONE, "cancelled: the client went away")
         status = getattr(exc, "status", 503 if isinstance(exc, ClusterError) else 400)  # 503: shards without a live holder
         return error(status, str(exc))
 
@@ -265,16 +267,20 @@ def _add_index_routes(app: FastAPI, s: Served) -> None:
     s.handlers["query"] = query
 
     @app.post("/")
-    async def infinigram(req: InfinigramRequest):
+    async def infinigram(req: InfinigramRequest, request: Request):
         qt = req.query_type
-        t, ok = time.perf_counter(), False
-        try:
-            out = await in_lane(s.lanes.search if qt in SEARCH_QUERIES and not req.is_cnf() else s.lanes.enumerate, query, req)
-            ok = True
+        t, outcome = time.perf_counter(), "error"
+        try:  # stopped if its client goes first: its lane's thread is then free (lanes.unless_gone)
+            lane = s.lanes.search if qt in SEARCH_QUERIES and not req.is_cnf() else s.lanes.enumerate
+            out = await unless_gone(request.receive, lane, query, req)
+            outcome = "ok"
             return out
+        except Cancelled:
+            outcome = "cancelled"
+            raise
         finally:  # each query type's own latency, waiting for its lane included
             if qt in QUERY_TYPES:
-                stats.add(f"/ ({qt})", (time.perf_counter() - t) * 1e3, ok)
+                stats.add(f"/ ({qt})", (time.perf_counter() - t) * 1e3, outcome == "ok", cancelled=outcome == "cancelled")
 
 
 def serve(cfg: ServeConfig) -> None:

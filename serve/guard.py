@@ -15,20 +15,27 @@ from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 from teragram.index.errors import TeragramError
 
+CLIENT_GONE = 499  # the status of a request stopped because its client went away (nginx's "client closed request"); no one reads it
+
 
 class Stats:
-    """Requests, errors and latencies (the last 10,000) per path."""
+    """Requests, errors, requests cancelled (their clients gone: no errors, no latency) and
+    latencies (the last 10,000) per path."""
 
     def __init__(self):
         self.start = time.time()
         self.counts: dict[str, int] = defaultdict(int)
         self.errors: dict[str, int] = defaultdict(int)
+        self.cancelled: dict[str, int] = defaultdict(int)
         self.lat: dict[str, deque] = defaultdict(lambda: deque(maxlen=10000))
         self.lock = threading.Lock()
 
-    def add(self, path: str, ms: float, ok: bool) -> None:
+    def add(self, path: str, ms: float, ok: bool, *, cancelled: bool = False) -> None:
         with self.lock:
             self.counts[path] += 1
+            if cancelled:
+                self.cancelled[path] += 1
+                return
             if not ok:
                 self.errors[path] += 1
             self.lat[path].append(ms)
@@ -41,6 +48,7 @@ class Stats:
                 out[p] = {
                     "requests": n,
                     "errors": self.errors[p],
+                    "cancelled": self.cancelled[p],
                     "p50_ms": float(np.percentile(a, 50)),
                     "p90_ms": float(np.percentile(a, 90)),
                     "p99_ms": float(np.percentile(a, 99)),
@@ -113,7 +121,7 @@ class Guard:
         try:
             await (refused or self.app)(scope, measured, sent)
         finally:
-            self.stats.add(scope["path"], (time.perf_counter() - t) * 1e3, status[0] < 400)
+            self.stats.add(scope["path"], (time.perf_counter() - t) * 1e3, status[0] < 400, cancelled=status[0] == CLIENT_GONE)
 
 
 class TooManyStreams(TeragramError):

@@ -1,6 +1,7 @@
 """The server's lanes: a pool of worker threads per kind of request, so that a cheap query never
 waits for a thread behind expensive ones (serve/app.py). A request waiting for its lane holds no
-thread; a stream is produced in one thread of its lane."""
+thread; a stream is produced in one thread of its lane. A request whose client goes away stops:
+a stream at its next item, a query at its index's next check (unless_gone, index/cancel.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ import asyncio
 import gc
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
+
+from teragram.index.cancel import cancellable, check_cancelled
 
 QUERY_TYPES = ("count", "prob", "ntd", "infgram_prob", "infgram_ntd", "search_docs")  # infini-gram's API
 SEARCH_QUERIES = ("count", "prob", "infgram_prob")  # binary searches only: the fast lane
@@ -32,6 +36,55 @@ class Lanes:
 async def in_lane(lane: ThreadPoolExecutor, fn, *args):
     """fn(*args) in a thread of the lane."""
     return await asyncio.get_running_loop().run_in_executor(lane, partial(fn, *args))
+
+
+async def unless_gone(receive, lane: ThreadPoolExecutor, fn, *args):
+    """fn(*args) in a thread of the lane, stopped when the client goes away first: its event is
+    set and the work raises Cancelled at its next check_cancelled() (index/cancel.py), in the
+    index's loops over shards or while it waits for its lane or the model's lock, so the thread
+    is free for the next request. receive: the request's ASGI receive, its body already read;
+    what it gives next is the client's http.disconnect."""
+    gone = threading.Event()
+
+    def run():
+        with cancellable(gone):
+            check_cancelled()  # gone while waiting for the lane
+            return fn(*args)
+
+    work = asyncio.get_running_loop().run_in_executor(lane, run)
+    watch = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+        if watch.done() and watch.exception() is None:  # (an error of receive's is no disconnect)
+            gone.set()
+        return await work
+    finally:
+        watch.cancel()
+        gone.set()  # (stops the work too where this request is itself cancelled: the server stopping)
+
+
+async def _disconnected(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+LOCK_CHECK_S = 0.05  # how often a request waiting for a lock looks whether its client has gone
+
+
+def acquire(lock: threading.Lock) -> None:
+    """Take the lock, or raise Cancelled while waiting for it if the request is cancelled."""
+    while not lock.acquire(timeout=LOCK_CHECK_S):
+        check_cancelled()
+
+
+@contextmanager
+def holding(lock: threading.Lock):
+    """The lock held for a block, its wait cancellable (acquire)."""
+    acquire(lock)
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 async def produced(make, lane: ThreadPoolExecutor):

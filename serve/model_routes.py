@@ -18,7 +18,7 @@ from teragram.index.errors import QueryError
 from teragram.model.generation.draft import MAX_DRAFT
 from teragram.serve.guard import released
 from teragram.serve.index_query import Text, query_ids
-from teragram.serve.lanes import in_lane, produced
+from teragram.serve.lanes import holding, in_lane, produced, unless_gone
 
 if TYPE_CHECKING:
     from teragram.serve.app import Served
@@ -189,8 +189,8 @@ def add_score(app: FastAPI, s: Served) -> None:
     cfg, idx, model, gate, model_lock = s.cfg, s.idx, s.model, s.gate, s.model_lock
 
     @app.post("/v1/score")
-    async def score_route(req: ScoreRequest):
-        return await in_lane(s.lanes.model, _on_model(s, "score", score), req)
+    async def score_route(req: ScoreRequest, request: Request):  # stopped if its client goes while it waits for the model
+        return await unless_gone(request.receive, s.lanes.model, _on_model(s, "score", score), req)
 
     def score(req: ScoreRequest):
         _need_model(s)
@@ -214,7 +214,7 @@ def add_score(app: FastAPI, s: Served) -> None:
         f = to_torch(fx.map(lambda a: a[None]), cfg.device) if model.cfg.use_index else None
         X, Y = t(x), t(ids)
         reads_cc = gate is not None and gate.cont_cache is not None
-        with model_lock, torch.no_grad():
+        with holding(model_lock), torch.no_grad():
             if reads_cc:  # the continuous cache compares the model's key states of the text's positions
                 from teragram.model.mixture.cont_cache import key_states
 

@@ -21,6 +21,7 @@ import threading
 
 from fastapi.responses import Response
 from teragram.index.errors import ClusterError, TeragramError
+from teragram.serve.lanes import acquire
 
 ENDED = "the model's process has ended; restart the server"
 
@@ -94,8 +95,9 @@ class ModelWorker:
 
     def call(self, kind: str, req) -> Response | _Stream:
         """The response to a completion or scoring request: JSON, or a stream of its chunks
-        (the lock is held until the stream ends, is closed or is dropped)."""
-        self.lock.acquire()
+        (the lock is held until the stream ends, is closed or is dropped). A request cancelled
+        while it waits for the lock stops waiting (lanes.acquire); once sent, it runs to its end."""
+        acquire(self.lock)
         try:
             self._send((kind, req.model_dump()))
             msg = self._recv()

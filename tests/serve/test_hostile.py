@@ -18,6 +18,7 @@ from teragram.serve.app import ServeConfig, create_app
 from teragram.serve.model_routes import MAX_STOPS
 
 from tests.serve.test_app import checkpoint  # noqa: F401 (the tiny model the server runs)
+from tests.serve.test_cancel import endpoint_stats, post_and_leave, serving
 from tools.page.browser import server
 
 J = {"content-type": "application/json"}
@@ -76,6 +77,19 @@ def test_body_caps_with_and_without_a_content_length(app):
     assert r.status_code == 413 and "over 1048576 bytes" in r.json()["error"]
     assert c.post("/", content=iter([b'{"query_type": "count",', b' "query": "the"}']), headers=J).status_code == 200
     assert c.post("/", content=b"{}", headers=J | {"content-length": "-1"}).status_code == 400
+
+
+def test_a_score_whose_client_goes_stops_waiting_for_the_model(app):
+    """A scoring request waiting for the model (its lock held) whose client goes is dropped, never
+    sent to the model's process: counted cancelled, not an error; the next score is answered."""
+    with serving(app) as url:
+        before = endpoint_stats(url, "/v1/score", cancelled=0, timeout_s=0)
+        with app.state.served.model_lock:
+            post_and_leave(url, "/v1/score", {"text": "The kernel"}, 0.3)
+            got = endpoint_stats(url, "/v1/score", cancelled=before.get("cancelled", 0) + 1)
+        assert got.get("cancelled") == before.get("cancelled", 0) + 1 and got["errors"] == before.get("errors", 0)
+        r = httpx.post(url + "/v1/score", json={"text": "The kernel"}, timeout=60)
+        assert r.status_code == 200 and len(r.json()["token_ids"]) >= 2
 
 
 def test_streams_per_client_are_capped(app):
