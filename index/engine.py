@@ -229,8 +229,7 @@ class Index:
 
     @cached_property
     def trigrams(self) -> np.ndarray | None:
-        """(S, W) uint64: each shard's filter of the 3-token strings it holds (index/trigrams.py),
-        or None (an index of one shard, one built before them, or opened on some shards)."""
+        """(S, W) uint64: each shard's filter of the 3-token strings it holds (index/trigrams.py), or None as merged."""
         if not self._whole or len(self.shards) < 2:
             return None
         from . import trigrams
