@@ -94,7 +94,7 @@ def cont_cache_of(
         m = len(tb)
         h = torch.cat([torch.as_tensor(hb).to(h.device), h]) if torch.is_tensor(h) else np.concatenate([hb, h])
         target, doc = np.concatenate([tb, target]), np.concatenate([np.full(m, doc[0]), doc])
-    q = cc.target_probs(h, target, doc, spec.temperatures, device, window=spec.window)[m:]
+    q = cc.target_probs(h, target, doc, spec.temperatures, device, window=spec.window, start=m)[m:]
     return spec, q.astype(np.float32).astype(np.float64)  # as saved outputs keep it: both paths give the same figures
 
 
