@@ -416,7 +416,7 @@ def _register_eval(sub) -> None:
         type=positive,
         default=CHUNK_TOKENS,
         metavar="N",
-        help="tokens read, run and mixed at a time; peak memory follows it (default %(default)s)",
+        help="tokens read, run and mixed at a time (a longer document in pieces); peak memory follows it (default %(default)s)",
     )
     ev.add_argument(
         "--fit-rows",
