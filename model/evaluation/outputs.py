@@ -186,7 +186,8 @@ def save_model_outputs(
     from teragram.model.evaluation.stream import CHUNK_TOKENS, heldout_chunks
     from teragram.model.mixture import cont_cache as cc
 
-    chunks = heldout_chunks(heldout, chunk_tokens or CHUNK_TOKENS, features=model.cfg.use_index, split=model.cfg.block_size)
+    split = model.cfg.block_size * batch  # pieces of whole batches of windows
+    chunks = heldout_chunks(heldout, chunk_tokens or CHUNK_TOKENS, features=model.cfg.use_index, split=split)
     w = OutputsWriter(out, idx, checkpoint=source, step=meta["step"], model=weights_digest(model))
     for ch in saving(model_chunks(model, idx, chunks, device, batch=batch, hidden=cc.KEY), w, cont_cache, device):
         ch.r = None

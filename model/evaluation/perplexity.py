@@ -243,7 +243,8 @@ def heldout_report(
     opts = EvalOptions() if opts is None else opts
     stages = Stages() if stages is None else stages
     hidden = "final" if opts.baseline == "knn" else needs_states(opts) and cc.KEY
-    chunks = heldout_chunks(heldout, opts.chunk_tokens, features=model.cfg.use_index, split=model.cfg.block_size)
+    split = model.cfg.block_size * batch  # pieces of whole batches of windows: the model's outputs are the document's read whole
+    chunks = heldout_chunks(heldout, opts.chunk_tokens, features=model.cfg.use_index, split=split)
     chunks = prefetch(model_chunks(model, idx, chunks, device, batch=batch, hidden=hidden, stages=stages))
     return mix_stream(chunks, idx, opts, device=device, stages=stages)
 

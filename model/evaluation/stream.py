@@ -1,8 +1,8 @@
 """Evaluation streamed over held-out text of any size, in bounded memory.
 
 The text is read a chunk at a time: a run of whole documents of at most `chunk_tokens` targets.
-A document longer than that is read in pieces (`split`: cut at multiples of the model's context,
-so that the model reads the same windows), each a chunk of its own that carries the document's
+A document longer than that is read in pieces (`split`: cut at multiples of the model's batch of
+windows, so that it runs the same batches of the same windows), each a chunk of its own that carries the document's
 earlier tokens (`prefix`): peak memory follows the chunk size, not the text's nor the longest
 document's size, and every figure is the one of the document read whole (the stages carry what
 they need from the earlier pieces: mixing.py, perplexity.py). Each chunk is tokenized, given held-out
@@ -77,7 +77,8 @@ class Chunk:
 
 def pieces(n_targets: int, chunk_tokens: int, split: int) -> list[tuple[int, int]]:
     """Target ranges [s, e) of a document of n_targets read in pieces of at most chunk_tokens
-    (at least `split`), each starting at a multiple of split (the model's context)."""
+    (at least `split`), each starting at a multiple of split (the model's context times its
+    batch: a piece's windows are the whole document's, run in the same batches)."""
     size = max(split, chunk_tokens // split * split)
     return [(s, min(s + size, n_targets)) for s in range(0, n_targets, size)]
 

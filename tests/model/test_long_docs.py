@@ -49,12 +49,12 @@ def quick_fits(monkeypatch):
     monkeypatch.setitem(gate_mod.Gate.fit.__func__.__kwdefaults__, "steps", 3)
 
 
-BATCH = CHUNK // T * T // T  # windows run at a time: a piece's, so that both ways run the same batches (the same arithmetic)
+BATCH = 2  # windows run at a time: pieces are cut at multiples of T * BATCH (2 pieces of a chunk), the model's batches are the same
 
 
 def _chunks(setup, model, split: bool, chunk_tokens: int = CHUNK):
     idx, corpus, _, _ = setup
-    chunks = corpus_chunks(idx, [str(corpus)], chunk_tokens, split=T if split else None)
+    chunks = corpus_chunks(idx, [str(corpus)], chunk_tokens, split=T * BATCH if split else None)
     return model_chunks(model, idx, chunks, hidden=cc.KEY, batch=BATCH)
 
 
@@ -87,14 +87,14 @@ def test_pieces_are_bounded_and_cover_each_document(setup):
     """The long documents come in pieces of at most CHUNK targets, cut at multiples of T, with
     their earlier tokens; read whole they are chunks of thousands."""
     idx, corpus, plain, _ = setup
-    split = list(corpus_chunks(idx, [str(corpus)], CHUNK, split=T))
+    split = list(corpus_chunks(idx, [str(corpus)], CHUNK, split=T * BATCH))
     whole = list(corpus_chunks(idx, [str(corpus)], CHUNK))
     assert max(ch.targets for ch in split) <= CHUNK < max(ch.targets for ch in whole) // 4
     assert sum(ch.targets for ch in split) == sum(ch.targets for ch in whole)
     docs = {ch.first: ch.docs[0] for ch in whole if len(ch.docs) == 1}
     for ch in split:
         if ch.piece:
-            assert ch.offset % T == 0 and len(ch.prefix) == ch.offset
+            assert ch.offset % (T * BATCH) == 0 and len(ch.prefix) == ch.offset
             np.testing.assert_array_equal(np.concatenate([ch.prefix, ch.docs[0]]), docs[ch.first][: ch.offset + len(ch.docs[0])])
     assert sum(ch.piece for ch in split) >= 10
 
