@@ -143,10 +143,12 @@ def _checkpoint_report(args, opts, model, meta: dict, idx):
 
         with stages("features"):
             compute_held_out(idx, args.features_out, FeatureConfig("held-out", model.cfg.max_match, max(model.cfg.top_k, 1)), args.corpus)
-        chunks = stream.heldout_chunks(args.features_out, opts.chunk_tokens, features=model.cfg.use_index)
+        chunks = stream.heldout_chunks(
+            args.features_out, opts.chunk_tokens, features=model.cfg.use_index, split=model.cfg.block_size * args.batch_size
+        )
         total, unit = fmt_total(args.features_out), "tok"
     else:
-        chunks = stream.corpus_chunks(idx, args.corpus, opts.chunk_tokens, skipped)
+        chunks = stream.corpus_chunks(idx, args.corpus, opts.chunk_tokens, skipped, split=model.cfg.block_size * args.batch_size)
         total, unit = (None if args.quiet or args.json else stream.text_size(args.corpus)), "B"
     knn = opts.baseline == "knn"
     hidden = "final" if knn else cc.KEY if needs_states(opts) or args.save_outputs else False
@@ -416,7 +418,7 @@ def _register_eval(sub) -> None:
         type=positive,
         default=CHUNK_TOKENS,
         metavar="N",
-        help="tokens read, run and mixed at a time; peak memory follows it (default %(default)s)",
+        help="tokens read, run and mixed at a time (a longer document in pieces); peak memory follows it (default %(default)s)",
     )
     ev.add_argument(
         "--fit-rows",

@@ -21,7 +21,7 @@ import numpy as np
 from teragram.index.errors import TeragramError
 from teragram.model.evaluation.stream import CHUNK_TOKENS, FIT_ROWS, DocSums, Spill, blocks, prefetch, sample_rows
 from teragram.model.mixture import cont_cache as cc
-from teragram.model.mixture.estimates import COMPONENTS, docs_estimates, infgram_lengths
+from teragram.model.mixture.estimates import COMPONENTS, docs_estimates, infgram_lengths, piece_estimates
 from teragram.model.mixture.gate import Gate, GateX, component_logp, gate_inputs, mix_nll_multi
 
 
@@ -73,13 +73,14 @@ def halves(doc: np.ndarray, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def cont_cache_of(
-    r: dict, spec: cc.ContCache | None, device: str = "cpu", *, fit_rows: np.ndarray | None = None
+    r: dict, spec: cc.ContCache | None, device: str = "cpu", *, fit_rows: np.ndarray | None = None, before=None
 ) -> tuple[cc.ContCache, np.ndarray]:
     """(spec, q (N, len(factors))): the continuous cache's probability of every target of
     forward_docs's result r (with its key states under "hidden", an array or a tensor); without
     a spec, the scale is fit on this text's rows fit_rows (a mask; None: the fitting half of
     every document, halves), which should then be validation text: the half of it that
-    `--fit-gate` fits the candidates on, never the half that compares them."""
+    `--fit-gate` fits the candidates on, never the half that compares them. before: (key states,
+    targets) of the last rows of r's first document read in an earlier piece (ContCarry)."""
     import torch
 
     h = r["hidden"]
@@ -87,8 +88,43 @@ def cont_cache_of(
         rows = halves(r["doc"], np.ones(len(r["doc"]), bool))[0] if fit_rows is None else fit_rows
         hr = h[torch.as_tensor(rows, device=h.device)] if torch.is_tensor(h) else h[rows]
         spec = cc.ContCache(cc.fit_scale(hr, r["doc"][rows], device, window=cc.WINDOW), window=cc.WINDOW)
-    q = cc.target_probs(h, r["target"], r["doc"], spec.temperatures, device, window=spec.window)
+    target, doc, m = r["target"], r["doc"], 0
+    if before is not None and len(before[1]):
+        hb, tb = before
+        m = len(tb)
+        h = torch.cat([torch.as_tensor(hb).to(h.device), h]) if torch.is_tensor(h) else np.concatenate([hb, h])
+        target, doc = np.concatenate([tb, target]), np.concatenate([np.full(m, doc[0]), doc])
+    q = cc.target_probs(h, target, doc, spec.temperatures, device, window=spec.window, start=m)[m:]
     return spec, q.astype(np.float32).astype(np.float64)  # as saved outputs keep it: both paths give the same figures
+
+
+class ContCarry:
+    """The continuous cache over a stream of chunks (stream.Chunk) whose documents may come in
+    pieces: a piece reads the last `window` key states (and targets) of its document's earlier
+    pieces; the scale is the one given, or fit on the first chunk (cont_cache_of)."""
+
+    def __init__(self, spec: cc.ContCache | None, device: str = "cpu"):
+        self.spec, self.device, self.before = spec, device, None
+
+    def __call__(self, ch, fit_rows: np.ndarray | None = None) -> tuple[cc.ContCache, np.ndarray]:
+        r = ch.r
+        before = self.before if ch.offset else None
+        self.spec, q = cont_cache_of(r, self.spec, self.device, fit_rows=fit_rows, before=before)
+        self.before = None
+        if ch.open:
+            h = r["hidden"]
+            h = h.float().cpu().numpy() if hasattr(h, "cpu") else np.asarray(h)
+            t = np.asarray(r["target"], np.int64)
+            if before is not None:
+                h, t = np.concatenate([before[0], h]), np.concatenate([before[1], t])
+            self.before = (h[-self.spec.window :], t[-self.spec.window :])
+        return self.spec, q
+
+
+def first_rows(r: dict) -> np.ndarray:
+    """(N,) bool: the rows of outputs r that are their document's first target, where the
+    continuous cache has no history (a piece's first row is not: stream.Chunk)."""
+    return np.asarray(r["pos"]) == 0 if "pos" in r else cc.first_rows(r["doc"])
 
 
 def gate_weights(gate: Gate, r: dict, est: dict) -> np.ndarray:
@@ -103,7 +139,7 @@ def apply_gate(gate: Gate, r: dict, est: dict, weights: np.ndarray | None = None
     spec, q = r.get("cont_cache", (None, None))
     if gate.cont_cache is not None and gate.cont_cache != spec:
         raise TeragramError("the gate reads the continuous cache at another scale than these outputs were saved with")
-    ccols = (q, cc.first_rows(r["doc"])) if q is not None else None
+    ccols = (q, first_rows(r)) if q is not None else None
     w = gate_weights(gate, r, est) if weights is None else weights
     return mix_nll_multi(component_logp(est, r["nll"], gate.components, ccols), w)
 
@@ -113,7 +149,7 @@ def fit_inputs(r: dict, est: dict) -> tuple[GateX, np.ndarray, cc.ContCache | No
     estimate and the log-probabilities of the model, each estimate and, when r has it, the
     continuous cache (its columns last: (t) is the first 1 + len(COMPONENTS) columns)."""
     spec, q = r.get("cont_cache", (None, None))
-    ccols = (q, cc.first_rows(r["doc"])) if q is not None else None
+    ccols = (q, first_rows(r)) if q is not None else None
     comps = COMPONENTS + (spec.names if spec is not None else ())
     return gate_inputs(est, r["maxp"], r["top"], COMPONENTS), component_logp(est, r["nll"], comps, ccols), spec
 
@@ -236,20 +272,39 @@ def doc_shares(lengths: np.ndarray, docs) -> np.ndarray:
 
 def _looked_up(chunks, idx, opts: EvalOptions, stages: Stages):
     """The chunks with the index's side filled in: the estimates the mixture reads (ch.est), a
-    given gate's weights (ch.weights) and, with decontaminate, which documents are kept (ch.keep)."""
-    from teragram.index.heldout import DECONTAMINATION_SHARE
+    given gate's weights (ch.weights) and, with decontaminate, which documents are kept (ch.keep;
+    a document read in pieces: known at its last piece, True until then). A piece's index
+    estimates read the document from where the ∞-gram's match at its previous target starts."""
+    from teragram.index.heldout import DECONTAMINATION_N, DECONTAMINATION_SHARE
 
+    estimating = opts.gate is not None or opts.fit_gate or opts.baseline in ("infini-gram", "infini-gram+cache")
+    carried, hits = 0, [0, 0]  # an open document's last ∞-gram length; its 13-grams in the index and all of them
     for ch in chunks:
-        if opts.gate is not None or opts.fit_gate or opts.baseline in ("infini-gram", "infini-gram+cache"):
-            with stages("estimates"):
-                ch.est = docs_estimates(idx, ch.docs, opts.workers)
+        if estimating or opts.decontaminate:
+            with stages("estimates" if estimating else "decontaminate"):
+                if ch.piece:
+                    context = ch.offset - 1 - carried if ch.offset else 0
+                    got = piece_estimates(
+                        idx, ch.prefix, ch.docs[0], last=not ch.open, context=context, workers=opts.workers, cache=estimating
+                    )
+                    ch.est = got if estimating else None
+                    lengths = got["index_length"] if estimating else got
+                    carried = int(lengths[-1])
+                else:
+                    ch.est = docs_estimates(idx, ch.docs, opts.workers) if estimating else None
+                    lengths = ch.est["index_length"] if estimating else infgram_lengths(idx, ch.docs, opts.workers)
         if opts.gate is not None:
             with stages("gate_weights"):
                 ch.weights = gate_weights(opts.gate, ch.r, ch.est)
         if opts.decontaminate:
             with stages("decontaminate"):
-                lengths = ch.est["index_length"] if ch.est is not None else infgram_lengths(idx, ch.docs, opts.workers)
-                ch.keep = doc_shares(lengths, ch.docs) < DECONTAMINATION_SHARE
+                if not ch.piece:
+                    ch.keep = doc_shares(lengths, ch.docs) < DECONTAMINATION_SHARE
+                else:  # doc_shares's rows: target j >= DECONTAMINATION_N reads the n-gram ending at token j - 1
+                    at = ch.offset + np.arange(len(lengths)) >= DECONTAMINATION_N
+                    hits = hits if ch.offset else [0, 0]
+                    hits = [hits[0] + int((lengths[at] >= DECONTAMINATION_N).sum()), hits[1] + int(at.sum())]
+                    ch.keep = np.array([ch.open or (hits[0] / hits[1] if hits[1] else 0.0) < DECONTAMINATION_SHARE])
         yield ch
 
 
@@ -268,8 +323,8 @@ def mix_stream(chunks, index, opts: EvalOptions | None = None, *, device: str = 
     _check(opts)
     gating = opts.gate is not None or opts.fit_gate
     fitting = opts.fit_gate or (opts.baseline is not None and opts.params is None)
-    spec = opts.gate.cont_cache if opts.gate is not None else None
-    store = None
+    cont = ContCarry(opts.gate.cont_cache if opts.gate is not None else None, device)
+    spec, store = cont.spec, None
     sums, spill, kept, width = DocSums(), Spill(opts.spill) if fitting else None, 0, 0
     try:
         for ch in prefetch(_looked_up(chunks, idx, opts, stages)):  # the index's side a chunk ahead, in a thread of its own
@@ -283,12 +338,12 @@ def mix_stream(chunks, index, opts: EvalOptions | None = None, *, device: str = 
             local = np.asarray(r["doc"], np.int64) - ch.first
             est, keep_docs = ch.est, ch.keep if ch.keep is not None else np.ones(len(ch.docs), bool)
             rank = kept + np.cumsum(keep_docs) - 1  # halves: every other kept document, counted over the whole text
-            kept += int(keep_docs.sum())
+            kept += int(keep_docs.sum()) - ch.open  # an open document is counted at its last piece (kept until then)
             keep, held = keep_docs[local], (keep_docs & (rank % 2 == 1))[local]
             if needs_states(opts) and "cont_cache" not in r and "hidden" in r:  # saved outputs bring theirs, or none
                 with stages("cont_cache"):
-                    r["cont_cache"] = cont_cache_of(r, spec, device, fit_rows=keep & ~held)
-                    spec = r["cont_cache"][0]  # the scale fit on the first chunk's fitting half, kept for the rest
+                    r["cont_cache"] = cont(ch, fit_rows=keep & ~held)  # the scale fit on the first chunk's fitting half
+                    spec = cont.spec
             mixed = None
             if opts.gate is not None:
                 with stages("gate"):
@@ -297,27 +352,30 @@ def mix_stream(chunks, index, opts: EvalOptions | None = None, *, device: str = 
                 with stages("gate_fit"):
                     X, lp, spec = fit_inputs(r, est)
                     width = X.width
-                    spill.add(cols=X.cols.astype(np.uint16), logp=lp, doc=local + ch.first, keep=keep, held=held)
+                    spill.add(cols=X.cols.astype(np.uint16), logp=lp, doc=local + ch.first)
             elif opts.baseline is not None:
                 with stages("baseline"):
                     a = _baseline_inputs(opts.baseline, r, est, store)
                     if opts.params is not None:
                         mixed = _baseline_apply(opts.baseline, a, opts.params)
                     else:
-                        spill.add(**a, doc=local + ch.first, keep=keep)
-            sums.add(ch.first, len(ch.docs), local + ch.first, r["nll"], mixed, ch.nbytes, keep_docs)
+                        spill.add(**a, doc=local + ch.first)
+            sums.add(ch.first, len(ch.docs), local + ch.first, r["nll"], mixed, ch.nbytes, keep_docs, cont=ch.offset > 0)
             ch.r = ch.est = ch.weights = None
         fitted, info = None, {}
         if spill is not None:
             a = spill.arrays()
-            n_docs, total = len(sums.get("n")), None
+            keep_docs = sums.get("keep").astype(bool)  # a document's keep is known after its last piece: the rows' are read from it
+            held_docs = keep_docs & (np.cumsum(keep_docs) % 2 == 0)  # every other kept document, counted over the whole text
+            keep, held = keep_docs[a["doc"]], held_docs[a["doc"]]
+            n_docs, total = len(keep_docs), None
             with stages("gate_fit" if opts.fit_gate else "baseline"):
                 if opts.fit_gate:
                     X, lp = GateX(a["cols"], width), a["logp"]
-                    fitted, info = choose_gate(X, lp, a["keep"], a["held"], spec, opts.fit_rows)
+                    fitted, info = choose_gate(X, lp, keep, held, spec, opts.fit_rows)
                     total = _by_doc(a["doc"], (_mixed(fitted, X[b], lp[b]) for b in blocks(len(X))), n_docs)
                 else:
-                    fitted = _baseline_fit(opts.baseline, a, a["keep"])
+                    fitted = _baseline_fit(opts.baseline, a, keep)
                     total = _by_doc(a["doc"], (_baseline_apply(opts.baseline, a, fitted, b) for b in blocks(len(a["nll"]))), n_docs)
             sums.parts["mixed"] = [total]
     finally:

@@ -114,11 +114,14 @@ class OutputsWriter:
         self.n = 0
 
     def add(self, ch) -> None:
+        """A chunk's documents and outputs; a piece of a document (stream.Chunk) goes on from the
+        last one's, and the document's source and bytes are recorded with its last piece."""
         r = ch.r
         for ids in ch.docs:
-            self.starts.append([self.n])
-            self.tokens.append(np.append(np.asarray(ids), self.idx.sep))
-            self.n += len(ids) + 1
+            if not ch.offset:
+                self.starts.append([self.n])
+            self.tokens.append(np.asarray(ids) if ch.open else np.append(np.asarray(ids), self.idx.sep))
+            self.n += len(ids) + (not ch.open)
         for name, w in self.fields.items():
             w.append(np.asarray(r[name]))
         spec, q = r.get("cont_cache", (None, None))
@@ -129,7 +132,9 @@ class OutputsWriter:
             raise TeragramError("saved outputs hold one continuous cache's scale")
         for c, w in enumerate(self.cc):
             w.append(q[:, c])
-        metas = ch.metas or [{"source": "", "record": k, "length": len(ids)} for k, ids in enumerate(ch.docs, ch.first)]
+        if ch.open:
+            return
+        metas = ch.metas or [{"source": "", "record": k, "length": len(ids) + ch.offset} for k, ids in enumerate(ch.docs, ch.first)]
         self.docs += [m | {"bytes": int(b)} for m, b in zip(metas, ch.nbytes, strict=True)]
 
     def abort(self) -> None:
@@ -152,13 +157,13 @@ def saving(chunks, writer: OutputsWriter, spec=None, device: str = "cpu", *, kee
     probabilities (r["cont_cache"]) at the scale of `spec` (a ContCache), or at one fit on the
     first chunk (which should then be validation text): on the half of its documents that
     `--fit-gate` fits on (perplexity.halves). The key states are dropped unless keep_hidden."""
-    from teragram.model.evaluation.perplexity import cont_cache_of
+    from teragram.model.evaluation.mixing import ContCarry
 
+    cont = ContCarry(spec, device)
     try:
         for ch in chunks:
             if "hidden" in ch.r and "cont_cache" not in ch.r:
-                ch.r["cont_cache"] = cont_cache_of(ch.r, spec, device)
-                spec = ch.r["cont_cache"][0]
+                ch.r["cont_cache"] = cont(ch)
                 if not keep_hidden:
                     ch.r.pop("hidden")
             writer.add(ch)
@@ -181,7 +186,8 @@ def save_model_outputs(
     from teragram.model.evaluation.stream import CHUNK_TOKENS, heldout_chunks
     from teragram.model.mixture import cont_cache as cc
 
-    chunks = heldout_chunks(heldout, chunk_tokens or CHUNK_TOKENS, features=model.cfg.use_index)
+    split = model.cfg.block_size * batch  # pieces of whole batches of windows
+    chunks = heldout_chunks(heldout, chunk_tokens or CHUNK_TOKENS, features=model.cfg.use_index, split=split)
     w = OutputsWriter(out, idx, checkpoint=source, step=meta["step"], model=weights_digest(model))
     for ch in saving(model_chunks(model, idx, chunks, device, batch=batch, hidden=cc.KEY), w, cont_cache, device):
         ch.r = None
@@ -194,13 +200,14 @@ def outputs_chunks(outputs: ModelOutputs, chunk_tokens: int, *, cont_cache: bool
 
     st = np.asarray(fmt.open_array(outputs.path / "000000" / "docs.bin", "docs")).astype(np.int64)
     nbytes = outputs.doc_bytes
-    for ch in heldout_chunks(outputs.path, chunk_tokens):
-        a, b = st[ch.first], st[ch.first + len(ch.docs)]
-        r = {name: np.asarray(getattr(outputs, name)[a:b]) for name in ("nll", "maxp", "target", "doc")}
+    for ch in heldout_chunks(outputs.path, chunk_tokens, split=1):
+        a = st[ch.first] + ch.offset  # targets and the tokens' layout (each document's + SEP) have the same rows
+        b = a + ch.targets
+        r = {name: np.asarray(getattr(outputs, name)[a:b]) for name in ("nll", "maxp", "target", "doc", "pos")}
         r["top"] = np.asarray(outputs.top[a:b]).astype(np.int64)
         if outputs.cont_cache is not None and cont_cache:
             r["cont_cache"] = (outputs.cont_cache[0], np.asarray(outputs.cont_cache[1][a:b]))
-        ch.r, ch.nbytes = r, nbytes[ch.first : ch.first + len(ch.docs)]
+        ch.r, ch.nbytes = r, nbytes[ch.first : ch.first + len(ch.docs)] * (not ch.open)  # a document's bytes with its last piece
         yield ch
 
 

@@ -21,20 +21,33 @@ from teragram.model.mixture.gate import Gate
 from teragram.model.training.data import EvalData
 
 
-def doc_windows(ids: np.ndarray, f_doc: Features | None, T: int, eos: int, k: int):
+def doc_windows(ids: np.ndarray, f_doc: Features | None, T: int, eos: int, k: int, *, prev=None, last: bool = True):
     """(offset, x, y, features) of the windows of one document read as EOS + ids, predicting
     ids + EOS, T positions each; offset is the window's first target within the document.
-    f_doc: the held-out features of its positions (None: a model without index inputs)."""
-    x_all = np.concatenate([[eos], ids]).astype(np.int64)
-    y_all = np.append(ids, eos).astype(np.int64)
-    f_all = Features.combine([Features.empty(1, k, (np.int64,) * 5), f_doc]) if f_doc is not None else None
-    for s in range(0, len(x_all), T):
+    f_doc: the held-out features of its positions (None: a model without index inputs).
+    A piece of a document (stream.Chunk) is read the same way from its first target on: prev,
+    (the token before it, that token's features or None), stands for EOS; without `last` its
+    targets end before the document's EOS."""
+    tok, f_prev = (eos, Features.empty(1, k, (np.int64,) * 5)) if prev is None else prev
+    y_all = (np.append(ids, eos) if last else np.asarray(ids)).astype(np.int64)
+    x_all = np.concatenate([[tok], ids]).astype(np.int64)[: len(y_all)]
+    f_all = Features.combine([f_prev, f_doc]).map(lambda v: v[: len(y_all)]) if f_doc is not None else None
+    for s in range(0, len(y_all), T):
         yield s, x_all[s : s + T], y_all[s : s + T], (f_all.map(lambda v, s=s: v[s : s + T]) if f_all is not None else None)
 
 
 @torch.inference_mode()
 def forward_docs(
-    model: GPT, docs, eos: int, device: str = "cpu", *, first: int = 0, feats: Features | None = None, batch: int = 16, hidden=False
+    model: GPT,
+    docs,
+    eos: int,
+    device: str = "cpu",
+    *,
+    first: int = 0,
+    feats: Features | None = None,
+    batch: int = 16,
+    hidden=False,
+    piece: tuple | None = None,
 ) -> dict:
     """The model over documents (token ids, no separator), each read as EOS + its tokens in
     windows of the model's context. Per predicted token: nll (mixture when the model has one),
@@ -43,7 +56,8 @@ def forward_docs(
     EOS+doc+EOS order minus one), and with hidden=True the final hidden states (for kNN-LM
     queries; hidden="ffn_in": the continuous cache's key states, cont_cache.key_states) as one
     float32 tensor on `device`. feats: the documents' held-out features laid out doc0 SEP doc1
-    SEP ... (decoded), for a model with index inputs."""
+    SEP ... (decoded), for a model with index inputs. piece: (offset, prev, last) when docs is one
+    piece of a document (stream.Chunk; doc_windows's prev and last): pos stays the document's."""
     T, k = model.cfg.block_size, max(model.cfg.top_k, 1)
     key = "final" if hidden is True else hidden
     was = model.training
@@ -84,12 +98,13 @@ def forward_docs(
         buf.clear()
 
     at = 0  # the document's first position in feats
+    offset, prev, last = (0, None, True) if piece is None else piece
     for j, ids in enumerate(docs):
         n = len(ids)
         f_doc = feats.map(lambda v, a=at, n=n: v[a : a + n]) if model.cfg.use_index else None
         at += len(ids) + 1
-        for s, xx, yy, ff in doc_windows(np.asarray(ids), f_doc, T, eos, k):
-            buf.append((s, xx, yy, ff, first + j))
+        for s, xx, yy, ff in doc_windows(np.asarray(ids), f_doc, T, eos, k, prev=prev, last=last):
+            buf.append((offset + s, xx, yy, ff, first + j))
             if len(buf) == batch:
                 flush()
     if buf:
@@ -173,15 +188,40 @@ def model_chunks(model: GPT, idx, chunks, device: str = "cpu", *, batch: int = 1
     from teragram.index.heldout import held_out_features
 
     stages = Stages() if stages is None else stages
+    cfg = FeatureConfig("held-out", model.cfg.max_match, max(model.cfg.top_k, 1))
+    tail = None  # a piece's last token's features, read by the document's next piece
     for ch in chunks:
         if model.cfg.use_index and ch.feats is None:
             with stages("features"):
-                ch.feats = held_out_features(idx, ch.docs, FeatureConfig("held-out", model.cfg.max_match, max(model.cfg.top_k, 1)))
+                ch.feats = piece_features(idx, ch, cfg) if ch.piece else held_out_features(idx, ch.docs, cfg)
+        piece = None
+        if ch.piece:
+            prev = (int(ch.prefix[-1]), tail) if ch.offset else None
+            piece = (ch.offset, prev, not ch.open)
+            if model.cfg.use_index and ch.open:
+                tail = ch.feats.map(lambda v: v[-1:])
         with stages("model"):
-            ch.r = forward_docs(model, ch.docs, idx.eos_id, device, first=ch.first, feats=ch.feats, batch=batch, hidden=hidden)
-            ch.nbytes = docs_bytes(ch.docs, idx.decode)
+            ch.r = forward_docs(model, ch.docs, idx.eos_id, device, first=ch.first, feats=ch.feats, batch=batch, hidden=hidden, piece=piece)
+            ch.nbytes = piece_bytes(ch, idx.decode) if ch.piece else docs_bytes(ch.docs, idx.decode)
         ch.feats = None
         yield ch
+
+
+def piece_features(idx, ch, cfg) -> Features:
+    """The held-out features of a piece's tokens (stream.Chunk), and the separator's row when it
+    ends its document: computed over the cfg.max_len tokens before it too, all that they read."""
+    from teragram.index.heldout import held_out_features
+
+    c = max(0, ch.offset - cfg.max_len)
+    ids = np.concatenate([ch.prefix[c:], ch.docs[0]])
+    f = held_out_features(idx, [ids], cfg)
+    a = ch.offset - c
+    return f.map(lambda v: v[a : a + ch.targets])
+
+
+def piece_bytes(ch, decode) -> np.ndarray:
+    """A piece's UTF-8 bytes: 0, but the document's last piece's, the whole document's."""
+    return np.zeros(1, np.int64) if ch.open else docs_bytes([np.concatenate([ch.prefix, ch.docs[0]])], decode)
 
 
 def heldout_report(
@@ -203,7 +243,8 @@ def heldout_report(
     opts = EvalOptions() if opts is None else opts
     stages = Stages() if stages is None else stages
     hidden = "final" if opts.baseline == "knn" else needs_states(opts) and cc.KEY
-    chunks = heldout_chunks(heldout, opts.chunk_tokens, features=model.cfg.use_index)
+    split = model.cfg.block_size * batch  # pieces of whole batches of windows: the model's outputs are the document's read whole
+    chunks = heldout_chunks(heldout, opts.chunk_tokens, features=model.cfg.use_index, split=split)
     chunks = prefetch(model_chunks(model, idx, chunks, device, batch=batch, hidden=hidden, stages=stages))
     return mix_stream(chunks, idx, opts, device=device, stages=stages)
 

@@ -1,8 +1,11 @@
 """Evaluation streamed over held-out text of any size, in bounded memory.
 
-The text is read a chunk at a time: a run of whole documents of at most `chunk_tokens` targets
-(one document longer than that is a chunk of its own: peak memory follows the chunk size and the
-longest document, not the text's size). Each chunk is tokenized, given held-out
+The text is read a chunk at a time: a run of whole documents of at most `chunk_tokens` targets.
+A document longer than that is read in pieces (`split`: cut at multiples of the model's batch of
+windows, so that it runs the same batches of the same windows), each a chunk of its own that carries the document's
+earlier tokens (`prefix`): peak memory follows the chunk size, not the text's nor the longest
+document's size, and every figure is the one of the document read whole (the stages carry what
+they need from the earlier pieces: mixing.py, perplexity.py). Each chunk is tokenized, given held-out
 features when the model reads them, run through the model, looked up in the index (the
 estimates, and the ∞-gram's match lengths that decontamination reads), and mixed. Only each
 document's sums are kept in memory: its targets, the model's and the mixture's summed loss, its
@@ -41,10 +44,14 @@ BLOCK = 1 << 18  # rows scored at a time from a spill
 
 @dataclass
 class Chunk:
-    """A run of whole documents: the first one's number in the whole text, their token ids
-    (no separator), their sources, and, as the stream fills them in, their held-out features,
-    the model's per-target outputs `r` (model.evaluation.perplexity.forward_docs's fields, with
-    global document numbers) and each document's UTF-8 bytes."""
+    """A run of whole documents, or a piece of one: the first one's number in the whole text,
+    their token ids (no separator), their sources, and, as the stream fills them in, their
+    held-out features, the model's per-target outputs `r` (model.evaluation.perplexity.forward_docs's
+    fields, with global document numbers) and each document's UTF-8 bytes.
+
+    A piece (`offset` > 0 or `open`) is one document's targets offset .. offset + len(docs[0])
+    (+ 1, its EOS, unless open: the document goes on in the next chunk); `prefix` holds the
+    document's tokens before it. A piece's bytes are 0 but the last one's: the whole document's."""
 
     first: int
     docs: list[np.ndarray]
@@ -55,10 +62,32 @@ class Chunk:
     est: dict | None = None  # the index's and the document cache's estimates (model/mixture/estimates.py)
     keep: np.ndarray | None = None  # with decontamination: the documents kept
     weights: np.ndarray | None = None  # a given gate's mixture weights at every target
+    offset: int = 0  # a piece: its first target's position in the document
+    open: bool = False  # a piece that is not the document's last
+    prefix: np.ndarray | None = None  # a piece: the document's tokens before it
 
     @property
     def targets(self) -> int:
-        return sum(len(d) + 1 for d in self.docs)
+        return sum(len(d) + 1 for d in self.docs) - self.open
+
+    @property
+    def piece(self) -> bool:
+        return self.offset > 0 or self.open
+
+
+def pieces(n_targets: int, chunk_tokens: int, split: int) -> list[tuple[int, int]]:
+    """Target ranges [s, e) of a document of n_targets read in pieces of at most chunk_tokens
+    (at least `split`), each starting at a multiple of split (the model's context times its
+    batch: a piece's windows are the whole document's, run in the same batches)."""
+    size = max(split, chunk_tokens // split * split)
+    return [(s, min(s + size, n_targets)) for s in range(0, n_targets, size)]
+
+
+def _pieces(first: int, ids: np.ndarray, meta, chunk_tokens: int, split: int) -> Iterator[Chunk]:
+    """The chunks of one document read in pieces (ids: all its tokens)."""
+    n = len(ids)
+    for s, e in pieces(n + 1, chunk_tokens, split):
+        yield Chunk(first, [ids[s : min(e, n)]], [meta], offset=s, open=e <= n, prefix=ids[:s])
 
 
 def cut(lengths, chunk_tokens: int) -> list[tuple[int, int]]:
@@ -73,9 +102,12 @@ def cut(lengths, chunk_tokens: int) -> list[tuple[int, int]]:
     return out
 
 
-def corpus_chunks(idx, corpus: list[str], chunk_tokens: int = CHUNK_TOKENS, skipped: list | None = None) -> Iterator[Chunk]:
+def corpus_chunks(
+    idx, corpus: list[str], chunk_tokens: int = CHUNK_TOKENS, skipped: list | None = None, *, split: int | None = None
+) -> Iterator[Chunk]:
     """Chunks of the readable documents of files or folders, tokenized as they are read; each
-    unreadable record is appended to `skipped` (readers.Skip)."""
+    unreadable record is appended to `skipped` (readers.Skip). A document longer than a chunk
+    is read in pieces cut at multiples of `split` (None: it is a chunk of its own)."""
     from teragram.index.heldout import iter_corpus
 
     docs, metas, n, first = [], [], 0, 0
@@ -84,6 +116,10 @@ def corpus_chunks(idx, corpus: list[str], chunk_tokens: int = CHUNK_TOKENS, skip
             yield Chunk(first, docs, metas)
             first += len(docs)
             docs, metas, n = [], [], 0
+        if split and len(ids) + 1 > chunk_tokens:
+            yield from _pieces(first, ids, meta, chunk_tokens, split)
+            first += 1
+            continue
         docs.append(ids)
         metas.append(meta)
         n += len(ids) + 1
@@ -91,10 +127,12 @@ def corpus_chunks(idx, corpus: list[str], chunk_tokens: int = CHUNK_TOKENS, skip
         yield Chunk(first, docs, metas)
 
 
-def heldout_chunks(heldout, chunk_tokens: int = CHUNK_TOKENS, *, features: bool = False) -> Iterator[Chunk]:
+def heldout_chunks(heldout, chunk_tokens: int = CHUNK_TOKENS, *, features: bool = False, split: int | None = None) -> Iterator[Chunk]:
     """Chunks of a held-out features directory (index/heldout.py) or saved outputs'
     (model/evaluation/outputs.py) documents, read from its memory-mapped files; with features,
-    each chunk's held-out features too (decoded, laid out doc0 SEP doc1 SEP ...)."""
+    each chunk's held-out features too (decoded, laid out doc0 SEP doc1 SEP ...; a piece's: its
+    tokens', then the separator's when it ends the document). A document longer than a chunk
+    is read in pieces cut at multiples of `split` (None: it is a chunk of its own)."""
     from teragram.index.features import open_features
 
     heldout = Path(heldout)
@@ -106,6 +144,16 @@ def heldout_chunks(heldout, chunk_tokens: int = CHUNK_TOKENS, *, features: bool 
     feats = open_features(d, m["top_k"]) if features else None
     sep = int(tok[st[1] - 1]) if len(st) > 1 else 0
     for a, b in cut(np.diff(st) - 1, chunk_tokens):
+        n = int(st[b] - st[a] - 1)
+        if split and b == a + 1 and n + 1 > chunk_tokens:
+            ids = np.asarray(tok[st[a] : st[a] + n]).astype(np.int64)
+            for ch in _pieces(a, ids, metas[a], chunk_tokens, split):
+                if feats is not None:
+                    lo = st[a] + ch.offset
+                    hi = lo + ch.targets
+                    ch.feats = feats.map(lambda x, lo=lo, hi=hi: x[lo:hi]).decoded(sep)
+                yield ch
+            continue
         ids = np.asarray(tok[st[a] : st[b]]).astype(np.int64)
         docs = [ids[st[k] - st[a] : st[k + 1] - 1 - st[a]] for k in range(a, b)]
         f = feats.map(lambda x, a=a, b=b: x[st[a] : st[b]]).decoded(sep) if feats is not None else None
@@ -189,19 +237,31 @@ def progress(chunks: Iterable[Chunk], total: int | None, *, unit: str = "tok", q
 @dataclass
 class DocSums:
     """Per document: targets, summed loss of the model and of the mixture, UTF-8 bytes, and
-    whether decontamination keeps it; a report (perplexity, bits per byte) from any selection."""
+    whether decontamination keeps it; a report (perplexity, bits per byte) from any selection.
+    A document read in pieces is one document: each piece's sums add to it, its last sets keep."""
 
     parts: dict[str, list] = field(default_factory=lambda: {k: [] for k in ("n", "model", "mixed", "bytes", "keep")})
 
-    def add(self, first: int, n_docs: int, doc: np.ndarray, nll: np.ndarray, mixed: np.ndarray | None, nbytes, keep) -> None:
+    def add(
+        self, first: int, n_docs: int, doc: np.ndarray, nll: np.ndarray, mixed: np.ndarray | None, nbytes, keep, *, cont: bool = False
+    ) -> None:
+        """A chunk's documents [first, first + n_docs) (cont: the first one goes on from the last
+        chunk's last one, a piece of it) from its rows' document numbers and losses."""
         local = np.asarray(doc, np.int64) - first
-        self.parts["n"].append(np.bincount(local, minlength=n_docs))
-        self.parts["model"].append(np.bincount(local, weights=np.asarray(nll, np.float64), minlength=n_docs))
-        self.parts["mixed"].append(
-            np.bincount(local, weights=np.asarray(mixed, np.float64), minlength=n_docs) if mixed is not None else None
-        )
-        self.parts["bytes"].append(np.asarray(nbytes, np.int64))
-        self.parts["keep"].append(np.asarray(keep, bool))
+        new = {
+            "n": np.bincount(local, minlength=n_docs),
+            "model": np.bincount(local, weights=np.asarray(nll, np.float64), minlength=n_docs),
+            "mixed": np.bincount(local, weights=np.asarray(mixed, np.float64), minlength=n_docs) if mixed is not None else None,
+            "bytes": np.array(nbytes, np.int64),
+            "keep": np.array(keep, bool),
+        }
+        for name, a in new.items():
+            if cont and a is not None:
+                last = next(p for p in reversed(self.parts[name]) if len(p))  # the document's earlier pieces' entry
+                last[-1] = a[0] if name == "keep" else last[-1] + a[0]
+                a = a[1:]
+            if len(a) if a is not None else True:
+                self.parts[name].append(a)
 
     def get(self, name: str) -> np.ndarray:
         return np.concatenate(self.parts[name]) if self.parts[name] else np.zeros(0)

@@ -140,11 +140,20 @@ def fit_scale(hidden: np.ndarray, doc: np.ndarray, device: str = "cpu", *, windo
 
 
 def target_probs(
-    hidden: np.ndarray, target: np.ndarray, doc: np.ndarray, temps, device: str = "cpu", *, window: int = WINDOW, block: int = BLOCK
+    hidden: np.ndarray,
+    target: np.ndarray,
+    doc: np.ndarray,
+    temps,
+    device: str = "cpu",
+    *,
+    window: int = WINDOW,
+    block: int = BLOCK,
+    start: int = 0,
 ) -> np.ndarray:
     """(n, len(temps)) float64: per row i, the cache's probability of target_i at each temperature,
     from the `window` rows before it in its document (row j votes for target_j, the token after
-    it). Rows are token_eval's (each document's in order); 0 at a document's first row."""
+    it). Rows are token_eval's (each document's in order); 0 at a document's first row. Rows
+    before `start` (a document's earlier rows, read only as history) are left 0."""
     import torch
 
     out = np.zeros((len(target), len(temps)))
@@ -153,7 +162,7 @@ def target_probs(
         h = _centred(hidden[a:b], device)
         t = torch.as_tensor(np.asarray(target[a:b], np.int64), device=device)
         o = torch.zeros((b - a, len(temps)), dtype=torch.float64, device=device)
-        for qa in range(1, b - a, block):  # the first row has nothing before it
+        for qa in range(max(1, start - a), b - a, block):  # the first row has nothing before it
             qb = min(qa + block, b - a)
             k0, d = _distances(h, qa, qb, window)
             hit = (t[k0:qb][None] == t[qa:qb, None]).double()

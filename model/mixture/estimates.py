@@ -85,10 +85,11 @@ def index_estimates_docs(idx, docs: list[np.ndarray], threads: int = 1) -> dict[
 
 
 @nb.njit(cache=True, nogil=True)
-def _running_counts(key, pair, y, n_keys, n_pairs, o_cnt, o_pair, o_top, o_topc):
+def _running_counts(key, pair, y, n_keys, n_pairs, o_cnt, o_pair, o_top, o_topc, j0):
     """For each target j in order: how often key[j] occurred before (o_cnt), how often followed
     by y[j] (o_pair), and the most frequent follower so far (o_top; count desc, id asc) with
-    its count; then record occurrence j. key -1: no context of this order."""
+    its count; then record occurrence j. key -1: no context of this order. Outputs are written
+    from target j0 on, at j - j0."""
     ctx = np.zeros(n_keys, np.int64)
     pc = np.zeros(n_pairs, np.int64)
     topc = np.zeros(n_keys, np.int64)
@@ -98,10 +99,11 @@ def _running_counts(key, pair, y, n_keys, n_pairs, o_cnt, o_pair, o_top, o_topc)
         if kk < 0:
             continue
         q = pair[j]
-        o_cnt[j] = ctx[kk]
-        o_pair[j] = pc[q]
-        o_top[j] = topt[kk]
-        o_topc[j] = topc[kk]
+        if j >= j0:
+            o_cnt[j - j0] = ctx[kk]
+            o_pair[j - j0] = pc[q]
+            o_top[j - j0] = topt[kk]
+            o_topc[j - j0] = topc[kk]
         ctx[kk] += 1
         pc[q] += 1
         if pc[q] > topc[kk] or (pc[q] == topc[kk] and y[j] < topt[kk]):
@@ -134,17 +136,17 @@ def _window_ids(ids: np.ndarray, ks) -> dict[int, np.ndarray]:
     return {k: get(k) for k in ks if k <= len(ids)}
 
 
-def _cache_order(ids: np.ndarray, y: np.ndarray, k: int, kid: np.ndarray | None) -> tuple[np.ndarray, ...]:
-    """Per target j (context ids[:j]): earlier occurrences in the document of its last k tokens
-    (ending before j), how many were followed by y[j], and the most frequent follower. kid: the
-    ids of the document's windows of k tokens (_window_ids; None: the document is shorter)."""
-    n = len(y)
+def _cache_order(ids: np.ndarray, y: np.ndarray, k: int, kid: np.ndarray | None, start: int = 0) -> tuple[np.ndarray, ...]:
+    """Per target j >= start (context ids[:j]): earlier occurrences in the document of its last k
+    tokens (ending before j), how many were followed by y[j], and the most frequent follower. kid:
+    the ids of the document's windows of k tokens (_window_ids; None: the document is shorter)."""
+    n = len(y) - start
     cnt, pair, top, topc = np.zeros(n, np.int64), np.zeros(n, np.int64), np.full(n, -1, np.int64), np.zeros(n, np.int64)
     if kid is not None:  # context of target j = k, k+1, ...
         pid = _dense(kid * (int(y.max()) + 1) + y[k:])
         key = np.concatenate([np.full(k, -1), kid])
         pr = np.concatenate([np.full(k, -1), pid])
-        _running_counts(key, pr, y, kid.max() + 1, pid.max() + 1, cnt, pair, top, topc)
+        _running_counts(key, pr, y, kid.max() + 1, pid.max() + 1, cnt, pair, top, topc, start)
     return cnt, pair, top, topc
 
 
@@ -153,21 +155,23 @@ def _pack(name: str, cnt, pair, top, topc) -> dict[str, np.ndarray]:
     return {f"p_{name}": pair / c, f"count_{name}": cnt, f"share_{name}": topc / c, f"top_{name}": top}
 
 
-def cache_estimates(ids, eos: int) -> dict[str, np.ndarray]:
+def cache_estimates(ids, eos: int, *, start: int = 0, stop: int | None = None) -> dict[str, np.ndarray]:
     """The document cache's estimates, aligned with index_estimates (targets ids[0..], EOS):
     cache_{k+1}gram for k in ORDERS, the continuations of the last k tokens where they occurred
     earlier in the document (all zero, top -1, without one), and cache_longest, the same for the
-    longest of CACHE_LENGTHS that occurred earlier (its length: cache_length)."""
+    longest of CACHE_LENGTHS that occurred earlier (its length: cache_length). Only targets
+    start .. stop (default: all) are returned (a piece of a document: stream.Chunk)."""
     ids = np.asarray(ids, np.int64)
-    y = np.append(ids, eos)
-    n = len(y)
+    y = np.append(ids, eos)[:stop]
+    ids = ids[: len(y) - 1]  # target j reads ids[:j]
+    n = len(y) - start
     out = {}
     longest = [np.zeros(n, np.int64), np.zeros(n, np.int64), np.full(n, -1, np.int64), np.zeros(n, np.int64)]
     clen = np.zeros(n, np.int64)
     lengths = sorted(set(CACHE_LENGTHS) | set(ORDERS))
     windows = _window_ids(ids, lengths) if len(ids) else {}
     for k in lengths:
-        st = _cache_order(ids, y, k, windows.get(k))
+        st = _cache_order(ids, y, k, windows.get(k), start)
         if k in ORDERS:
             out |= _pack(f"cache_{k + 1}gram", *st)
         if k in CACHE_LENGTHS:
@@ -207,6 +211,25 @@ def docs_estimates(index, docs: list[np.ndarray], workers: int = 1) -> dict[str,
     else:
         parts = [cache_estimates(ids, idx.eos_id) for ids in docs]
     return est | {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def piece_estimates(index, prefix: np.ndarray, ids: np.ndarray, *, last: bool, context: int, workers: int = 1, cache: bool = True):
+    """docs_estimates of a piece of a document (model/evaluation/stream.py's Chunk: the document's
+    tokens before it, its own, and whether it is the last): its targets len(prefix) .. (+ EOS when
+    last). The index's are computed over the document from token `context` on: the start of the
+    ∞-gram's match at the target before the piece (that target's index_length back from it), since
+    no later target's match starts earlier; the cache's read the whole prefix. cache=False: the
+    ∞-gram's lengths alone (infgram_lengths)."""
+    from teragram.index.engine import as_index
+
+    idx = as_index(index)
+    s, n = len(prefix), len(prefix) + len(ids)
+    full = np.concatenate([np.asarray(prefix, np.int64), np.asarray(ids, np.int64)])
+    rows = slice(s - context, s - context + len(ids) + last)
+    if not cache:
+        return infgram_lengths(idx, [full[context:]], workers)[rows]
+    est = {k: v[rows] for k, v in index_estimates_docs(idx, [full[context:]], threads=workers).items()}
+    return est | cache_estimates(full, idx.eos_id, start=s, stop=n + last)
 
 
 def heldout_estimates(index, heldout, workers: int = 1) -> dict[str, np.ndarray]:
