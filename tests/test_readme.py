@@ -42,7 +42,7 @@ README = REPO / "README.md"
 DEFAULT = REPO / "data" / "default"
 HELD_DOCS = 6  # documents of each held-out half the quick start reads (the whole halves take minutes)
 TRAIN_OVERRIDES = ["--max_steps=10", "--progress=false", "--batch_size=8"]
-FIT_OVERRIDES = ["--fit-rows", "3000"]  # each of --fit-gate's three fits on 3,000 tokens, not eval's 200,000
+FIT_OVERRIDES = ["--fit-rows", "1000"]  # each of --fit-gate's three fits on 1,000 tokens, not eval's 200,000
 TIMEOUT = 300  # seconds per command
 OWN_MODEL = "my-model"  # the README's "Your own model": commands naming it run in OWN_DIR, beside it
 OWN_DIR = "own"
