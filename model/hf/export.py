@@ -18,6 +18,7 @@ documents (`verify_tokenizer`), and refused if not.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import shutil
@@ -49,7 +50,11 @@ def fast_tokenizer(path: Path, eos_id: int):
     proto = import_protobuf().ModelProto()
     proto.ParseFromString(path.read_bytes())
     vocab = {p.piece: i for i, p in enumerate(proto.pieces)}
-    backend = SpmConverter.build_tokenizer_from_spm_proto(proto, vocab, legacy=False)
+    build = SpmConverter.build_tokenizer_from_spm_proto
+    legacy = (
+        {"legacy": False} if "legacy" in inspect.signature(build).parameters else {}
+    )  # transformers < 5.2x: no such option (verify_tokenizer checks the ids)
+    backend = build(proto, vocab, **legacy)
     if backend is None:
         raise TeragramError(f"{path}: transformers cannot convert this sentencepiece model")
     pieces = [p.piece for p in proto.pieces]
