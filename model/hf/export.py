@@ -51,10 +51,9 @@ def fast_tokenizer(path: Path, eos_id: int):
     proto.ParseFromString(path.read_bytes())
     vocab = {p.piece: i for i, p in enumerate(proto.pieces)}
     build = SpmConverter.build_tokenizer_from_spm_proto
-    legacy = (
-        {"legacy": False} if "legacy" in inspect.signature(build).parameters else {}
-    )  # transformers < 5.2x: no such option (verify_tokenizer checks the ids)
-    backend = build(proto, vocab, **legacy)
+    legacy = {"legacy": False} if "legacy" in inspect.signature(build).parameters else {}
+    merges = spm_merges(proto) if proto.trainer_spec.model_type == 2 else None  # BPE
+    backend = build(proto, vocab, merges=merges, **legacy)
     if backend is None:
         raise TeragramError(f"{path}: transformers cannot convert this sentencepiece model")
     pieces = [p.piece for p in proto.pieces]
@@ -62,6 +61,15 @@ def fast_tokenizer(path: Path, eos_id: int):
     if 0 <= eos_id < len(pieces):
         names["eos_token"] = pieces[eos_id]
     return tf.PreTrainedTokenizerFast(tokenizer_object=backend, split_special_tokens=True, **names)
+
+
+def spm_merges(proto) -> list[tuple[str, str]]:
+    """A sentencepiece BPE model's merges: every split of a normal piece into two normal pieces,
+    ranked by the piece's score, then id. transformers >= 5.2x builds these itself when given none;
+    older versions (5.17 on the GPU machine) build a BPE with no merges, which encodes characters."""
+    normal = {p.piece: (p.score, i) for i, p in enumerate(proto.pieces) if p.type == 1}
+    ranked = sorted((-r[0], r[1], t[:k], t[k:]) for t, r in normal.items() for k in range(1, len(t)) if t[:k] in normal and t[k:] in normal)
+    return [(a, b) for _, _, a, b in ranked]
 
 
 def verify_tokenizer(tok, idx, *, n_tokens: int = VERIFY_TOKENS) -> int:
