@@ -173,6 +173,23 @@ def choose(runs: list[Path], on: str = "indist") -> dict:
     return {"on": on, "rows": rows, "chosen": best["run"]}
 
 
+def plot(res: dict):
+    """Validation loss against passes over the training text, one line per set."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for col in [c for c in res["rows"][0] if c.endswith("valid nll")]:
+        ax.plot([r["passes"] for r in res["rows"]], [r[col] for r in res["rows"]], marker="o", label=col.removesuffix(" valid nll"))
+    ax.set_xlabel("passes over the training text")
+    ax.set_ylabel("validation loss (nats a token, the model alone)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
 def smoke() -> int:
     """The gpu stage on CPU (the tiny model, two step counts of a few steps, the smoke index), then choose."""
     from benchmarks.index_size import main as index_size
@@ -180,7 +197,7 @@ def smoke() -> int:
     smoke_short_fits()
     with smoke_context(True) as tmp:
         carry, work, out = tmp / "carry", tmp / "work", tmp / "out"
-        index_size(["prepare", "--data", str(smoke_data(tmp)), "--carry", str(carry), "--max-mb", "0.02"])
+        index_size(["prepare", "--data", str(smoke_data(tmp)), "--carry", str(carry), "--max-mb", "0.01"])
         for name in ("indist", "prose"):  # one held-out set: the same steps for each
             shutil.rmtree(carry / name)
         work.mkdir()
@@ -217,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     res = choose(runs, a.on)
     md = table(res["rows"], list(res["rows"][0]))
     md += f"\n\nChosen on the {res['on']} validation half's loss (the model alone): **{res['chosen']}**."
-    save("epochs", res, md)
+    save("epochs", res, md, plot(res))
     print(md)
     return 0
 

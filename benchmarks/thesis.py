@@ -314,22 +314,24 @@ def hellaswag_outputs(tarball: Path, run: Path, index: Path, work: Path, out: Pa
 INDEXES = ("idx-050m", "idx-a350", "idx-a500", "idx-2b")  # those present are mixed; idx-2b is the largest
 
 
-def stage_eval(data: Path, outs: list[Path], workers: int) -> dict:
+def stage_eval(data: Path, outs: list[Path], workers: int, mixed_only: bool = False) -> dict:
     """Each model's outputs mixed with each index present (benchmarks/index_size.py eval: every
-    variant fit on validation; kept in OUTPUTS/eval/, so that a stopped run resumes)."""
+    variant fit on validation; kept in OUTPUTS/eval/, so that a stopped run resumes); with
+    mixed_only, each model with the indexes it was mixed with already (none mixed here)."""
     from benchmarks.index_size import stage_eval as mix
-
-    indexes = [data / i for i in INDEXES if (data / i / "manifest.json").exists()]
     from benchmarks.lib.thesis_report import model_label
 
-    return {model_label(o): mix(o, indexes, workers) for o in outs}
+    indexes = [data / i for i in INDEXES if (data / i / "manifest.json").exists()]
+    return {
+        model_label(o): mix(o, [i for i in indexes if not mixed_only or (o / "eval" / f"{i.name}.json").exists()], workers) for o in outs
+    }
 
 
-def stage_report(data: Path, outs: list[Path], workers: int) -> dict:
+def stage_report(data: Path, outs: list[Path], workers: int, mixed_only: bool = False) -> dict:
     """stage_eval, then the table, the bars and the plot (benchmarks/lib/thesis_report.py)."""
     from benchmarks.lib.thesis_report import report
 
-    return report(outs, lambda outs: stage_eval(data, outs, workers))
+    return report(outs, lambda outs: stage_eval(data, outs, workers, mixed_only))
 
 
 # ---- main -----------------------------------------------------------------------------------------
@@ -360,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         if c in ("eval", "report"):
             p.add_argument("--outputs", type=Path, nargs="+", required=True, help="each model's outputs (gpu's OUT, or index_size gpu's)")
             p.add_argument("--workers", type=int, default=2)
+            p.add_argument("--mixed-only", action="store_true", help="each model with the indexes it was mixed with already")
         if c == "gpu":
             p.add_argument("--work", type=Path, required=True)
             p.add_argument("--out", type=Path, required=True)
@@ -377,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     elif a.cmd == "gpu":
         stage_gpu(a.carry, a.work, a.out, a.scale, a.max_steps)
     else:
-        stage_eval(a.data, a.outputs, a.workers) if a.cmd == "eval" else stage_report(a.data, a.outputs, a.workers)
+        (stage_eval if a.cmd == "eval" else stage_report)(a.data, a.outputs, a.workers, a.mixed_only)
     return 0
 
 

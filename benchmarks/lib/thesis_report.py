@@ -24,9 +24,12 @@ def trained_tokens(out: Path) -> int:
 
 
 def model_label(out: Path) -> str:
-    """aN: the model trained on N million tokens (N thousand, written Nk, below a million)."""
-    t = trained_tokens(out)
-    return f"a{t / 1e6:.0f}" if t >= 1e6 else f"a{t / 1e3:.0f}k"
+    """aN: the model trained on N million tokens (N thousand, written Nk, below a million); aNxP:
+    P passes over N million distinct tokens (benchmarks/epochs.py's runs of more than one pass)."""
+    sched = json.loads((out / "gpu.json").read_text()).get("schedule", {})
+    t, passes = sched.get("distinct_tokens") or trained_tokens(out), sched.get("passes", 1)
+    n = f"{t / 1e6:.0f}" if t >= 1e6 else f"{t / 1e3:.0f}k"
+    return f"a{n}x{passes:.0f}" if passes >= 1.5 else f"a{n}"
 
 
 def _ppl(s: dict, v: str, docs: np.ndarray) -> float:
@@ -95,14 +98,17 @@ def report(outs: list[Path], mixed, name: str = "thesis") -> dict:
 
     outs = sorted(outs, key=trained_tokens)
     res = mixed(outs)
-    small, large = model_label(outs[0]), model_label(outs[-1])
+    labels = [model_label(o) for o in outs]
+    small, large, mids = labels[0], labels[-1], labels[1:-1]
     sets, indexes, f = figures(res)
     md = []
     for s in sets:
         trs = []
-        for m in (small, large):
+        for m in labels:
             for v, what in VARIANTS.items():
-                for idx in indexes if v == "choice" else indexes[-1:]:
+                for idx in [
+                    i for i in (indexes if v == "choice" else indexes[-1:]) if (s, m, v, i) in f
+                ]:  # a model mixed with fewer indexes
                     index = "-" if v in ("a", "a+cc") else f"{idx} ({f[s, m, v, idx]['index_tokens'] / 1e6:,.0f}M)"
                     c = f[s, m, v, idx]
                     trs.append({"model": f"({m})", "mixture": what, "index": index, "all": c["all"], "decontaminated": c["clean"]})
@@ -112,11 +118,18 @@ def report(outs: list[Path], mixed, name: str = "thesis") -> dict:
             "test perplexity\n\n" + table(trs, list(trs[0]))
         )
     lines, verdict = bars(sets, indexes, f, small, large)
+    top = indexes[-1]
+    for m in mids:  # kNN-LM's terms: a small model trained longer on its own text, with the big index
+        lines.append(
+            f"- ({m}) + {top} (product) against ({large}) with the cache-only gate: "
+            + ", ".join(f"{s} {f[s, m, 'choice', top]['clean']:.4g} vs {f[s, large, 'a+cc', top]['clean']:.4g}" for s in sets)
+        )
     fig, axes = plt.subplots(1, len(sets), figsize=(4.5 * len(sets), 4), squeeze=False)
     for ax, s in zip(axes[0], sets, strict=True):
-        for m, col in ((small, "C0"), (large, "C1")):
-            xs = [f[s, m, "choice", i]["index_tokens"] for i in indexes]
-            ax.plot(xs, [f[s, m, "choice", i]["clean"] for i in indexes], marker="o", color=col, label=f"({m}) + index (product)")
+        for m, col in zip(labels, ("C0", *("C2", "C3")[: len(mids)], "C1")):
+            mine = [i for i in indexes if (s, m, "choice", i) in f]
+            xs = [f[s, m, "choice", i]["index_tokens"] for i in mine]
+            ax.plot(xs, [f[s, m, "choice", i]["clean"] for i in mine], marker="o", color=col, label=f"({m}) + index (product)")
             ax.axhline(f[s, m, "a+cc", indexes[-1]]["clean"], color=col, ls="--", label=f"({m}) cache-only gate")
             ax.axhline(f[s, m, "a", indexes[-1]]["clean"], color=col, ls=":", label=f"({m}) alone")
         ax.set_xscale("log")
@@ -126,7 +139,7 @@ def report(outs: list[Path], mixed, name: str = "thesis") -> dict:
         ax.set_title(s)
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
-    gpu = {m: json.loads((o / "gpu.json").read_text()) for m, o in zip((model_label(o) for o in outs), outs, strict=True)}
+    gpu = {m: json.loads((o / "gpu.json").read_text()) for m, o in zip(labels, outs, strict=True)}
     rows = {"|".join(k): v for k, v in f.items()}
     save(name, {"figures": rows, "bars": verdict, "sets": sets, "indexes": indexes, "gpu": gpu}, "\n\n".join([*md, "\n".join(lines)]), fig)
     return verdict
