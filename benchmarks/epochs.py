@@ -41,6 +41,8 @@ from benchmarks.common import save, sh, smoke_context, smoke_data, smoke_index, 
 
 
 def stage_gpu(carry: Path, work: Path, out: Path, steps: list[int], hf_model: int | None, scale: str = "gpu") -> None:
+    """On the GPU machine: the index of the carried training text (kept if WORK/idx has one), then
+    per step count a run, its outputs and HellaSwag's in OUT/sN, hf_bench after run hf_model."""
     import torch
     from teragram.index.engine import Index
 
