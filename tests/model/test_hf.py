@@ -213,3 +213,25 @@ def test_export_refuses_what_no_standard_architecture_holds():
     with pytest.raises(TeragramError, match="index inputs"):
         refuse_unmappable(GPTConfig(use_index=True))
     assert issubclass(TokenizerMismatch, TeragramError)
+
+
+def test_sentencepiece_merges_are_those_transformers_ranks(tokenizer_model):
+    """spm_merges (made for transformers < 5.2x, which builds a sentencepiece BPE with no merges)
+    equals what a transformers that builds them itself makes, and encodes as sentencepiece does."""
+    import inspect
+
+    from teragram.index import tokenizer
+    from teragram.model.hf.export import spm_merges
+    from transformers.convert_slow_tokenizer import SpmConverter, import_protobuf
+
+    proto = import_protobuf().ModelProto()
+    proto.ParseFromString(tokenizer_model.read_bytes())
+    assert proto.trainer_spec.model_type == 2  # BPE, what build-index trains
+    vocab = {p.piece: i for i, p in enumerate(proto.pieces)}
+    build = SpmConverter.build_tokenizer_from_spm_proto
+    if "legacy" not in inspect.signature(build).parameters:
+        pytest.skip("this transformers builds no merges itself: nothing to compare with")
+    ours, theirs = build(proto, vocab, merges=spm_merges(proto), legacy=False), build(proto, vocab, legacy=False)
+    assert len(spm_merges(proto)) > 100 and ours.to_str() == theirs.to_str()
+    text = "The kernel's scheduler picks the next task: static int foo(struct bar *b) { return b->x[42]; }"
+    assert ours.encode(text, add_special_tokens=False).ids == list(tokenizer.load(tokenizer_model).encode(text))
