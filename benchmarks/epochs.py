@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import save, sh, smoke_context, smoke_data, smoke_index, smoke_short_fits, table
+from benchmarks.common import save, smoke_context, smoke_data, smoke_index, smoke_short_fits, table
 
 
 def stage_gpu(carry: Path, work: Path, out: Path, steps: list[int], hf_model: int | None, scale: str = "gpu") -> None:
@@ -46,7 +46,7 @@ def stage_gpu(carry: Path, work: Path, out: Path, steps: list[int], hf_model: in
     import torch
     from teragram.index.engine import Index
 
-    from benchmarks.index_size import carried_sets, heldout_features, save_outputs_a
+    from benchmarks.index_size import carried_sets, heldout_features, index_train_text, save_outputs_a
     from benchmarks.perplexity import SCALES, train_cmd
     from benchmarks.thesis import hellaswag_outputs
 
@@ -54,20 +54,8 @@ def stage_gpu(carry: Path, work: Path, out: Path, steps: list[int], hf_model: in
     n = os.cpu_count() or 1
     t = time.time()
     if not (work / "idx" / "manifest.json").exists():
-        train = [carry / "train-code.jsonl.zst", carry / "train-english.jsonl.zst"]
-        sh(
-            sys.executable,
-            "-m",
-            "teragram.builder.cli",
-            *train,
-            "--out",
-            work / "idx",
-            "--tokenizer",
-            carry / "tokenizer.model",
-            "--workers",
-            n,
-            "--quiet",
-        )
+        index_train_text(carry, work)
+    tokens = Index(work / "idx").n_positions
     index_s, held = time.time() - t, None
     for k in steps:
         s = dict(SCALES[scale], steps=k)
@@ -85,7 +73,6 @@ def stage_gpu(carry: Path, work: Path, out: Path, steps: list[int], hf_model: in
         t = time.time()
         save_outputs_a(work, dest, held, s["eval_batch"], device, run=run)
         phases["outputs_s"] = time.time() - t
-        tokens = Index(work / "idx").n_positions
         trained = k * s["batch_size"] * s["block_size"]
         info = {
             "train_log": [json.loads(line) for line in open(run / "log.jsonl")],

@@ -95,6 +95,15 @@ def stage_prepare(data: Path, carry: Path, max_mb: float) -> None:
     print(f"{carry}: {size / 1e6:.1f} MB")
 
 
+def index_train_text(carry: Path, work: Path) -> None:
+    """WORK/idx: the carried training text indexed with the carried tokenizer, on every core."""
+    import os
+
+    text = [carry / "train-code.jsonl.zst", carry / "train-english.jsonl.zst"]
+    opts = ["--out", work / "idx", "--tokenizer", carry / "tokenizer.model", "--workers", os.cpu_count(), "--quiet"]
+    sh(sys.executable, "-m", "teragram.builder.cli", *text, *opts)
+
+
 def stage_gpu(carry: Path, work: Path, out: Path, scale: str, product: bool = False) -> None:
     """Index the training text with the carried tokenizer, train (a), save its outputs, and with
     product, run the product commands from its checkpoint (product_from_checkpoint) (scale "cpu":
@@ -108,22 +117,8 @@ def stage_gpu(carry: Path, work: Path, out: Path, scale: str, product: bool = Fa
 
     s = SCALES[scale]
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    py = sys.executable
     t = time.time()
-    train = [carry / "train-code.jsonl.zst", carry / "train-english.jsonl.zst"]
-    sh(
-        py,
-        "-m",
-        "teragram.builder.cli",
-        *train,
-        "--out",
-        work / "idx",
-        "--tokenizer",
-        carry / "tokenizer.model",
-        "--workers",
-        os.cpu_count(),
-        "--quiet",
-    )
+    index_train_text(carry, work)
     phases = {"index_s": time.time() - t}
     t = time.time()
     sh(*train_cmd("a", work, s))
