@@ -94,19 +94,48 @@ def runs(doc: np.ndarray) -> list[tuple[int, int]]:
     return out
 
 
-def _distances(h, qa: int, qb: int, window: int):
-    """(k0, squared distances (qb - qa, qb - k0)) from rows qa..qb of h (float64, centred) to rows
-    k0..qb, k0 = max(0, qa - window); +inf where j >= i or j < i - window (a row sees only the
-    `window` rows before it)."""
+class _Scratch:
+    """Reusable flat buffers for the blocks of a bulk pass: a fresh (block, block + WINDOW) tensor
+    per operation costs its page faults each time on a CPU (the work itself is a few passes)."""
+
+    def __init__(self, device):
+        self.device, self.bufs, self.masks = device, {}, {}
+
+    def get(self, name: str, rows: int, cols: int, dtype=None):
+        import torch
+
+        dtype = torch.float64 if dtype is None else dtype
+        b = self.bufs.get(name)
+        if b is None or b.numel() < rows * cols:
+            b = self.bufs[name] = torch.empty(rows * cols, dtype=dtype, device=self.device)
+        return b[: rows * cols].view(rows, cols)
+
+    def mask(self, rows: int, cols: int, off: int, window: int, block: int):
+        """(rows, cols) bool: True where row r (position off + r of the columns) may not read
+        column c: c >= off + r or c < off + r - window. Full blocks' masks are kept."""
+        import torch
+
+        key = (rows, cols, off)
+        if key in self.masks:
+            return self.masks[key]
+        j = torch.arange(cols, device=self.device)[None]
+        i = torch.arange(off, off + rows, device=self.device)[:, None]
+        m = (j >= i) | (j < i - window)
+        if rows == block:
+            self.masks[key] = m
+        return m
+
+
+def _distances(h, n2, qa: int, qb: int, window: int, scratch: _Scratch, block: int):
+    """(k0, squared distances (qb - qa, qb - k0)) from rows qa..qb of h (float64, centred; n2 its
+    rows' squared norms) to rows k0..qb, k0 = max(0, qa - window); +inf where j >= i or
+    j < i - window (a row sees only the `window` rows before it). In scratch's buffer "d"."""
     import torch
 
     k0 = max(0, qa - window)
-    x = h[k0:qb]
-    n2 = (x * x).sum(1)
-    d = (n2[qa - k0 :, None] + n2[None, :] - 2 * h[qa:qb] @ x.T).clamp_min(0)
-    j = torch.arange(k0, qb, device=h.device)[None]
-    i = torch.arange(qa, qb, device=h.device)[:, None]
-    return k0, d.masked_fill((j >= i) | (j < i - window), float("inf"))
+    d = torch.mm(h[qa:qb], h[k0:qb].T, out=scratch.get("d", qb - qa, qb - k0))
+    d.mul_(-2).add_(n2[None, k0:qb]).add_(n2[qa:qb, None]).clamp_min_(0)
+    return k0, d.masked_fill_(scratch.mask(qb - qa, qb - k0, qa - k0, window, block), float("inf"))
 
 
 def _centred(hidden, device: str):
@@ -121,12 +150,13 @@ def nearest_distances(hidden: np.ndarray, doc: np.ndarray, device: str = "cpu", 
     its document (NaN at a document's first row)."""
     import torch
 
-    out = np.full(len(doc), np.nan)
+    out, scratch = np.full(len(doc), np.nan), _Scratch(device)
     for a, b in runs(doc):
         h = _centred(hidden[a:b], device)
+        n2 = (h * h).sum(1)
         for qa in range(1, b - a, BLOCK):
             qb = min(qa + BLOCK, b - a)
-            out[a + qa : a + qb] = torch.min(_distances(h, qa, qb, window)[1], 1).values.cpu().numpy()
+            out[a + qa : a + qb] = torch.min(_distances(h, n2, qa, qb, window, scratch, BLOCK)[1], 1).values.cpu().numpy()
     return out
 
 
@@ -158,18 +188,59 @@ def target_probs(
 
     out = np.zeros((len(target), len(temps)))
     block = block if str(device) == "cpu" else GPU_BLOCK
+    scratch = _Scratch(device)
     for a, b in runs(doc):
         h = _centred(hidden[a:b], device)
+        n2 = (h * h).sum(1)
         t = torch.as_tensor(np.asarray(target[a:b], np.int64), device=device)
         o = torch.zeros((b - a, len(temps)), dtype=torch.float64, device=device)
         for qa in range(max(1, start - a), b - a, block):  # the first row has nothing before it
             qb = min(qa + block, b - a)
-            k0, d = _distances(h, qa, qb, window)
-            hit = (t[k0:qb][None] == t[qa:qb, None]).double()
-            for c, temp in enumerate(temps):  # a product by -1 / temp: on a CPU, 9x faster than -d / temp
-                o[qa:qb, c] = (torch.softmax(d * (-1.0 / temp), dim=1) * hit).sum(1)
+            k0, d = _distances(h, n2, qa, qb, window, scratch, block)
+            B, K = d.shape
+            hit = scratch.get("hit", B, K).copy_(torch.eq(t[k0:qb][None], t[qa:qb, None], out=scratch.get("eq", B, K, torch.bool)))
+            prod = scratch.get("prod", B, K)
+            for c, w in enumerate(_softmax_weights(d, temps, scratch)):
+                o[qa:qb, c] = torch.mul(w, hit, out=prod).sum(1) / w.sum(1)
         out[a:b] = o.cpu().numpy()  # one copy a document: on a GPU, no wait per block
     return out
+
+
+def _powers(temps) -> list[int | None]:
+    """Per temperature, r = max(temps) / temp where r is a whole number of at most 64 (the
+    FACTORS: 20, 10, 5, 2, 1), else None."""
+    top = max(temps)
+    out = []
+    for temp in temps:
+        r = top / temp
+        out.append(round(r) if abs(r - round(r)) < 1e-9 and 1 <= round(r) <= 64 else None)
+    return out
+
+
+def _softmax_weights(d, temps, scratch: _Scratch) -> list:
+    """Per temperature, exp(-(d - min d) / temp) over each row of squared distances d (+inf: no
+    vote): softmax(-d / temp) unnormalized, made in d and scratch's buffers. One exp at the
+    largest temperature; the others are its whole powers (exp(-x / (T / r)) = exp(-x / T)^r), by
+    repeated squaring: one exp and a few products instead of an exp per temperature (the same
+    to ~1e-12, 2x faster on a CPU)."""
+    import torch
+
+    top, powers = max(temps), _powers(temps)
+    y = d.sub_(d.min(1, keepdim=True).values).mul_(1.0 / top)  # >= 0; +inf where no vote
+    # a weight below exp(-700) of the row's largest (1) is made 0 at every power: subnormal
+    # products are 6x slower, and the most such weights add up to is 4096 exp(-700 / r) (1e-12 at r = 20)
+    y.masked_fill_(torch.gt(y, 700.0 / max(r or 1 for r in powers), out=scratch.get("eq", *y.shape, torch.bool)), float("inf"))
+    other = {c: torch.mul(y, -top / temp, out=scratch.get(f"t{c}", *y.shape)).exp_() for c, temp in enumerate(temps) if powers[c] is None}
+    have = {1: y.neg_().exp_()}
+
+    def power(r: int):
+        if r not in have:
+            half = power(r // 2)
+            p = torch.mul(half, half, out=scratch.get(f"p{r}", *y.shape))
+            have[r] = p.mul_(have[1]) if r % 2 else p
+        return have[r]
+
+    return [power(r) if r is not None else other[c] for c, r in enumerate(powers)]
 
 
 def first_rows(doc: np.ndarray) -> np.ndarray:
