@@ -12,6 +12,7 @@ What an evaluation is asked to mix (EvalOptions) and its stage timer (Stages) li
 from __future__ import annotations
 
 import math
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,11 +25,14 @@ from teragram.model.mixture import cont_cache as cc
 from teragram.model.mixture.estimates import COMPONENTS, docs_estimates, infgram_lengths, piece_estimates
 from teragram.model.mixture.gate import Gate, GateX, component_logp, gate_inputs, mix_nll_multi
 
+_STAGES_LOCK = threading.Lock()
+
 
 class Stages(dict):
     """Seconds spent in each stage of an evaluation, by name (`teragram eval --json` reports them
     under "stages_s"): `with stages("model"): ...` adds the block's wall time. Stages of a
-    streamed evaluation overlap (the model runs a chunk ahead): their sum exceeds the wall time."""
+    streamed evaluation overlap (the model runs ahead, the index's side looks several chunks up
+    at once and sums each one's time): their sum exceeds the wall time."""
 
     @contextmanager
     def __call__(self, name: str):
@@ -36,7 +40,8 @@ class Stages(dict):
         try:
             yield
         finally:
-            self[name] = self.get(name, 0.0) + time.perf_counter() - t
+            with _STAGES_LOCK:
+                self[name] = self.get(name, 0.0) + time.perf_counter() - t
 
 
 @dataclass(frozen=True)
@@ -270,32 +275,58 @@ def doc_shares(lengths: np.ndarray, docs) -> np.ndarray:
     return np.asarray(out)
 
 
+def inflight(workers: int) -> tuple[int, int]:
+    """(chunks looked up at once, threads each) for `workers` estimate threads: a chunk's lookup
+    has serial parts (sorts, the document cache of its longest document), so many threads are
+    best spent on several chunks at a time, two threads each (the estimates' stage runs ahead
+    of the mixing by as many chunks: peak memory grows with it)."""
+    n = max(1, min(8, workers // 2))
+    return n, max(1, workers // n)
+
+
+def _lookup(ch, idx, opts: EvalOptions, stages: Stages, threads: int, carried: int) -> np.ndarray | None:
+    """Fill in a chunk's index side (its estimates ch.est, a given gate's weights ch.weights) and
+    return the ∞-gram's match length of each of its target rows (None when nothing reads it).
+    A piece's index estimates read the document from where the ∞-gram's match at its previous
+    target starts (`carried`: that target's match length)."""
+    estimating = opts.gate is not None or opts.fit_gate or opts.baseline in ("infini-gram", "infini-gram+cache")
+    lengths = None
+    if estimating or opts.decontaminate:
+        with stages("estimates" if estimating else "decontaminate"):
+            if ch.piece:
+                context = ch.offset - 1 - carried if ch.offset else 0
+                got = piece_estimates(idx, ch.prefix, ch.docs[0], last=not ch.open, context=context, workers=threads, cache=estimating)
+                ch.est = got if estimating else None
+                lengths = got["index_length"] if estimating else got
+            else:
+                ch.est = docs_estimates(idx, ch.docs, threads) if estimating else None
+                lengths = ch.est["index_length"] if estimating else infgram_lengths(idx, ch.docs, threads)
+    if opts.gate is not None:
+        with stages("gate_weights"):
+            ch.weights = gate_weights(opts.gate, ch.r, ch.est)
+    return lengths
+
+
 def _looked_up(chunks, idx, opts: EvalOptions, stages: Stages):
-    """The chunks with the index's side filled in: the estimates the mixture reads (ch.est), a
-    given gate's weights (ch.weights) and, with decontaminate, which documents are kept (ch.keep;
-    a document read in pieces: known at its last piece, True until then). A piece's index
-    estimates read the document from where the ∞-gram's match at its previous target starts."""
+    """The chunks, in order, with the index's side filled in (_lookup) and, with decontaminate,
+    which documents are kept (ch.keep; a document read in pieces: known at its last piece, True
+    until then). Several chunks are looked up at once (`inflight`); a piece after a document's
+    first waits for the piece before it (its match length)."""
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+
     from teragram.index.heldout import DECONTAMINATION_N, DECONTAMINATION_SHARE
 
-    estimating = opts.gate is not None or opts.fit_gate or opts.baseline in ("infini-gram", "infini-gram+cache")
+    n, threads = inflight(opts.workers)
     carried, hits = 0, [0, 0]  # an open document's last ∞-gram length; its 13-grams in the index and all of them
-    for ch in chunks:
-        if estimating or opts.decontaminate:
-            with stages("estimates" if estimating else "decontaminate"):
-                if ch.piece:
-                    context = ch.offset - 1 - carried if ch.offset else 0
-                    got = piece_estimates(
-                        idx, ch.prefix, ch.docs[0], last=not ch.open, context=context, workers=opts.workers, cache=estimating
-                    )
-                    ch.est = got if estimating else None
-                    lengths = got["index_length"] if estimating else got
-                    carried = int(lengths[-1])
-                else:
-                    ch.est = docs_estimates(idx, ch.docs, opts.workers) if estimating else None
-                    lengths = ch.est["index_length"] if estimating else infgram_lengths(idx, ch.docs, opts.workers)
-        if opts.gate is not None:
-            with stages("gate_weights"):
-                ch.weights = gate_weights(opts.gate, ch.r, ch.est)
+    pending: deque = deque()
+
+    def done():
+        nonlocal carried, hits
+        ch, fut = pending.popleft()
+        lengths = fut.result()
+        if ch.piece and lengths is not None:
+            carried = int(lengths[-1])
         if opts.decontaminate:
             with stages("decontaminate"):
                 if not ch.piece:
@@ -305,7 +336,18 @@ def _looked_up(chunks, idx, opts: EvalOptions, stages: Stages):
                     hits = hits if ch.offset else [0, 0]
                     hits = [hits[0] + int((lengths[at] >= DECONTAMINATION_N).sum()), hits[1] + int(at.sum())]
                     ch.keep = np.array([ch.open or (hits[0] / hits[1] if hits[1] else 0.0) < DECONTAMINATION_SHARE])
-        yield ch
+        return ch
+
+    with ThreadPoolExecutor(n) as pool:
+        for ch in chunks:
+            if ch.offset:  # a later piece reads the match length its previous piece ends with
+                while pending:
+                    yield done()
+            pending.append((ch, pool.submit(_lookup, ch, idx, opts, stages, threads, carried)))
+            while len(pending) >= n or (pending and pending[0][1].done()):
+                yield done()
+        while pending:
+            yield done()
 
 
 def mix_stream(chunks, index, opts: EvalOptions | None = None, *, device: str = "cpu", stages: Stages | None = None):

@@ -68,7 +68,7 @@ def _both(setup, run, opts):
     """(report, fitted) of the stream read in pieces and with long documents whole."""
     from dataclasses import replace
 
-    return [mix_stream([replace(ch, r=dict(ch.r)) for ch in run[split]], setup[0], opts) for split in (True, False)]
+    return [mix_stream([replace(ch, r=dict(ch.r)) for ch in run[split]], setup[0], opts) for split in run]
 
 
 def _close(a, b, rel):
@@ -159,3 +159,22 @@ def test_saved_outputs_in_pieces(setup, run, tmp_path):
     whole, _ = outputs_report(b, idx, EvalOptions(gate=gate, decontaminate=True, chunk_tokens=1 << 40))
     assert pieces["decontaminated"]["dropped_docs"] == 1
     _close(pieces, whole, 1e-9)
+
+
+def test_chunks_looked_up_at_once(setup, run, quick_fits):
+    """With 8 estimate workers the index's side looks 4 chunks up at once (a later piece waiting
+    for the one before it): a fit with decontamination and a given gate's mixture (its weights
+    computed beside the lookups) give the figures of one chunk at a time, on one thread."""
+    from dataclasses import replace
+
+    from teragram.model.evaluation.mixing import inflight
+
+    assert inflight(8) == (4, 2) and inflight(1) == inflight(2)[:1] + (1,)
+    split = {True: run[True]}
+    opts = EvalOptions(fit_gate=True, decontaminate=True, chunk_tokens=CHUNK)
+    (one, g1), (many, g2) = (_both(setup, split, replace(opts, workers=w))[0] for w in (1, 8))
+    _close(one, many, 1e-12)
+    np.testing.assert_array_equal(g1.W, g2.W)
+    gate = _cache_gate(g1.cont_cache)
+    one, many = (_both(setup, split, EvalOptions(gate=gate, decontaminate=True, workers=w))[0][0] for w in (1, 8))
+    _close(one, many, 1e-12)
