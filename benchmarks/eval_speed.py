@@ -4,7 +4,7 @@ against the library before streaming (issue 66).
 
     python -m benchmarks.eval_speed data --data DATA --index IDX --out CORPORA          # here
     python -m benchmarks.eval_speed run --run RUN --index IDX --corpora CORPORA \\
-        [--sizes 1m 5m 20m] [--fit 10m] [--docs] [--device cpu] [--workers 2] [--baseline COMMIT] \\
+        [--sizes 1m 5m 20m] [--fit 10m] [--docs] [--alone 20m] [--device cpu] [--workers 2] [--baseline COMMIT] \\
         [--name eval_speed_cpu] [--out OUT]                                               # here or on a GPU
 
 `data` writes held-out text no index here holds, nested by size: test-{1m,5m,20m}.jsonl.zst
@@ -15,7 +15,9 @@ dict-gcide), the corpus that was OOM-killed before streaming.
 
 `run`: first `eval --fit-gate` on valid-1m (the gate every --gate row applies), then `eval
 --gate` on each test size and the docs corpus, then `--fit-gate` on valid-{--fit} (its gate
-applied to test-1m too: same choice, and test perplexity within 0.2% of the in-memory fit's).
+applied to test-1m too: same choice, and test perplexity within 0.2% of the in-memory fit's),
+and with --alone a plain `eval` (the model's stage alone) on test-SIZE: a gated row's wall time
+over it is the "wall / model alone" column.
 Each command runs in a fresh process, timed from its start (imports, the index's opening and
 the numba kernels' cache included), its peak resident memory taken from the kernel (ru_maxrss:
 the index's mapped pages included) and its anonymous memory sampled every 0.1 s (RssAnon: what
@@ -153,7 +155,7 @@ def _row(kind: str, corpus: str, m: dict) -> dict:
         "peak_rss_mb": m["peak_rss_mb"],
         "peak_anon_mb": m["peak_anon_mb"],
         "perplexity": rep["perplexity"],
-        "model_perplexity": rep["model"]["perplexity"],
+        "model_perplexity": rep.get("model", rep)["perplexity"],
         "stages_s": st,
         "slowest_stage": slowest,
         "wall_over_slowest": m["wall_s"] / st[slowest] if slowest else None,
@@ -191,6 +193,10 @@ def run(args) -> dict:
         if lib == "now" and args.docs:
             m = measured([*base, "--corpus", corpora / "docs-18mb.jsonl.zst", "--gate", gate], env)
             rows.append(_row("gate" if args.scaling_gate == "product" else "gate (t)", "docs-18mb", m) | {"library": lib})
+    for size in args.alone or []:  # the model's stage alone: a plain eval
+        m = measured([*base, "--corpus", corpora / f"test-{size}.jsonl.zst"])
+        rows.append(_row("model alone", f"test-{size}", m) | {"library": "now"})
+        print(json.dumps(rows[-1]), flush=True)
     if args.fit:
         big = work / "gate-big.json"
         rows.append(
@@ -245,6 +251,12 @@ def checks_of(rows: list[dict], baseline: str | None) -> dict[str, bool]:
     return checks
 
 
+def _over_alone(r: dict, rows: list[dict]) -> str:
+    """A gated row's wall time over the model alone's on the same text (a plain eval's), if run."""
+    alone = [x for x in rows if x["kind"] == "model alone" and x["corpus"] == r["corpus"]]
+    return f"{r['wall_s'] / alone[0]['wall_s']:.2f}" if alone and r["kind"].startswith("gate") and not r.get("gate_from") else ""
+
+
 def markdown(res: dict) -> str:
     rows = [
         {
@@ -258,6 +270,7 @@ def markdown(res: dict) -> str:
             "peak anon MiB": f"{r['peak_anon_mb']:,.0f}" if r["peak_anon_mb"] else "",
             "perplexity": f"{r['perplexity']:.4f}",
             "choice": r["gate_choice"] or "",
+            "wall / model alone": _over_alone(r, res["rows"]),
             "slowest stage (s)": f"{r['slowest_stage']} ({r['stages_s'][r['slowest_stage']]:.1f})" if r["slowest_stage"] else "",
             "stages (s)": ", ".join(f"{k} {v:.1f}" for k, v in r["stages_s"].items()),
         }
@@ -316,6 +329,7 @@ def main(argv=None) -> None:
     r.add_argument("--sizes", nargs="+", default=["1m", "5m", "20m"])
     r.add_argument("--fit", help="also --fit-gate on valid-FIT (e.g. 10m)")
     r.add_argument("--docs", action="store_true", help="also eval --gate on docs-18mb")
+    r.add_argument("--alone", nargs="*", default=[], metavar="SIZE", help="also a plain eval (the model alone) on test-SIZE")
     r.add_argument(
         "--scaling-gate",
         choices=["product", "t"],
@@ -353,6 +367,7 @@ def main(argv=None) -> None:
             ns = argparse.Namespace(
                 run=str(smoke_model(tmp)), index=str(idx), corpora=str(corpora), sizes=["1m"], fit="2m", docs=False, device="cpu", workers=1
             )
+            ns.alone = ["1m"]
             ns.baseline, ns.smoke, ns.scaling_gate = None, True, "product"
             report(run(ns), "eval_speed_smoke", None)
         elif args.cmd == "data":
