@@ -412,7 +412,9 @@ def _register_eval(sub) -> None:
     ev.add_argument("--lambdas", metavar="FILE", help="apply the baseline's parameters from --fit-lambdas")
     ev.add_argument("--dense", help="the kNN baseline's dense store (default IDX/dense, from teragram dense)")
     ev.add_argument("--decontaminate", action="store_true", help="drop documents with >= 80%% of their 13-grams in the index")
-    ev.add_argument("--workers", type=int, default=1, help="processes for the index estimates")
+    ev.add_argument(
+        "--workers", type=int, default=1, help="threads for the index estimates (from 4 on, several chunks looked up at once: more memory)"
+    )
     ev.add_argument(
         "--chunk-tokens",
         type=positive,
