@@ -65,31 +65,45 @@ def read_corpus(idx: Index, corpus: list[str]) -> tuple[list[np.ndarray], list[d
 HELD_OUT_CHUNK = 1 << 20  # positions whose features are computed, written and recorded at a time
 
 
-def _chunk_features(
-    idx: Index, out: Path, i: int, docs: list[np.ndarray], ab: tuple[int, int], cfg: ff.FeatureConfig, workers: int
-) -> ff.Features:
-    """The features of documents [a, b) (docs: those documents) as stored in chunk i of `out`:
-    read back when its marker says it holds these documents and its files have the recorded
-    sizes, else computed, written and marked."""
+def _chunk_features(out: Path, i: int, key: dict, compute, sep: int, dtype, top_k: int) -> ff.Features:
+    """The features of chunk i of `out`, which holds `key` (its documents [a, b), and of a long
+    document's piece its rows [s, e)): read back when its marker says it holds them and its files
+    have the recorded sizes, else computed (compute()), written and marked."""
     d, marker = out / "chunks" / f"{i:06d}", out / "chunks" / f"{i:06d}.done"
     if marker.exists():
         m = fmt.read_json(marker)
         sized = all((out / r["path"]).exists() and (out / r["path"]).stat().st_size == r["size"] for r in m["files"])
-        if m["docs"] == list(ab) and sized:
-            return ff.open_features(d, cfg.top_k).decoded(idx.sep)
-    f = held_out_features(idx, docs, cfg, threads=workers)
-    files = ff.write_features(d, f, np.dtype(idx.manifest["token_dtype"]), idx.sep, cfg.top_k)
-    fmt.write_json(marker, {"docs": list(ab), "files": [r | {"path": str(Path("chunks") / r["path"])} for r in files]})
+        if {k: m.get(k) for k in ("docs", "rows")} == {"rows": None} | key and sized:
+            return ff.open_features(d, top_k).decoded(sep)
+    f = compute()
+    files = ff.write_features(d, f, dtype, sep, top_k)
+    fmt.write_json(marker, key | {"files": [r | {"path": str(Path("chunks") / r["path"])} for r in files]})
     return f
+
+
+def piece_rows(n_rows: int, size: int) -> list[tuple[int, int]]:
+    """Rows [s, e) of a document's features (its n positions, then its separator's row) in pieces
+    of at most `size` rows."""
+    return [(s, min(s + size, n_rows)) for s in range(0, n_rows, size)]
+
+
+def _piece(idx, ids: np.ndarray, s: int, e: int, carried: int, cfg: ff.FeatureConfig, workers: int) -> ff.Features:
+    """Rows [s, e) of held_out_features of one document (ids; row len(ids): its separator's),
+    computed over the document from where the match at position s - 1 starts (`carried`: that
+    match's length): no later position's match starts earlier (a match grows by at most one
+    token a position, capped or not), so these are the rows of the document read whole."""
+    c0 = s - carried if s else 0
+    f = held_out_features(idx, [ids[c0 : min(e, len(ids))]], cfg, threads=workers)
+    return f.map(lambda v: v[s - c0 : e - c0])
 
 
 def write_held_out(idx: Index, out: Path, cfg: ff.FeatureConfig, docs, metas=None, *, workers: int = 1, progress: bool = False) -> dict:
     """Write the held-out documents' tokens and features as shard 000000 of `out`, a run of
-    about HELD_OUT_CHUNK positions at a time (docs and metas: lists; or metas None and docs an
-    iterable of (ids, meta), read a document at a time), so that memory stays bounded whatever
-    the text's size. Each run's
-    features are also written and marked under out/chunks/: a rerun after an interruption reads
-    the marked ones back."""
+    about HELD_OUT_CHUNK positions at a time, a document longer than that in pieces of as many
+    rows (docs and metas: lists; or metas None and docs an iterable of (ids, meta), read a
+    document at a time), so that memory stays bounded whatever the text's size (a document's
+    tokens are held whole). Each run's features are also written and marked under out/chunks/:
+    a rerun after an interruption reads the marked ones back."""
     d = out / "000000"
     d.mkdir(parents=True, exist_ok=True)
     dtype = np.dtype(idx.manifest["token_dtype"])
@@ -97,23 +111,42 @@ def write_held_out(idx: Index, out: Path, cfg: ff.FeatureConfig, docs, metas=Non
     fw = ff.FeaturesWriter(d, dtype, idx.sep, cfg.top_k)
     t, n, kept, buf, i = time.time(), 0, [], [], 0
 
+    def chunk(key: dict, compute, bar, rows: int) -> ff.Features:
+        nonlocal i
+        f = _chunk_features(out, i, key, compute, idx.sep, dtype, cfg.top_k)
+        fw.add(f)
+        bar.update(rows)
+        i += 1
+        return f
+
     def flush(bar):
-        nonlocal i, buf
+        nonlocal buf
         if buf:
-            fw.add(_chunk_features(idx, out, i, buf, (len(kept) - len(buf), len(kept)), cfg, workers))
-            bar.update(sum(len(x) + 1 for x in buf))
-            i, buf = i + 1, []
+            ab = [len(kept) - len(buf), len(kept)]
+            chunk({"docs": ab}, lambda b=buf: held_out_features(idx, b, cfg, threads=workers), bar, sum(len(x) + 1 for x in buf))
+            buf = []
 
     try:
         with tqdm(desc="features (held-out)", unit="tok", unit_scale=True, disable=not progress) as bar:
             for ids, meta in docs if metas is None else zip(docs, metas, strict=True):
-                if buf and sum(len(x) + 1 for x in buf) + len(ids) + 1 > HELD_OUT_CHUNK:  # runs of at most HELD_OUT_CHUNK (or one document)
+                if buf and sum(len(x) + 1 for x in buf) + len(ids) + 1 > HELD_OUT_CHUNK:  # runs of at most HELD_OUT_CHUNK
                     flush(bar)
                 starts.append([n])
                 toks.append(np.append(ids, idx.sep))
                 n += len(ids) + 1
-                buf.append(ids)
                 kept.append(meta)
+                if len(ids) + 1 <= HELD_OUT_CHUNK:
+                    buf.append(ids)
+                    continue
+                carried, k = 0, len(kept) - 1  # a long document, in pieces (buf is empty here)
+                for s, e in piece_rows(len(ids) + 1, HELD_OUT_CHUNK):
+                    f = chunk(
+                        {"docs": [k, k + 1], "rows": [s, e]},
+                        lambda s=s, e=e, c=carried, ids=ids: _piece(idx, ids, s, e, c, cfg, workers),
+                        bar,
+                        e - s,
+                    )
+                    carried = int(f.length[-1])
             flush(bar)
         if not kept:
             raise BuildError("no readable documents in --corpus")
