@@ -87,13 +87,14 @@ def piece_rows(n_rows: int, size: int) -> list[tuple[int, int]]:
     return [(s, min(s + size, n_rows)) for s in range(0, n_rows, size)]
 
 
-def _piece(idx, ids: np.ndarray, s: int, e: int, carried: int, cfg: ff.FeatureConfig, workers: int) -> ff.Features:
-    """Rows [s, e) of held_out_features of one document (ids; row len(ids): its separator's),
-    computed over the document from where the match at position s - 1 starts (`carried`: that
-    match's length): no later position's match starts earlier (a match grows by at most one
-    token a position, capped or not), so these are the rows of the document read whole."""
-    c0 = s - carried if s else 0
-    f = held_out_features(idx, [ids[c0 : min(e, len(ids))]], cfg, threads=workers)
+def piece_features(idx, ids: np.ndarray, s: int, e: int, back: int, cfg: ff.FeatureConfig, threads: int = 1) -> ff.Features:
+    """Rows [s, e) of held_out_features of one document (ids, all its tokens; row len(ids): its
+    separator's), computed over the document from `back` tokens before s on: the rows of the
+    document read whole when no match at a row >= s starts earlier. So it is with back the
+    length of the match at s - 1 (a match grows by at most one token a position, capped or not),
+    or cfg.max_len (no match is longer)."""
+    c0 = max(0, s - back)
+    f = held_out_features(idx, [ids[c0 : min(e, len(ids))]], cfg, threads=threads)
     return f.map(lambda v: v[s - c0 : e - c0])
 
 
@@ -142,7 +143,7 @@ def write_held_out(idx: Index, out: Path, cfg: ff.FeatureConfig, docs, metas=Non
                 for s, e in piece_rows(len(ids) + 1, HELD_OUT_CHUNK):
                     f = chunk(
                         {"docs": [k, k + 1], "rows": [s, e]},
-                        lambda s=s, e=e, c=carried, ids=ids: _piece(idx, ids, s, e, c, cfg, workers),
+                        lambda s=s, e=e, c=carried, ids=ids: piece_features(idx, ids, s, e, c, cfg, workers),
                         bar,
                         e - s,
                     )

@@ -210,13 +210,11 @@ def model_chunks(model: GPT, idx, chunks, device: str = "cpu", *, batch: int = 1
 def piece_features(idx, ch, cfg) -> Features:
     """The held-out features of a piece's tokens (stream.Chunk), and the separator's row when it
     ends its document: computed over the cfg.max_len tokens before it too, all that they read."""
-    from teragram.index.heldout import held_out_features
+    from teragram.index import heldout
 
-    c = max(0, ch.offset - cfg.max_len)
+    c = max(0, ch.offset - cfg.max_len)  # the document from token c on: not its whole prefix again
     ids = np.concatenate([ch.prefix[c:], ch.docs[0]])
-    f = held_out_features(idx, [ids], cfg)
-    a = ch.offset - c
-    return f.map(lambda v: v[a : a + ch.targets])
+    return heldout.piece_features(idx, ids, ch.offset - c, ch.offset - c + ch.targets, cfg.max_len, cfg)
 
 
 def piece_bytes(ch, decode) -> np.ndarray:

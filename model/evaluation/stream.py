@@ -79,8 +79,9 @@ def pieces(n_targets: int, chunk_tokens: int, split: int) -> list[tuple[int, int
     """Target ranges [s, e) of a document of n_targets read in pieces of at most chunk_tokens
     (at least `split`), each starting at a multiple of split (the model's context times its
     batch: a piece's windows are the whole document's, run in the same batches)."""
-    size = max(split, chunk_tokens // split * split)
-    return [(s, min(s + size, n_targets)) for s in range(0, n_targets, size)]
+    from teragram.index.heldout import piece_rows
+
+    return piece_rows(n_targets, max(split, chunk_tokens // split * split))
 
 
 def _pieces(first: int, ids: np.ndarray, meta, chunk_tokens: int, split: int) -> Iterator[Chunk]:
